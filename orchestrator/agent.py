@@ -1,0 +1,101 @@
+"""Agent client: one SSH exec per batch of operations.
+
+The agent's source travels with every request, compressed, behind a fixed bootstrap given to
+``python3 -c``; nothing is installed on the host and no request data ever enters a shell string.
+stdin carries ``<length>\\n<zlib(agent source)><json request>``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import zlib
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import remote_agent
+from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError
+from orchestrator.inventory import Target
+from orchestrator.ssh import Command, SshTransport
+
+PROTOCOL_VERSION = 1
+BOOTSTRAP = (
+    "import sys,zlib;b=sys.stdin.buffer;n=int(b.readline());"
+    "exec(compile(zlib.decompress(b.read(n)),'dflash-agent','exec'))"
+)
+
+
+@cache
+def _packed_agent() -> bytes:
+    packed = zlib.compress(remote_agent.source(), 9)
+    return str(len(packed)).encode() + b"\n" + packed
+
+
+def agent_command(python: str) -> Command:
+    return Command((python, "-c", BOOTSTRAP))
+
+
+def encode_request(ops: list[dict[str, Any]]) -> bytes:
+    return _packed_agent() + json.dumps({"v": PROTOCOL_VERSION, "ops": ops}).encode()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+@dataclass(frozen=True)
+class OpResult:
+    op: str
+    ok: bool
+    value: dict[str, Any]
+    failure: AgentFailure | None = None
+    skipped: bool = False
+
+
+def decode_response(host: str, exit_status: int, stdout: bytes, stderr: bytes) -> list[OpResult]:
+    try:
+        data = json.loads(stdout.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        first = stderr.decode("utf-8", "replace").strip().splitlines()
+        hint = ""
+        if exit_status == 127:
+            hint = ": the agent's Python interpreter was not found (set python: in the inventory)"
+        elif first and "SyntaxError" in first[-1]:
+            hint = ": the host's Python is too old (the agent needs 3.8+)"
+        raise AgentProtocolError(host, f"the agent gave no readable answer{hint}", exit_status, stderr.decode("utf-8", "replace")) from None
+    if not isinstance(data, dict) or data.get("v") != PROTOCOL_VERSION or not isinstance(data.get("results"), list):
+        raise AgentProtocolError(host, f"unexpected agent answer: {str(data)[:200]}", exit_status, "")
+    if data.get("error"):
+        raise AgentProtocolError(host, f"the agent refused the request: {data['error']}", exit_status, "")
+    results = []
+    for item in data["results"]:
+        failure = AgentFailure.from_json(item["error"]) if item.get("error") else None
+        results.append(
+            OpResult(
+                op=str(item.get("op")),
+                ok=bool(item.get("ok")),
+                value=item.get("result") or {},
+                failure=failure,
+                skipped=bool(item.get("skipped")),
+            )
+        )
+    return results
+
+
+class AgentClient:
+    """Runs batches on targets through one transport."""
+
+    def __init__(self, transport: SshTransport) -> None:
+        self.transport = transport
+
+    def batch(self, target: Target, ops: list[dict[str, Any]], timeout: float | None = None) -> list[OpResult]:
+        """Run ops in one round trip; raise ``AgentError`` for the first failed op."""
+        result = self.transport.run(target, agent_command(target.container.ssh.python), encode_request(ops), timeout)
+        results = decode_response(target.name, result.exit_status, result.stdout, result.stderr)
+        for r in results:
+            if r.failure is not None:
+                raise AgentError(target.name, r.failure)
+        if len(results) != len(ops):
+            raise AgentProtocolError(target.name, f"expected {len(ops)} results, got {len(results)}", result.exit_status, result.tail())
+        return results

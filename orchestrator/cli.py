@@ -1,0 +1,216 @@
+"""``orchestrate``: a thin shell over the library. Parse, call, render; progress on stderr.
+
+Exit codes: 0 all hosts ready / in sync, 1 some host is not (or a run failed), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from orchestrator import engine
+from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError
+from orchestrator.inventory import Inventory, Target, load_inventory
+from orchestrator.playbook import load_playbook
+from orchestrator.report import ProgressPrinter, render_json, render_table
+from orchestrator.state import StateDB
+
+DEFAULT_INVENTORY = "inventory/inventory.yaml"
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must not be negative")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="orchestrate",
+        description="Deploy vLLM DFlash speculative decoding to LXC containers, and prove each host READY.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def run_parser(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("playbook", type=Path, help="playbook YAML")
+        p.add_argument(
+            "-i",
+            "--inventory",
+            type=Path,
+            default=Path(os.environ.get("ORCHESTRATE_INVENTORY", DEFAULT_INVENTORY)),
+            help=f"inventory YAML (default: $ORCHESTRATE_INVENTORY or {DEFAULT_INVENTORY})",
+        )
+        p.add_argument("-l", "--limit", action="append", default=[], metavar="TARGET",
+                       help="only these containers, groups or GPU hosts (repeatable; within the playbook's targets)")
+        p.add_argument("-f", "--forks", type=_positive_int, default=16, help="hosts worked on at once (default 16)")
+        p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+        p.add_argument("--accept-new-host-keys", action="store_true",
+                       help="trust and record host keys not yet in known_hosts (changed keys are always refused)")
+        p.add_argument("--lock-timeout", type=_seconds, default=60.0,
+                       help="seconds to wait for another run's lock on a deploy root (default 60)")
+        p.add_argument("--state-dir", type=Path, default=None, help="state database directory")
+        return p
+
+    d = run_parser("deploy", "push the playbook's release to every target and gate it")
+    d.add_argument("--dry-run", action="store_true", help="show what would change, with diffs; write nothing")
+    d.add_argument("--release-id", default=None, help="name of the new release (default: UTC time + random)")
+    run_parser("verify", "re-read what every target serves and report drift; never writes")
+    r = run_parser("rollback", "switch every target back to its previous release (or --to RELEASE)")
+    r.add_argument("--to", dest="to_release", default=None, metavar="RELEASE", help="release id to switch to")
+
+    h = sub.add_parser("history", help="past runs from the state database")
+    h.add_argument("--limit", type=_positive_int, default=20)
+    h.add_argument("--host", default=None, help="only runs that touched this host")
+    h.add_argument("--json", action="store_true")
+    h.add_argument("--state-dir", type=Path, default=None)
+
+    s = sub.add_parser("sandbox", help="local test hosts on this machine (needs root)")
+    ssub = s.add_subparsers(dest="sandbox_command", required=True, metavar="ACTION")
+    up = ssub.add_parser("up", help="create (or complete) the sandbox; idempotent")
+    up.add_argument("--kind", choices=["ssh"], default="ssh")
+    up.add_argument("--hosts", type=_positive_int, default=2)
+    st = ssub.add_parser("status", help="what is up, and the files written for it")
+    st.add_argument("--json", action="store_true")
+    ssub.add_parser("down", help="end the sandbox's processes and remove everything it made")
+    return parser
+
+
+def _targets(args: argparse.Namespace, playbook_targets: tuple[str, ...], inventory: Inventory) -> list[Target]:
+    chosen = inventory.resolve(playbook_targets)
+    if args.limit:
+        limited = {t.name for t in inventory.resolve(args.limit)}
+        chosen = [t for t in chosen if t.name in limited]
+    if not chosen:
+        raise InputError("no targets: the playbook's targets and --limit select no container")
+    return chosen
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    playbook = load_playbook(args.playbook)
+    inventory = load_inventory(args.inventory)
+    targets = _targets(args, playbook.targets, inventory)
+    options = engine.RunOptions(
+        forks=args.forks,
+        accept_new_host_keys=args.accept_new_host_keys,
+        lock_timeout=args.lock_timeout,
+        release_id=getattr(args, "release_id", None),
+    )
+    kind = "dry-run" if getattr(args, "dry_run", False) else args.command
+    progress = ProgressPrinter(kind, len(targets))
+    _say(f"{kind} {playbook.name}: {len(targets)} hosts, forks {args.forks}")
+    if kind == "deploy":
+        run = engine.deploy(playbook, inventory, targets, options, progress)
+    elif kind == "dry-run":
+        run = engine.dry_run(playbook, inventory, targets, options, progress)
+    elif kind == "verify":
+        run = engine.verify(playbook, inventory, targets, options, progress)
+    else:
+        run = engine.rollback(playbook, inventory, targets, options, progress, args.to_release)
+    for key in run.accepted_host_keys:
+        _say(f"accepted new host key: {key}")
+    db = StateDB(args.state_dir)
+    try:
+        db.record(run)
+    finally:
+        db.close()
+    if args.json:
+        render_json(run.to_json())
+    else:
+        render_table(run)
+    return EXIT_OK if run.ok else EXIT_NOT_READY
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    db = StateDB(args.state_dir)
+    try:
+        runs = db.history(args.limit, args.host)
+    finally:
+        db.close()
+    if args.json:
+        render_json({"runs": runs})
+        return EXIT_OK
+    for run in runs:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["started"]))
+        status = "ok" if run["ok"] else "NOT OK"
+        print(
+            f"#{run['id']:<5} {when}  {run['kind']:<8} {status:<6} {run['hosts_ready']}/{run['hosts_total']} hosts  "
+            f"release {run['release_id'] or '-'}  {run['playbook']}  ({run['finished'] - run['started']:.2f} s)"
+        )
+    if not runs:
+        print("no runs recorded yet")
+    return EXIT_OK
+
+
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    from orchestrator.sandbox.sshhosts import SshSandbox
+
+    box = SshSandbox()
+    if args.sandbox_command == "up":
+        _say(f"sandbox: bringing up {args.hosts} {args.kind} hosts in {box.dir}")
+        status = box.up(args.hosts, _say)
+        print(f"inventory:   {status['inventory']}\nssh_config:  {status['ssh_config']}\nknown_hosts: {status['known_hosts']}")
+        return EXIT_OK
+    if args.sandbox_command == "status":
+        status = box.status()
+        if args.json:
+            render_json(status)
+        else:
+            hosts = status["hosts"]
+            assert isinstance(hosts, list)
+            print(f"kind {status['kind']}: {len(hosts)} hosts, {'up' if status['up'] else 'not up'}")
+            for h in hosts:
+                print(f"  {h['name']:<10} {h['address']:<15} {'running' if h['running'] else 'STOPPED'}")
+        return EXIT_OK if status["up"] else EXIT_NOT_READY
+    box.down(_say)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command in ("deploy", "verify", "rollback"):
+            return _cmd_run(args)
+        if args.command == "history":
+            return _cmd_history(args)
+        return _cmd_sandbox(args)
+    except OrchestratorError as exc:
+        if args.verbose:
+            raise
+        _say(f"error: {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
+    except BrokenPipeError:
+        return EXIT_NOT_READY
+
+
+def entry() -> None:
+    sys.exit(main())
+

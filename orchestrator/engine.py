@@ -1,0 +1,237 @@
+"""Running plans across hosts: bounded fan-out, per-host isolation, rollout policy.
+
+Each command here is the imperative shell around ``plan``: it sends the batches ``plan`` builds
+through one ``AgentClient`` and lets ``plan`` read the answers. A failure on one host becomes
+that host's failed gate and never stops the others (unless the rollout's failure budget says so).
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from orchestrator import plan
+from orchestrator.agent import AgentClient
+from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, TransportError
+from orchestrator.inventory import Inventory, Target
+from orchestrator.plan import Gate, HostReport
+from orchestrator.playbook import Playbook, Rollout
+from orchestrator.ssh import KnownHosts, RetryPolicy, SshTransport
+
+Progress = Callable[[HostReport, str], None]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    forks: int = 16
+    accept_new_host_keys: bool = False
+    lock_timeout: float = 60.0
+    release_id: str | None = None
+    retry: RetryPolicy = RetryPolicy()
+
+
+@dataclass
+class RunReport:
+    kind: str
+    playbook: str
+    inventory: str
+    release_id: str | None
+    hosts: list[HostReport]
+    started: float
+    finished: float = 0.0
+    accepted_host_keys: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.hosts) and all(h.ready for h in self.hosts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "playbook": self.playbook,
+            "release_id": self.release_id,
+            "ok": self.ok,
+            "duration_s": round(self.finished - self.started, 3),
+            "accepted_host_keys": self.accepted_host_keys,
+            "hosts": [host_json(h, self.kind) for h in self.hosts],
+        }
+
+
+def host_json(h: HostReport, kind: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": h.name,
+        "ready": h.ready,
+        "release_id": h.release_id,
+        "previous_release_id": h.previous,
+        "changed": h.changed,
+        "gates": {name: asdict(g) for name, g in h.gates.items()},
+        "files": [
+            {
+                "path": f.dest,
+                "remote_path": f.remote_path,
+                "sha256": f.sha256,
+                "expected_sha256": f.expected,
+                "changed": f.changed,
+                "drift": f.drift,
+            }
+            for f in h.files
+        ],
+        "duration_s": round(h.duration_s, 3),
+        "ssh": h.ssh,
+    }
+    if kind == "verify":
+        out["in_sync"] = h.ready
+    if h.diffs:
+        out["diffs"] = h.diffs
+    return out
+
+
+def _owner() -> str:
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+def _fan_out(
+    targets: list[Target],
+    work: Callable[[Target, HostReport], None],
+    transport: SshTransport,
+    options: RunOptions,
+    progress: Progress,
+    rollout: Rollout | None = None,
+) -> list[HostReport]:
+    """Run ``work`` per target with at most ``forks`` at once, batch by batch per the rollout."""
+    reports = {t.name: HostReport(t.name) for t in targets}
+    by_name = {t.name: t for t in targets}
+    batches = (
+        plan.rollout_batches(list(by_name), rollout.canary, rollout.batch_size) if rollout else [list(by_name)]
+    )
+    budget = rollout.max_failures if rollout and (rollout.canary or rollout.batch_size) else None
+
+    def one(name: str) -> None:
+        report = reports[name]
+        started = time.monotonic()
+        progress(report, "start")
+        try:
+            work(by_name[name], report)
+        except TransportError as exc:
+            report.gates[plan.GATE_CONNECT] = Gate(False, exc.message)
+        except AgentError as exc:
+            gate = plan.GATE_FILES
+            report.gates[plan.GATE_CONNECT] = Gate(True, "connected")
+            report.gates[gate] = Gate(False, exc.failure.describe())
+        except AgentProtocolError as exc:
+            report.gates[plan.GATE_CONNECT] = Gate(True, "connected")
+            report.gates[plan.GATE_FILES] = Gate(False, str(exc).split(": ", 1)[-1])
+        except OrchestratorError as exc:
+            report.gates[plan.GATE_FILES] = Gate(False, str(exc))
+        report.duration_s = time.monotonic() - started
+        c = transport.counters(name)
+        report.ssh = {"connects": c.connects, "execs": c.execs, "retries": c.retries}
+        progress(report, "done")
+
+    failures = 0
+    with ThreadPoolExecutor(max_workers=max(1, options.forks)) as pool:
+        for index, batch in enumerate(batches):
+            if budget is not None and failures > budget:
+                for name in (n for b in batches[index:] for n in b):
+                    reports[name].gates[plan.GATE_ROLLOUT] = Gate(
+                        False, f"not attempted: {failures} hosts failed, over the rollout's max_failures {budget}"
+                    )
+                break
+            list(pool.map(one, batch))
+            failures += sum(not reports[n].ready for n in batch)
+    return [reports[t.name] for t in targets]
+
+
+def _connected(report: HostReport) -> None:
+    report.gates[plan.GATE_CONNECT] = Gate(True, "connected")
+
+
+def _transport(inventory: Inventory, options: RunOptions) -> SshTransport:
+    return SshTransport(
+        KnownHosts(inventory.known_hosts), accept_new_host_keys=options.accept_new_host_keys, retry=options.retry
+    )
+
+
+def _run(
+    kind: str,
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    work: Callable[[AgentClient, Target, HostReport], None],
+    release_id: str | None = None,
+    rollout: Rollout | None = None,
+) -> RunReport:
+    report = RunReport(kind, str(playbook.file), str(inventory.file), release_id, [], time.time())
+    with _transport(inventory, options) as transport:
+        client = AgentClient(transport)
+        report.hosts = _fan_out(targets, lambda t, r: work(client, t, r), transport, options, progress, rollout)
+        report.accepted_host_keys = list(transport.known_hosts.accepted)
+    report.finished = time.time()
+    return report
+
+
+def deploy(
+    playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
+) -> RunReport:
+    release_id = options.release_id or plan.new_release_id()
+    ops = plan.apply_ops(playbook, release_id, _owner(), options.lock_timeout)
+    timeout_pad = options.lock_timeout
+
+    def work(client: AgentClient, target: Target, report: HostReport) -> None:
+        timeout = target.container.ssh.command_timeout + timeout_pad
+        results = client.batch(target, ops, timeout=timeout)
+        _connected(report)
+        plan.read_applied(playbook, results[1].value, report)
+
+    return _run("deploy", playbook, inventory, targets, options, progress, work, release_id, playbook.rollout)
+
+
+def dry_run(
+    playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
+) -> RunReport:
+    ops = plan.inspect_ops(playbook)
+
+    def work(client: AgentClient, target: Target, report: HostReport) -> None:
+        results = client.batch(target, ops)
+        _connected(report)
+        plan.read_inspected(playbook, results[0].value, report)
+
+    return _run("dry-run", playbook, inventory, targets, options, progress, work)
+
+
+def verify(
+    playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
+) -> RunReport:
+    ops = plan.verify_ops(playbook)
+
+    def work(client: AgentClient, target: Target, report: HostReport) -> None:
+        results = client.batch(target, ops)
+        _connected(report)
+        plan.read_verified(playbook, results[0].value, report)
+
+    return _run("verify", playbook, inventory, targets, options, progress, work)
+
+
+def rollback(
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    to_release: str | None = None,
+) -> RunReport:
+    ops = plan.switch_ops(playbook, to_release, _owner(), options.lock_timeout)
+
+    def work(client: AgentClient, target: Target, report: HostReport) -> None:
+        results = client.batch(target, ops, timeout=target.container.ssh.command_timeout + options.lock_timeout)
+        _connected(report)
+        plan.read_switched(results[1].value, report)
+
+    return _run("rollback", playbook, inventory, targets, options, progress, work, to_release)

@@ -1,0 +1,141 @@
+"""The project's exception tree. Third-party errors are mapped into it at the transport boundary.
+
+    OrchestratorError                 exit code 1 unless a subclass says otherwise
+    ├── InputError                    exit 2: a file, its line and the key path
+    ├── TransportError                one host could not be reached or talked to
+    │   ├── HostKeyError              never retried
+    │   │   ├── UnknownHostKey
+    │   │   └── HostKeyChanged
+    │   ├── AuthenticationFailed      never retried
+    │   ├── ConnectFailed             transient: refused, unreachable, timed out
+    │   ├── ConnectionLost            transient: reset or closed during a command
+    │   └── CommandTimeout
+    ├── AgentError                    the remote agent reported a structured failure
+    ├── StateError                    the local state database
+    └── SandboxError                  setting up or tearing down the local sandbox
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+EXIT_OK = 0
+EXIT_NOT_READY = 1
+EXIT_BAD_INPUT = 2
+
+
+class OrchestratorError(Exception):
+    exit_code = EXIT_NOT_READY
+
+
+class InputError(OrchestratorError):
+    """Bad input: names the file, the line and the key path when they are known."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(
+        self, message: str, *, file: str | None = None, line: int | None = None, key: str | None = None
+    ) -> None:
+        self.message = message
+        self.file = file
+        self.line = line
+        self.key = key
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        where = ""
+        if self.file:
+            where = self.file if self.line is None else f"{self.file}:{self.line}"
+        if self.key:
+            where = f"{where} {self.key}" if where else self.key
+        return f"{where}: {self.message}" if where else self.message
+
+
+class TransportError(OrchestratorError):
+    transient = False
+
+    def __init__(self, host: str, message: str) -> None:
+        self.host = host
+        self.message = message
+        super().__init__(f"{host}: {message}")
+
+
+class HostKeyError(TransportError):
+    pass
+
+
+class UnknownHostKey(HostKeyError):
+    pass
+
+
+class HostKeyChanged(HostKeyError):
+    pass
+
+
+class AuthenticationFailed(TransportError):
+    pass
+
+
+class ConnectFailed(TransportError):
+    transient = True
+
+
+class ConnectionLost(TransportError):
+    transient = True
+
+
+class CommandTimeout(TransportError):
+    pass
+
+
+@dataclass(frozen=True)
+class AgentFailure:
+    """One failed operation, as the agent reported it."""
+
+    op: str
+    code: str
+    message: str
+    path: str | None = None
+    errno: int | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AgentFailure:
+        return cls(
+            op=str(data.get("op")),
+            code=str(data.get("code")),
+            message=str(data.get("message")),
+            path=data.get("path"),
+            errno=data.get("errno"),
+        )
+
+    def describe(self) -> str:
+        where = f" {self.path}" if self.path else ""
+        return f"{self.op}{where}: {self.message}"
+
+
+class AgentError(OrchestratorError):
+    def __init__(self, host: str, failure: AgentFailure) -> None:
+        self.host = host
+        self.failure = failure
+        super().__init__(f"{host}: {failure.describe()}")
+
+
+class AgentProtocolError(OrchestratorError):
+    """The agent's answer could not be understood (wrong Python, crash, truncated output)."""
+
+    def __init__(self, host: str, message: str, exit_status: int, stderr: str) -> None:
+        self.host = host
+        self.exit_status = exit_status
+        self.stderr = stderr
+        tail = "\n".join(stderr.strip().splitlines()[-5:])
+        detail = f" (exit {exit_status})" + (f"; stderr: {tail}" if tail else "")
+        super().__init__(f"{host}: {message}{detail}")
+
+
+class StateError(OrchestratorError):
+    pass
+
+
+class SandboxError(OrchestratorError):
+    pass

@@ -1,0 +1,242 @@
+"""The inventory: GPU hosts, the LXC containers on them, and how to reach each over SSH.
+
+    known_hosts: known_hosts            # relative paths are relative to this file
+    defaults:                           # SSH settings every host and container starts from
+      user: root
+      port: 22
+      key: id_ed25519
+      python: python3                   # interpreter that runs the remote agent
+      connect_timeout: 10
+      command_timeout: 120
+      vars: {}
+    groups:
+      canary: {vars: {}}
+    hosts:
+      gpu-a:                            # a GPU host
+        address: 10.0.0.10              # needed when a container jumps through it
+        containers:
+          serve-0:
+            address: 10.10.0.2
+            jump: true                  # reach it through gpu-a
+            gpus: [0, 1, 2, 3]
+            groups: [canary]
+
+Container names are unique across the inventory: they are what playbooks and the CLI target,
+together with group names, GPU host names (all of that host's containers) and ``all``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import InputError
+from orchestrator.yamlsource import Document, Field, load_file
+
+NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+SSH_KEYS = {"user", "port", "key", "python", "connect_timeout", "command_timeout"}
+
+
+@dataclass(frozen=True)
+class SshSettings:
+    user: str = "root"
+    port: int = 22
+    key: Path | None = None
+    python: str = "python3"
+    connect_timeout: float = 10.0
+    command_timeout: float = 120.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Something we open an SSH connection to."""
+
+    name: str
+    address: str
+    ssh: SshSettings
+
+
+@dataclass(frozen=True)
+class Container:
+    name: str
+    host: str
+    address: str
+    ssh: SshSettings
+    jump: bool = False
+    gpus: tuple[int, ...] = ()
+    groups: tuple[str, ...] = ()
+    vars: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.name, self.address, self.ssh)
+
+
+@dataclass(frozen=True)
+class GpuHost:
+    name: str
+    address: str | None
+    ssh: SshSettings
+    containers: tuple[Container, ...]
+    vars: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> Endpoint:
+        if self.address is None:
+            raise InputError(f"GPU host '{self.name}' has no address, but a container jumps through it")
+        return Endpoint(self.name, self.address, self.ssh)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A container resolved for a run: where it is and how to get there."""
+
+    container: Container
+    jump: Endpoint | None
+
+    @property
+    def name(self) -> str:
+        return self.container.name
+
+
+@dataclass(frozen=True)
+class Inventory:
+    file: Path
+    known_hosts: Path
+    hosts: dict[str, GpuHost]
+    group_vars: dict[str, dict[str, Any]]
+
+    @property
+    def containers(self) -> list[Container]:
+        return [c for h in self.hosts.values() for c in h.containers]
+
+    @property
+    def groups(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {name: [] for name in self.group_vars}
+        for c in self.containers:
+            for g in c.groups:
+                out.setdefault(g, []).append(c.name)
+        return out
+
+    def resolve(self, patterns: tuple[str, ...] | list[str]) -> list[Target]:
+        """Containers named by container, group or GPU host names (``all`` for every one), in inventory order."""
+        by_name = {c.name: c for c in self.containers}
+        groups = self.groups
+        wanted: set[str] = set()
+        for pattern in patterns:
+            if pattern == "all":
+                wanted.update(by_name)
+            elif pattern in by_name:
+                wanted.add(pattern)
+            elif pattern in self.hosts:
+                wanted.update(c.name for c in self.hosts[pattern].containers)
+            elif pattern in groups:
+                wanted.update(groups[pattern])
+            else:
+                raise InputError(
+                    f"target '{pattern}' is not a container, group or GPU host in the inventory", file=str(self.file)
+                )
+        return [self.target(c) for c in self.containers if c.name in wanted]
+
+    def target(self, container: Container) -> Target:
+        jump = self.hosts[container.host].endpoint if container.jump else None
+        return Target(container, jump)
+
+    def vars_for(self, container: Container) -> dict[str, Any]:
+        """defaults.vars < group vars (in the container's order) < host vars < container vars."""
+        merged: dict[str, Any] = dict(self.group_vars.get("__defaults__", {}))
+        for g in container.groups:
+            merged.update(self.group_vars.get(g, {}))
+        merged.update(self.hosts[container.host].vars)
+        merged.update(container.vars)
+        return merged
+
+
+def load_inventory(path: Path | str) -> Inventory:
+    path = Path(path)
+    return parse_inventory(load_file(path), path)
+
+
+def parse_inventory(doc: Document, path: Path) -> Inventory:
+    top = Field(doc).mapping({"known_hosts", "defaults", "groups", "hosts"}, required=frozenset({"hosts"}))
+    base = path.parent
+    known_hosts = _path(top["known_hosts"].str("known_hosts"), base)
+
+    defaults_field = top["defaults"].mapping(SSH_KEYS | {"vars"})
+    defaults = _ssh(defaults_field, SshSettings(), base)
+    group_vars: dict[str, dict[str, Any]] = {"__defaults__": _vars(defaults_field["vars"])}
+    for gname, gfield in top["groups"].items():
+        _check_name(gfield, gname)
+        gfield.mapping({"vars"})
+        group_vars[gname] = _vars(gfield["vars"])
+
+    hosts: dict[str, GpuHost] = {}
+    seen: dict[str, str] = {}
+    for hname, hfield in top["hosts"].mapping().items():
+        _check_name(hfield, hname)
+        hfield.mapping(SSH_KEYS | {"address", "vars", "containers", "lxd"})
+        host_ssh = _ssh(hfield, defaults, base)
+        address = hfield["address"].str(None)
+        containers: list[Container] = []
+        for cname, cfield in hfield["containers"].items():
+            _check_name(cfield, cname)
+            if cname in seen:
+                raise cfield.error(f"container name already used on GPU host '{seen[cname]}': names must be unique")
+            if cname in hosts or cname == hname:
+                raise cfield.error("a container cannot share its name with a GPU host")
+            seen[cname] = hname
+            cfield.mapping(SSH_KEYS | {"address", "jump", "gpus", "groups", "vars"}, required=frozenset({"address"}))
+            jump = cfield["jump"].bool(False)
+            if jump and address is None:
+                raise cfield["jump"].error(f"jumps through GPU host '{hname}', which has no address")
+            gpus = cfield["gpus"].int_list(())
+            if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+                raise cfield["gpus"].error("expected a list of distinct GPU indices (integers >= 0)")
+            groups = cfield["groups"].str_list(())
+            for g in groups:
+                if g == "all" or g in hosts or g == hname:
+                    raise cfield["groups"].error(f"group name '{g}' is reserved or names a GPU host")
+            containers.append(
+                Container(
+                    name=cname,
+                    host=hname,
+                    address=cfield["address"].str(),
+                    ssh=_ssh(cfield, defaults, base),
+                    jump=jump,
+                    gpus=gpus,
+                    groups=groups,
+                    vars=_vars(cfield["vars"]),
+                )
+            )
+        if hname in seen:
+            raise hfield.error(f"GPU host name already used by a container on '{seen[hname]}'")
+        hosts[hname] = GpuHost(hname, address, host_ssh, tuple(containers), _vars(hfield["vars"]))
+    return Inventory(file=path, known_hosts=known_hosts, hosts=hosts, group_vars=group_vars)
+
+
+def _ssh(f: Field, base_settings: SshSettings, base: Path) -> SshSettings:
+    key = f["key"].str(None)
+    return replace(
+        base_settings,
+        user=f["user"].str(base_settings.user),
+        port=f["port"].int(base_settings.port, minimum=1, maximum=65535),
+        key=_path(key, base) if key is not None else base_settings.key,
+        python=f["python"].str(base_settings.python),
+        connect_timeout=f["connect_timeout"].number(base_settings.connect_timeout, minimum=0.1),
+        command_timeout=f["command_timeout"].number(base_settings.command_timeout, minimum=0.1),
+    )
+
+
+def _vars(f: Field) -> dict[str, Any]:
+    return dict(f.mapping().value)
+
+
+def _path(value: str, base: Path) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (base / p)
+
+
+def _check_name(f: Field, name: str) -> None:
+    if not name or not set(name) <= NAME_CHARS or name.startswith("-"):
+        raise f.error("names may hold letters, digits, '-', '_' and '.' only")

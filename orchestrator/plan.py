@@ -1,0 +1,215 @@
+"""Deciding, with no I/O: which agent operations a run sends, and what their answers mean.
+
+Every function here is pure, so the whole of deploy/verify/rollback logic is tested without SSH.
+"""
+
+from __future__ import annotations
+
+import base64
+import difflib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.agent import b64
+from orchestrator.playbook import FileSpec, Playbook
+
+GATE_CONNECT = "connect"
+GATE_FILES = "files"
+GATE_ROLLOUT = "rollout"
+
+
+@dataclass(frozen=True)
+class Gate:
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class FileState:
+    """One release file on one host, as the server will read it."""
+
+    dest: str
+    remote_path: str
+    sha256: str | None
+    expected: str
+    changed: bool = False
+
+    @property
+    def drift(self) -> bool:
+        return self.sha256 != self.expected
+
+
+@dataclass
+class HostReport:
+    name: str
+    gates: dict[str, Gate] = field(default_factory=dict)
+    files: list[FileState] = field(default_factory=list)
+    release_id: str | None = None
+    previous: str | None = None
+    changed: bool = False
+    diffs: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+    ssh: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.gates) and all(g.ok for g in self.gates.values())
+
+    @property
+    def failed_gate(self) -> str | None:
+        return next((name for name, g in self.gates.items() if not g.ok), None)
+
+
+def new_release_id(now: float | None = None) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now if now is not None else time.time()))
+    return f"{stamp}-{os.urandom(3).hex()}"
+
+
+def _file_entry(spec: FileSpec, with_content: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {"path": spec.dest, "sha256": spec.sha256, "mode": spec.mode}
+    if with_content:
+        entry["content_b64"] = b64(spec.content)
+    return entry
+
+
+def apply_ops(playbook: Playbook, release_id: str, owner: str, lock_timeout: float) -> list[dict[str, Any]]:
+    """One batch: take the deploy-root lock, then put, verify and switch the release."""
+    return [
+        {"op": "lock", "root": playbook.deploy_root, "timeout": lock_timeout, "owner": owner},
+        {
+            "op": "release_apply",
+            "root": playbook.deploy_root,
+            "release_id": release_id,
+            "keep": playbook.keep_releases,
+            "files": [_file_entry(f, True) for f in playbook.release_files],
+        },
+    ]
+
+
+def verify_ops(playbook: Playbook) -> list[dict[str, Any]]:
+    return [{"op": "release_verify", "root": playbook.deploy_root, "files": [{"path": f.dest} for f in playbook.release_files]}]
+
+
+def inspect_ops(playbook: Playbook) -> list[dict[str, Any]]:
+    return [{"op": "release_inspect", "root": playbook.deploy_root, "files": [{"path": f.dest} for f in playbook.release_files]}]
+
+
+def switch_ops(playbook: Playbook, release_id: str | None, owner: str, lock_timeout: float) -> list[dict[str, Any]]:
+    return [
+        {"op": "lock", "root": playbook.deploy_root, "timeout": lock_timeout, "owner": owner},
+        {"op": "release_switch", "root": playbook.deploy_root, "release_id": release_id},
+    ]
+
+
+def _expected(playbook: Playbook) -> dict[str, str]:
+    return {f.dest: f.sha256 for f in playbook.release_files}
+
+
+def read_applied(playbook: Playbook, value: dict[str, Any], report: HostReport) -> None:
+    """Fill a deploy report from ``release_apply``'s answer, checking digests against our own copy."""
+    expected = _expected(playbook)
+    report.release_id = value["release_id"]
+    report.previous = value.get("previous")
+    report.changed = bool(value["changed"])
+    report.files = [
+        FileState(f["path"], f["remote_path"], f["sha256"], expected[f["path"]], bool(f.get("changed")))
+        for f in value["files"]
+    ]
+    drifted = [f for f in report.files if f.drift]
+    if drifted:
+        report.gates[GATE_FILES] = Gate(False, "read-back differs: " + "; ".join(_drift_text(f) for f in drifted))
+        return
+    changed = sum(f.changed for f in report.files)
+    if report.changed:
+        detail = f"{changed} of {len(report.files)} files changed, verified by read-back; release {report.release_id} is current"
+    else:
+        detail = f"no change: release {report.release_id} already holds all {len(report.files)} files"
+    report.gates[GATE_FILES] = Gate(True, detail)
+
+
+def read_verified(playbook: Playbook, value: dict[str, Any], report: HostReport) -> None:
+    """Fill a verify report: every file the server reads must hold the playbook's digest."""
+    expected = _expected(playbook)
+    report.release_id = value.get("current")
+    report.previous = value.get("previous")
+    report.files = [
+        FileState(f["path"], f["remote_path"], f["sha256"], expected[f["path"]]) for f in value["files"]
+    ]
+    if report.release_id is None:
+        report.gates[GATE_FILES] = Gate(False, f"nothing deployed: {playbook.deploy_root}/current does not exist")
+        return
+    drifted = [f for f in report.files if f.drift]
+    if drifted:
+        report.gates[GATE_FILES] = Gate(False, "drift: " + "; ".join(_drift_text(f) for f in drifted))
+    else:
+        report.gates[GATE_FILES] = Gate(True, f"in sync: {len(report.files)} files of release {report.release_id}")
+
+
+def _drift_text(f: FileState) -> str:
+    found = f.sha256 if f.sha256 is not None else "missing"
+    return f"{f.remote_path} has sha256 {found}, expected {f.expected}"
+
+
+def read_inspected(playbook: Playbook, value: dict[str, Any], report: HostReport) -> None:
+    """Dry run: what a deploy would change, with unified diffs for text files."""
+    by_dest = {f.dest: f for f in playbook.release_files}
+    report.release_id = value.get("current")
+    report.files = []
+    for f in value["files"]:
+        spec = by_dest[f["path"]]
+        state = FileState(f["path"], f["remote_path"], f["sha256"], spec.sha256, changed=f["sha256"] != spec.sha256)
+        report.files.append(state)
+        if not state.changed:
+            continue
+        old = base64.b64decode(f["content_b64"]) if f.get("content_b64") else None
+        report.diffs.append(file_diff(spec, f["remote_path"], old, f["sha256"]))
+    report.changed = any(f.changed for f in report.files)
+    n = sum(f.changed for f in report.files)
+    report.gates[GATE_FILES] = Gate(True, f"dry run: {n} of {len(report.files)} files would change" if n else "dry run: no change")
+
+
+def file_diff(spec: FileSpec, remote_path: str, old: bytes | None, old_sha: str | None) -> str:
+    new_text = _text(spec.content)
+    old_text = _text(old) if old is not None else ("" if old_sha is None else None)
+    if new_text is None or old_text is None:
+        return f"--- {remote_path}\n+++ {spec.src}\nbinary or large file: sha256 {old_sha or 'missing'} -> {spec.sha256}\n"
+    return "".join(
+        difflib.unified_diff(
+            old_text.splitlines(keepends=True),
+            new_text.splitlines(keepends=True),
+            fromfile=remote_path if old_sha is not None else "/dev/null",
+            tofile=str(spec.src),
+        )
+    )
+
+
+def _text(data: bytes) -> str | None:
+    if b"\x00" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def read_switched(value: dict[str, Any], report: HostReport) -> None:
+    report.release_id = value["release_id"]
+    report.previous = value.get("previous")
+    report.changed = value["release_id"] != value.get("previous")
+    report.files = [FileState(f["path"], f["remote_path"], f["sha256"], f["sha256"]) for f in value["files"]]
+    report.gates[GATE_FILES] = Gate(True, f"release {report.release_id} is current, {len(report.files)} files verified by read-back")
+
+
+def rollout_batches(names: list[str], canary: int, batch_size: int | None) -> list[list[str]]:
+    """Canary hosts first (one batch), then the rest in batches (all at once when unset)."""
+    batches: list[list[str]] = []
+    rest = list(names)
+    if canary:
+        batches.append(rest[:canary])
+        rest = rest[canary:]
+    size = batch_size or len(rest) or 1
+    batches.extend(rest[i : i + size] for i in range(0, len(rest), size))
+    return [b for b in batches if b]
+

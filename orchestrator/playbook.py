@@ -1,0 +1,234 @@
+"""The playbook: what to deploy, where, and what must hold before a host is READY.
+
+    name: qwen36-dflash
+    targets: [all]                      # containers, groups or GPU hosts of the inventory
+    deploy_root: /srv/dflash            # releases/, current and previous live here
+    keep_releases: 5
+    files:                              # local source (relative to this file) -> path in the release
+      - {src: files/tokenizer_config.json, dest: target/tokenizer_config.json, mode: "0644"}
+    drafter:
+      config: files/drafter/config.json # pushed as drafter/config.json in the release
+      reference: files/reference.json   # pinned known-good values, or an inline mapping
+    serving: {...}
+    gates: {...}
+    rollout: {...}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.yamlsource import Field, load_file
+
+DRAFTER_CONFIG_DEST = "drafter/config.json"
+# Files larger than this are sent inline with the request; models belong on mounted volumes.
+MAX_FILE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file of a release, read once on the controller."""
+
+    src: Path
+    dest: str
+    mode: str
+    content: bytes = field(repr=False)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.content).hexdigest()
+
+
+@dataclass(frozen=True)
+class Drafter:
+    config: FileSpec
+    reference: dict[str, Any] | Path | None = None
+
+
+@dataclass(frozen=True)
+class Serving:
+    python: str | None = None
+    target: str | None = None
+    tensor_parallel_size: int | None = None
+    num_speculative_tokens: int = 15
+    host: str = "127.0.0.1"
+    port: int = 8000
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout: float = 900.0
+
+
+@dataclass(frozen=True)
+class AcceptanceGate:
+    min_mean_acceptance_length: float = 3.0
+    min_acceptance_rate: float | None = None
+    min_drafts: int = 50
+
+
+@dataclass(frozen=True)
+class Gates:
+    acceptance: AcceptanceGate = AcceptanceGate()
+
+
+@dataclass(frozen=True)
+class Rollout:
+    canary: int = 0
+    batch_size: int | None = None
+    max_failures: int = 0
+
+
+@dataclass(frozen=True)
+class Playbook:
+    file: Path
+    name: str
+    targets: tuple[str, ...]
+    deploy_root: str
+    keep_releases: int
+    files: tuple[FileSpec, ...]
+    drafter: Drafter | None
+    serving: Serving
+    gates: Gates
+    rollout: Rollout
+
+    @property
+    def release_files(self) -> tuple[FileSpec, ...]:
+        """Everything pushed into a release, the drafter config included, in a stable order."""
+        extra = (self.drafter.config,) if self.drafter else ()
+        return tuple(sorted(self.files + extra, key=lambda f: f.dest))
+
+
+def load_playbook(path: Path | str) -> Playbook:
+    path = Path(path)
+    doc = load_file(path)
+    top = Field(doc).mapping(
+        {"name", "targets", "deploy_root", "keep_releases", "files", "drafter", "serving", "gates", "rollout"},
+        required=frozenset({"name", "targets", "deploy_root"}),
+    )
+    base = path.parent
+    root_field = top["deploy_root"]
+    deploy_root = root_field.str()
+    if not deploy_root.startswith("/") or posixpath.normpath(deploy_root) != deploy_root.rstrip("/") or deploy_root == "/":
+        raise root_field.error("expected an absolute, normalised directory other than /")
+    targets = top["targets"].str_list()
+    if not targets:
+        raise top["targets"].error("expected at least one target")
+
+    files: list[FileSpec] = []
+    dests: dict[str, str] = {}
+    for item in top["files"].sequence():
+        item.mapping({"src", "dest", "mode"}, required=frozenset({"src", "dest"}))
+        spec = _file_spec(item, item["src"].str(), item["dest"].str(), base)
+        if spec.dest in dests:
+            raise item["dest"].error(f"destination already used by {dests[spec.dest]}")
+        dests[spec.dest] = item.key
+        files.append(spec)
+
+    drafter = None
+    if "drafter" in top:
+        d = top["drafter"].mapping({"config", "reference"}, required=frozenset({"config"}))
+        if DRAFTER_CONFIG_DEST in dests:
+            raise d.error(f"{dests[DRAFTER_CONFIG_DEST]} already pushes {DRAFTER_CONFIG_DEST}")
+        config = _file_spec(d, d["config"].str(), DRAFTER_CONFIG_DEST, base, src_key="config")
+        reference: dict[str, Any] | Path | None = None
+        ref = d["reference"]
+        if ref.present and isinstance(ref.value, dict):
+            reference = dict(ref.value)
+        elif ref.present:
+            reference = _local(ref, ref.str(), base)
+        drafter = Drafter(config, reference)
+
+    if not files and drafter is None:
+        raise top.error("the playbook pushes no files: add files: or drafter:")
+    return Playbook(
+        file=path,
+        name=top["name"].str(),
+        targets=targets,
+        deploy_root=deploy_root.rstrip("/"),
+        keep_releases=top["keep_releases"].int(5, minimum=2),
+        files=tuple(files),
+        drafter=drafter,
+        serving=_serving(top["serving"]),
+        gates=_gates(top["gates"]),
+        rollout=_rollout(top["rollout"]),
+    )
+
+
+def _local(f: Field, value: str, base: Path) -> Path:
+    p = Path(value).expanduser()
+    p = p if p.is_absolute() else base / p
+    if not p.is_file():
+        raise f.error(f"local file {p} does not exist")
+    return p
+
+
+def _file_spec(f: Field, src: str, dest: str, base: Path, src_key: str = "src") -> FileSpec:
+    src_field = f[src_key]
+    path = _local(src_field, src, base)
+    dest_field = f["dest"] if "dest" in f else f
+    norm = posixpath.normpath(dest)
+    if dest.startswith("/") or norm != dest or norm.startswith("../") or norm == "..":
+        raise dest_field.error(f"'{dest}' must be a relative path inside the release, with no '..' or '.' parts")
+    if dest == ".manifest.json":
+        raise dest_field.error("'.manifest.json' is reserved for the release manifest")
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise src_field.error(f"{path} is {size} bytes; files up to {MAX_FILE_BYTES} bytes are pushed")
+    mode_field = f["mode"] if src_key == "src" else None
+    mode = "0644"
+    if mode_field is not None and mode_field.present:
+        raw = mode_field.value
+        text = raw if isinstance(raw, str) else None
+        if text is None or len(text) not in (3, 4) or any(c not in "01234567" for c in text):
+            raise mode_field.error("expected an octal mode as a quoted string, for example \"0644\"")
+        mode = text.rjust(4, "0")
+    try:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise src_field.error(f"cannot read {path}: {exc.strerror}") from exc
+    return FileSpec(src=path, dest=dest, mode=mode, content=content)
+
+
+def _serving(f: Field) -> Serving:
+    f.mapping(
+        {"python", "target", "tensor_parallel_size", "num_speculative_tokens", "host", "port", "extra_args", "env", "startup_timeout"}
+    )
+    return Serving(
+        python=f["python"].str(None),
+        target=f["target"].str(None),
+        tensor_parallel_size=f["tensor_parallel_size"].int(None, minimum=1),
+        num_speculative_tokens=f["num_speculative_tokens"].int(15, minimum=1),
+        host=f["host"].str("127.0.0.1"),
+        port=f["port"].int(8000, minimum=1, maximum=65535),
+        extra_args=f["extra_args"].str_list(()),
+        env=f["env"].str_map({}),
+        startup_timeout=f["startup_timeout"].number(900.0, minimum=1),
+    )
+
+
+def _gates(f: Field) -> Gates:
+    f.mapping({"acceptance"})
+    a = f["acceptance"].mapping({"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts"})
+    rate = a["min_acceptance_rate"].number(None, minimum=0)
+    if rate is not None and rate > 1:
+        raise a["min_acceptance_rate"].error("a rate between 0 and 1")
+    return Gates(
+        acceptance=AcceptanceGate(
+            min_mean_acceptance_length=a["min_mean_acceptance_length"].number(3.0, minimum=1),
+            min_acceptance_rate=rate,
+            min_drafts=a["min_drafts"].int(50, minimum=1),
+        )
+    )
+
+
+def _rollout(f: Field) -> Rollout:
+    f.mapping({"canary", "batch_size", "max_failures"})
+    return Rollout(
+        canary=f["canary"].int(0, minimum=0),
+        batch_size=f["batch_size"].int(None, minimum=1),
+        max_failures=f["max_failures"].int(0, minimum=0),
+    )
+

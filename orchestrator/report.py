@@ -1,0 +1,68 @@
+"""Rendering: progress lines for stderr, tables for people, JSON for machines. No decisions here."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+from orchestrator.engine import RunReport
+from orchestrator.plan import HostReport
+
+
+class ProgressPrinter:
+    """One line per host as it finishes, on stderr, safe to call from worker threads."""
+
+    def __init__(self, kind: str, total: int, stream: TextIO = sys.stderr) -> None:
+        self.kind = kind
+        self.total = total
+        self.stream = stream
+        self.done = 0
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __call__(self, report: HostReport, event: str) -> None:
+        if event != "done":
+            return
+        with self._lock:
+            self.done += 1
+            mark = "ok  " if report.ready else "FAIL"
+            gate = report.failed_gate
+            detail = report.gates[gate].detail if gate else _last_detail(report)
+            label = f"{gate}: " if gate else ""
+            self.stream.write(
+                f"[{self.done:>{len(str(self.total))}}/{self.total}] {mark} {report.name}  {label}{detail}"
+                f"  ({report.duration_s:.2f} s)\n"
+            )
+            self.stream.flush()
+
+
+def _last_detail(report: HostReport) -> str:
+    if not report.gates:
+        return ""
+    return list(report.gates.values())[-1].detail
+
+
+def render_table(run: RunReport, stream: TextIO = sys.stdout) -> None:
+    headers = ("HOST", "READY" if run.kind != "verify" else "IN SYNC", "RELEASE", "GATE", "DETAIL")
+    rows = []
+    for h in run.hosts:
+        gate = h.failed_gate or (list(h.gates)[-1] if h.gates else "-")
+        detail = h.gates[gate].detail if gate in h.gates else ""
+        rows.append((h.name, "yes" if h.ready else "NO", h.release_id or "-", gate, detail))
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(4)]
+    for row in [headers, *rows]:
+        stream.write("  ".join(str(c).ljust(w) for c, w in zip(row[:4], widths, strict=True)) + "  " + row[4] + "\n")
+    ready = sum(h.ready for h in run.hosts)
+    word = {"verify": "in sync", "dry-run": "checked"}.get(run.kind, "ready")
+    stream.write(f"\n{run.kind}: {ready}/{len(run.hosts)} hosts {word} in {run.finished - run.started:.2f} s\n")
+    for h in run.hosts:
+        for diff in h.diffs:
+            stream.write(f"\n# {h.name}\n{diff}")
+
+
+def render_json(data: Any, stream: TextIO = sys.stdout) -> None:
+    json.dump(data, stream, indent=2, sort_keys=False)
+    stream.write("\n")

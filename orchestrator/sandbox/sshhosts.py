@@ -1,0 +1,364 @@
+"""The ``ssh`` sandbox: N real OpenSSH hosts in network namespaces on this machine.
+
+Each host is an ``sshd -D`` in its own network namespace (a veth into one bridge) and its own
+mount namespace, where per-host directories are bind-mounted over /srv and /root: every host
+has the same paths and separate files. Host keys are generated here and written to known_hosts
+from the key files themselves, never learnt by connecting. Needs root.
+
+    <dir>/sandbox.json          what is up (hosts, PIDs with their start times)
+    <dir>/id_ed25519            client key        <dir>/known_hosts   <dir>/ssh_config
+    <dir>/inventory.yaml        inventory for orchestrate
+    <dir>/hosts/<name>/         sshd_config, host key, log; srv/ and root/ seen as /srv, /root
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from orchestrator.errors import SandboxError
+
+DEFAULT_DIR = Path(os.environ.get("ORCHESTRATE_SANDBOX_DIR", "/var/lib/dflash-orchestrator/sandbox"))
+BRIDGE = "dfo-br0"
+SUBNET_PREFIX = "10.77"
+BRIDGE_ADDRESS = f"{SUBNET_PREFIX}.0.1"
+SSHD = "/usr/sbin/sshd"
+REMOTE_PYTHON = "/usr/bin/python3"
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class SandboxHost:
+    name: str
+    address: str
+    netns: str
+    veth: str
+    files: str
+    pid: int = 0
+    pid_start: str = ""
+
+
+def host_name(i: int) -> str:
+    return f"node-{i:02d}"
+
+
+def host_address(i: int) -> str:
+    # .0.1 is the bridge; hosts start at .0.2 and fill the /16.
+    n = i + 1
+    return f"{SUBNET_PREFIX}.{n // 256}.{n % 256}"
+
+
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError as exc:
+        raise SandboxError(f"{argv[0]} is not installed (apt-get install openssh-server iproute2)") from exc
+    if check and proc.returncode != 0:
+        raise SandboxError(f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def _proc_start(pid: int) -> str:
+    """The process's start time: with the PID it identifies a process we started."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(pid: int, start: str) -> bool:
+    return pid > 0 and bool(start) and _proc_start(pid) == start
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _enter_host(netns: str, files: str) -> Callable[[], None]:
+    """Runs in the child before exec: private mounts, per-host /srv and /root, the host's netns."""
+
+    def setup() -> None:
+        libc = _libc()
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+        if libc.unshare(CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+        if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+            raise OSError(ctypes.get_errno(), "make / private")
+        for sub in ("srv", "root"):
+            src = os.path.join(files, sub).encode()
+            if libc.mount(src, f"/{sub}".encode(), None, MS_BIND | MS_REC, None) != 0:
+                raise OSError(ctypes.get_errno(), f"bind {sub}")
+        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns")
+        finally:
+            os.close(fd)
+
+    return setup
+
+
+class SshSandbox:
+    kind = "ssh"
+
+    def __init__(self, directory: Path = DEFAULT_DIR) -> None:
+        self.dir = directory
+        self.state_file = self.dir / "sandbox.json"
+        self.inventory = self.dir / "inventory.yaml"
+        self.known_hosts = self.dir / "known_hosts"
+        self.ssh_config = self.dir / "ssh_config"
+        self.client_key = self.dir / "id_ed25519"
+
+    # --- state ---------------------------------------------------------------------------
+
+    def hosts(self) -> list[SandboxHost]:
+        try:
+            data = json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            raise SandboxError(f"{self.state_file} is unreadable: {exc}; run 'orchestrate sandbox down'") from exc
+        return [SandboxHost(**h) for h in data.get("hosts", [])]
+
+    def _save(self, hosts: list[SandboxHost]) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"kind": self.kind, "hosts": [asdict(h) for h in hosts]}, indent=2))
+        os.replace(tmp, self.state_file)
+
+    def status(self) -> dict[str, object]:
+        hosts = self.hosts()
+        return {
+            "kind": self.kind,
+            "up": bool(hosts) and all(_alive(h.pid, h.pid_start) for h in hosts),
+            "inventory": str(self.inventory),
+            "ssh_config": str(self.ssh_config),
+            "known_hosts": str(self.known_hosts),
+            "hosts": [
+                {"name": h.name, "address": h.address, "running": _alive(h.pid, h.pid_start), "files": h.files}
+                for h in hosts
+            ],
+        }
+
+    # --- up ------------------------------------------------------------------------------
+
+    def up(self, count: int, say: Say = lambda _m: None, timeout: float = 60.0) -> dict[str, object]:
+        if os.geteuid() != 0:
+            raise SandboxError("the ssh sandbox needs root (network namespaces and bind mounts)")
+        if count < 1 or count > 2000:
+            raise SandboxError("--hosts must be between 1 and 2000")
+        for tool in (SSHD, shutil.which("ssh-keygen"), shutil.which("ip")):
+            if not tool or not os.path.exists(tool):
+                raise SandboxError("OpenSSH server and iproute2 are needed: apt-get install openssh-server iproute2")
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        if not self.client_key.exists():
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "orchestrate-sandbox", "-f", str(self.client_key)])
+        shutil.copyfile(self.client_key.with_suffix(".pub"), self.dir / "authorized_keys")
+        os.chmod(self.dir / "authorized_keys", 0o600)
+        self._bridge()
+
+        existing = {h.name: h for h in self.hosts()}
+        hosts: list[SandboxHost] = []
+        started = time.monotonic()
+        for i in range(1, count + 1):
+            name = host_name(i)
+            host = existing.pop(name, None)
+            if host is not None and _alive(host.pid, host.pid_start):
+                hosts.append(host)
+                continue
+            host = self._start_host(i)
+            hosts.append(host)
+            self._save(hosts + list(existing.values()))
+        for extra in existing.values():  # `up --hosts 4` after `up --hosts 8`: end the extra hosts
+            self._stop_host(extra)
+        self._save(hosts)
+        self._wait_ready(hosts, started + timeout)
+        self._write_client_files(hosts)
+        say(f"sandbox: {len(hosts)} ssh hosts up in {time.monotonic() - started:.1f} s")
+        return self.status()
+
+    def _bridge(self) -> None:
+        if _run(["ip", "link", "show", BRIDGE], check=False).returncode != 0:
+            _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+            _run(["ip", "addr", "add", f"{BRIDGE_ADDRESS}/16", "dev", BRIDGE])
+        _run(["ip", "link", "set", BRIDGE, "up"])
+
+    def _start_host(self, i: int) -> SandboxHost:
+        name = host_name(i)
+        host = SandboxHost(
+            name=name,
+            address=host_address(i),
+            netns=f"dfo-{name}",
+            veth=f"dfo-v{i:04d}",
+            files=str(self.dir / "hosts" / name),
+        )
+        hdir = Path(host.files)
+        for sub in ("srv", "root"):
+            (hdir / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(hdir / "root", 0o700)
+        if not Path(f"/run/netns/{host.netns}").exists():
+            _run(["ip", "netns", "add", host.netns])
+        if _run(["ip", "link", "show", host.veth], check=False).returncode != 0:
+            _run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns])
+            _run(["ip", "link", "set", host.veth, "master", BRIDGE, "up"])
+            _run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/16", "dev", "eth0"])
+            _run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
+        key = hdir / "ssh_host_ed25519_key"
+        if not key.exists():
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)])
+        config = hdir / "sshd_config"
+        config.write_text(
+            "\n".join(
+                [
+                    f"ListenAddress {host.address}:22",
+                    f"HostKey {key}",
+                    "PidFile none",
+                    f"AuthorizedKeysFile {self.dir / 'authorized_keys'}",
+                    "PermitRootLogin prohibit-password",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    "AllowTcpForwarding yes",
+                    "X11Forwarding no",
+                    "PrintMotd no",
+                    "MaxStartups 500",
+                    "MaxSessions 100",
+                    "LogLevel ERROR",
+                    "",
+                ]
+            )
+        )
+        log = open(hdir / "sshd.log", "ab")  # noqa: SIM115 - handed to the child
+        try:
+            proc = subprocess.Popen(
+                [SSHD, "-D", "-e", "-f", str(config)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=_enter_host(host.netns, host.files),  # noqa: PLW1509 - single-threaded here
+            )
+        finally:
+            log.close()
+        host.pid = proc.pid
+        host.pid_start = _proc_start(proc.pid)
+        return host
+
+    def _wait_ready(self, hosts: list[SandboxHost], deadline: float) -> None:
+        pending = list(hosts)
+        delay = 0.02
+        while pending:
+            for h in list(pending):
+                if not _alive(h.pid, h.pid_start):
+                    log = (Path(h.files) / "sshd.log").read_text(errors="replace").strip().splitlines()[-3:]
+                    raise SandboxError(f"sshd of {h.name} exited: {' / '.join(log) or 'no log'}")
+                try:
+                    with socket.create_connection((h.address, 22), timeout=1):
+                        pending.remove(h)
+                except OSError:
+                    continue
+            if pending:
+                if time.monotonic() > deadline:
+                    raise SandboxError(f"hosts not reachable in time: {', '.join(h.name for h in pending)}")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def _write_client_files(self, hosts: list[SandboxHost]) -> None:
+        known, config, inv = [], [], []
+        for h in hosts:
+            pub = (Path(h.files) / "ssh_host_ed25519_key.pub").read_text().split()
+            known.append(f"{h.address} {pub[0]} {pub[1]}")
+            config.append(
+                f"Host {h.name}\n  HostName {h.address}\n  User root\n  IdentityFile {self.client_key}\n"
+                f"  IdentitiesOnly yes\n  UserKnownHostsFile {self.known_hosts}\n  StrictHostKeyChecking yes\n"
+            )
+            inv.append(f"      {h.name}:\n        address: {h.address}\n")
+        _write(self.known_hosts, "\n".join(known) + "\n", 0o600)
+        _write(self.ssh_config, "\n".join(config), 0o600)
+        _write(
+            self.inventory,
+            "# Written by `orchestrate sandbox up --kind ssh`: each node is an sshd in a network\n"
+            "# namespace on this machine, standing in for one LXC container.\n"
+            "known_hosts: known_hosts\n"
+            "defaults:\n"
+            "  user: root\n"
+            "  key: id_ed25519\n"
+            f"  python: {REMOTE_PYTHON}\n"
+            "hosts:\n"
+            "  sandbox:   # the GPU host: this machine\n"
+            "    containers:\n" + "".join(inv),
+            0o644,
+        )
+
+    # --- down ----------------------------------------------------------------------------
+
+    def _stop_host(self, host: SandboxHost) -> None:
+        if _alive(host.pid, host.pid_start):
+            victims = _descendants(host.pid) + [host.pid]
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 10
+            while _alive(host.pid, host.pid_start) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if _alive(host.pid, host.pid_start):
+                os.kill(host.pid, signal.SIGKILL)
+        if Path(f"/run/netns/{host.netns}").exists():
+            _run(["ip", "netns", "del", host.netns], check=False)
+        _run(["ip", "link", "del", host.veth], check=False)
+
+    def down(self, say: Say = lambda _m: None) -> None:
+        hosts = self.hosts()
+        for h in hosts:
+            self._stop_host(h)
+        if _run(["ip", "link", "show", BRIDGE], check=False).returncode == 0:
+            _run(["ip", "link", "del", BRIDGE], check=False)
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        say(f"sandbox: {len(hosts)} ssh hosts removed")
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)

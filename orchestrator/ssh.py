@@ -1,0 +1,446 @@
+"""SSH transport: the only module that imports paramiko.
+
+Policy lives here and nowhere else:
+
+- Host keys are checked strictly against one known_hosts table, parsed once per run (paramiko's
+  own loader is quadratic in the file's lines). An unknown key is refused unless the caller
+  explicitly accepts new keys, which appends and records them; a changed key is always refused.
+- One connection per endpoint per run, reused for every command; containers marked ``jump`` are
+  reached through a ``direct-tcpip`` channel of their GPU host's connection.
+- Transient failures (refused, unreachable, timed out, reset, closed mid-command) are retried
+  with exponential backoff; authentication and host-key failures never are.
+- Every paramiko, socket and EOF error is mapped to ``orchestrator.errors`` here.
+
+fabric is deliberately not used: its ``Connection`` loads known_hosts per connection and its
+host-key policy is not strict by default; what we need of it is these few hundred lines.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import hashlib
+import hmac
+import os
+import select
+import shlex
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import paramiko
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from orchestrator.errors import (
+    AuthenticationFailed,
+    CommandTimeout,
+    ConnectFailed,
+    ConnectionLost,
+    HostKeyChanged,
+    TransportError,
+    UnknownHostKey,
+)
+from orchestrator.inventory import Endpoint, Target
+
+
+@dataclass(frozen=True)
+class Command:
+    """A remote command as a value: an argv list, quoted in exactly one place."""
+
+    argv: tuple[str, ...]
+
+    def render(self) -> str:
+        return shlex.join(self.argv)
+
+
+@dataclass(frozen=True)
+class Result:
+    host: str
+    command: Command
+    exit_status: int
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0
+
+    def tail(self, stream: str = "stderr", lines: int = 10) -> str:
+        data = self.stderr if stream == "stderr" else self.stdout
+        return "\n".join(data.decode("utf-8", "replace").rstrip().splitlines()[-lines:])
+
+
+@dataclass
+class Counters:
+    """Per-endpoint counts, so callers (and tests) can see what a run cost."""
+
+    connects: int = 0
+    execs: int = 0
+    retries: int = 0
+    bytes_sent: int = 0
+
+
+def fingerprint(key_type: str, blob_b64: str) -> str:
+    digest = hashlib.sha256(base64.b64decode(blob_b64)).digest()
+    return f"{key_type} SHA256:{base64.b64encode(digest).decode().rstrip('=')}"
+
+
+@dataclass
+class _KnownKey:
+    key_type: str
+    blob: str
+    line: int
+    revoked: bool = False
+
+
+class KnownHosts:
+    """An OpenSSH known_hosts file, parsed once; lookups by ``host`` or ``[host]:port``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._plain: dict[str, list[_KnownKey]] = {}
+        self._hashed: list[tuple[bytes, bytes, _KnownKey]] = []
+        self._lock = threading.Lock()
+        self.accepted: list[str] = []
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            text = ""
+        for number, raw in enumerate(text.splitlines(), start=1):
+            self._add_line(raw, number)
+
+    def _add_line(self, raw: str, number: int) -> None:
+        parts = raw.split()
+        if not parts or parts[0].startswith("#"):
+            return
+        revoked = False
+        if parts[0].startswith("@"):
+            if parts[0] != "@revoked":
+                return  # @cert-authority: certificates are not supported; never trust silently
+            revoked, parts = True, parts[1:]
+        if len(parts) < 3:
+            return
+        names, key_type, blob = parts[0], parts[1], parts[2]
+        entry = _KnownKey(key_type, blob, number, revoked)
+        for name in names.split(","):
+            if name.startswith("|1|"):
+                try:
+                    salt_b64, digest_b64 = name[3:].split("|", 1)
+                    self._hashed.append((base64.b64decode(salt_b64), base64.b64decode(digest_b64), entry))
+                except ValueError:
+                    continue
+            else:
+                self._plain.setdefault(name, []).append(entry)
+
+    @staticmethod
+    def host_name(address: str, port: int) -> str:
+        return address if port == 22 else f"[{address}]:{port}"
+
+    def lookup(self, name: str) -> list[_KnownKey]:
+        found = list(self._plain.get(name, []))
+        for salt, digest, entry in self._hashed:
+            if hmac.compare_digest(hmac.new(salt, name.encode(), hashlib.sha1).digest(), digest):
+                found.append(entry)
+        return found
+
+    def preferred_type(self, name: str) -> str | None:
+        for entry in self.lookup(name):
+            if not entry.revoked:
+                return entry.key_type
+        return None
+
+    def check(self, endpoint: str, name: str, key: paramiko.PKey, accept_new: bool) -> None:
+        key_type, blob = key.get_name(), key.get_base64()
+        offered = fingerprint(key_type, blob)
+        entries = self.lookup(name)
+        for entry in entries:
+            if entry.revoked and entry.blob == blob:
+                raise HostKeyChanged(endpoint, f"host key {offered} of {name} is marked @revoked in {self.path}")
+        trusted = [e for e in entries if not e.revoked]
+        if any(e.blob == blob for e in trusted):
+            return
+        if trusted:
+            lines = ", ".join(str(e.line) for e in trusted)
+            raise HostKeyChanged(
+                endpoint,
+                f"HOST KEY CHANGED for {name}: {self.path} line {lines} holds "
+                f"{fingerprint(trusted[0].key_type, trusted[0].blob)}, the host offers {offered}. "
+                f"This is refused: it may be an attack, or the host was rebuilt. Verify the new key out of "
+                f"band, then remove the old entry (ssh-keygen -R '{name}' -f {self.path}).",
+            )
+        if not accept_new:
+            raise UnknownHostKey(
+                endpoint,
+                f"host {name} is not in {self.path} (it offers {offered}). Verify that fingerprint out of band "
+                f"and add the key to {self.path}, or rerun with --accept-new-host-keys to trust and record it.",
+            )
+        self._append(name, key_type, blob)
+
+    def _append(self, name: str, key_type: str, blob: str) -> None:
+        with self._lock:
+            if any(e.blob == blob for e in self.lookup(name)):
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a", encoding="utf-8") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                f.write(f"{name} {key_type} {blob}\n")
+            number = len(self.path.read_text(encoding="utf-8").splitlines())
+            self._add_line(f"{name} {key_type} {blob}", number)
+            self.accepted.append(f"{name} {fingerprint(key_type, blob)}")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4
+    initial_wait: float = 0.2
+    max_wait: float = 5.0
+
+
+@dataclass
+class _Connection:
+    transport: paramiko.Transport
+    counters: Counters = field(default_factory=Counters)
+
+
+class SshTransport:
+    """Connections to many endpoints for one run. Thread-safe: one thread per target is the norm."""
+
+    def __init__(
+        self,
+        known_hosts: KnownHosts,
+        *,
+        accept_new_host_keys: bool = False,
+        retry: RetryPolicy = RetryPolicy(),
+    ) -> None:
+        self.known_hosts = known_hosts
+        self.accept_new = accept_new_host_keys
+        self.retry = retry
+        self._connections: dict[str, paramiko.Transport] = {}
+        self._counters: dict[str, Counters] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._keys: dict[Path | None, list[paramiko.PKey]] = {}
+
+    # --- public --------------------------------------------------------------------------
+
+    def run(self, target: Target, command: Command, stdin: bytes = b"", timeout: float | None = None) -> Result:
+        """Run one command, retrying transient failures with a fresh connection."""
+        counters = self.counters(target.name)
+        retrying = Retrying(
+            retry=retry_if_exception(lambda exc: isinstance(exc, TransportError) and exc.transient),
+            stop=stop_after_attempt(self.retry.attempts),
+            wait=wait_exponential(multiplier=self.retry.initial_wait, max=self.retry.max_wait),
+            before_sleep=lambda _state: self._note_retry(target, counters),
+            reraise=True,
+        )
+        return retrying(self._run_once, target, command, stdin, timeout)
+
+    def counters(self, name: str) -> Counters:
+        with self._guard:
+            return self._counters.setdefault(name, Counters())
+
+    def close(self) -> None:
+        with self._guard:
+            connections = list(self._connections.values())
+            self._connections.clear()
+        for t in connections:
+            t.close()
+
+    def __enter__(self) -> SshTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- connections -----------------------------------------------------------------------
+
+    def _note_retry(self, target: Target, counters: Counters) -> None:
+        counters.retries += 1
+        self._drop(target.name)
+
+    def _lock_for(self, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(name, threading.Lock())
+
+    def _drop(self, name: str) -> None:
+        with self._guard:
+            t = self._connections.pop(name, None)
+        if t is not None:
+            t.close()
+
+    def _connection(self, target: Target) -> paramiko.Transport:
+        name = target.name
+        with self._lock_for(name):
+            t = self._connections.get(name)
+            if t is not None and t.is_active():
+                return t
+            sock: socket.socket | paramiko.Channel
+            if target.jump is not None:
+                jump_t = self._jump_connection(target.jump)
+                sock = self._open_tunnel(target.jump.name, jump_t, target.container.endpoint)
+            else:
+                sock = self._dial(target.container.endpoint)
+            t = self._handshake(target.container.endpoint, sock)
+            with self._guard:
+                self._connections[name] = t
+            return t
+
+    def _jump_connection(self, endpoint: Endpoint) -> paramiko.Transport:
+        key = f"jump:{endpoint.name}"
+        with self._lock_for(key):
+            t = self._connections.get(key)
+            if t is not None and t.is_active():
+                return t
+            t = self._handshake(endpoint, self._dial(endpoint))
+            with self._guard:
+                self._connections[key] = t
+            return t
+
+    def _dial(self, endpoint: Endpoint) -> socket.socket:
+        try:
+            return socket.create_connection((endpoint.address, endpoint.ssh.port), timeout=endpoint.ssh.connect_timeout)
+        except TimeoutError as exc:
+            raise ConnectFailed(endpoint.name, f"connect to {endpoint.address}:{endpoint.ssh.port} timed out") from exc
+        except OSError as exc:
+            raise ConnectFailed(endpoint.name, f"connect to {endpoint.address}:{endpoint.ssh.port}: {exc.strerror or exc}") from exc
+
+    def _open_tunnel(self, jump_name: str, jump: paramiko.Transport, endpoint: Endpoint) -> paramiko.Channel:
+        try:
+            return jump.open_channel(
+                "direct-tcpip",
+                (endpoint.address, endpoint.ssh.port),
+                ("127.0.0.1", 0),
+                timeout=endpoint.ssh.connect_timeout,
+            )
+        except paramiko.ChannelException as exc:
+            raise ConnectFailed(
+                endpoint.name, f"jump host {jump_name} could not reach {endpoint.address}:{endpoint.ssh.port}: {exc.text}"
+            ) from exc
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            self._drop(f"jump:{jump_name}")
+            raise ConnectFailed(endpoint.name, f"tunnel through {jump_name} failed: {exc}") from exc
+
+    def _handshake(self, endpoint: Endpoint, sock: socket.socket | paramiko.Channel) -> paramiko.Transport:
+        name = KnownHosts.host_name(endpoint.address, endpoint.ssh.port)
+        t = paramiko.Transport(sock)
+        ok = False
+        try:
+            preferred = self.known_hosts.preferred_type(name)
+            if preferred is not None:
+                options = t.get_security_options()
+                options.key_types = [preferred] + [k for k in options.key_types if k != preferred]
+            try:
+                t.start_client(timeout=endpoint.ssh.connect_timeout)
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                raise ConnectFailed(endpoint.name, f"SSH handshake with {name} failed: {exc or type(exc).__name__}") from exc
+            key = t.get_remote_server_key()
+            self.known_hosts.check(endpoint.name, name, key, self.accept_new)
+            self._authenticate(t, endpoint)
+            self.counters(endpoint.name).connects += 1
+            ok = True
+            return t
+        finally:
+            if not ok:
+                t.close()
+
+    def _authenticate(self, t: paramiko.Transport, endpoint: Endpoint) -> None:
+        keys = self._private_keys(endpoint)
+        last: Exception | None = None
+        for pkey in keys:
+            try:
+                t.auth_publickey(endpoint.ssh.user, pkey)
+                return
+            except paramiko.AuthenticationException as exc:
+                last = exc
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                raise ConnectionLost(endpoint.name, f"connection lost during authentication: {exc}") from exc
+        which = str(endpoint.ssh.key) if endpoint.ssh.key else "the ssh-agent and default keys"
+        raise AuthenticationFailed(
+            endpoint.name, f"public key authentication as {endpoint.ssh.user} failed with {which}" + (f": {last}" if last else "")
+        )
+
+    def _private_keys(self, endpoint: Endpoint) -> list[paramiko.PKey]:
+        path = endpoint.ssh.key
+        with self._guard:
+            cached = self._keys.get(path)
+        if cached is not None:
+            return cached
+        keys: list[paramiko.PKey] = []
+        if path is not None:
+            try:
+                keys.append(paramiko.PKey.from_path(path))
+            except FileNotFoundError as exc:
+                raise AuthenticationFailed(endpoint.name, f"private key {path} does not exist") from exc
+            except (paramiko.SSHException, OSError, ValueError) as exc:
+                raise AuthenticationFailed(endpoint.name, f"cannot load private key {path}: {exc}") from exc
+        else:
+            keys.extend(paramiko.Agent().get_keys())
+            for candidate in ("id_ed25519", "id_ecdsa", "id_rsa"):
+                default = Path.home() / ".ssh" / candidate
+                if default.exists():
+                    try:
+                        keys.append(paramiko.PKey.from_path(default))
+                    except (paramiko.SSHException, OSError, ValueError):
+                        continue
+        with self._guard:
+            self._keys[path] = keys
+        return keys
+
+    # --- commands ----------------------------------------------------------------------
+
+    def _run_once(self, target: Target, command: Command, stdin: bytes, timeout: float | None) -> Result:
+        name = target.name
+        t = self._connection(target)
+        limit = timeout if timeout is not None else target.container.ssh.command_timeout
+        counters = self.counters(name)
+        try:
+            chan = t.open_session(timeout=target.container.ssh.connect_timeout)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            self._drop(name)
+            raise ConnectionLost(name, f"could not open a session: {exc or type(exc).__name__}") from exc
+        counters.execs += 1
+        try:
+            return self._exchange(name, chan, command, stdin, limit, counters)
+        finally:
+            chan.close()
+
+    def _exchange(
+        self, name: str, chan: paramiko.Channel, command: Command, stdin: bytes, limit: float, counters: Counters
+    ) -> Result:
+        deadline = time.monotonic() + limit
+        out, err = bytearray(), bytearray()
+        try:
+            chan.exec_command(command.render())
+            chan.settimeout(limit)
+            chan.sendall(stdin)
+            counters.bytes_sent += len(stdin)
+            chan.shutdown_write()
+            chan.setblocking(False)
+            while True:
+                drained = False
+                while chan.recv_ready():
+                    out += chan.recv(1 << 16)
+                    drained = True
+                while chan.recv_stderr_ready():
+                    err += chan.recv_stderr(1 << 16)
+                    drained = True
+                if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+                if chan.closed and not drained:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommandTimeout(name, f"{command.argv[0]} did not finish within {limit:.0f} s")
+                if not drained:
+                    select.select([chan], [], [], min(remaining, 1.0))
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            self._drop(name)
+            raise ConnectionLost(name, f"connection lost during the command: {exc or type(exc).__name__}") from exc
+        status = chan.recv_exit_status() if chan.exit_status_ready() else -1
+        if status == -1:
+            self._drop(name)
+            raise ConnectionLost(name, "the connection closed before the command reported its exit status")
+        return Result(name, command, status, bytes(out), bytes(err))

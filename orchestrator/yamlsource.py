@@ -1,0 +1,256 @@
+"""YAML loading that remembers where every key came from.
+
+Inventory and playbook errors must name the file, the line and the key path, so we compose
+the node tree ourselves instead of calling ``yaml.safe_load``: every mapping key and every
+sequence item records its line. Duplicate keys, which PyYAML silently lets win, are errors.
+A ``Field`` walks the data with its path and turns each wrong type into one ``InputError``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.errors import InputError
+
+KeyPath = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Document:
+    file: str
+    data: Any
+    lines: dict[KeyPath, int]
+
+    def line_of(self, path: KeyPath) -> int | None:
+        """Line of the deepest known prefix of ``path`` (a missing key points at its parent)."""
+        for end in range(len(path), -1, -1):
+            line = self.lines.get(path[:end])
+            if line is not None:
+                return line
+        return None
+
+
+def load_file(path: Path) -> Document:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError("file not found", file=str(path)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read: {exc}", file=str(path)) from exc
+    return load_text(text, str(path))
+
+
+def load_text(text: str, file: str) -> Document:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        lines: dict[KeyPath, int] = {}
+        data = _build(loader, node, (), lines, file) if node is not None else None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        raise InputError(f"invalid YAML: {exc.problem or exc.context}", file=file, line=line) from exc
+    except yaml.YAMLError as exc:
+        raise InputError(f"invalid YAML: {exc}", file=file) from exc
+    finally:
+        loader.dispose()
+    return Document(file, data, lines)
+
+
+def _build(loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int], file: str) -> Any:
+    lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        loader.flatten_mapping(node)
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise InputError(
+                    "mapping keys must be strings", file=file, line=key_node.start_mark.line + 1, key=_dotted(path)
+                )
+            key = str(key)
+            child = (*path, key)
+            if key in out:
+                raise InputError(
+                    f"duplicate key (first at line {lines[child]})",
+                    file=file,
+                    line=key_node.start_mark.line + 1,
+                    key=_dotted(child),
+                )
+            lines[child] = key_node.start_mark.line + 1
+            out[key] = _build(loader, value_node, child, lines, file)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_build(loader, item, (*path, i), lines, file) for i, item in enumerate(node.value)]
+    return loader.construct_object(node, deep=True)
+
+
+def _dotted(path: KeyPath) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+_MISSING: Any = object()
+
+
+class Field:
+    """A value inside a document, with its key path; typed accessors raise located errors."""
+
+    def __init__(self, doc: Document, path: KeyPath = (), value: Any = _MISSING) -> None:
+        self.doc = doc
+        self.path = path
+        self.value = doc.data if value is _MISSING else value
+
+    @property
+    def key(self) -> str:
+        return _dotted(self.path)
+
+    def error(self, message: str) -> InputError:
+        return InputError(message, file=self.doc.file, line=self.doc.line_of(self.path), key=self.key or None)
+
+    # --- structure ---------------------------------------------------------------------
+
+    def mapping(self, allowed: set[str] | None = None, *, required: frozenset[str] = frozenset()) -> Field:
+        if self.value is None and not required:
+            self.value = {}
+        if not isinstance(self.value, dict):
+            raise self.error(f"expected a mapping, got {_kind(self.value)}")
+        if allowed is not None:
+            for name in self.value:
+                if name not in allowed:
+                    hint = difflib.get_close_matches(name, sorted(allowed), n=1)
+                    also = f" (did you mean '{hint[0]}'?)" if hint else f"; allowed: {', '.join(sorted(allowed))}"
+                    raise self[name].error(f"unknown key{also}")
+        for name in sorted(required):
+            if name not in self.value:
+                raise self.error(f"missing required key '{name}'")
+        return self
+
+    def __getitem__(self, key: str | int) -> Field:
+        child = (*self.path, key)
+        if isinstance(key, int):
+            return Field(self.doc, child, self.value[key])
+        if isinstance(self.value, dict) and key in self.value:
+            return Field(self.doc, child, self.value[key])
+        return _Absent(self.doc, child)
+
+    def __contains__(self, key: str) -> bool:
+        return isinstance(self.value, dict) and key in self.value
+
+    def items(self) -> Iterator[tuple[str, Field]]:
+        self.mapping()
+        for name in self.value:
+            yield name, self[name]
+
+    def sequence(self) -> list[Field]:
+        if self.value is None:
+            return []
+        if not isinstance(self.value, list):
+            raise self.error(f"expected a list, got {_kind(self.value)}")
+        return [self[i] for i in range(len(self.value))]
+
+    @property
+    def present(self) -> bool:
+        return True
+
+    # --- scalars -----------------------------------------------------------------------
+
+    def str(self, default: Any = _MISSING) -> Any:
+        if not self.present:
+            return self._default(default)
+        if not isinstance(self.value, str) or not self.value:
+            raise self.error(f"expected a non-empty string, got {_kind(self.value)}")
+        return self.value
+
+    def int(self, default: Any = _MISSING, *, minimum: int | None = None, maximum: int | None = None) -> Any:
+        if not self.present:
+            return self._default(default)
+        if not isinstance(self.value, int) or isinstance(self.value, bool):
+            raise self.error(f"expected an integer, got {_kind(self.value)}")
+        if minimum is not None and self.value < minimum:
+            raise self.error(f"must be at least {minimum}, got {self.value}")
+        if maximum is not None and self.value > maximum:
+            raise self.error(f"must be at most {maximum}, got {self.value}")
+        return self.value
+
+    def number(self, default: Any = _MISSING, *, minimum: float | None = None) -> Any:
+        if not self.present:
+            return self._default(default)
+        if not isinstance(self.value, (int, float)) or isinstance(self.value, bool):
+            raise self.error(f"expected a number, got {_kind(self.value)}")
+        if minimum is not None and self.value < minimum:
+            raise self.error(f"must be at least {minimum}, got {self.value}")
+        return float(self.value)
+
+    def bool(self, default: Any = _MISSING) -> Any:
+        if not self.present:
+            return self._default(default)
+        if not isinstance(self.value, bool):
+            raise self.error(f"expected true or false, got {_kind(self.value)}")
+        return self.value
+
+    def int_list(self, default: Any = _MISSING) -> Any:
+        if not self.present:
+            return self._default(default)
+        ok = isinstance(self.value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in self.value)
+        if not ok:
+            raise self.error("expected a list of integers")
+        return tuple(self.value)
+
+    def str_list(self, default: Any = _MISSING) -> Any:
+        if not self.present:
+            return self._default(default)
+        if isinstance(self.value, str):
+            return (self.value,)
+        ok = isinstance(self.value, list) and all(isinstance(v, str) and v for v in self.value)
+        if not ok:
+            raise self.error("expected a list of strings")
+        return tuple(self.value)
+
+    def str_map(self, default: Any = _MISSING) -> Any:
+        if not self.present:
+            return self._default(default)
+        ok = isinstance(self.value, dict) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in self.value.values())
+        if not ok:
+            raise self.error("expected a mapping of names to strings")
+        return {k: str(v) for k, v in self.value.items()}
+
+    def _default(self, default: Any) -> Any:
+        if default is _MISSING:
+            raise self.error("missing required key")
+        return default
+
+
+class _Absent(Field):
+    """A key that is not in the document: accessors return their default or say it is missing."""
+
+    def __init__(self, doc: Document, path: KeyPath) -> None:
+        super().__init__(doc, path, None)
+
+    @property
+    def present(self) -> bool:
+        return False
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    if isinstance(value, str):
+        return f"a string ({value!r})" if value else "an empty string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__

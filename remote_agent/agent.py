@@ -1,0 +1,650 @@
+"""dflash-orchestrator remote agent.
+
+Runs on the container with nothing but the Python standard library (3.8+). The controller
+sends this file and a request over one SSH exec: a JSON object ``{"v": 1, "ops": [...]}``
+on stdin; the agent answers with ``{"v": 1, "results": [...]}`` on stdout. Operations run in
+order and the batch stops at the first failure; every failure is a structured record
+(op, path, errno, code, message), never a traceback for the controller to parse.
+
+Everything the agent writes lives under the deploy root the request names:
+
+    <root>/.lock                       flock held for the whole batch by the ``lock`` op
+    <root>/releases/<id>/...           one immutable directory per release
+    <root>/releases/<id>/.manifest.json  what the release holds (path -> sha256)
+    <root>/current  -> releases/<id>   what the server reads
+    <root>/previous -> releases/<id>   where ``rollback`` goes
+"""
+
+import base64
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+PROTOCOL_VERSION = 1
+MANIFEST = ".manifest.json"
+STAGING_PREFIX = ".staging-"
+CHUNK = 1 << 20
+
+# Kept open for the life of the process: the flock is released when the batch ends.
+_held_locks = []
+
+
+class OpError(Exception):
+    """A failure to report to the controller as data."""
+
+    def __init__(self, code, message, path=None, err=None):
+        Exception.__init__(self, message)
+        self.code = code
+        self.message = message
+        self.path = path
+        self.errno = err
+
+
+def _os_error(code, exc, path):
+    name = errno.errorcode.get(exc.errno or 0, "")
+    return OpError(code, "%s: %s" % (name or "error", exc.strerror or exc), path, exc.errno)
+
+
+# --- paths -----------------------------------------------------------------------------
+
+
+def _root(req):
+    root = req.get("root")
+    if not isinstance(root, str) or not os.path.isabs(root):
+        raise OpError("bad_request", "root must be an absolute path", root)
+    try:
+        os.makedirs(root, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise _os_error("io", exc, root)
+    return os.path.realpath(root)
+
+
+def _inside(root_real, path):
+    """Refuse a path outside the deploy root, or one whose real location escapes it."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise OpError("bad_path", "path must be a non-empty string", path)
+    joined = os.path.normpath(os.path.join(root_real, path))
+    if joined != root_real and not joined.startswith(root_real + os.sep):
+        raise OpError("outside_root", "path is outside the deploy root %s" % root_real, path)
+    # Resolve every symlink on the way: a link inside the root may point elsewhere.
+    real = os.path.realpath(joined)
+    if real != root_real and not real.startswith(root_real + os.sep):
+        raise OpError(
+            "symlink_escape",
+            "path resolves to %s, outside the deploy root %s (symlink)" % (real, root_real),
+            path,
+        )
+    return joined
+
+
+def _rel(root_real, path):
+    return os.path.relpath(path, root_real)
+
+
+# --- file primitives -------------------------------------------------------------------
+
+
+def _sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(CHUNK)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sha256_or_none(path):
+    try:
+        return _sha256_file(path)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return None
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _stat_record(path):
+    st = os.stat(path)
+    return {
+        "size": st.st_size,
+        "mode": "%04o" % stat.S_IMODE(st.st_mode),
+        "inode": st.st_ino,
+        "mtime": st.st_mtime,
+    }
+
+
+def _atomic_write(final, data, expected, mode):
+    """Steps 4-7 of the write protocol: temp file, verify, rename, fresh read-back."""
+    directory = os.path.dirname(final)
+    try:
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise _os_error("io", exc, directory)
+    tmp = os.path.join(directory, ".%s.tmp-%d" % (os.path.basename(final), os.getpid()))
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except OSError as exc:
+        raise _os_error("io", exc, tmp)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fchmod(fd, mode)  # O_CREAT's mode is filtered by the umask
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        got = _sha256_file(tmp)
+        if got != expected:
+            raise OpError(
+                "checksum",
+                "temp file holds sha256 %s, expected %s" % (got, expected),
+                tmp,
+            )
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+    except OSError as exc:
+        _unlink_quietly(tmp)
+        raise _os_error("io", exc, final)
+    except OpError:
+        _unlink_quietly(tmp)
+        raise
+    _read_back(final, expected)
+
+
+def _read_back(path, expected):
+    """Open the final path afresh: what the server will read must be what we meant."""
+    got = _sha256_or_none(path)
+    if got != expected:
+        raise OpError(
+            "drift",
+            "read-back of the final path gives sha256 %s, expected %s: the file was changed "
+            "after the write, or this path is not where the bytes landed" % (got, expected),
+            path,
+        )
+
+
+def _unlink_quietly(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _decode_content(spec):
+    try:
+        data = base64.b64decode(spec["content_b64"], validate=True)
+    except (KeyError, ValueError, TypeError):
+        raise OpError("bad_request", "content_b64 is missing or not base64", spec.get("path"))
+    expected = spec.get("sha256")
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise OpError("checksum", "content does not match its sha256 in transit", spec.get("path"))
+    return data, expected
+
+
+def _mode(spec):
+    mode = spec.get("mode", "0644")
+    try:
+        value = int(mode, 8)
+    except (TypeError, ValueError):
+        raise OpError("bad_request", "mode must be an octal string", spec.get("path"))
+    if value & ~0o7777:
+        raise OpError("bad_request", "mode out of range", spec.get("path"))
+    return value
+
+
+# --- releases --------------------------------------------------------------------------
+
+
+def _releases_dir(root_real):
+    path = os.path.join(root_real, "releases")
+    try:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+    _inside(root_real, "releases")
+    return path
+
+
+def _link_target(root_real, name):
+    """Release id a ``current``/``previous`` link points at, or None."""
+    link = os.path.join(root_real, name)
+    try:
+        target = os.readlink(link)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise OpError("not_a_link", "%s exists and is not a symlink" % name, link)
+        raise _os_error("io", exc, link)
+    parent, release_id = os.path.split(os.path.normpath(target))
+    if parent != "releases":
+        raise OpError("bad_link", "%s points at %s, outside releases/" % (name, target), link)
+    return release_id
+
+
+def _check_release_id(release_id):
+    ok = isinstance(release_id, str) and release_id and len(release_id) <= 128
+    if not ok or release_id.startswith(".") or "/" in release_id or "\x00" in release_id:
+        raise OpError("bad_request", "bad release id %r" % (release_id,), None)
+
+
+def _read_manifest(release_dir):
+    try:
+        with open(os.path.join(release_dir, MANIFEST), "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _set_link(root_real, name, release_id):
+    """Point ``name`` at a release with a rename over the old link (atomic)."""
+    link = os.path.join(root_real, name)
+    tmp = os.path.join(root_real, ".%s.tmp-%d" % (name, os.getpid()))
+    _unlink_quietly(tmp)
+    try:
+        os.symlink(os.path.join("releases", release_id), tmp)
+        os.replace(tmp, link)
+        _fsync_dir(root_real)
+    except OSError as exc:
+        _unlink_quietly(tmp)
+        raise _os_error("io", exc, link)
+
+
+def _switch(root_real, release_id):
+    """Make ``release_id`` current, keeping the old current as ``previous``."""
+    old = _link_target(root_real, "current")
+    if old == release_id:
+        return old
+    if old is not None:
+        _set_link(root_real, "previous", old)
+    _set_link(root_real, "current", release_id)
+    return old
+
+
+def _served_files(root_real, files):
+    """Digests through ``current``, resolved: the path the server reads."""
+    current = _link_target(root_real, "current")
+    out = []
+    for spec in files:
+        served = _inside(root_real, os.path.join("current", spec["path"]))
+        real = os.path.realpath(served)
+        out.append({"path": spec["path"], "remote_path": real, "sha256": _sha256_or_none(real)})
+    return current, out
+
+
+def _clean_staging(releases):
+    for name in os.listdir(releases):
+        if name.startswith(STAGING_PREFIX):
+            shutil.rmtree(os.path.join(releases, name), ignore_errors=True)
+
+
+def _prune(root_real, releases, keep):
+    protected = set(
+        x for x in (_link_target(root_real, "current"), _link_target(root_real, "previous")) if x
+    )
+    candidates = []
+    for name in os.listdir(releases):
+        path = os.path.join(releases, name)
+        if name.startswith(".") or name in protected or not os.path.isdir(path):
+            continue
+        candidates.append((os.stat(path).st_mtime, name))
+    candidates.sort()
+    excess = len(candidates) + len(protected) - keep
+    pruned = []
+    for _, name in candidates[: max(0, excess)]:
+        shutil.rmtree(os.path.join(releases, name))
+        pruned.append(name)
+    return pruned
+
+
+def op_release_apply(req):
+    """Put a release's files and make it current, or report that current already holds them."""
+    root = _root(req)
+    release_id = req.get("release_id")
+    _check_release_id(release_id)
+    files = req.get("files") or []
+    keep = int(req.get("keep", 5))
+    for spec in files:
+        _inside(root, os.path.join("releases", release_id, spec.get("path", "")))
+    releases = _releases_dir(root)
+    _clean_staging(releases)
+
+    current, served = _served_files(root, files)
+    before = dict((f["path"], f["sha256"]) for f in served)
+    wanted = dict((f["path"], f["sha256"]) for f in files)
+    if current is not None:
+        manifest = _read_manifest(os.path.join(releases, current))
+        if manifest == {"files": wanted} and all(before[p] == wanted[p] for p in wanted):
+            return {
+                "changed": False,
+                "release_id": current,
+                "previous": _link_target(root, "previous"),
+                "files": [dict(f, changed=False) for f in served],
+                "pruned": [],
+            }
+
+    final_dir = os.path.join(releases, release_id)
+    if os.path.lexists(final_dir):
+        # A retried batch after a cut connection may find its own finished release.
+        if _read_manifest(final_dir) != {"files": wanted}:
+            raise OpError("release_exists", "release %s exists with other content" % release_id, final_dir)
+    else:
+        staging = os.path.join(releases, "%s%s-%d" % (STAGING_PREFIX, release_id, os.getpid()))
+        os.mkdir(staging, 0o755)
+        for spec in files:
+            data, expected = _decode_content(spec)
+            _atomic_write(os.path.join(staging, spec["path"]), data, expected, _mode(spec))
+        body = json.dumps({"files": wanted}, sort_keys=True).encode("utf-8")
+        _atomic_write(os.path.join(staging, MANIFEST), body, hashlib.sha256(body).hexdigest(), 0o644)
+        try:
+            os.rename(staging, final_dir)
+            _fsync_dir(releases)
+        except OSError as exc:
+            raise _os_error("io", exc, final_dir)
+    for spec in files:
+        _read_back(os.path.join(final_dir, spec["path"]), spec["sha256"])
+
+    previous = _switch(root, release_id)
+    current, served = _served_files(root, files)
+    for f in served:
+        if f["sha256"] != wanted[f["path"]]:
+            raise OpError(
+                "drift",
+                "after the switch, %s reads sha256 %s, expected %s" % (f["remote_path"], f["sha256"], wanted[f["path"]]),
+                f["remote_path"],
+            )
+    out = []
+    for f in served:
+        record = dict(f, changed=before[f["path"]] != f["sha256"])
+        record.update(_stat_record(f["remote_path"]))
+        record["before"] = before[f["path"]]
+        out.append(record)
+    return {
+        "changed": True,
+        "release_id": release_id,
+        "previous": previous,
+        "files": out,
+        "pruned": _prune(root, releases, keep),
+    }
+
+
+def op_release_verify(req):
+    """Read-only: the digests of the files the server reads, through ``current``."""
+    root = _root(req)
+    current, served = _served_files(root, req.get("files") or [])
+    manifest = None
+    if current is not None:
+        manifest = _read_manifest(os.path.join(root, "releases", current))
+    return {"current": current, "previous": _link_target(root, "previous"), "files": served, "manifest": manifest}
+
+
+def op_release_inspect(req):
+    """What ``current`` holds, with small text contents, for dry-run diffs."""
+    root = _root(req)
+    limit = int(req.get("max_bytes", 256 * 1024))
+    current, served = _served_files(root, req.get("files") or [])
+    for f in served:
+        f["content_b64"] = None
+        if f["sha256"] is not None and os.path.getsize(f["remote_path"]) <= limit:
+            with open(f["remote_path"], "rb") as fh:
+                f["content_b64"] = base64.b64encode(fh.read()).decode("ascii")
+    return {"current": current, "files": served}
+
+
+def op_release_list(req):
+    root = _root(req)
+    releases = _releases_dir(root)
+    items = []
+    for name in sorted(os.listdir(releases)):
+        path = os.path.join(releases, name)
+        if not name.startswith(".") and os.path.isdir(path):
+            items.append({"release_id": name, "mtime": os.stat(path).st_mtime})
+    items.sort(key=lambda r: r["mtime"])
+    return {
+        "current": _link_target(root, "current"),
+        "previous": _link_target(root, "previous"),
+        "releases": items,
+    }
+
+
+def op_release_switch(req):
+    """Switch ``current`` (rollback when no release is named), then read it back."""
+    root = _root(req)
+    target = req.get("release_id") or _link_target(root, "previous")
+    if target is None:
+        raise OpError("no_previous", "there is no previous release to go back to", root)
+    _check_release_id(target)
+    release_dir = os.path.join(root, "releases", target)
+    manifest = _read_manifest(release_dir)
+    if manifest is None:
+        raise OpError("no_release", "release %s does not exist (or has no manifest)" % target, release_dir)
+    wanted = manifest["files"]
+    for path, digest in sorted(wanted.items()):
+        _read_back(os.path.join(release_dir, path), digest)
+    previous = _switch(root, target)
+    current, served = _served_files(root, [{"path": p} for p in sorted(wanted)])
+    for f in served:
+        if f["sha256"] != wanted[f["path"]]:
+            raise OpError("drift", "after the switch, sha256 %s differs" % f["sha256"], f["remote_path"])
+    return {"release_id": current, "previous": previous, "files": served}
+
+
+# --- single files and facts -------------------------------------------------------------
+
+
+def op_put(req):
+    """Atomic write of one file under the root (steps 1-8 of the protocol)."""
+    root = _root(req)
+    final = _inside(root, req.get("path"))
+    data, expected = _decode_content(req)
+    before = _sha256_or_none(final)
+    if before == expected:
+        record = {"path": final, "changed": False, "before": before, "sha256": expected}
+        record.update(_stat_record(final))
+        return record
+    _atomic_write(final, data, expected, _mode(req))
+    record = {"path": final, "changed": True, "before": before, "sha256": expected}
+    record.update(_stat_record(final))
+    return record
+
+
+def op_read(req):
+    root = _root(req)
+    path = _inside(root, req.get("path"))
+    limit = int(req.get("max_bytes", 1 << 20))
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+    if len(data) > limit:
+        raise OpError("too_large", "file is larger than %d bytes" % limit, path)
+    return {"path": path, "content_b64": base64.b64encode(data).decode("ascii"), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def op_stat(req):
+    root = _root(req)
+    out = []
+    for rel in req.get("paths") or []:
+        path = _inside(root, rel)
+        try:
+            record = _stat_record(path)
+        except FileNotFoundError:
+            out.append({"path": path, "exists": False})
+            continue
+        except OSError as exc:
+            raise _os_error("io", exc, path)
+        record.update({"path": path, "exists": True})
+        if req.get("sha256") and os.path.isfile(path):
+            record["sha256"] = _sha256_file(path)
+        out.append(record)
+    return {"files": out}
+
+
+def op_lock(req):
+    """Exclusive flock on the deploy root, held until this batch ends."""
+    root = _root(req)
+    timeout = float(req.get("timeout", 60))
+    path = os.path.join(root, ".lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+    started = time.monotonic()
+    delay = 0.01
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() - started >= timeout:
+                holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+                os.close(fd)
+                raise OpError(
+                    "locked",
+                    "deploy root is locked by another run (%s); waited %.1f s" % (holder or "unknown holder", timeout),
+                    path,
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+    waited = time.monotonic() - started
+    holder = json.dumps({"owner": req.get("owner", ""), "pid": os.getpid(), "since": time.time()})
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder.encode("utf-8"), 0)
+    _held_locks.append(fd)
+    return {"path": path, "waited_s": round(waited, 3)}
+
+
+def _gpus():
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if proc.returncode != 0:
+        return []
+    gpus = []
+    for line in proc.stdout.decode("utf-8", "replace").splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 4:
+            gpus.append({"index": int(parts[0]), "name": parts[1], "memory": parts[2], "driver": parts[3]})
+    return gpus
+
+
+def op_facts(req):
+    facts = {
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "uid": os.getuid(),
+        "kernel": platform.release(),
+        "os": {},
+        "gpus": _gpus(),
+    }
+    try:
+        with open("/etc/os-release") as f:
+            for line in f:
+                key, _, value = line.strip().partition("=")
+                if key in ("ID", "VERSION_ID", "PRETTY_NAME"):
+                    facts["os"][key.lower()] = value.strip('"')
+    except OSError:
+        pass
+    root = req.get("root")
+    if root:
+        probe = root
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        usage = shutil.disk_usage(probe)
+        facts["disk"] = {"path": probe, "free": usage.free, "total": usage.total}
+    return facts
+
+
+OPS = {
+    "facts": op_facts,
+    "stat": op_stat,
+    "read": op_read,
+    "put": op_put,
+    "lock": op_lock,
+    "release_apply": op_release_apply,
+    "release_verify": op_release_verify,
+    "release_inspect": op_release_inspect,
+    "release_list": op_release_list,
+    "release_switch": op_release_switch,
+}
+
+
+def run(request):
+    results = []
+    failed = False
+    for op in request.get("ops", []):
+        name = op.get("op") if isinstance(op, dict) else None
+        if failed:
+            results.append({"op": name, "ok": False, "skipped": True})
+            continue
+        handler = OPS.get(name)
+        try:
+            if handler is None:
+                raise OpError("unknown_op", "unknown operation %r" % (name,))
+            value = handler(op)
+            results.append({"op": name, "ok": True, "result": value})
+        except OpError as exc:
+            failed = True
+            results.append({"op": name, "ok": False, "error": {
+                "op": name, "code": exc.code, "message": exc.message, "path": exc.path, "errno": exc.errno}})
+        except OSError as exc:
+            failed = True
+            path = getattr(exc, "filename", None)
+            results.append({"op": name, "ok": False, "error": {
+                "op": name, "code": "io", "message": "%s: %s" % (errno.errorcode.get(exc.errno or 0, "error"), exc.strerror or exc),
+                "path": path, "errno": exc.errno}})
+        except Exception as exc:  # noqa: BLE001 - a bug must still come back as data
+            failed = True
+            results.append({"op": name, "ok": False, "error": {
+                "op": name, "code": "internal", "message": "%s: %s" % (type(exc).__name__, exc), "path": None, "errno": None}})
+    return {"v": PROTOCOL_VERSION, "results": results}
+
+
+def main():
+    raw = sys.stdin.buffer.read()
+    try:
+        request = json.loads(raw.decode("utf-8"))
+        if request.get("v") != PROTOCOL_VERSION:
+            raise ValueError("protocol version %r, agent speaks %d" % (request.get("v"), PROTOCOL_VERSION))
+    except (ValueError, AttributeError) as exc:
+        response = {"v": PROTOCOL_VERSION, "error": "bad request: %s" % exc, "results": []}
+    else:
+        response = run(request)
+    out = json.dumps(response).encode("utf-8")
+    sys.stdout.buffer.write(out)
+    sys.stdout.buffer.flush()
+
+
+if __name__ == "__main__":
+    main()
