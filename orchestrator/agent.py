@@ -63,7 +63,9 @@ def decode_response(host: str, exit_status: int, stdout: bytes, stderr: bytes) -
             hint = ": the agent's Python interpreter was not found (set python: in the inventory)"
         elif first and "SyntaxError" in first[-1]:
             hint = ": the host's Python is too old (the agent needs 3.8+)"
-        raise AgentProtocolError(host, f"the agent gave no readable answer{hint}", exit_status, stderr.decode("utf-8", "replace")) from None
+        raise AgentProtocolError(
+            host, f"the agent gave no readable answer{hint}", exit_status, stderr.decode("utf-8", "replace")
+        ) from None
     if not isinstance(data, dict) or data.get("v") != PROTOCOL_VERSION or not isinstance(data.get("results"), list):
         raise AgentProtocolError(host, f"unexpected agent answer: {str(data)[:200]}", exit_status, "")
     if data.get("error"):
@@ -97,5 +99,7 @@ class AgentClient:
             if r.failure is not None:
                 raise AgentError(target.name, r.failure)
         if len(results) != len(ops):
-            raise AgentProtocolError(target.name, f"expected {len(ops)} results, got {len(results)}", result.exit_status, result.tail())
+            raise AgentProtocolError(
+                target.name, f"expected {len(ops)} results, got {len(results)}", result.exit_status, result.tail()
+            )
         return results

@@ -65,14 +65,27 @@ def build_parser() -> argparse.ArgumentParser:
             default=Path(os.environ.get("ORCHESTRATE_INVENTORY", DEFAULT_INVENTORY)),
             help=f"inventory YAML (default: $ORCHESTRATE_INVENTORY or {DEFAULT_INVENTORY})",
         )
-        p.add_argument("-l", "--limit", action="append", default=[], metavar="TARGET",
-                       help="only these containers, groups or GPU hosts (repeatable; within the playbook's targets)")
+        p.add_argument(
+            "-l",
+            "--limit",
+            action="append",
+            default=[],
+            metavar="TARGET",
+            help="only these containers, groups or GPU hosts (repeatable; within the playbook's targets)",
+        )
         p.add_argument("-f", "--forks", type=_positive_int, default=16, help="hosts worked on at once (default 16)")
         p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-        p.add_argument("--accept-new-host-keys", action="store_true",
-                       help="trust and record host keys not yet in known_hosts (changed keys are always refused)")
-        p.add_argument("--lock-timeout", type=_seconds, default=60.0,
-                       help="seconds to wait for another run's lock on a deploy root (default 60)")
+        p.add_argument(
+            "--accept-new-host-keys",
+            action="store_true",
+            help="trust and record host keys not yet in known_hosts (changed keys are always refused)",
+        )
+        p.add_argument(
+            "--lock-timeout",
+            type=_seconds,
+            default=60.0,
+            help="seconds to wait for another run's lock on a deploy root (default 60)",
+        )
         p.add_argument("--state-dir", type=Path, default=None, help="state database directory")
         return p
 
@@ -173,7 +186,9 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     if args.sandbox_command == "up":
         _say(f"sandbox: bringing up {args.hosts} {args.kind} hosts in {box.dir}")
         status = box.up(args.hosts, _say)
-        print(f"inventory:   {status['inventory']}\nssh_config:  {status['ssh_config']}\nknown_hosts: {status['known_hosts']}")
+        print(
+            f"inventory:   {status['inventory']}\nssh_config:  {status['ssh_config']}\nknown_hosts: {status['known_hosts']}"
+        )
         return EXIT_OK
     if args.sandbox_command == "status":
         status = box.status()
@@ -213,4 +228,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
     sys.exit(main())
-

@@ -32,7 +32,7 @@ class RunOptions:
     accept_new_host_keys: bool = False
     lock_timeout: float = 60.0
     release_id: str | None = None
-    retry: RetryPolicy = RetryPolicy()
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
 @dataclass
@@ -106,9 +106,7 @@ def _fan_out(
     """Run ``work`` per target with at most ``forks`` at once, batch by batch per the rollout."""
     reports = {t.name: HostReport(t.name) for t in targets}
     by_name = {t.name: t for t in targets}
-    batches = (
-        plan.rollout_batches(list(by_name), rollout.canary, rollout.batch_size) if rollout else [list(by_name)]
-    )
+    batches = plan.rollout_batches(list(by_name), rollout.canary, rollout.batch_size) if rollout else [list(by_name)]
     budget = rollout.max_failures if rollout and (rollout.canary or rollout.batch_size) else None
 
     def one(name: str) -> None:

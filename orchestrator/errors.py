@@ -1,18 +1,18 @@
 """The project's exception tree. Third-party errors are mapped into it at the transport boundary.
 
-    OrchestratorError                 exit code 1 unless a subclass says otherwise
-    ├── InputError                    exit 2: a file, its line and the key path
-    ├── TransportError                one host could not be reached or talked to
-    │   ├── HostKeyError              never retried
-    │   │   ├── UnknownHostKey
-    │   │   └── HostKeyChanged
-    │   ├── AuthenticationFailed      never retried
-    │   ├── ConnectFailed             transient: refused, unreachable, timed out
-    │   ├── ConnectionLost            transient: reset or closed during a command
-    │   └── CommandTimeout
-    ├── AgentError                    the remote agent reported a structured failure
-    ├── StateError                    the local state database
-    └── SandboxError                  setting up or tearing down the local sandbox
+OrchestratorError                 exit code 1 unless a subclass says otherwise
+├── InputError                    exit 2: a file, its line and the key path
+├── TransportError                one host could not be reached or talked to
+│   ├── HostKeyError              never retried
+│   │   ├── UnknownHostKey
+│   │   └── HostKeyChanged
+│   ├── AuthenticationFailed      never retried
+│   ├── ConnectFailed             transient: refused, unreachable, timed out
+│   ├── ConnectionLost            transient: reset or closed during a command
+│   └── CommandTimeout
+├── AgentError                    the remote agent reported a structured failure
+├── StateError                    the local state database
+└── SandboxError                  setting up or tearing down the local sandbox
 """
 
 from __future__ import annotations

@@ -89,11 +89,23 @@ def apply_ops(playbook: Playbook, release_id: str, owner: str, lock_timeout: flo
 
 
 def verify_ops(playbook: Playbook) -> list[dict[str, Any]]:
-    return [{"op": "release_verify", "root": playbook.deploy_root, "files": [{"path": f.dest} for f in playbook.release_files]}]
+    return [
+        {
+            "op": "release_verify",
+            "root": playbook.deploy_root,
+            "files": [{"path": f.dest} for f in playbook.release_files],
+        }
+    ]
 
 
 def inspect_ops(playbook: Playbook) -> list[dict[str, Any]]:
-    return [{"op": "release_inspect", "root": playbook.deploy_root, "files": [{"path": f.dest} for f in playbook.release_files]}]
+    return [
+        {
+            "op": "release_inspect",
+            "root": playbook.deploy_root,
+            "files": [{"path": f.dest} for f in playbook.release_files],
+        }
+    ]
 
 
 def switch_ops(playbook: Playbook, release_id: str | None, owner: str, lock_timeout: float) -> list[dict[str, Any]]:
@@ -134,9 +146,7 @@ def read_verified(playbook: Playbook, value: dict[str, Any], report: HostReport)
     expected = _expected(playbook)
     report.release_id = value.get("current")
     report.previous = value.get("previous")
-    report.files = [
-        FileState(f["path"], f["remote_path"], f["sha256"], expected[f["path"]]) for f in value["files"]
-    ]
+    report.files = [FileState(f["path"], f["remote_path"], f["sha256"], expected[f["path"]]) for f in value["files"]]
     if report.release_id is None:
         report.gates[GATE_FILES] = Gate(False, f"nothing deployed: {playbook.deploy_root}/current does not exist")
         return
@@ -167,14 +177,18 @@ def read_inspected(playbook: Playbook, value: dict[str, Any], report: HostReport
         report.diffs.append(file_diff(spec, f["remote_path"], old, f["sha256"]))
     report.changed = any(f.changed for f in report.files)
     n = sum(f.changed for f in report.files)
-    report.gates[GATE_FILES] = Gate(True, f"dry run: {n} of {len(report.files)} files would change" if n else "dry run: no change")
+    report.gates[GATE_FILES] = Gate(
+        True, f"dry run: {n} of {len(report.files)} files would change" if n else "dry run: no change"
+    )
 
 
 def file_diff(spec: FileSpec, remote_path: str, old: bytes | None, old_sha: str | None) -> str:
     new_text = _text(spec.content)
     old_text = _text(old) if old is not None else ("" if old_sha is None else None)
     if new_text is None or old_text is None:
-        return f"--- {remote_path}\n+++ {spec.src}\nbinary or large file: sha256 {old_sha or 'missing'} -> {spec.sha256}\n"
+        return (
+            f"--- {remote_path}\n+++ {spec.src}\nbinary or large file: sha256 {old_sha or 'missing'} -> {spec.sha256}\n"
+        )
     return "".join(
         difflib.unified_diff(
             old_text.splitlines(keepends=True),
@@ -199,7 +213,9 @@ def read_switched(value: dict[str, Any], report: HostReport) -> None:
     report.previous = value.get("previous")
     report.changed = value["release_id"] != value.get("previous")
     report.files = [FileState(f["path"], f["remote_path"], f["sha256"], f["sha256"]) for f in value["files"]]
-    report.gates[GATE_FILES] = Gate(True, f"release {report.release_id} is current, {len(report.files)} files verified by read-back")
+    report.gates[GATE_FILES] = Gate(
+        True, f"release {report.release_id} is current, {len(report.files)} files verified by read-back"
+    )
 
 
 def rollout_batches(names: list[str], canary: int, batch_size: int | None) -> list[list[str]]:
@@ -212,4 +228,3 @@ def rollout_batches(names: list[str], canary: int, batch_size: int | None) -> li
     size = batch_size or len(rest) or 1
     batches.extend(rest[i : i + size] for i in range(0, len(rest), size))
     return [b for b in batches if b]
-

@@ -1,17 +1,17 @@
 """The playbook: what to deploy, where, and what must hold before a host is READY.
 
-    name: qwen36-dflash
-    targets: [all]                      # containers, groups or GPU hosts of the inventory
-    deploy_root: /srv/dflash            # releases/, current and previous live here
-    keep_releases: 5
-    files:                              # local source (relative to this file) -> path in the release
-      - {src: files/tokenizer_config.json, dest: target/tokenizer_config.json, mode: "0644"}
-    drafter:
-      config: files/drafter/config.json # pushed as drafter/config.json in the release
-      reference: files/reference.json   # pinned known-good values, or an inline mapping
-    serving: {...}
-    gates: {...}
-    rollout: {...}
+name: qwen36-dflash
+targets: [all]                      # containers, groups or GPU hosts of the inventory
+deploy_root: /srv/dflash            # releases/, current and previous live here
+keep_releases: 5
+files:                              # local source (relative to this file) -> path in the release
+  - {src: files/tokenizer_config.json, dest: target/tokenizer_config.json, mode: "0644"}
+drafter:
+  config: files/drafter/config.json # pushed as drafter/config.json in the release
+  reference: files/reference.json   # pinned known-good values, or an inline mapping
+serving: {...}
+gates: {...}
+rollout: {...}
 """
 
 from __future__ import annotations
@@ -111,7 +111,11 @@ def load_playbook(path: Path | str) -> Playbook:
     base = path.parent
     root_field = top["deploy_root"]
     deploy_root = root_field.str()
-    if not deploy_root.startswith("/") or posixpath.normpath(deploy_root) != deploy_root.rstrip("/") or deploy_root == "/":
+    if (
+        not deploy_root.startswith("/")
+        or posixpath.normpath(deploy_root) != deploy_root.rstrip("/")
+        or deploy_root == "/"
+    ):
         raise root_field.error("expected an absolute, normalised directory other than /")
     targets = top["targets"].str_list()
     if not targets:
@@ -168,7 +172,7 @@ def _local(f: Field, value: str, base: Path) -> Path:
 def _file_spec(f: Field, src: str, dest: str, base: Path, src_key: str = "src") -> FileSpec:
     src_field = f[src_key]
     path = _local(src_field, src, base)
-    dest_field = f["dest"] if "dest" in f else f
+    dest_field = f["dest"] if src_key == "src" else f  # the drafter config has a fixed dest
     norm = posixpath.normpath(dest)
     if dest.startswith("/") or norm != dest or norm.startswith("../") or norm == "..":
         raise dest_field.error(f"'{dest}' must be a relative path inside the release, with no '..' or '.' parts")
@@ -183,7 +187,7 @@ def _file_spec(f: Field, src: str, dest: str, base: Path, src_key: str = "src") 
         raw = mode_field.value
         text = raw if isinstance(raw, str) else None
         if text is None or len(text) not in (3, 4) or any(c not in "01234567" for c in text):
-            raise mode_field.error("expected an octal mode as a quoted string, for example \"0644\"")
+            raise mode_field.error('expected an octal mode as a quoted string, for example "0644"')
         mode = text.rjust(4, "0")
     try:
         content = path.read_bytes()
@@ -194,7 +198,17 @@ def _file_spec(f: Field, src: str, dest: str, base: Path, src_key: str = "src") 
 
 def _serving(f: Field) -> Serving:
     f.mapping(
-        {"python", "target", "tensor_parallel_size", "num_speculative_tokens", "host", "port", "extra_args", "env", "startup_timeout"}
+        {
+            "python",
+            "target",
+            "tensor_parallel_size",
+            "num_speculative_tokens",
+            "host",
+            "port",
+            "extra_args",
+            "env",
+            "startup_timeout",
+        }
     )
     return Serving(
         python=f["python"].str(None),
@@ -231,4 +245,3 @@ def _rollout(f: Field) -> Rollout:
         batch_size=f["batch_size"].int(None, minimum=1),
         max_failures=f["max_failures"].int(0, minimum=0),
     )
-

@@ -305,7 +305,9 @@ class SshTransport:
         except TimeoutError as exc:
             raise ConnectFailed(endpoint.name, f"connect to {endpoint.address}:{endpoint.ssh.port} timed out") from exc
         except OSError as exc:
-            raise ConnectFailed(endpoint.name, f"connect to {endpoint.address}:{endpoint.ssh.port}: {exc.strerror or exc}") from exc
+            raise ConnectFailed(
+                endpoint.name, f"connect to {endpoint.address}:{endpoint.ssh.port}: {exc.strerror or exc}"
+            ) from exc
 
     def _open_tunnel(self, jump_name: str, jump: paramiko.Transport, endpoint: Endpoint) -> paramiko.Channel:
         try:
@@ -317,7 +319,8 @@ class SshTransport:
             )
         except paramiko.ChannelException as exc:
             raise ConnectFailed(
-                endpoint.name, f"jump host {jump_name} could not reach {endpoint.address}:{endpoint.ssh.port}: {exc.text}"
+                endpoint.name,
+                f"jump host {jump_name} could not reach {endpoint.address}:{endpoint.ssh.port}: {exc.text}",
             ) from exc
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self._drop(f"jump:{jump_name}")
@@ -335,7 +338,9 @@ class SshTransport:
             try:
                 t.start_client(timeout=endpoint.ssh.connect_timeout)
             except (paramiko.SSHException, EOFError, OSError) as exc:
-                raise ConnectFailed(endpoint.name, f"SSH handshake with {name} failed: {exc or type(exc).__name__}") from exc
+                raise ConnectFailed(
+                    endpoint.name, f"SSH handshake with {name} failed: {exc or type(exc).__name__}"
+                ) from exc
             key = t.get_remote_server_key()
             self.known_hosts.check(endpoint.name, name, key, self.accept_new)
             self._authenticate(t, endpoint)
@@ -359,7 +364,8 @@ class SshTransport:
                 raise ConnectionLost(endpoint.name, f"connection lost during authentication: {exc}") from exc
         which = str(endpoint.ssh.key) if endpoint.ssh.key else "the ssh-agent and default keys"
         raise AuthenticationFailed(
-            endpoint.name, f"public key authentication as {endpoint.ssh.user} failed with {which}" + (f": {last}" if last else "")
+            endpoint.name,
+            f"public key authentication as {endpoint.ssh.user} failed with {which}" + (f": {last}" if last else ""),
         )
 
     def _private_keys(self, endpoint: Endpoint) -> list[paramiko.PKey]:

@@ -218,7 +218,9 @@ class Field:
     def str_map(self, default: Any = _MISSING) -> Any:
         if not self.present:
             return self._default(default)
-        ok = isinstance(self.value, dict) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in self.value.values())
+        ok = isinstance(self.value, dict) and all(
+            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in self.value.values()
+        )
         if not ok:
             raise self.error("expected a mapping of names to strings")
         return {k: str(v) for k, v in self.value.items()}

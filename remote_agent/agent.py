@@ -320,6 +320,15 @@ def _prune(root_real, releases, keep):
     return pruned
 
 
+def _stage_release(staging, files, wanted):
+    os.mkdir(staging, 0o755)
+    for spec in files:
+        data, expected = _decode_content(spec)
+        _atomic_write(os.path.join(staging, spec["path"]), data, expected, _mode(spec))
+    body = json.dumps({"files": wanted}, sort_keys=True).encode("utf-8")
+    _atomic_write(os.path.join(staging, MANIFEST), body, hashlib.sha256(body).hexdigest(), 0o644)
+
+
 def op_release_apply(req):
     """Put a release's files and make it current, or report that current already holds them."""
     root = _root(req)
@@ -353,17 +362,19 @@ def op_release_apply(req):
             raise OpError("release_exists", "release %s exists with other content" % release_id, final_dir)
     else:
         staging = os.path.join(releases, "%s%s-%d" % (STAGING_PREFIX, release_id, os.getpid()))
-        os.mkdir(staging, 0o755)
-        for spec in files:
-            data, expected = _decode_content(spec)
-            _atomic_write(os.path.join(staging, spec["path"]), data, expected, _mode(spec))
-        body = json.dumps({"files": wanted}, sort_keys=True).encode("utf-8")
-        _atomic_write(os.path.join(staging, MANIFEST), body, hashlib.sha256(body).hexdigest(), 0o644)
         try:
+            _stage_release(staging, files, wanted)
             os.rename(staging, final_dir)
             _fsync_dir(releases)
         except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
             raise _os_error("io", exc, final_dir)
+        except OpError as exc:
+            # A half-built release is never left behind: current is untouched and stays served.
+            shutil.rmtree(staging, ignore_errors=True)
+            if exc.path and exc.path.startswith(staging):
+                exc.path = final_dir + exc.path[len(staging):]
+            raise
     for spec in files:
         _read_back(os.path.join(final_dir, spec["path"]), spec["sha256"])
 

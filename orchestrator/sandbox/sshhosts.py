@@ -13,6 +13,7 @@ from the key files themselves, never learnt by connecting. Needs root.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -28,9 +29,8 @@ from pathlib import Path
 from orchestrator.errors import SandboxError
 
 DEFAULT_DIR = Path(os.environ.get("ORCHESTRATE_SANDBOX_DIR", "/var/lib/dflash-orchestrator/sandbox"))
-BRIDGE = "dfo-br0"
-SUBNET_PREFIX = "10.77"
-BRIDGE_ADDRESS = f"{SUBNET_PREFIX}.0.1"
+DEFAULT_PREFIX = "dfo"
+DEFAULT_SUBNET = "10.77"
 SSHD = "/usr/sbin/sshd"
 REMOTE_PYTHON = "/usr/bin/python3"
 
@@ -58,10 +58,10 @@ def host_name(i: int) -> str:
     return f"node-{i:02d}"
 
 
-def host_address(i: int) -> str:
+def host_address(subnet: str, i: int) -> str:
     # .0.1 is the bridge; hosts start at .0.2 and fill the /16.
     n = i + 1
-    return f"{SUBNET_PREFIX}.{n // 256}.{n % 256}"
+    return f"{subnet}.{n // 256}.{n % 256}"
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -137,8 +137,17 @@ def _enter_host(netns: str, files: str) -> Callable[[], None]:
 class SshSandbox:
     kind = "ssh"
 
-    def __init__(self, directory: Path = DEFAULT_DIR) -> None:
+    def __init__(
+        self, directory: Path = DEFAULT_DIR, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET
+    ) -> None:
+        """``prefix`` names the bridge, namespaces and veths; ``subnet`` is the /16's first two octets.
+
+        Two sandboxes (the demo and the test suite) can be up at once with different ones.
+        """
         self.dir = directory
+        self.prefix = prefix
+        self.subnet = subnet
+        self.bridge = f"{prefix}-br0"
         self.state_file = self.dir / "sandbox.json"
         self.inventory = self.dir / "inventory.yaml"
         self.known_hosts = self.dir / "known_hosts"
@@ -188,7 +197,9 @@ class SshSandbox:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         if not self.client_key.exists():
-            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "orchestrate-sandbox", "-f", str(self.client_key)])
+            _run(
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "orchestrate-sandbox", "-f", str(self.client_key)]
+            )
         shutil.copyfile(self.client_key.with_suffix(".pub"), self.dir / "authorized_keys")
         os.chmod(self.dir / "authorized_keys", 0o600)
         self._bridge()
@@ -214,18 +225,18 @@ class SshSandbox:
         return self.status()
 
     def _bridge(self) -> None:
-        if _run(["ip", "link", "show", BRIDGE], check=False).returncode != 0:
-            _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-            _run(["ip", "addr", "add", f"{BRIDGE_ADDRESS}/16", "dev", BRIDGE])
-        _run(["ip", "link", "set", BRIDGE, "up"])
+        if _run(["ip", "link", "show", self.bridge], check=False).returncode != 0:
+            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+            _run(["ip", "addr", "add", f"{self.subnet}.0.1/16", "dev", self.bridge])
+        _run(["ip", "link", "set", self.bridge, "up"])
 
     def _start_host(self, i: int) -> SandboxHost:
         name = host_name(i)
         host = SandboxHost(
             name=name,
-            address=host_address(i),
-            netns=f"dfo-{name}",
-            veth=f"dfo-v{i:04d}",
+            address=host_address(self.subnet, i),
+            netns=f"{self.prefix}-{name}",
+            veth=f"{self.prefix}-v{i:04d}",
             files=str(self.dir / "hosts" / name),
         )
         hdir = Path(host.files)
@@ -236,7 +247,7 @@ class SshSandbox:
             _run(["ip", "netns", "add", host.netns])
         if _run(["ip", "link", "show", host.veth], check=False).returncode != 0:
             _run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns])
-            _run(["ip", "link", "set", host.veth, "master", BRIDGE, "up"])
+            _run(["ip", "link", "set", host.veth, "master", self.bridge, "up"])
             _run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/16", "dev", "eth0"])
             _run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
@@ -273,7 +284,7 @@ class SshSandbox:
                 stdout=log,
                 stderr=log,
                 start_new_session=True,
-                preexec_fn=_enter_host(host.netns, host.files),  # noqa: PLW1509 - single-threaded here
+                preexec_fn=_enter_host(host.netns, host.files),
             )
         finally:
             log.close()
@@ -331,12 +342,10 @@ class SshSandbox:
 
     def _stop_host(self, host: SandboxHost) -> None:
         if _alive(host.pid, host.pid_start):
-            victims = _descendants(host.pid) + [host.pid]
+            victims = [*_descendants(host.pid), host.pid]
             for pid in victims:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
             deadline = time.monotonic() + 10
             while _alive(host.pid, host.pid_start) and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -350,8 +359,8 @@ class SshSandbox:
         hosts = self.hosts()
         for h in hosts:
             self._stop_host(h)
-        if _run(["ip", "link", "show", BRIDGE], check=False).returncode == 0:
-            _run(["ip", "link", "del", BRIDGE], check=False)
+        if _run(["ip", "link", "show", self.bridge], check=False).returncode == 0:
+            _run(["ip", "link", "del", self.bridge], check=False)
         if self.dir.exists():
             shutil.rmtree(self.dir)
         say(f"sandbox: {len(hosts)} ssh hosts removed")

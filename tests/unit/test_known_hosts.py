@@ -1,0 +1,61 @@
+"""Host-key policy on real OpenSSH keys: unknown refused, changed always refused, accept-new recorded."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import paramiko
+import pytest
+
+from orchestrator.errors import HostKeyChanged, UnknownHostKey
+from orchestrator.ssh import KnownHosts
+
+
+def keypair(tmp_path: Path, name: str) -> tuple[paramiko.PKey, str]:
+    path = tmp_path / name
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    return paramiko.PKey.from_path(path), (tmp_path / f"{name}.pub").read_text().split()[1]
+
+
+def test_known_key_passes_and_changed_key_is_refused(tmp_path: Path) -> None:
+    key, blob = keypair(tmp_path, "a")
+    other, _ = keypair(tmp_path, "b")
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"# comment\n10.0.0.1 ssh-ed25519 {blob}\n")
+    table = KnownHosts(kh)
+    table.check("h", "10.0.0.1", key, accept_new=False)
+    with pytest.raises(HostKeyChanged) as info:
+        table.check("h", "10.0.0.1", other, accept_new=True)
+    assert "HOST KEY CHANGED" in str(info.value) and "line 2" in str(info.value) and "ssh-keygen -R" in str(info.value)
+    assert not info.value.transient
+
+
+def test_unknown_key_refused_unless_accepted_then_recorded(tmp_path: Path) -> None:
+    key, blob = keypair(tmp_path, "a")
+    kh = tmp_path / "known_hosts"
+    table = KnownHosts(kh)
+    with pytest.raises(UnknownHostKey, match=r"\[10.0.0.2\]:2222 is not in .*--accept-new-host-keys"):
+        table.check("h", "[10.0.0.2]:2222", key, accept_new=False)
+    assert not kh.exists()
+    table.check("h", "[10.0.0.2]:2222", key, accept_new=True)
+    assert kh.read_text() == f"[10.0.0.2]:2222 ssh-ed25519 {blob}\n"
+    assert table.accepted and table.accepted[0].startswith("[10.0.0.2]:2222 ssh-ed25519 SHA256:")
+    KnownHosts(kh).check("h", "[10.0.0.2]:2222", key, accept_new=False)  # persisted
+
+
+def test_hashed_entries_and_revoked_keys(tmp_path: Path) -> None:
+    key, blob = keypair(tmp_path, "a")
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"10.0.0.3 ssh-ed25519 {blob}\n")
+    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(kh)], check=True, capture_output=True)
+    assert "10.0.0.3" not in kh.read_text()
+    KnownHosts(kh).check("h", "10.0.0.3", key, accept_new=False)
+    kh.write_text(f"@revoked 10.0.0.4 ssh-ed25519 {blob}\n10.0.0.4 ssh-ed25519 {blob}\n")
+    with pytest.raises(HostKeyChanged, match="@revoked"):
+        KnownHosts(kh).check("h", "10.0.0.4", key, accept_new=True)
+
+
+def test_host_name_form() -> None:
+    assert KnownHosts.host_name("10.0.0.1", 22) == "10.0.0.1"
+    assert KnownHosts.host_name("10.0.0.1", 2200) == "[10.0.0.1]:2200"

@@ -1,0 +1,111 @@
+"""Pure decisions: batches sent, answers read, rollout order, dry-run diffs."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+from orchestrator import plan
+from orchestrator.playbook import load_playbook
+
+PB = """\
+name: demo
+targets: [all]
+deploy_root: /srv/dflash
+keep_releases: 3
+files:
+  - {src: a.txt, dest: a.txt}
+drafter: {config: d.json}
+"""
+
+
+def playbook(tmp_path: Path):  # type: ignore[no-untyped-def]
+    (tmp_path / "a.txt").write_text("new line\nsame\n")
+    (tmp_path / "d.json").write_text("{}\n")
+    (tmp_path / "pb.yaml").write_text(PB)
+    return load_playbook(tmp_path / "pb.yaml")
+
+
+def test_apply_batch_locks_then_applies_with_content(tmp_path: Path) -> None:
+    pb = playbook(tmp_path)
+    ops = plan.apply_ops(pb, "r1", "me@here", 5.0)
+    assert [o["op"] for o in ops] == ["lock", "release_apply"]
+    assert ops[0] == {"op": "lock", "root": "/srv/dflash", "timeout": 5.0, "owner": "me@here"}
+    files = ops[1]["files"]
+    assert [f["path"] for f in files] == ["a.txt", "drafter/config.json"]
+    assert base64.b64decode(files[0]["content_b64"]) == b"new line\nsame\n"
+    assert ops[1]["keep"] == 3 and ops[1]["release_id"] == "r1"
+    json.dumps(ops)  # the request must be plain JSON
+
+
+def test_verify_reports_each_drifted_file_with_both_digests(tmp_path: Path) -> None:
+    pb = playbook(tmp_path)
+    good = {f.dest: f.sha256 for f in pb.release_files}
+    answer = {
+        "current": "r1",
+        "previous": None,
+        "files": [
+            {"path": "a.txt", "remote_path": "/srv/dflash/releases/r1/a.txt", "sha256": good["a.txt"]},
+            {
+                "path": "drafter/config.json",
+                "remote_path": "/srv/dflash/releases/r1/drafter/config.json",
+                "sha256": "f" * 64,
+            },
+        ],
+    }
+    report = plan.HostReport("h")
+    plan.read_verified(pb, answer, report)
+    assert not report.ready
+    assert [f.drift for f in report.files] == [False, True]
+    detail = report.gates["files"].detail
+    assert "/srv/dflash/releases/r1/drafter/config.json has sha256 " + "f" * 64 in detail
+    assert good["drafter/config.json"] in detail
+
+
+def test_verify_with_nothing_deployed_is_not_in_sync(tmp_path: Path) -> None:
+    pb = playbook(tmp_path)
+    report = plan.HostReport("h")
+    files = [{"path": f.dest, "remote_path": f"/srv/dflash/current/{f.dest}", "sha256": None} for f in pb.release_files]
+    plan.read_verified(pb, {"current": None, "files": files}, report)
+    assert not report.ready and "nothing deployed" in report.gates["files"].detail
+
+
+def test_dry_run_diff(tmp_path: Path) -> None:
+    pb = playbook(tmp_path)
+    d = {f.dest: f for f in pb.release_files}
+    answer = {
+        "current": "r0",
+        "files": [
+            {
+                "path": "a.txt",
+                "remote_path": "/r/a.txt",
+                "sha256": "0" * 64,
+                "content_b64": base64.b64encode(b"old line\nsame\n").decode(),
+            },
+            {
+                "path": "drafter/config.json",
+                "remote_path": "/r/d",
+                "sha256": d["drafter/config.json"].sha256,
+                "content_b64": None,
+            },
+        ],
+    }
+    report = plan.HostReport("h")
+    plan.read_inspected(pb, answer, report)
+    assert [f.changed for f in report.files] == [True, False]
+    assert len(report.diffs) == 1
+    assert "-old line\n+new line\n" in report.diffs[0] and "--- /r/a.txt" in report.diffs[0]
+
+
+def test_rollout_batches() -> None:
+    names = [f"n{i}" for i in range(7)]
+    assert plan.rollout_batches(names, 0, None) == [names]
+    assert plan.rollout_batches(names, 1, None) == [["n0"], names[1:]]
+    assert plan.rollout_batches(names, 2, 2) == [["n0", "n1"], ["n2", "n3"], ["n4", "n5"], ["n6"]]
+    assert plan.rollout_batches([], 1, None) == []
+
+
+def test_release_ids_sort_by_time() -> None:
+    a, b = plan.new_release_id(1_000_000), plan.new_release_id(2_000_000)
+    assert a < b and a.startswith("19700112T")
