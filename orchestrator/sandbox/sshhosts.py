@@ -84,7 +84,18 @@ def _proc_start(pid: int) -> str:
 
 
 def _alive(pid: int, start: str) -> bool:
-    return pid > 0 and bool(start) and _proc_start(pid) == start
+    if pid <= 0 or not start or _proc_start(pid) != start:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    if state in ("Z", "X"):
+        # Our own child that has exited: reap it (when we are its parent) so its PID is free.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        return False
+    return True
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,0 +1,131 @@
+"""Integration fixtures: a real ssh sandbox (sshd in network namespaces), real CLI runs.
+
+The sandbox is brought up once per session under its own prefix and subnet, so it never
+touches a demo sandbox that may be up, and is taken down at the end by its own PIDs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.sandbox.sshhosts import SandboxHost, SshSandbox
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "tests" / "data"
+GOOD_DRAFTER = REPO / "playbooks" / "files" / "qwen36-27b-dflash" / "config.json"
+STALE_DRAFTER = DATA / "stale-drafter-config.json"
+HOSTS = int(os.environ.get("ORCHESTRATE_TEST_HOSTS", "8"))
+
+
+@dataclass
+class Sandbox:
+    box: SshSandbox
+    hosts: list[SandboxHost]
+
+    @property
+    def inventory(self) -> Path:
+        return self.box.inventory
+
+    @property
+    def names(self) -> list[str]:
+        return [h.name for h in self.hosts]
+
+    def host(self, name: str) -> SandboxHost:
+        return next(h for h in self.hosts if h.name == name)
+
+    def srv(self, name: str) -> Path:
+        """What the host sees as /srv, from this machine."""
+        return Path(self.host(name).files) / "srv"
+
+    def nsenter(self, name: str, *argv: str) -> subprocess.CompletedProcess[str]:
+        """Run a command in the host's mount namespace (for mounts the host alone must see)."""
+        pid = self.host(name).pid
+        return subprocess.run(
+            ["nsenter", "-t", str(pid), "-m", "--", *argv], capture_output=True, text=True, check=True
+        )
+
+
+@pytest.fixture(scope="session")
+def sandbox() -> Iterator[Sandbox]:
+    if os.geteuid() != 0:
+        pytest.fail("integration tests need root: they create network namespaces and run sshd")
+    box = SshSandbox(Path("/var/lib/dflash-orchestrator/test-sandbox"), prefix="dft", subnet="10.78")
+    box.down()
+    box.up(HOSTS)
+    try:
+        yield Sandbox(box, box.hosts())
+    finally:
+        box.down()
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+    def host(self, name: str) -> dict[str, Any]:
+        return next(h for h in self.json["hosts"] if h["name"] == name)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def cli(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Run the real ``orchestrate`` command with a per-test state directory."""
+    state = tmp_path / "state"
+
+    def run(*args: str | Path, timeout: float = 300) -> CliResult:
+        env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(state))
+        proc = subprocess.run(
+            [sys.executable, "-m", "orchestrator", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
+        return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+    return run
+
+
+@pytest.fixture
+def root_name(request: pytest.FixtureRequest) -> str:
+    """A deploy root per test, so tests never see each other's releases."""
+    return "/srv/t-" + request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:60]
+
+
+def write_playbook(
+    directory: Path,
+    deploy_root: str,
+    files: dict[str, bytes] | None = None,
+    drafter: Path | None = GOOD_DRAFTER,
+    extra: str = "",
+    name: str = "pb.yaml",
+) -> Path:
+    """A playbook in ``directory`` pushing ``files`` (dest -> bytes) and the drafter config."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = ["name: test", "targets: [all]", f"deploy_root: {deploy_root}"]
+    if files:
+        lines.append("files:")
+        for i, (dest, content) in enumerate(files.items()):
+            src = directory / f"src-{i}-{Path(dest).name}"
+            src.write_bytes(content)
+            lines.append(f"  - {{src: {src}, dest: {dest}}}")
+    if drafter is not None:
+        lines.append(f"drafter: {{config: {drafter}}}")
+    path = directory / name
+    path.write_text("\n".join(lines) + "\n" + textwrap.dedent(extra))
+    return path
