@@ -17,6 +17,8 @@ from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, Orchestrato
 from orchestrator.inventory import Inventory, Target, load_inventory
 from orchestrator.playbook import load_playbook
 from orchestrator.report import ProgressPrinter, render_json, render_table
+from orchestrator.sandbox.sshhosts import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
+from orchestrator.sandbox.sshhosts import SshSandbox
 from orchestrator.state import StateDB
 
 DEFAULT_INVENTORY = "inventory/inventory.yaml"
@@ -107,9 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     up = ssub.add_parser("up", help="create (or complete) the sandbox; idempotent")
     up.add_argument("--kind", choices=["ssh"], default="ssh")
     up.add_argument("--hosts", type=_positive_int, default=2)
+    up.add_argument("--prefix", default=None, help="names of its network devices (default dfo)")
+    up.add_argument("--subnet", default=None, help="first two octets of its /16 (default 10.77)")
     st = ssub.add_parser("status", help="what is up, and the files written for it")
     st.add_argument("--json", action="store_true")
-    ssub.add_parser("down", help="end the sandbox's processes and remove everything it made")
+    down = ssub.add_parser("down", help="end the sandbox's processes and remove everything it made")
+    for p in (up, st, down):
+        p.add_argument(
+            "--dir",
+            type=Path,
+            default=None,
+            help="sandbox directory (default $ORCHESTRATE_SANDBOX_DIR or " + str(DEFAULT_SANDBOX_DIR) + ")",
+        )
     return parser
 
 
@@ -180,9 +191,7 @@ def _cmd_history(args: argparse.Namespace) -> int:
 
 
 def _cmd_sandbox(args: argparse.Namespace) -> int:
-    from orchestrator.sandbox.sshhosts import SshSandbox
-
-    box = SshSandbox()
+    box = SshSandbox(args.dir or DEFAULT_SANDBOX_DIR, getattr(args, "prefix", None), getattr(args, "subnet", None))
     if args.sandbox_command == "up":
         _say(f"sandbox: bringing up {args.hosts} {args.kind} hosts in {box.dir}")
         status = box.up(args.hosts, _say)

@@ -44,6 +44,9 @@ from orchestrator.errors import (
 )
 from orchestrator.inventory import Endpoint, Target
 
+_SEND_CHUNK = 1 << 18
+_SEND_POLL = 0.002
+
 
 @dataclass(frozen=True)
 class Command:
@@ -416,32 +419,43 @@ class SshTransport:
     def _exchange(
         self, name: str, chan: paramiko.Channel, command: Command, stdin: bytes, limit: float, counters: Counters
     ) -> Result:
+        """Send stdin while draining stdout/stderr, so a command that answers as it reads never stalls us."""
         deadline = time.monotonic() + limit
         out, err = bytearray(), bytearray()
+        pending = memoryview(stdin)
         try:
             chan.exec_command(command.render())
-            chan.settimeout(limit)
-            chan.sendall(stdin)
-            counters.bytes_sent += len(stdin)
-            chan.shutdown_write()
             chan.setblocking(False)
+            if not pending:
+                chan.shutdown_write()
             while True:
-                drained = False
+                progressed = False
+                while pending and chan.send_ready():
+                    try:
+                        sent = chan.send(bytes(pending[:_SEND_CHUNK]))
+                    except TimeoutError:
+                        break
+                    pending = pending[sent:]
+                    counters.bytes_sent += sent
+                    progressed = True
+                    if not pending:
+                        chan.shutdown_write()
                 while chan.recv_ready():
                     out += chan.recv(1 << 16)
-                    drained = True
+                    progressed = True
                 while chan.recv_stderr_ready():
                     err += chan.recv_stderr(1 << 16)
-                    drained = True
+                    progressed = True
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
-                if chan.closed and not drained:
+                if chan.closed and not progressed:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CommandTimeout(name, f"{command.argv[0]} did not finish within {limit:.0f} s")
-                if not drained:
-                    select.select([chan], [], [], min(remaining, 1.0))
+                if not progressed:
+                    # Readable data wakes select; a reopened send window does not, so poll briefly then.
+                    select.select([chan], [], [], min(remaining, _SEND_POLL if pending else 1.0))
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self._drop(name)
             raise ConnectionLost(name, f"connection lost during the command: {exc or type(exc).__name__}") from exc

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import SandboxError
 
@@ -148,17 +149,22 @@ def _enter_host(netns: str, files: str) -> Callable[[], None]:
 class SshSandbox:
     kind = "ssh"
 
-    def __init__(
-        self, directory: Path = DEFAULT_DIR, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET
-    ) -> None:
+    def __init__(self, directory: Path = DEFAULT_DIR, prefix: str | None = None, subnet: str | None = None) -> None:
         """``prefix`` names the bridge, namespaces and veths; ``subnet`` is the /16's first two octets.
 
-        Two sandboxes (the demo and the test suite) can be up at once with different ones.
+        Two sandboxes (the demo and the test suite) can be up at once with different ones. When
+        not given they come from the sandbox already in ``directory``, else the defaults.
         """
         self.dir = directory
-        self.prefix = prefix
-        self.subnet = subnet
-        self.bridge = f"{prefix}-br0"
+        saved = self._saved()
+        self.prefix = prefix or saved.get("prefix") or DEFAULT_PREFIX
+        self.subnet = subnet or saved.get("subnet") or DEFAULT_SUBNET
+        if not (self.prefix.isalnum() and len(self.prefix) <= 5):
+            raise SandboxError("the sandbox prefix must be 1-5 letters or digits (it names network devices)")
+        octets = self.subnet.split(".")
+        if len(octets) != 2 or not all(o.isdigit() and 0 <= int(o) <= 255 for o in octets):
+            raise SandboxError(f"subnet must be the first two octets of a /16, like 10.77; got {self.subnet!r}")
+        self.bridge = f"{self.prefix}-br0"
         self.state_file = self.dir / "sandbox.json"
         self.inventory = self.dir / "inventory.yaml"
         self.known_hosts = self.dir / "known_hosts"
@@ -167,18 +173,23 @@ class SshSandbox:
 
     # --- state ---------------------------------------------------------------------------
 
-    def hosts(self) -> list[SandboxHost]:
+    def _saved(self) -> dict[str, Any]:
+        state_file = self.dir / "sandbox.json"
         try:
-            data = json.loads(self.state_file.read_text())
+            data = json.loads(state_file.read_text())
         except FileNotFoundError:
-            return []
+            return {}
         except (OSError, ValueError) as exc:
-            raise SandboxError(f"{self.state_file} is unreadable: {exc}; run 'orchestrate sandbox down'") from exc
-        return [SandboxHost(**h) for h in data.get("hosts", [])]
+            raise SandboxError(f"{state_file} is unreadable: {exc}; remove {self.dir} by hand") from exc
+        return data if isinstance(data, dict) else {}
+
+    def hosts(self) -> list[SandboxHost]:
+        return [SandboxHost(**h) for h in self._saved().get("hosts", [])]
 
     def _save(self, hosts: list[SandboxHost]) -> None:
         tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"kind": self.kind, "hosts": [asdict(h) for h in hosts]}, indent=2))
+        state = {"kind": self.kind, "prefix": self.prefix, "subnet": self.subnet, "hosts": [asdict(h) for h in hosts]}
+        tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, self.state_file)
 
     def status(self) -> dict[str, object]:

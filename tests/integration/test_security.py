@@ -1,0 +1,154 @@
+"""Security defaults over real SSH: strict host keys, jump hosts, paths confined to the deploy root."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from orchestrator.agent import AgentClient, b64
+from orchestrator.errors import AgentError
+from orchestrator.inventory import load_inventory
+from orchestrator.ssh import KnownHosts, SshTransport
+from tests.integration.conftest import Sandbox, write_playbook
+
+
+def known_line(sandbox: Sandbox, name: str, key_of: str | None = None) -> str:
+    pub = (Path(sandbox.host(key_of or name).files) / "ssh_host_ed25519_key.pub").read_text().split()
+    return f"{sandbox.host(name).address} {pub[0]} {pub[1]}\n"
+
+
+def inventory(tmp_path: Path, sandbox: Sandbox, known: str, body: str | None = None) -> Path:
+    (tmp_path / "known_hosts").write_text(known)
+    if body is None:
+        body = "  sandbox:\n    containers:\n" + "".join(
+            f"      {h.name}: {{address: {h.address}}}\n" for h in sandbox.hosts[:3]
+        )
+    path = tmp_path / "inventory.yaml"
+    path.write_text(
+        f"known_hosts: known_hosts\ndefaults:\n  key: {sandbox.box.client_key}\n  python: /usr/bin/python3\n"
+        f"  connect_timeout: 5\nhosts:\n{body}"
+    )
+    return path
+
+
+def test_changed_host_key_is_refused_even_with_accept_new(
+    sandbox: Sandbox, cli, tmp_path: Path, root_name: str
+) -> None:  # type: ignore[no-untyped-def]
+    a, b, c = sandbox.names[:3]
+    known = known_line(sandbox, a, key_of=b) + known_line(sandbox, b) + known_line(sandbox, c)
+    inv = inventory(tmp_path, sandbox, known)
+    pb = write_playbook(tmp_path, root_name)
+    for extra in ([], ["--accept-new-host-keys"]):
+        run = cli("deploy", pb, "-i", inv, "--json", *extra)
+        assert run.code == 1
+        bad = run.host(a)
+        assert not bad["ready"] and "HOST KEY CHANGED" in bad["gates"]["connect"]["detail"]
+        assert bad["ssh"]["retries"] == 0  # a host-key failure is never retried
+        assert "files" not in bad["gates"]
+        assert run.host(b)["ready"] and run.host(c)["ready"]
+    assert not (sandbox.srv(a) / Path(root_name).name).exists()  # nothing was sent to it
+    assert (tmp_path / "known_hosts").read_text() == known  # and nothing was learnt
+
+
+def test_unknown_host_is_refused_by_default_and_accepted_only_when_asked(
+    sandbox: Sandbox,
+    cli,
+    tmp_path: Path,
+    root_name: str,  # type: ignore[no-untyped-def]
+) -> None:
+    a, b, _ = sandbox.names[:3]
+    inv = inventory(tmp_path, sandbox, known_line(sandbox, a))
+    pb = write_playbook(tmp_path, root_name)
+    refused = cli("deploy", pb, "-i", inv, "--json")
+    assert refused.code == 1
+    detail = refused.host(b)["gates"]["connect"]["detail"]
+    assert f"host {sandbox.host(b).address} is not in" in detail and "--accept-new-host-keys" in detail
+    assert refused.host(a)["ready"]
+
+    accepted = cli("deploy", pb, "-i", inv, "--json", "--accept-new-host-keys")
+    assert accepted.code == 0, accepted.stderr
+    assert len(accepted.json["accepted_host_keys"]) == 2
+    assert "accepted new host key" in accepted.stderr
+    assert known_line(sandbox, b) in (tmp_path / "known_hosts").read_text()
+    again = cli("deploy", pb, "-i", inv, "--json")
+    assert again.code == 0 and again.json["accepted_host_keys"] == []
+
+
+def test_jump_through_the_gpu_host_checks_both_keys(sandbox: Sandbox, cli, tmp_path: Path, root_name: str) -> None:  # type: ignore[no-untyped-def]
+    gw, inner = sandbox.hosts[0], sandbox.hosts[1]
+    body = (
+        f"  gpu-gw:\n    address: {gw.address}\n    containers:\n"
+        f"      via-gw:\n        address: {inner.address}\n        jump: true\n"
+    )
+    inv = inventory(tmp_path, sandbox, known_line(sandbox, gw.name) + known_line(sandbox, inner.name), body)
+    pb = write_playbook(tmp_path, root_name, {"x.txt": b"through the jump host\n"})
+    ok = cli("deploy", pb, "-i", inv, "--json")
+    assert ok.code == 0, ok.stderr
+    assert (
+        sandbox.srv(inner.name) / Path(root_name).name / "current" / "x.txt"
+    ).read_bytes() == b"through the jump host\n"
+    assert not (sandbox.srv(gw.name) / Path(root_name).name).exists()
+
+    # The jump host's key is checked too: a wrong one stops the container before any byte is sent.
+    (tmp_path / "known_hosts").write_text(
+        known_line(sandbox, gw.name, key_of=inner.name) + known_line(sandbox, inner.name)
+    )
+    bad = cli("deploy", pb, "-i", inv, "--json")
+    assert bad.code == 1 and "HOST KEY CHANGED" in bad.host("via-gw")["gates"]["connect"]["detail"]
+    # ...and so is the container's own key behind the jump.
+    (tmp_path / "known_hosts").write_text(
+        known_line(sandbox, gw.name) + known_line(sandbox, inner.name, key_of=gw.name)
+    )
+    bad = cli("deploy", pb, "-i", inv, "--json")
+    assert bad.code == 1 and "HOST KEY CHANGED" in bad.host("via-gw")["gates"]["connect"]["detail"]
+
+
+def test_agent_refuses_paths_outside_the_deploy_root_over_ssh(sandbox: Sandbox, tmp_path: Path, root_name: str) -> None:
+    inv = load_inventory(sandbox.inventory)
+    target = inv.resolve([sandbox.names[0]])[0]
+    data = b"owned\n"
+    with SshTransport(KnownHosts(inv.known_hosts)) as transport:
+        client = AgentClient(transport)
+        for path in ("../../etc/orchestrate-escape", "/etc/orchestrate-escape"):
+            op = {
+                "op": "put",
+                "root": root_name,
+                "path": path,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "content_b64": b64(data),
+            }
+            with pytest.raises(AgentError) as info:
+                client.batch(target, [op])
+            assert info.value.failure.code == "outside_root" and info.value.failure.op == "put"
+    assert not Path("/etc/orchestrate-escape").exists()
+
+
+def test_symlink_escaping_the_deploy_root_is_refused(sandbox: Sandbox, cli, tmp_path: Path, root_name: str) -> None:  # type: ignore[no-untyped-def]
+    victim = sandbox.names[1]
+    base = sandbox.srv(victim) / Path(root_name).name
+    outside = sandbox.srv(victim) / "outside"
+    base.mkdir(parents=True)
+    outside.mkdir()
+    os.symlink("/srv/outside", base / "releases")  # resolves outside the root on the host
+    pb = write_playbook(tmp_path, root_name)
+    run = cli("deploy", pb, "-i", sandbox.inventory, "--json")
+    assert run.code == 1
+    detail = run.host(victim)["gates"]["files"]["detail"]
+    assert "outside the deploy root" in detail and "symlink" in detail
+    assert list(outside.iterdir()) == []
+    assert all(h["ready"] for h in run.json["hosts"] if h["name"] != victim)
+
+
+def test_bad_input_exits_2_with_file_line_and_key(sandbox: Sandbox, cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("hosts:\n  gpu-a:\n    containers:\n      serve-0:\n        address: 10.0.0.1\n        gpus: 0,1\n")
+    pb = write_playbook(tmp_path, "/srv/x")
+    run = cli("deploy", pb, "-i", inv)
+    assert run.code == 2
+    assert run.stderr.strip().endswith(f"{inv}:6 hosts.gpu-a.containers.serve-0.gpus: expected a list of integers")
+    assert "Traceback" not in run.stderr
+    assert cli("deploy", pb, "-i", inv, "--forks", "0").code == 2
+    assert cli("verify", tmp_path / "missing.yaml", "-i", sandbox.inventory).code == 2
