@@ -45,19 +45,28 @@ def _last_detail(report: HostReport) -> str:
     return list(report.gates.values())[-1].detail
 
 
+_STATUS = {
+    # kind: (word when every gate passed, word when not)
+    "deploy": ("READY", "NOT READY"),
+    "rollback": ("READY", "NOT READY"),
+    "verify": ("IN SYNC", "NOT IN SYNC"),
+    "dry-run": ("CHECKED", "FAILED"),
+}
+
+
 def render_table(run: RunReport, stream: TextIO = sys.stdout) -> None:
-    headers = ("HOST", "READY" if run.kind != "verify" else "IN SYNC", "RELEASE", "GATE", "DETAIL")
+    good, bad = _STATUS[run.kind]
+    headers = ("HOST", "STATUS", "RELEASE", "GATE", "DETAIL")
     rows = []
     for h in run.hosts:
         gate = h.failed_gate or (list(h.gates)[-1] if h.gates else "-")
         detail = h.gates[gate].detail if gate in h.gates else ""
-        rows.append((h.name, "yes" if h.ready else "NO", h.release_id or "-", gate, detail))
+        rows.append((h.name, good if h.ready else bad, h.release_id or "-", gate, detail))
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(4)]
     for row in [headers, *rows]:
         stream.write("  ".join(str(c).ljust(w) for c, w in zip(row[:4], widths, strict=True)) + "  " + row[4] + "\n")
     ready = sum(h.ready for h in run.hosts)
-    word = {"verify": "in sync", "dry-run": "checked"}.get(run.kind, "ready")
-    stream.write(f"\n{run.kind}: {ready}/{len(run.hosts)} hosts {word} in {run.finished - run.started:.2f} s\n")
+    stream.write(f"\n{run.kind}: {ready}/{len(run.hosts)} hosts {good} in {run.finished - run.started:.2f} s\n")
     for h in run.hosts:
         for diff in h.diffs:
             stream.write(f"\n# {h.name}\n{diff}")

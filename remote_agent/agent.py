@@ -515,6 +515,16 @@ def op_stat(req):
     return {"files": out}
 
 
+def op_sha256(req):
+    """Digests of files under the root, each read afresh (None when missing)."""
+    root = _root(req)
+    out = []
+    for rel in req.get("paths") or []:
+        path = _inside(root, rel)
+        out.append({"path": path, "sha256": _sha256_or_none(path)})
+    return {"files": out}
+
+
 def op_lock(req):
     """Exclusive flock on the deploy root, held until this batch ends."""
     root = _root(req)
@@ -600,6 +610,7 @@ def op_facts(req):
 OPS = {
     "facts": op_facts,
     "stat": op_stat,
+    "sha256": op_sha256,
     "read": op_read,
     "put": op_put,
     "lock": op_lock,

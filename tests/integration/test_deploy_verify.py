@@ -44,7 +44,7 @@ def test_deploy_then_verify_clean(sandbox: Sandbox, cli, tmp_path: Path, root_na
     assert all(h["ssh"] == {"connects": 1, "execs": 1, "retries": 0} for h in verified.json["hosts"])
 
     table = cli("verify", pb, "-i", sandbox.inventory)
-    assert table.code == 0 and f"verify: {len(sandbox.names)}/{len(sandbox.names)} hosts in sync" in table.stdout
+    assert table.code == 0 and f"verify: {len(sandbox.names)}/{len(sandbox.names)} hosts IN SYNC" in table.stdout
 
 
 def test_the_incident_stale_drafter_config_is_drift_and_the_next_deploy_repairs_it(

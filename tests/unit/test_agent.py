@@ -68,6 +68,20 @@ def test_put_is_atomic_idempotent_and_reports_digests(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path / "cfg")) == ["config.json"]  # no temp files left
 
 
+def test_stat_and_sha256(tmp_path: Path) -> None:
+    (tmp_path / "a").write_bytes(b"abc")
+    res = run(
+        [
+            {"op": "stat", "root": str(tmp_path), "paths": ["a", "b"], "sha256": True},
+            {"op": "sha256", "root": str(tmp_path), "paths": ["a", "b"]},
+        ]
+    )
+    st, digests = res[0]["result"]["files"], res[1]["result"]["files"]
+    assert st[0]["exists"] and st[0]["size"] == 3 and st[0]["sha256"] == hashlib.sha256(b"abc").hexdigest()
+    assert st[1] == {"path": str(tmp_path / "b"), "exists": False}
+    assert [d["sha256"] for d in digests] == [hashlib.sha256(b"abc").hexdigest(), None]
+
+
 def test_put_refuses_content_that_does_not_match_its_digest(tmp_path: Path) -> None:
     op = {"op": "put", "root": str(tmp_path), "path": "x", "sha256": "0" * 64, "content_b64": b64(b"abc")}
     err = run([op])[0]["error"]
