@@ -191,30 +191,41 @@ def deploy(
     return _run("deploy", playbook, inventory, targets, options, progress, work, release_id, playbook.rollout)
 
 
-def dry_run(
-    playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
+Reader = Callable[[Playbook, dict[str, Any], HostReport], None]
+
+
+def _read_only(
+    kind: str,
+    ops: list[dict[str, Any]],
+    reader: Reader,
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
 ) -> RunReport:
-    ops = plan.inspect_ops(playbook)
+    """One batch per host that writes nothing; ``reader`` turns its answer into gates."""
 
     def work(client: AgentClient, target: Target, report: HostReport) -> None:
         results = client.batch(target, ops)
         _connected(report)
-        plan.read_inspected(playbook, results[0].value, report)
+        reader(playbook, results[-1].value, report)
 
-    return _run("dry-run", playbook, inventory, targets, options, progress, work)
+    return _run(kind, playbook, inventory, targets, options, progress, work)
+
+
+def dry_run(
+    playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
+) -> RunReport:
+    ops = plan.inspect_ops(playbook)
+    return _read_only("dry-run", ops, plan.read_inspected, playbook, inventory, targets, options, progress)
 
 
 def verify(
     playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
 ) -> RunReport:
     ops = plan.verify_ops(playbook)
-
-    def work(client: AgentClient, target: Target, report: HostReport) -> None:
-        results = client.batch(target, ops)
-        _connected(report)
-        plan.read_verified(playbook, results[0].value, report)
-
-    return _run("verify", playbook, inventory, targets, options, progress, work)
+    return _read_only("verify", ops, plan.read_verified, playbook, inventory, targets, options, progress)
 
 
 def rollback(

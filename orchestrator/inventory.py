@@ -106,6 +106,7 @@ class Inventory:
     known_hosts: Path
     hosts: dict[str, GpuHost]
     group_vars: dict[str, dict[str, Any]]
+    default_vars: dict[str, Any] = field(default_factory=dict)
 
     @property
     def containers(self) -> list[Container]:
@@ -145,7 +146,7 @@ class Inventory:
 
     def vars_for(self, container: Container) -> dict[str, Any]:
         """defaults.vars < group vars (in the container's order) < host vars < container vars."""
-        merged: dict[str, Any] = dict(self.group_vars.get("__defaults__", {}))
+        merged: dict[str, Any] = dict(self.default_vars)
         for g in container.groups:
             merged.update(self.group_vars.get(g, {}))
         merged.update(self.hosts[container.host].vars)
@@ -165,7 +166,7 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
 
     defaults_field = top["defaults"].mapping(SSH_KEYS | {"vars"})
     defaults = _ssh(defaults_field, SshSettings(), base)
-    group_vars: dict[str, dict[str, Any]] = {"__defaults__": _vars(defaults_field["vars"])}
+    group_vars: dict[str, dict[str, Any]] = {}
     for gname, gfield in top["groups"].items():
         _check_name(gfield, gname)
         gfield.mapping({"vars"})
@@ -212,7 +213,13 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
         if hname in seen:
             raise hfield.error(f"GPU host name already used by a container on '{seen[hname]}'")
         hosts[hname] = GpuHost(hname, address, host_ssh, tuple(containers), _vars(hfield["vars"]))
-    return Inventory(file=path, known_hosts=known_hosts, hosts=hosts, group_vars=group_vars)
+    return Inventory(
+        file=path,
+        known_hosts=known_hosts,
+        hosts=hosts,
+        group_vars=group_vars,
+        default_vars=_vars(defaults_field["vars"]),
+    )
 
 
 def _ssh(f: Field, base_settings: SshSettings, base: Path) -> SshSettings:
