@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="seconds to wait for another run's lock on a deploy root (default 60)",
         )
         p.add_argument("--state-dir", type=Path, default=None, help="state database directory")
+        p.add_argument(
+            "--skip-containers", action="store_true", help="do not check or change LXD containers (the containers gate)"
+        )
         return p
 
     d = run_parser("deploy", "push the playbook's release to every target and gate it")
@@ -140,6 +143,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     targets = _targets(args, playbook.targets, inventory)
     options = engine.RunOptions(
         forks=args.forks,
+        skip_containers=args.skip_containers,
         accept_new_host_keys=args.accept_new_host_keys,
         lock_timeout=args.lock_timeout,
         release_id=getattr(args, "release_id", None),

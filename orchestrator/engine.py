@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import getpass
 import socket
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,8 @@ from typing import Any
 
 from orchestrator import plan
 from orchestrator.agent import AgentClient
-from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, TransportError
+from orchestrator.containers import spec_for
+from orchestrator.errors import AgentError, AgentProtocolError, LxdError, OrchestratorError, TransportError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.plan import Gate, HostReport
 from orchestrator.playbook import Playbook, Rollout
@@ -29,6 +31,7 @@ Progress = Callable[[HostReport, str], None]
 @dataclass(frozen=True)
 class RunOptions:
     forks: int = 16
+    skip_containers: bool = False
     accept_new_host_keys: bool = False
     lock_timeout: float = 60.0
     release_id: str | None = None
@@ -86,6 +89,8 @@ def host_json(h: HostReport, kind: str) -> dict[str, Any]:
     }
     if kind == "verify":
         out["in_sync"] = h.ready
+    if h.container is not None:
+        out["container"] = h.container
     if h.diffs:
         out["diffs"] = h.diffs
     return out
@@ -155,6 +160,66 @@ def _transport(inventory: Inventory, options: RunOptions) -> SshTransport:
     )
 
 
+class _Containers:
+    """The ``containers`` gate: each LXD-managed container made right (deploy) or checked (others).
+
+    One ``LxdHost`` per GPU host, opened on first use and shared by that host's containers; a
+    host whose LXD cannot be reached fails each of its containers with the same message.
+    """
+
+    def __init__(self, inventory: Inventory, playbook: Playbook, ensure: bool, skip: bool) -> None:
+        self.inventory = inventory
+        self.playbook = playbook
+        self.ensure = ensure
+        self.skip = skip
+        self._hosts: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def _host(self, name: str) -> Any:
+        from orchestrator.lxd import LxdHost  # pylxd is imported only when a host uses LXD
+
+        with self._lock:
+            if name not in self._hosts:
+                endpoint = self.inventory.hosts[name].lxd
+                assert endpoint is not None
+                try:
+                    self._hosts[name] = LxdHost(name, endpoint)
+                except LxdError as exc:
+                    self._hosts[name] = exc
+            found = self._hosts[name]
+        if isinstance(found, LxdError):
+            raise found
+        return found
+
+    def locate(self, target: Target, report: HostReport) -> Target | None:
+        """The target to reach over SSH (with a discovered address), or None when it cannot be."""
+        container = target.container
+        if container.lxd is None:
+            return target
+        if self.skip:
+            report.gates[plan.GATE_CONTAINERS] = Gate(True, "not checked (--skip-containers)")
+            return target
+        try:
+            host = self._host(container.host)
+            spec = spec_for(container, self.playbook.disks)
+            result = host.ensure(spec) if self.ensure else host.inspect(spec)
+        except LxdError as exc:
+            report.gates[plan.GATE_CONTAINERS] = Gate(False, exc.message)
+            return None
+        report.container = {
+            "status": result.status.lower(),
+            "address": result.address,
+            "actions": result.actions,
+            "drift": [{"key": d.key, "expected": d.expected, "actual": d.actual} for d in result.drift],
+        }
+        report.gates[plan.GATE_CONTAINERS] = Gate(result.ok, result.detail)
+        if result.status != "Running":
+            return None
+        if container.address is None:
+            return target.at(result.address) if result.address else None
+        return target
+
+
 def _run(
     kind: str,
     playbook: Playbook,
@@ -167,9 +232,16 @@ def _run(
     rollout: Rollout | None = None,
 ) -> RunReport:
     report = RunReport(kind, str(playbook.file), str(inventory.file), release_id, [], time.time())
+    containers = _Containers(inventory, playbook, ensure=kind == "deploy", skip=options.skip_containers)
+
+    def located_work(client: AgentClient, target: Target, host_report: HostReport) -> None:
+        reachable = containers.locate(target, host_report)
+        if reachable is not None:
+            work(client, reachable, host_report)
+
     with _transport(inventory, options) as transport:
         client = AgentClient(transport)
-        report.hosts = _fan_out(targets, lambda t, r: work(client, t, r), transport, options, progress, rollout)
+        report.hosts = _fan_out(targets, lambda t, r: located_work(client, t, r), transport, options, progress, rollout)
         report.accepted_host_keys = list(transport.known_hosts.accepted)
     report.finished = time.time()
     return report

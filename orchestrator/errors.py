@@ -133,6 +133,13 @@ class AgentProtocolError(OrchestratorError):
         super().__init__(f"{host}: {message}{detail}")
 
 
+class LxdError(OrchestratorError):
+    def __init__(self, host: str, message: str) -> None:
+        self.host = host
+        self.message = message
+        super().__init__(f"{host}: {message}")
+
+
 class StateError(OrchestratorError):
     pass
 

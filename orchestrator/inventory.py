@@ -58,18 +58,43 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
+class LxdEndpoint:
+    """How to reach a GPU host's LXD: ``local`` (unix socket) or HTTPS with a pinned certificate."""
+
+    url: str = "local"
+    client_cert: Path | None = None
+    client_key: Path | None = None
+    server_cert: Path | None = None
+    project: str | None = None
+
+
+@dataclass(frozen=True)
+class ContainerLxd:
+    """How LXD should build and equip a container."""
+
+    image: str = "debian-bookworm"
+    profiles: tuple[str, ...] = ("default",)
+    config: dict[str, str] = field(default_factory=dict)
+    gpu_pci: tuple[str, ...] = ()
+    nvidia_runtime: bool = False
+
+
+@dataclass(frozen=True)
 class Container:
     name: str
     host: str
-    address: str
+    address: str | None
     ssh: SshSettings
     jump: bool = False
     gpus: tuple[int, ...] = ()
     groups: tuple[str, ...] = ()
     vars: dict[str, Any] = field(default_factory=dict)
+    lxd: ContainerLxd | None = None
 
     @property
     def endpoint(self) -> Endpoint:
+        if self.address is None:
+            raise InputError(f"container '{self.name}' has no address (and none was discovered through LXD)")
         return Endpoint(self.name, self.address, self.ssh)
 
 
@@ -80,6 +105,7 @@ class GpuHost:
     ssh: SshSettings
     containers: tuple[Container, ...]
     vars: dict[str, Any] = field(default_factory=dict)
+    lxd: LxdEndpoint | None = None
 
     @property
     def endpoint(self) -> Endpoint:
@@ -98,6 +124,10 @@ class Target:
     @property
     def name(self) -> str:
         return self.container.name
+
+    def at(self, address: str) -> Target:
+        """The same target, reached at an address discovered at run time."""
+        return Target(replace(self.container, address=address), self.jump)
 
 
 @dataclass(frozen=True)
@@ -179,6 +209,7 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
         hfield.mapping(SSH_KEYS | {"address", "vars", "containers", "lxd"})
         host_ssh = _ssh(hfield, defaults, base)
         address = hfield["address"].str(None)
+        lxd = _lxd_endpoint(hfield["lxd"], base) if "lxd" in hfield else None
         containers: list[Container] = []
         for cname, cfield in hfield["containers"].items():
             _check_name(cfield, cname)
@@ -187,7 +218,15 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
             if cname in hosts or cname == hname:
                 raise cfield.error("a container cannot share its name with a GPU host")
             seen[cname] = hname
-            cfield.mapping(SSH_KEYS | {"address", "jump", "gpus", "groups", "vars"}, required=frozenset({"address"}))
+            cfield.mapping(
+                SSH_KEYS | {"address", "jump", "gpus", "groups", "vars", "lxd"},
+                required=frozenset() if lxd else frozenset({"address"}),
+            )
+            container_lxd = None
+            if lxd is not None:
+                container_lxd = _container_lxd(cfield["lxd"])
+            elif "lxd" in cfield:
+                raise cfield["lxd"].error(f"GPU host '{hname}' has no lxd: block, so its containers are not managed")
             jump = cfield["jump"].bool(False)
             if jump and address is None:
                 raise cfield["jump"].error(f"jumps through GPU host '{hname}', which has no address")
@@ -202,17 +241,20 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
                 Container(
                     name=cname,
                     host=hname,
-                    address=cfield["address"].str(),
+                    address=cfield["address"].str(None),
                     ssh=_ssh(cfield, defaults, base),
                     jump=jump,
                     gpus=gpus,
                     groups=groups,
                     vars=_vars(cfield["vars"]),
+                    lxd=container_lxd,
                 )
             )
+            if container_lxd and container_lxd.gpu_pci and len(container_lxd.gpu_pci) != len(gpus):
+                raise cfield["lxd"]["gpu_pci"].error(f"expected one PCI address per GPU ({len(gpus)})")
         if hname in seen:
             raise hfield.error(f"GPU host name already used by a container on '{seen[hname]}'")
-        hosts[hname] = GpuHost(hname, address, host_ssh, tuple(containers), _vars(hfield["vars"]))
+        hosts[hname] = GpuHost(hname, address, host_ssh, tuple(containers), _vars(hfield["vars"]), lxd)
     return Inventory(
         file=path,
         known_hosts=known_hosts,
@@ -232,6 +274,34 @@ def _ssh(f: Field, base_settings: SshSettings, base: Path) -> SshSettings:
         python=f["python"].str(base_settings.python),
         connect_timeout=f["connect_timeout"].number(base_settings.connect_timeout, minimum=0.1),
         command_timeout=f["command_timeout"].number(base_settings.command_timeout, minimum=0.1),
+    )
+
+
+def _lxd_endpoint(f: Field, base: Path) -> LxdEndpoint:
+    f.mapping({"endpoint", "client_cert", "client_key", "server_cert", "project"})
+    url = f["endpoint"].str("local")
+    if url != "local" and not url.startswith("https://"):
+        raise f["endpoint"].error("expected 'local' (the unix socket) or an https:// URL")
+    files = {}
+    for key in ("client_cert", "client_key", "server_cert"):
+        value = f[key].str(None)
+        files[key] = _path(value, base) if value is not None else None
+        if url != "local" and value is None:
+            raise f.error(
+                f"missing required key '{key}' (HTTPS to LXD needs a client certificate and a pinned server certificate)"
+            )
+    return LxdEndpoint(url, files["client_cert"], files["client_key"], files["server_cert"], f["project"].str(None))
+
+
+def _container_lxd(f: Field) -> ContainerLxd:
+    f.mapping({"image", "profiles", "config", "gpu_pci", "nvidia_runtime"})
+    default = ContainerLxd()
+    return ContainerLxd(
+        image=f["image"].str(default.image),
+        profiles=f["profiles"].str_list(default.profiles),
+        config=f["config"].str_map({}),
+        gpu_pci=f["gpu_pci"].str_list(()),
+        nvidia_runtime=f["nvidia_runtime"].bool(False),
     )
 
 

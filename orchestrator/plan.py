@@ -15,6 +15,7 @@ from typing import Any
 from orchestrator.agent import b64
 from orchestrator.playbook import FileSpec, Playbook
 
+GATE_CONTAINERS = "containers"
 GATE_CONNECT = "connect"
 GATE_FILES = "files"
 GATE_ROLLOUT = "rollout"
@@ -50,6 +51,7 @@ class HostReport:
     previous: str | None = None
     changed: bool = False
     diffs: list[str] = field(default_factory=list)
+    container: dict[str, Any] | None = None
     duration_s: float = 0.0
     ssh: dict[str, int] = field(default_factory=dict)
 

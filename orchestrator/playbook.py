@@ -44,6 +44,15 @@ class FileSpec:
 
 
 @dataclass(frozen=True)
+class Disk:
+    """A directory of the GPU host mounted into each container (models, usually read-only)."""
+
+    source: str
+    path: str
+    readonly: bool = True
+
+
+@dataclass(frozen=True)
 class Drafter:
     config: FileSpec
     reference: dict[str, Any] | Path | None = None
@@ -90,6 +99,7 @@ class Playbook:
     keep_releases: int
     files: tuple[FileSpec, ...]
     drafter: Drafter | None
+    disks: tuple[Disk, ...]
     serving: Serving
     gates: Gates
     rollout: Rollout
@@ -105,7 +115,7 @@ def load_playbook(path: Path | str) -> Playbook:
     path = Path(path)
     doc = load_file(path)
     top = Field(doc).mapping(
-        {"name", "targets", "deploy_root", "keep_releases", "files", "drafter", "serving", "gates", "rollout"},
+        {"name", "targets", "deploy_root", "keep_releases", "files", "drafter", "disks", "serving", "gates", "rollout"},
         required=frozenset({"name", "targets", "deploy_root"}),
     )
     base = path.parent
@@ -155,6 +165,7 @@ def load_playbook(path: Path | str) -> Playbook:
         keep_releases=top["keep_releases"].int(5, minimum=2),
         files=tuple(files),
         drafter=drafter,
+        disks=_disks(top["disks"]),
         serving=_serving(top["serving"]),
         gates=_gates(top["gates"]),
         rollout=_rollout(top["rollout"]),
@@ -194,6 +205,22 @@ def _file_spec(f: Field, src: str, dest: str, base: Path, src_key: str = "src") 
     except OSError as exc:
         raise src_field.error(f"cannot read {path}: {exc.strerror}") from exc
     return FileSpec(src=path, dest=dest, mode=mode, content=content)
+
+
+def _disks(f: Field) -> tuple[Disk, ...]:
+    disks: list[Disk] = []
+    paths: set[str] = set()
+    for item in f.sequence():
+        item.mapping({"source", "path", "readonly"}, required=frozenset({"source", "path"}))
+        source, path = item["source"].str(), item["path"].str()
+        for key, value in (("source", source), ("path", path)):
+            if not value.startswith("/") or posixpath.normpath(value) != value:
+                raise item[key].error("expected an absolute, normalised path")
+        if path in paths:
+            raise item["path"].error("mounted twice")
+        paths.add(path)
+        disks.append(Disk(source, path, item["readonly"].bool(True)))
+    return tuple(disks)
 
 
 def _serving(f: Field) -> Serving:

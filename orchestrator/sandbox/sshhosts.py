@@ -13,14 +13,11 @@ from the key files themselves, never learnt by connecting. Needs root.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -28,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import SandboxError
+from orchestrator.sandbox.processes import SSHD, alive, run, start_sshd, stop_process, write_file
 
 DEFAULT_DIR = Path(os.environ.get("ORCHESTRATE_SANDBOX_DIR", "/var/lib/dflash-orchestrator/sandbox"))
 DEFAULT_PREFIX = "dfo"
 DEFAULT_SUBNET = "10.77"
-SSHD = "/usr/sbin/sshd"
+
 REMOTE_PYTHON = "/usr/bin/python3"
 
 CLONE_NEWNS = 0x00020000
@@ -63,59 +61,6 @@ def host_address(subnet: str, i: int) -> str:
     # .0.1 is the bridge; hosts start at .0.2 and fill the /16.
     n = i + 1
     return f"{subnet}.{n // 256}.{n % 256}"
-
-
-def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError as exc:
-        raise SandboxError(f"{argv[0]} is not installed (apt-get install openssh-server iproute2)") from exc
-    if check and proc.returncode != 0:
-        raise SandboxError(f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc
-
-
-def _proc_start(pid: int) -> str:
-    """The process's start time: with the PID it identifies a process we started."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _alive(pid: int, start: str) -> bool:
-    if pid <= 0 or not start or _proc_start(pid) != start:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    if state in ("Z", "X"):
-        # Our own child that has exited: reap it (when we are its parent) so its PID is free.
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        return False
-    return True
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out: list[int] = []
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out
 
 
 def _libc() -> ctypes.CDLL:
@@ -196,12 +141,12 @@ class SshSandbox:
         hosts = self.hosts()
         return {
             "kind": self.kind,
-            "up": bool(hosts) and all(_alive(h.pid, h.pid_start) for h in hosts),
+            "up": bool(hosts) and all(alive(h.pid, h.pid_start) for h in hosts),
             "inventory": str(self.inventory),
             "ssh_config": str(self.ssh_config),
             "known_hosts": str(self.known_hosts),
             "hosts": [
-                {"name": h.name, "address": h.address, "running": _alive(h.pid, h.pid_start), "files": h.files}
+                {"name": h.name, "address": h.address, "running": alive(h.pid, h.pid_start), "files": h.files}
                 for h in hosts
             ],
         }
@@ -219,7 +164,7 @@ class SshSandbox:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         if not self.client_key.exists():
-            _run(
+            run(
                 ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "orchestrate-sandbox", "-f", str(self.client_key)]
             )
         shutil.copyfile(self.client_key.with_suffix(".pub"), self.dir / "authorized_keys")
@@ -232,7 +177,7 @@ class SshSandbox:
         for i in range(1, count + 1):
             name = host_name(i)
             host = existing.pop(name, None)
-            if host is not None and _alive(host.pid, host.pid_start):
+            if host is not None and alive(host.pid, host.pid_start):
                 hosts.append(host)
                 continue
             host = self._start_host(i)
@@ -247,10 +192,10 @@ class SshSandbox:
         return self.status()
 
     def _bridge(self) -> None:
-        if _run(["ip", "link", "show", self.bridge], check=False).returncode != 0:
-            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-            _run(["ip", "addr", "add", f"{self.subnet}.0.1/16", "dev", self.bridge])
-        _run(["ip", "link", "set", self.bridge, "up"])
+        if run(["ip", "link", "show", self.bridge], check=False).returncode != 0:
+            run(["ip", "link", "add", self.bridge, "type", "bridge"])
+            run(["ip", "addr", "add", f"{self.subnet}.0.1/16", "dev", self.bridge])
+        run(["ip", "link", "set", self.bridge, "up"])
 
     def _start_host(self, i: int) -> SandboxHost:
         name = host_name(i)
@@ -266,52 +211,16 @@ class SshSandbox:
             (hdir / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(hdir / "root", 0o700)
         if not Path(f"/run/netns/{host.netns}").exists():
-            _run(["ip", "netns", "add", host.netns])
-        if _run(["ip", "link", "show", host.veth], check=False).returncode != 0:
-            _run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns])
-            _run(["ip", "link", "set", host.veth, "master", self.bridge, "up"])
-            _run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/16", "dev", "eth0"])
-            _run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
-            _run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
-        key = hdir / "ssh_host_ed25519_key"
-        if not key.exists():
-            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)])
-        config = hdir / "sshd_config"
-        config.write_text(
-            "\n".join(
-                [
-                    f"ListenAddress {host.address}:22",
-                    f"HostKey {key}",
-                    "PidFile none",
-                    f"AuthorizedKeysFile {self.dir / 'authorized_keys'}",
-                    "PermitRootLogin prohibit-password",
-                    "PasswordAuthentication no",
-                    "KbdInteractiveAuthentication no",
-                    "UsePAM no",
-                    "AllowTcpForwarding yes",
-                    "X11Forwarding no",
-                    "PrintMotd no",
-                    "MaxStartups 500",
-                    "MaxSessions 100",
-                    "LogLevel ERROR",
-                    "",
-                ]
-            )
+            run(["ip", "netns", "add", host.netns])
+        if run(["ip", "link", "show", host.veth], check=False).returncode != 0:
+            run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns])
+            run(["ip", "link", "set", host.veth, "master", self.bridge, "up"])
+            run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/16", "dev", "eth0"])
+            run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
+            run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
+        host.pid, host.pid_start = start_sshd(
+            hdir, f"{host.address}:22", self.dir / "authorized_keys", name, _enter_host(host.netns, host.files)
         )
-        log = open(hdir / "sshd.log", "ab")  # noqa: SIM115 - handed to the child
-        try:
-            proc = subprocess.Popen(
-                [SSHD, "-D", "-e", "-f", str(config)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-                preexec_fn=_enter_host(host.netns, host.files),
-            )
-        finally:
-            log.close()
-        host.pid = proc.pid
-        host.pid_start = _proc_start(proc.pid)
         return host
 
     def _wait_ready(self, hosts: list[SandboxHost], deadline: float) -> None:
@@ -319,7 +228,7 @@ class SshSandbox:
         delay = 0.02
         while pending:
             for h in list(pending):
-                if not _alive(h.pid, h.pid_start):
+                if not alive(h.pid, h.pid_start):
                     log = (Path(h.files) / "sshd.log").read_text(errors="replace").strip().splitlines()[-3:]
                     raise SandboxError(f"sshd of {h.name} exited: {' / '.join(log) or 'no log'}")
                 try:
@@ -343,9 +252,9 @@ class SshSandbox:
                 f"  IdentitiesOnly yes\n  UserKnownHostsFile {self.known_hosts}\n  StrictHostKeyChecking yes\n"
             )
             inv.append(f"      {h.name}:\n        address: {h.address}\n")
-        _write(self.known_hosts, "\n".join(known) + "\n", 0o600)
-        _write(self.ssh_config, "\n".join(config), 0o600)
-        _write(
+        write_file(self.known_hosts, "\n".join(known) + "\n", 0o600)
+        write_file(self.ssh_config, "\n".join(config), 0o600)
+        write_file(
             self.inventory,
             "# Written by `orchestrate sandbox up --kind ssh`: each node is an sshd in a network\n"
             "# namespace on this machine, standing in for one LXC container.\n"
@@ -363,33 +272,17 @@ class SshSandbox:
     # --- down ----------------------------------------------------------------------------
 
     def _stop_host(self, host: SandboxHost) -> None:
-        if _alive(host.pid, host.pid_start):
-            victims = [*_descendants(host.pid), host.pid]
-            for pid in victims:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while _alive(host.pid, host.pid_start) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if _alive(host.pid, host.pid_start):
-                os.kill(host.pid, signal.SIGKILL)
+        stop_process(host.pid, host.pid_start)
         if Path(f"/run/netns/{host.netns}").exists():
-            _run(["ip", "netns", "del", host.netns], check=False)
-        _run(["ip", "link", "del", host.veth], check=False)
+            run(["ip", "netns", "del", host.netns], check=False)
+        run(["ip", "link", "del", host.veth], check=False)
 
     def down(self, say: Say = lambda _m: None) -> None:
         hosts = self.hosts()
         for h in hosts:
             self._stop_host(h)
-        if _run(["ip", "link", "show", self.bridge], check=False).returncode == 0:
-            _run(["ip", "link", "del", self.bridge], check=False)
+        if run(["ip", "link", "show", self.bridge], check=False).returncode == 0:
+            run(["ip", "link", "del", self.bridge], check=False)
         if self.dir.exists():
             shutil.rmtree(self.dir)
         say(f"sandbox: {len(hosts)} ssh hosts removed")
-
-
-def _write(path: Path, text: str, mode: int) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)

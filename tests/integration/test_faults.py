@@ -17,7 +17,8 @@ from pathlib import Path
 import fuse  # type: ignore[import-untyped]
 import pytest
 
-from orchestrator.sandbox.sshhosts import SandboxHost, _descendants
+from orchestrator.sandbox.processes import descendants
+from orchestrator.sandbox.sshhosts import SandboxHost
 from tests.integration.conftest import GOOD_DRAFTER, STALE_DRAFTER, Sandbox, write_playbook
 
 HERE = Path(__file__).resolve().parent
@@ -171,7 +172,7 @@ def cut_during_transfer(sandbox: Sandbox, host: SandboxHost, blob: bytes, tmp_pa
 
     def connection_process() -> int | None:
         """The per-connection sshd whose session runs our agent (a child of the listener)."""
-        for pid in _descendants(host.pid):
+        for pid in descendants(host.pid):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.sandbox.sshhosts import SshSandbox, _alive
+from orchestrator.sandbox.processes import alive
+from orchestrator.sandbox.sshhosts import SshSandbox
 from tests.integration.conftest import Sandbox
 
 
@@ -54,7 +55,7 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
     down = cli("down")
     assert down.returncode == 0, down.stderr
     assert not directory.exists()
-    assert not any(_alive(h.pid, h.pid_start) for h in hosts)
+    assert not any(alive(h.pid, h.pid_start) for h in hosts)
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "dfs-" not in netns
     assert subprocess.run(["ip", "link", "show", "dfs-br0"], capture_output=True).returncode != 0

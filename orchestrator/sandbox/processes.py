@@ -1,0 +1,128 @@
+"""Processes the sandboxes start, and only those: started, identified and ended by PID."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from orchestrator.errors import SandboxError
+
+SSHD = "/usr/sbin/sshd"
+
+
+def run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError as exc:
+        raise SandboxError(f"{argv[0]} is not installed (apt-get install openssh-server iproute2)") from exc
+    if check and proc.returncode != 0:
+        raise SandboxError(f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def proc_start(pid: int) -> str:
+    """The process's start time: with the PID it identifies a process we started."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def alive(pid: int, start: str) -> bool:
+    if pid <= 0 or not start or proc_start(pid) != start:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    if state in ("Z", "X"):
+        # Our own child that has exited: reap it (when we are its parent) so its PID is free.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        return False
+    return True
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def stop_process(pid: int, start: str, grace: float = 10.0) -> None:
+    """End a process we started, and its children, if it is still the one we started."""
+    if not alive(pid, start):
+        return
+    for victim in [*descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while alive(pid, start) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if alive(pid, start):
+        os.kill(pid, signal.SIGKILL)
+
+
+def write_file(path: Path, text: str, mode: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def start_sshd(
+    directory: Path, listen: str, authorized_keys: Path, name: str, preexec: Callable[[], None] | None = None
+) -> tuple[int, str]:
+    """An ``sshd -D`` of our own (key-only root login), its host key and log in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    key = directory / "ssh_host_ed25519_key"
+    if not key.exists():
+        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)])
+    config = directory / "sshd_config"
+    settings = [
+        f"ListenAddress {listen}",
+        f"HostKey {key}",
+        "PidFile none",
+        f"AuthorizedKeysFile {authorized_keys}",
+        "PermitRootLogin prohibit-password",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "AllowTcpForwarding yes",
+        "X11Forwarding no",
+        "PrintMotd no",
+        "MaxStartups 500",
+        "MaxSessions 100",
+        "LogLevel ERROR",
+    ]
+    config.write_text("\n".join(settings) + "\n")
+    with open(directory / "sshd.log", "ab") as log:
+        proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(config)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
+    return proc.pid, proc_start(proc.pid)
