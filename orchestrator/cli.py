@@ -6,6 +6,7 @@ Exit codes: 0 all hosts ready / in sync, 1 some host is not (or a run failed), 2
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -13,10 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from orchestrator import engine
-from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError
+from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
 from orchestrator.inventory import Inventory, Target, load_inventory
 from orchestrator.playbook import load_playbook
 from orchestrator.report import ProgressPrinter, render_json, render_table
+from orchestrator.sandbox.lxdhosts import LxdSandbox
 from orchestrator.sandbox.sshhosts import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
 from orchestrator.sandbox.sshhosts import SshSandbox
 from orchestrator.state import StateDB
@@ -110,19 +112,25 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sandbox", help="local test hosts on this machine (needs root)")
     ssub = s.add_subparsers(dest="sandbox_command", required=True, metavar="ACTION")
     up = ssub.add_parser("up", help="create (or complete) the sandbox; idempotent")
-    up.add_argument("--kind", choices=["ssh"], default="ssh")
+    up.add_argument("--kind", choices=["lxd", "ssh"], default="lxd", help="lxd containers (default) or plain ssh hosts")
     up.add_argument("--hosts", type=_positive_int, default=2)
-    up.add_argument("--prefix", default=None, help="names of its network devices (default dfo)")
-    up.add_argument("--subnet", default=None, help="first two octets of its /16 (default 10.77)")
+    up.add_argument("--prefix", default=None, help="prefix of its names (default dfo)")
+    up.add_argument("--subnet", default=None, help="ssh kind: first two octets of its /16 (default 10.77)")
+    up.add_argument(
+        "--jump-port", type=_positive_int, default=None, help="lxd kind: port of the GPU host's sshd (2222)"
+    )
     st = ssub.add_parser("status", help="what is up, and the files written for it")
     st.add_argument("--json", action="store_true")
     down = ssub.add_parser("down", help="end the sandbox's processes and remove everything it made")
+    down.add_argument(
+        "--purge", action="store_true", help="lxd kind: also remove LXD's network, pool, profile and image"
+    )
     for p in (up, st, down):
         p.add_argument(
             "--dir",
             type=Path,
             default=None,
-            help="sandbox directory (default $ORCHESTRATE_SANDBOX_DIR or " + str(DEFAULT_SANDBOX_DIR) + ")",
+            help=f"sandbox directory (default $ORCHESTRATE_SANDBOX_DIR or {DEFAULT_SANDBOX_DIR})",
         )
     return parser
 
@@ -194,14 +202,28 @@ def _cmd_history(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _open_sandbox(args: argparse.Namespace) -> SshSandbox | LxdSandbox:
+    directory = args.dir or DEFAULT_SANDBOX_DIR
+    kind = getattr(args, "kind", None)
+    try:
+        existing = json.loads((directory / "sandbox.json").read_text()).get("kind")
+    except (OSError, ValueError):
+        existing = None
+    if kind and existing and kind != existing:
+        raise SandboxError(f"{directory} holds a {existing} sandbox: run 'orchestrate sandbox down' first")
+    if (kind or existing or "lxd") == "lxd":
+        return LxdSandbox(directory, getattr(args, "prefix", None), getattr(args, "jump_port", None))
+    return SshSandbox(directory, getattr(args, "prefix", None), getattr(args, "subnet", None))
+
+
 def _cmd_sandbox(args: argparse.Namespace) -> int:
-    box = SshSandbox(args.dir or DEFAULT_SANDBOX_DIR, getattr(args, "prefix", None), getattr(args, "subnet", None))
+    box = _open_sandbox(args)
     if args.sandbox_command == "up":
-        _say(f"sandbox: bringing up {args.hosts} {args.kind} hosts in {box.dir}")
+        _say(f"sandbox: bringing up {args.hosts} {box.kind} hosts in {box.dir}")
         status = box.up(args.hosts, _say)
-        print(
-            f"inventory:   {status['inventory']}\nssh_config:  {status['ssh_config']}\nknown_hosts: {status['known_hosts']}"
-        )
+        print(f"inventory:   {status['inventory']}")
+        print(f"ssh_config:  {status['ssh_config']}")
+        print(f"known_hosts: {status['known_hosts']}")
         return EXIT_OK
     if args.sandbox_command == "status":
         status = box.status()
@@ -212,9 +234,12 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
             assert isinstance(hosts, list)
             print(f"kind {status['kind']}: {len(hosts)} hosts, {'up' if status['up'] else 'not up'}")
             for h in hosts:
-                print(f"  {h['name']:<10} {h['address']:<15} {'running' if h['running'] else 'STOPPED'}")
+                print(f"  {h['name']:<14} {h['address']:<15} {'running' if h['running'] else 'STOPPED'}")
         return EXIT_OK if status["up"] else EXIT_NOT_READY
-    box.down(_say)
+    if isinstance(box, LxdSandbox):
+        box.down(_say, purge=args.purge)
+    else:
+        box.down(_say)
     return EXIT_OK
 
 
