@@ -157,7 +157,13 @@ class LxdHost:
                     actions.append("started")
             except (lxd_exceptions.LXDAPIException, requests.RequestException) as exc:
                 self._restore(inst, created, before_devices, before_config)
-                raise LxdError(self.host, f"container {spec.name}: {_api_message(exc)}") from exc
+                message = _api_message(exc)
+                if "GPU" in message:
+                    message += (
+                        f"; the container was left as it was. Check that GPU host {self.host} has these GPUs"
+                        " (nvidia-smi) and that the container's gpus / lxd.gpu_pci name them"
+                    )
+                raise LxdError(self.host, f"container {spec.name}: {message}") from exc
         address = self.wait_address(spec.name, address_timeout)
         detail = f"running, {address}" + (f" ({'; '.join(actions)})" if actions else "")
         return ContainerReport(spec.name, True, detail, "Running", address, actions, drift)

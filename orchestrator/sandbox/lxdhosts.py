@@ -31,6 +31,7 @@ from orchestrator.sandbox import lxdimage
 from orchestrator.sandbox.processes import alive, proc_start, run, start_sshd, stop_process, write_file
 
 STATE = Path("/var/lib/dflash-orchestrator")
+MODELS = STATE / "models"  # the GPU host's model directory that playbooks/sandbox.yaml mounts
 DAEMON_STATE = STATE / "lxd-daemon.json"
 LOGS = Path("/var/log/dflash-orchestrator")
 NETWORK = "dfolxd0"
@@ -213,6 +214,13 @@ class LxdSandbox:
         pubkey = self.client_key.with_suffix(".pub").read_text().strip()
         shutil.copyfile(self.client_key.with_suffix(".pub"), self.dir / "authorized_keys")
         os.chmod(self.dir / "authorized_keys", 0o600)
+
+        MODELS.mkdir(parents=True, exist_ok=True)
+        readme = MODELS / "README"
+        if not readme.exists():
+            readme.write_text("Model weights live here on a GPU host; containers mount this directory read-only.\n")
+        os.chmod(MODELS, 0o755)
+        os.chmod(readme, 0o644)  # unprivileged containers see it as nobody: it must be world-readable
 
         host = self._host()
         names = [f"{self.prefix}-node-{i:02d}" for i in range(1, count + 1)]
