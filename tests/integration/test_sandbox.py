@@ -39,6 +39,14 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*base, *args, "--dir", str(directory)], capture_output=True, text=True, timeout=120)
 
+    try:
+        exercise_sandbox_cli(cli, directory)
+    finally:
+        if directory.exists():
+            SshSandbox(directory).down()
+
+
+def exercise_sandbox_cli(cli, directory: Path) -> None:  # type: ignore[no-untyped-def]
     up = cli("up", "--kind", "ssh", "--hosts", "2", "--prefix", "dfs", "--subnet", "10.79")
     assert up.returncode == 0, up.stderr
     status = json.loads(cli("status", "--json").stdout)
