@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sandbox", help="local test hosts on this machine (needs root)")
     ssub = s.add_subparsers(dest="sandbox_command", required=True, metavar="ACTION")
     up = ssub.add_parser("up", help="create (or complete) the sandbox; idempotent")
-    up.add_argument("--kind", choices=["lxd", "ssh"], default="lxd", help="lxd containers (default) or plain ssh hosts")
+    up.add_argument("--kind", choices=["lxd", "ssh"], default=None, help="lxd containers (default) or plain ssh hosts")
     up.add_argument("--hosts", type=_positive_int, default=2)
     up.add_argument("--prefix", default=None, help="prefix of its names (default dfo)")
     up.add_argument("--subnet", default=None, help="ssh kind: first two octets of its /16 (default 10.77)")
