@@ -113,7 +113,7 @@ def test_stopped_container_is_reported_by_verify_and_started_by_deploy(
     assert lxd.status(victim) == "Running"
 
 
-def test_config_drift_is_reported_and_repaired(lxd_sandbox: LxdSandbox, lxd: LxdHost, tmp_path: Path) -> None:
+def test_config_and_device_drift_is_reported_and_repaired(lxd_sandbox: LxdSandbox, lxd: LxdHost, tmp_path: Path) -> None:
     name = lxd_sandbox.nodes()[1].name
 
     def declare(data: Any) -> None:
@@ -130,6 +130,14 @@ def test_config_drift_is_reported_and_repaired(lxd_sandbox: LxdSandbox, lxd: Lxd
     code, report, _ = run("deploy", SANDBOX_PLAYBOOK, "-i", inv, tmp_path=tmp_path)
     assert code == 0 and host(report, name)["container"]["actions"] == ["updated config.limits.processes"]
     subprocess.run(["lxc", "config", "unset", name, "limits.processes"], check=True)
+
+    # A model disk removed by hand is drift too, and the next deploy puts it back.
+    subprocess.run(["lxc", "config", "device", "remove", name, "dfo-disk-models"], check=True, capture_output=True)
+    code, report, _ = run("verify", SANDBOX_PLAYBOOK, "-i", inventory(lxd_sandbox, tmp_path), tmp_path=tmp_path)
+    assert code == 1
+    assert "devices.dfo-disk-models is missing" in host(report, name)["gates"]["containers"]["detail"]
+    code, report, _ = run("deploy", SANDBOX_PLAYBOOK, "-i", inventory(lxd_sandbox, tmp_path), tmp_path=tmp_path)
+    assert code == 0 and host(report, name)["container"]["actions"] == ["updated devices.dfo-disk-models"]
 
 
 @pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
