@@ -297,13 +297,13 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
     ),
     BuildBug(
         "swa_as_full",
-        "0.22.0",
+        "0.20.0",
         "0.25.0",
         "error",
         "sliding-window drafter layers silently run as full attention",
         "install vLLM >= 0.26",
         applies="sliding",
-        sources=("vLLM wheels 0.22-0.24",),
+        sources=("vLLM wheels 0.20-0.24",),
     ),
     BuildBug(
         "mixed_swa_raises",
