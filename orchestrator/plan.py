@@ -125,6 +125,8 @@ def read_serving(playbook: Playbook, results: list[dict[str, Any]], report: Host
     if not results or playbook.drafter is None:
         return
     view, build = results
+    if "missing" in view:
+        return
     drops = dflash.loader_drops(playbook.drafter.values, view["fields"])
     if drops:
         report.gates[GATE_LOADER] = Gate(
@@ -148,13 +150,8 @@ def read_serving(playbook: Playbook, results: list[dict[str, Any]], report: Host
 
 
 def verify_ops(playbook: Playbook) -> list[dict[str, Any]]:
-    return [
-        {
-            "op": "release_verify",
-            "root": playbook.deploy_root,
-            "files": [{"path": f.dest} for f in playbook.release_files],
-        }
-    ]
+    files = [{"path": f.dest} for f in playbook.release_files]
+    return [{"op": "release_verify", "root": playbook.deploy_root, "files": files}, *serving_ops(playbook, None)]
 
 
 def inspect_ops(playbook: Playbook) -> list[dict[str, Any]]:

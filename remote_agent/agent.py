@@ -635,6 +635,8 @@ def op_loader_view(req):
         release = _batch.get("applied")
     base = os.path.join("releases", release) if release else "current"
     path = _inside(root, os.path.join(base, req.get("subdir", "drafter")))
+    if not os.path.isdir(path):
+        return {"missing": path}  # nothing deployed there: the files gate already says so
     view = _serving_python(req, LOADER_SCRIPT, [path, json.dumps(req.get("fields") or [])])
     view["path"] = path
     return view
