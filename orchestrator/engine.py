@@ -8,16 +8,17 @@ that host's failed gate and never stops the others (unless the rollout's failure
 from __future__ import annotations
 
 import getpass
+import hashlib
 import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import dflash, plan
-from orchestrator.agent import AgentClient
+from orchestrator import dflash, plan, serving
+from orchestrator.agent import AgentClient, b64
 from orchestrator.containers import spec_for
 from orchestrator.errors import AgentError, AgentProtocolError, LxdError, OrchestratorError, TransportError
 from orchestrator.inventory import Inventory, Target
@@ -83,7 +84,7 @@ def host_json(h: HostReport, kind: str) -> dict[str, Any]:
         "release_id": h.release_id,
         "previous_release_id": h.previous,
         "changed": h.changed,
-        "gates": {name: asdict(g) for name, g in h.gates.items()},
+        "gates": {name: g.to_json() for name, g in h.gates.items()},
         "files": [
             {
                 "path": f.dest,
@@ -102,6 +103,8 @@ def host_json(h: HostReport, kind: str) -> dict[str, Any]:
         out["in_sync"] = h.ready
     if h.container is not None:
         out["container"] = h.container
+    if h.diagnosis:
+        out["diagnosis"] = h.diagnosis
     if h.diffs:
         out["diffs"] = h.diffs
     return out
@@ -277,8 +280,13 @@ def deploy(
         staged = results[1].value
         plan.read_applied(playbook, staged, report)
         plan.read_serving(playbook, [r.value for r in results[2:]], report)
-        if not report.ready or not staged.get("changed"):
-            return  # a failed gate leaves the previous release current; an unchanged one needs no switch
+        if not report.ready:
+            return  # a failed gate leaves the previous release current
+        if playbook.serving.target is not None:
+            _serve(client, playbook, target, report, bool(staged.get("changed")), owner, options)
+            return
+        if not staged.get("changed"):
+            return  # unchanged: nothing to switch
         switched = client.batch(target, switch, timeout=timeout)
         plan.read_made_current(playbook, switched[1].value, report)
 
@@ -301,6 +309,122 @@ def deploy(
         for h in run.hosts:
             h.gates = {plan.GATE_LINT: lint, **h.gates}
     return run
+
+
+def _serve(
+    client: AgentClient,
+    playbook: Playbook,
+    target: Target,
+    report: HostReport,
+    changed: bool,
+    owner: str,
+    options: RunOptions,
+) -> None:
+    """Switch, launch, wait for health, probe acceptance; READY only if all pass, else roll back.
+
+    One exec does the switch, the launch, the health wait and the probe (the agent stops at the
+    first failure, so a dead server is never probed), holding the deploy-root lock throughout.
+    """
+    assert report.release_id is not None
+    root, s, gate = playbook.deploy_root, playbook.serving, playbook.gates.acceptance
+    release = report.release_id
+    launch = serving.command(playbook, target.container, release).as_op(root, release, s.port)
+    launch["keep_if_running"] = not changed
+    lock = {"op": "lock", "root": root, "timeout": options.lock_timeout, "owner": owner}
+    ops: list[dict[str, Any]] = [lock]
+    if changed:
+        ops.append({"op": "release_switch", "root": root, "release_id": release, "keep": playbook.keep_releases})
+    probe_timeout = 60.0 + gate.max_tokens * len(gate.prompts or serving.DEFAULT_PROMPTS)
+    ops += [
+        launch,
+        {"op": "wait_health", "root": root, "port": s.port, "model": s.model_name, "timeout": s.startup_timeout},
+        {
+            "op": "probe",
+            "port": s.port,
+            "model": s.model_name,
+            "prompts": list(gate.prompts or serving.DEFAULT_PROMPTS),
+            "max_tokens": gate.max_tokens,
+            "timeout": probe_timeout,
+        },
+    ]
+    budget = target.container.ssh.command_timeout + options.lock_timeout + s.startup_timeout + probe_timeout
+    try:
+        results = client.batch(target, ops, timeout=budget)
+    except AgentError as exc:
+        failure = exc.failure
+        if failure.op == "release_switch":
+            raise
+        name = plan.GATE_ACCEPTANCE if failure.op == "probe" else plan.GATE_HEALTH
+        report.gates[name] = Gate(False, failure.message)
+        report.diagnosis = plan.diagnose(playbook, report, failure=failure)
+        _roll_back(client, playbook, target, report, changed, owner, options)
+        return
+    values = {r.op: r.value for r in results}
+    if changed:
+        report.previous = values["release_switch"].get("previous")
+        plan.read_made_current(playbook, values["release_switch"], report)
+    health = values["wait_health"]
+    kept = " (already running)" if values["launch"].get("kept") else ""
+    report.gates[plan.GATE_HEALTH] = Gate(True, f"healthy after {health['waited_s']} s, pid {health['pid']}{kept}")
+    plan.read_probe(playbook, values["probe"], report)
+    if not report.ready:
+        report.diagnosis = plan.diagnose(playbook, report)
+        _roll_back(client, playbook, target, report, changed, owner, options)
+        return
+    record = serving.ready_record(
+        release,
+        {k: g.to_json() for k, g in report.gates.items()},
+        [{"path": f.dest, "remote_path": f.remote_path, "sha256": f.sha256} for f in report.files],
+        health["pid"],
+    )
+    client.batch(
+        target,
+        [
+            {
+                "op": "put",
+                "root": root,
+                "path": "ready.json",
+                "content_b64": b64(record),
+                "sha256": hashlib.sha256(record).hexdigest(),
+                "mode": "0644",
+            }
+        ],
+    )
+    report.gates[plan.GATE_READY] = Gate(True, f"{root}/ready.json records release {release}")
+
+
+def _roll_back(
+    client: AgentClient,
+    playbook: Playbook,
+    target: Target,
+    report: HostReport,
+    changed: bool,
+    owner: str,
+    options: RunOptions,
+) -> None:
+    """After a failure past launch: the previous release and its server come back; the host stays not ready."""
+    root, s = playbook.deploy_root, playbook.serving
+    previous = report.previous
+    lock = {"op": "lock", "root": root, "timeout": options.lock_timeout, "owner": owner}
+    if not changed or previous is None:
+        # Nothing to go back to: stop the failed server rather than leave it looking healthy.
+        client.batch(target, [lock, {"op": "stop", "root": root}])
+        report.diagnosis.append("no previous release to roll back to: the server was stopped")
+        return
+    relaunch = serving.command(playbook, target.container, previous).as_op(root, previous, s.port)
+    ops: list[dict[str, Any]] = [
+        lock,
+        {"op": "release_switch", "root": root, "release_id": previous},
+        relaunch,
+        {"op": "wait_health", "root": root, "port": s.port, "model": s.model_name, "timeout": s.startup_timeout},
+    ]
+    try:
+        client.batch(
+            target, ops, timeout=target.container.ssh.command_timeout + s.startup_timeout + options.lock_timeout
+        )
+        report.diagnosis.append(f"rolled back: release {previous} is current again and its server is healthy")
+    except AgentError as exc:
+        report.diagnosis.append(f"rollback to {previous} failed: {exc.failure.describe()}")
 
 
 def _stopped_by_lint(

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import dflash
+from orchestrator import dflash, probe
 from orchestrator.agent import b64
 from orchestrator.playbook import FileSpec, Playbook
 
@@ -22,6 +22,9 @@ GATE_CONNECT = "connect"
 GATE_FILES = "files"
 GATE_LOADER = "loader"
 GATE_BUILD = "build"
+GATE_HEALTH = "health"
+GATE_ACCEPTANCE = "acceptance"
+GATE_READY = "ready"
 GATE_ROLLOUT = "rollout"
 
 
@@ -29,6 +32,10 @@ GATE_ROLLOUT = "rollout"
 class Gate:
     ok: bool
     detail: str
+    data: dict[str, Any] = field(default_factory=dict)  # numbers the gate decided on
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "detail": self.detail, **self.data}
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class HostReport:
     changed: bool = False
     diffs: list[str] = field(default_factory=list)
     container: dict[str, Any] | None = None
+    diagnosis: list[str] = field(default_factory=list)
     duration_s: float = 0.0
     ssh: dict[str, int] = field(default_factory=dict)
 
@@ -306,3 +314,62 @@ def rollout_batches(names: list[str], canary: int, batch_size: int | None) -> li
     size = batch_size or len(rest) or 1
     batches.extend(rest[i : i + size] for i in range(0, len(rest), size))
     return [b for b in batches if b]
+
+
+def read_probe(playbook: Playbook, value: dict[str, Any], report: HostReport) -> None:
+    """The acceptance gate from the probe's two scrapes."""
+    gate = playbook.gates.acceptance
+    try:
+        a = probe.measure(value["before"], value["after"])
+    except probe.ProbeError as exc:
+        report.gates[GATE_ACCEPTANCE] = Gate(False, str(exc))
+        return
+    ok, detail = probe.judge(a, gate.min_mean_acceptance_length, gate.min_acceptance_rate, gate.min_drafts)
+    report.gates[GATE_ACCEPTANCE] = Gate(
+        ok,
+        detail,
+        {
+            "mean_acceptance_length": round(a.mean_acceptance_length, 3),
+            "mean_acceptance_length_low": round(a.mean_acceptance_length_low, 3),
+            "acceptance_rate": round(a.rate, 4),
+            "drafts": a.drafts,
+            "per_position": [round(p, 3) for p in a.per_position],
+        },
+    )
+
+
+def diagnose(playbook: Playbook, report: HostReport, failure: Any = None) -> list[str]:
+    """The likely causes, most specific first, from everything this run knows."""
+    out: list[str] = []
+    drafter = playbook.drafter
+    acceptance = report.gates.get(GATE_ACCEPTANCE)
+    tau = acceptance.data.get("mean_acceptance_length") if acceptance else None
+    if drafter is not None and drafter.reference:
+        diffs = [p for p in dflash.lint(drafter.values, None, drafter.reference) if "pinned reference" in p.message]
+        if diffs:
+            out.append(
+                "the drafter config differs from its pinned reference: "
+                + ", ".join(f"{p.field} {p.actual!r} (expected {p.expected!r})" for p in diffs)
+            )
+    loader = report.gates.get(GATE_LOADER)
+    if loader is not None and not loader.ok:
+        out.append(f"the serving loader drops intended values: {loader.detail}")
+    build = report.gates.get(GATE_BUILD)
+    if build is not None and "no known DFlash bug" not in build.detail:
+        out.append(f"the vLLM build has known DFlash problems: {build.detail}")
+    if tau is not None and tau < 1.5:
+        cfg = drafter.values.get("dflash_config", {}) if drafter else {}
+        out.append(
+            f"mean acceptance length {tau:.2f} on a healthy server: the drafter does not match the target. Check "
+            f"drafter/config.json: dflash_config.mask_token_id ({cfg.get('mask_token_id')}), target_layer_ids "
+            f"({cfg.get('target_layer_ids')}), and that this drafter was trained for this target"
+        )
+    elif acceptance is not None and not acceptance.ok and "not running" in acceptance.detail:
+        out.append("no speculative decoding on the server: check serving.speculative and --speculative-config")
+    elif acceptance is not None and not acceptance.ok and "restarted" in acceptance.detail:
+        out.append("the server restarted during the probe: see its log")
+    if failure is not None and failure.op in ("launch", "wait_health"):
+        out.append(f"the server did not become healthy: see {failure.path or 'its log'}")
+    elif failure is not None and failure.op == "probe":
+        out.append("the probe failed while talking to the server (it died or stopped answering)")
+    return out

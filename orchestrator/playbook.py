@@ -65,6 +65,8 @@ class Drafter:
 class Serving:
     python: str | None = None
     target: str | None = None
+    model_name: str = "dflash"
+    speculative: bool = True
     tensor_parallel_size: int | None = None
     num_speculative_tokens: int = 15
     host: str = "127.0.0.1"
@@ -79,6 +81,8 @@ class AcceptanceGate:
     min_mean_acceptance_length: float = 3.0
     min_acceptance_rate: float | None = None
     min_drafts: int = 50
+    prompts: tuple[str, ...] = ()
+    max_tokens: int = 128
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,8 @@ def _serving(f: Field) -> Serving:
         {
             "python",
             "target",
+            "model_name",
+            "speculative",
             "tensor_parallel_size",
             "num_speculative_tokens",
             "host",
@@ -246,6 +252,8 @@ def _serving(f: Field) -> Serving:
     return Serving(
         python=f["python"].str(None),
         target=f["target"].str(None),
+        model_name=f["model_name"].str("dflash"),
+        speculative=f["speculative"].bool(True),
         tensor_parallel_size=f["tensor_parallel_size"].int(None, minimum=1),
         num_speculative_tokens=f["num_speculative_tokens"].int(15, minimum=1),
         host=f["host"].str("127.0.0.1"),
@@ -258,7 +266,9 @@ def _serving(f: Field) -> Serving:
 
 def _gates(f: Field) -> Gates:
     f.mapping({"acceptance"})
-    a = f["acceptance"].mapping({"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts"})
+    a = f["acceptance"].mapping(
+        {"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts", "prompts", "max_tokens"}
+    )
     rate = a["min_acceptance_rate"].number(None, minimum=0)
     if rate is not None and rate > 1:
         raise a["min_acceptance_rate"].error("a rate between 0 and 1")
@@ -267,6 +277,8 @@ def _gates(f: Field) -> Gates:
             min_mean_acceptance_length=a["min_mean_acceptance_length"].number(3.0, minimum=1),
             min_acceptance_rate=rate,
             min_drafts=a["min_drafts"].int(50, minimum=1),
+            prompts=a["prompts"].str_list(()),
+            max_tokens=a["max_tokens"].int(128, minimum=1, maximum=4096),
         )
     )
 

@@ -107,7 +107,7 @@ class StateDB:
                             int(h.ready),
                             h.release_id,
                             int(h.changed),
-                            json.dumps({k: {"ok": g.ok, "detail": g.detail} for k, g in h.gates.items()}),
+                            json.dumps({k: g.to_json() for k, g in h.gates.items()}),
                             h.duration_s,
                         )
                         for h in run.hosts

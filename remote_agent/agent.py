@@ -17,6 +17,7 @@ Everything the agent writes lives under the deploy root the request names:
 
 import base64
 import errno
+import signal
 import fcntl
 import hashlib
 import json
@@ -647,6 +648,239 @@ def op_vllm_build(req):
     return _serving_python(req, BUILD_SCRIPT, [])
 
 
+# --- the serving process ------------------------------------------------------------------
+#
+# The server runs in its own session (so it outlives the SSH session that started it), with
+# its pid and start time in <root>/run/<name>.json: only a process that still has both is ever
+# signalled. Its log is <root>/logs/<name>.log.
+
+
+def _proc_start(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def _pidfile(root, name):
+    return os.path.join(root, "run", "%s.json" % name)
+
+
+def _server(root, name):
+    try:
+        with open(_pidfile(root, name)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if _proc_start(record.get("pid", 0)) != record.get("start"):
+        record["alive"] = False
+    else:
+        record["alive"] = True
+    return record
+
+
+def _log_tail(path, lines=30):
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _stop(root, name, timeout):
+    record = _server(root, name)
+    if not record or not record["alive"]:
+        return None
+    pid = record["pid"]
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return pid
+    deadline = time.monotonic() + timeout
+    while _proc_start(pid) == record["start"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _proc_start(pid) == record["start"]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    # the engine's worker processes share the session: wait until none is left
+    while time.monotonic() < deadline + 10 and _group_alive(pid):
+        time.sleep(0.1)
+    return pid
+
+
+def _group_alive(pgid):
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) == pgid:
+                return True
+        except ProcessLookupError:
+            continue
+    return False
+
+
+def op_stop(req):
+    root = _root(req)
+    name = req.get("name", "dflash-serve")
+    pid = _stop(root, name, float(req.get("timeout", 30)))
+    return {"stopped": pid}
+
+
+def op_launch(req):
+    """Start the server (stopping the one we started before), detached, logging to a file."""
+    root = _root(req)
+    name = req.get("name", "dflash-serve")
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise OpError("bad_request", "argv must be a list of strings")
+    current = _server(root, name)
+    if req.get("keep_if_running") and current and current["alive"] and current.get("argv") == argv:
+        return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}
+    stopped = _stop(root, name, float(req.get("stop_timeout", 30)))
+    for sub in ("run", "logs"):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+    log_path = os.path.join(root, "logs", "%s.log" % name)
+    env = dict(os.environ)
+    env.update(req.get("env") or {})
+    log = open(log_path, "ab")
+    try:
+        log.write(("\n=== %s launch %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), req.get("release_id"))).encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                    cwd=root, start_new_session=True, close_fds=True)
+        except OSError as exc:
+            raise _os_error("launch", exc, argv[0])
+    finally:
+        log.close()
+    record = {"pid": proc.pid, "start": _proc_start(proc.pid), "release_id": req.get("release_id"),
+              "port": req.get("port"), "log": log_path, "started_at": time.time(), "argv": argv}
+    body = json.dumps(record).encode("utf-8")
+    _atomic_write(_pidfile(root, name), body, hashlib.sha256(body).hexdigest(), 0o644)
+    return {"pid": proc.pid, "log": log_path, "stopped": stopped, "kept": False}
+
+
+def _http(port, method, path, body=None, timeout=30.0):
+    import urllib.error
+    import urllib.request
+
+    url = "http://127.0.0.1:%d%s" % (int(port), path)
+    data = json.dumps(body).encode("utf-8") if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return None, str(reason)
+
+
+def op_http(req):
+    """One request to the local server (loopback only): probes need no open port."""
+    path = req.get("path", "/")
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise OpError("bad_request", "path must start with /")
+    status, text = _http(req.get("port", 8000), req.get("method", "GET"), path, req.get("body"), float(req.get("timeout", 30)))
+    return {"status": status, "body": text[: int(req.get("max_bytes", 1 << 20))]}
+
+
+def op_wait_health(req):
+    """Poll /health and /v1/models until healthy; fail at once when the process dies, or at the deadline."""
+    root = _root(req)
+    name = req.get("name", "dflash-serve")
+    port = int(req.get("port", 8000))
+    deadline = time.monotonic() + float(req.get("timeout", 900))
+    started = time.monotonic()
+    delay = 0.5
+    last = "no answer yet"
+    while True:
+        record = _server(root, name)
+        if not record or not record["alive"]:
+            log = record["log"] if record else os.path.join(root, "logs", "%s.log" % name)
+            raise OpError("server_died", "the server process exited after %.0f s; last lines of %s:\n%s"
+                          % (time.monotonic() - started, log, _log_tail(log)), log)
+        status, text = _http(port, "GET", "/health", timeout=5)
+        if status == 200:
+            status, text = _http(port, "GET", "/v1/models", timeout=10)
+            models = []
+            if status == 200:
+                try:
+                    models = [m.get("id") for m in json.loads(text).get("data", [])]
+                except (ValueError, AttributeError):
+                    pass
+            if req.get("model") in models:
+                return {"healthy": True, "models": models, "pid": record["pid"],
+                        "waited_s": round(time.monotonic() - started, 1)}
+            last = "/v1/models lists %s, not %s" % (models, req.get("model"))
+        else:
+            # connection refused while the process lives: the engine is still loading
+            last = "/health: %s" % (text[:200] if status is None else status)
+        if time.monotonic() > deadline:
+            raise OpError("unhealthy", "not healthy after %.0f s (%s); last lines of %s:\n%s"
+                          % (time.monotonic() - started, last, record["log"], _log_tail(record["log"], 15)), record["log"])
+        time.sleep(delay)
+        delay = min(delay * 1.5, 5.0)
+
+
+def op_serving_status(req):
+    """Read-only: the server we started (alive?), its health, and the READY record."""
+    root = _root(req)
+    name = req.get("name", "dflash-serve")
+    record = _server(root, name)
+    health = None
+    if record and record["alive"]:
+        health, _ = _http(int(record.get("port") or req.get("port", 8000)), "GET", "/health", timeout=5)
+    ready = None
+    try:
+        with open(os.path.join(root, "ready.json")) as f:
+            ready = json.load(f)
+    except (OSError, ValueError):
+        pass
+    if record:
+        record.pop("argv", None)
+    return {"server": record, "health": health, "ready": ready}
+
+
+def op_probe(req):
+    """Scrape /metrics, run the probe prompts (greedy, fixed budget), scrape again."""
+    port = int(req.get("port", 8000))
+    timeout = float(req.get("timeout", 300))
+    before_status, before = _http(port, "GET", "/metrics", timeout=30)
+    if before_status != 200:
+        raise OpError("probe", "GET /metrics failed: %s %s" % (before_status, before[:200]))
+    completions = []
+    started = time.monotonic()
+    for prompt in req.get("prompts") or []:
+        body = {"model": req.get("model"), "prompt": prompt, "max_tokens": int(req.get("max_tokens", 64)),
+                "temperature": 0, "ignore_eos": True}
+        status, text = _http(port, "POST", "/v1/completions", body, timeout=timeout)
+        if status != 200:
+            raise OpError("probe", "completion failed: %s %s" % (status, text[:300]))
+        try:
+            usage = json.loads(text).get("usage", {})
+        except ValueError:
+            usage = {}
+        completions.append({"tokens": usage.get("completion_tokens")})
+    after_status, after = _http(port, "GET", "/metrics", timeout=30)
+    if after_status != 200:
+        raise OpError("probe", "GET /metrics after the probe failed: %s %s" % (after_status, after[:200]))
+    return {"before": before, "after": after, "completions": completions, "seconds": round(time.monotonic() - started, 2)}
+
+
 def _gpus():
     try:
         proc = subprocess.run(
@@ -709,6 +943,12 @@ OPS = {
     "release_switch": op_release_switch,
     "loader_view": op_loader_view,
     "vllm_build": op_vllm_build,
+    "launch": op_launch,
+    "stop": op_stop,
+    "http": op_http,
+    "wait_health": op_wait_health,
+    "serving_status": op_serving_status,
+    "probe": op_probe,
 }
 
 

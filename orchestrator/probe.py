@@ -1,0 +1,114 @@
+"""The acceptance probe's arithmetic, pure: vLLM's spec-decode counters before and after a probe
+workload, their deltas summed over engines, and the statistics the acceptance gate judges.
+
+    rate = d(accepted) / d(draft_tokens)
+    mean acceptance length (tau) = 1 + d(accepted) / d(drafts)     (includes the bonus token)
+    per position p = d(accepted_per_pos[p]) / d(drafts)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = "vllm:spec_decode_num_"
+NAMES = {
+    f"{PREFIX}drafts": "drafts",
+    f"{PREFIX}draft_tokens": "draft_tokens",
+    f"{PREFIX}accepted_tokens": "accepted",
+    f"{PREFIX}accepted_tokens_per_pos": "per_pos",
+}
+
+
+class ProbeError(Exception):
+    """The numbers cannot be judged (no speculation, a restart, too few drafts)."""
+
+
+@dataclass
+class Counters:
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    per_pos: dict[int, float] = field(default_factory=dict)
+
+
+def parse(text: str) -> Counters | None:
+    """Spec-decode counters summed over every engine; None when the server exposes none."""
+    out = Counters()
+    seen = False
+    for family in text_string_to_metric_families(text):
+        key = NAMES.get(family.name) or NAMES.get(family.name.removesuffix("_total"))
+        if key is None:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue  # _created timestamps
+            seen = True
+            if key == "per_pos":
+                pos = int(sample.labels.get("position", "0"))
+                out.per_pos[pos] = out.per_pos.get(pos, 0.0) + sample.value
+            else:
+                setattr(out, key, getattr(out, key) + sample.value)
+    return out if seen else None
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    rate: float
+    mean_acceptance_length: float
+    mean_acceptance_length_low: float  # 95% lower bound
+    per_position: list[float]
+
+
+def measure(before_text: str, after_text: str) -> Acceptance:
+    before, after = parse(before_text), parse(after_text)
+    if before is None or after is None:
+        raise ProbeError("speculative decoding is not running: the server exposes no vllm:spec_decode_* counters")
+    deltas = {k: getattr(after, k) - getattr(before, k) for k in ("drafts", "draft_tokens", "accepted")}
+    pos = {p: after.per_pos.get(p, 0.0) - before.per_pos.get(p, 0.0) for p in after.per_pos}
+    if any(v < 0 for v in (*deltas.values(), *pos.values())):
+        raise ProbeError("a spec-decode counter went down during the probe: the server restarted")
+    drafts, tokens, accepted = (int(deltas[k]) for k in ("drafts", "draft_tokens", "accepted"))
+    if drafts == 0 or tokens == 0:
+        raise ProbeError("the probe produced no drafts: speculative decoding is not running")
+    rate = accepted / tokens
+    k = tokens / drafts
+    low = 1 + k * wilson_low(accepted, tokens)
+    return Acceptance(
+        drafts=drafts,
+        draft_tokens=tokens,
+        accepted=accepted,
+        rate=rate,
+        mean_acceptance_length=1 + accepted / drafts,
+        mean_acceptance_length_low=low,
+        per_position=[pos[p] / drafts for p in sorted(pos)],
+    )
+
+
+def wilson_low(successes: int, trials: int, z: float = 1.96) -> float:
+    if trials == 0:
+        return 0.0
+    p = successes / trials
+    denom = 1 + z * z / trials
+    centre = p + z * z / (2 * trials)
+    margin = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    return max(0.0, (centre - margin) / denom)
+
+
+def judge(a: Acceptance, min_tau: float, min_rate: float | None, min_drafts: int) -> tuple[bool, str]:
+    numbers = (
+        f"tau {a.mean_acceptance_length:.2f} (95% >= {a.mean_acceptance_length_low:.2f}), "
+        f"rate {a.rate:.1%}, {a.drafts} drafts"
+    )
+    if a.drafts < min_drafts:
+        return False, f"too few drafts to decide ({a.drafts} < {min_drafts}): {numbers}"
+    if a.mean_acceptance_length < min_tau:
+        return False, f"mean acceptance length {a.mean_acceptance_length:.2f} < {min_tau}: {numbers}"
+    if min_rate is not None and a.rate < min_rate:
+        return False, f"acceptance rate {a.rate:.1%} < {min_rate:.1%}: {numbers}"
+    return True, numbers
