@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = run_parser("deploy", "push the playbook's release to every target and gate it")
     d.add_argument("--dry-run", action="store_true", help="show what would change, with diffs; write nothing")
     d.add_argument("--release-id", default=None, help="name of the new release (default: UTC time + random)")
-    run_parser("verify", "re-read what every target serves and report drift; never writes")
+    v = run_parser("verify", "re-read what every target serves and report drift; never writes")
+    v.add_argument("--probe", action="store_true", help="also re-run the acceptance probe on live traffic")
     r = run_parser("rollback", "switch every target back to its previous release (or --to RELEASE)")
     r.add_argument("--to", dest="to_release", default=None, metavar="RELEASE", help="release id to switch to")
 
@@ -173,7 +174,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     elif kind == "dry-run":
         run = engine.dry_run(playbook, inventory, targets, options, progress)
     elif kind == "verify":
-        run = engine.verify(playbook, inventory, targets, options, progress)
+        run = engine.verify(playbook, inventory, targets, options, progress, args.probe)
     else:
         run = engine.rollback(playbook, inventory, targets, options, progress, args.to_release)
     for key in run.accepted_host_keys:

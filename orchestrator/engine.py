@@ -453,10 +453,16 @@ def _read_only(
     """One batch per host that writes nothing; ``reader`` turns its answer into gates."""
 
     def work(client: AgentClient, target: Target, report: HostReport) -> None:
-        results = client.batch(target, ops)
+        results = client.batch(target, ops, timeout=target.container.ssh.command_timeout + 600)
         _connected(report)
         reader(playbook, results[0].value, report)
-        plan.read_serving(playbook, [r.value for r in results[1:]], report)
+        values = {r.op: r.value for r in results[1:]}
+        if "loader_view" in values:
+            plan.read_serving(playbook, [values["loader_view"], values["vllm_build"]], report)
+        if "serving_status" in values and report.release_id is not None:
+            plan.read_serving_status(values["serving_status"], report)
+        if "probe" in values:
+            plan.read_probe(playbook, values["probe"], report)
 
     return _run(kind, playbook, inventory, targets, options, progress, work)
 
@@ -469,9 +475,14 @@ def dry_run(
 
 
 def verify(
-    playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    probe_acceptance: bool = False,
 ) -> RunReport:
-    ops = plan.verify_ops(playbook)
+    ops = plan.verify_ops(playbook, probe_acceptance)
     return _read_only("verify", ops, plan.read_verified, playbook, inventory, targets, options, progress)
 
 

@@ -16,6 +16,13 @@ from orchestrator import dflash, probe
 from orchestrator.agent import b64
 from orchestrator.playbook import FileSpec, Playbook
 
+DEFAULT_PROBE_PROMPTS = (
+    # a mix of the kinds of traffic acceptance depends on: code, math, chat
+    "def sort the list of numbers and return the sum",
+    "what is seven plus five times three",
+    "hello please write me a story about a cat and the moon",
+)
+
 GATE_LINT = "lint"
 GATE_CONTAINERS = "containers"
 GATE_CONNECT = "connect"
@@ -130,9 +137,9 @@ def lint_playbook(playbook: Playbook) -> list[dflash.Problem]:
 
 def read_serving(playbook: Playbook, results: list[dict[str, Any]], report: HostReport) -> None:
     """The loader and build gates from their ops' answers (in the order ``serving_ops`` sent them)."""
-    if not results or playbook.drafter is None:
+    if len(results) < 2 or playbook.drafter is None:
         return
-    view, build = results
+    view, build = results[:2]
     if "missing" in view:
         return
     drops = dflash.loader_drops(playbook.drafter.values, view["fields"])
@@ -157,9 +164,53 @@ def read_serving(playbook: Playbook, results: list[dict[str, Any]], report: Host
     report.gates[GATE_BUILD] = Gate(not errors, f"{name}: {text}" if found else f"{name}: no known DFlash bug applies")
 
 
-def verify_ops(playbook: Playbook) -> list[dict[str, Any]]:
+def verify_ops(playbook: Playbook, probe_acceptance: bool = False) -> list[dict[str, Any]]:
     files = [{"path": f.dest} for f in playbook.release_files]
-    return [{"op": "release_verify", "root": playbook.deploy_root, "files": files}, *serving_ops(playbook, None)]
+    ops = [{"op": "release_verify", "root": playbook.deploy_root, "files": files}, *serving_ops(playbook, None)]
+    s = playbook.serving
+    if s.target is not None:
+        ops.append({"op": "serving_status", "root": playbook.deploy_root, "port": s.port})
+        if probe_acceptance:
+            gate = playbook.gates.acceptance
+            prompts = list(gate.prompts) or list(DEFAULT_PROBE_PROMPTS)
+            timeout = 60.0 + gate.max_tokens * len(prompts)
+            ops.append(
+                {
+                    "op": "probe",
+                    "port": s.port,
+                    "model": s.model_name,
+                    "prompts": prompts,
+                    "max_tokens": gate.max_tokens,
+                    "timeout": timeout,
+                }
+            )
+    return ops
+
+
+def read_serving_status(value: dict[str, Any], report: HostReport) -> None:
+    """verify: the server we started is alive and healthy, and the READY record is this release's."""
+    server, ready = value.get("server"), value.get("ready")
+    if not server or not server.get("alive"):
+        report.gates[GATE_HEALTH] = Gate(False, "the server is not running")
+    elif value.get("health") != 200:
+        report.gates[GATE_HEALTH] = Gate(False, f"/health answers {value.get('health')}")
+    else:
+        report.gates[GATE_HEALTH] = Gate(True, f"pid {server['pid']} alive, /health 200")
+    served = {f.dest: f.sha256 for f in report.files}
+    if ready is None:
+        report.gates[GATE_READY] = Gate(False, "no READY record (ready.json)")
+    elif ready.get("release_id") != report.release_id:
+        report.gates[GATE_READY] = Gate(
+            False, f"READY record is for release {ready.get('release_id')}, current is {report.release_id}"
+        )
+    elif {f["path"]: f["sha256"] for f in ready.get("files", [])} != served:
+        report.gates[GATE_READY] = Gate(False, "READY record's digests differ from the files served")
+    elif server and ready.get("pid") != server.get("pid"):
+        report.gates[GATE_READY] = Gate(
+            False, f"the server was restarted since READY (pid {ready.get('pid')} -> {server.get('pid')}): probe again"
+        )
+    else:
+        report.gates[GATE_READY] = Gate(True, f"READY record matches release {report.release_id} and its digests")
 
 
 def inspect_ops(playbook: Playbook) -> list[dict[str, Any]]:

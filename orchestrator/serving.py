@@ -11,14 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.inventory import Container
+from orchestrator.plan import DEFAULT_PROBE_PROMPTS
 from orchestrator.playbook import Playbook
 
-DEFAULT_PROMPTS = (
-    # a mix of the kinds of traffic acceptance depends on: code, math, chat
-    "def sort the list of numbers and return the sum",
-    "what is seven plus five times three",
-    "hello please write me a story about a cat and the moon",
-)
+DEFAULT_PROMPTS = DEFAULT_PROBE_PROMPTS
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,7 @@ def start_sshd(
         "PasswordAuthentication no",
         "KbdInteractiveAuthentication no",
         "UsePAM no",
+        "StrictModes no",  # the sandbox directory may live under a world-writable /tmp
         "AllowTcpForwarding yes",
         "X11Forwarding no",
         "PrintMotd no",

