@@ -326,7 +326,7 @@ def _serve(
     first failure, so a dead server is never probed), holding the deploy-root lock throughout.
     """
     assert report.release_id is not None
-    root, s, gate = playbook.deploy_root, playbook.serving, playbook.gates.acceptance
+    root, s = playbook.deploy_root, playbook.serving
     release = report.release_id
     launch = serving.command(playbook, target.container, release).as_op(root, release, s.port)
     launch["keep_if_running"] = not changed
@@ -334,18 +334,11 @@ def _serve(
     ops: list[dict[str, Any]] = [lock]
     if changed:
         ops.append({"op": "release_switch", "root": root, "release_id": release, "keep": playbook.keep_releases})
-    probe_timeout = 60.0 + gate.max_tokens * len(gate.prompts or serving.DEFAULT_PROMPTS)
+    probe_timeout = _probe_timeout(playbook)
     ops += [
         launch,
         {"op": "wait_health", "root": root, "port": s.port, "model": s.model_name, "timeout": s.startup_timeout},
-        {
-            "op": "probe",
-            "port": s.port,
-            "model": s.model_name,
-            "prompts": list(gate.prompts or serving.DEFAULT_PROMPTS),
-            "max_tokens": gate.max_tokens,
-            "timeout": probe_timeout,
-        },
+        _probe_op(playbook),
     ]
     budget = target.container.ssh.command_timeout + options.lock_timeout + s.startup_timeout + probe_timeout
     try:
@@ -371,25 +364,8 @@ def _serve(
         report.diagnosis = plan.diagnose(playbook, report)
         _roll_back(client, playbook, target, report, changed, owner, options)
         return
-    record = serving.ready_record(
-        release,
-        {k: g.to_json() for k, g in report.gates.items()},
-        [{"path": f.dest, "remote_path": f.remote_path, "sha256": f.sha256} for f in report.files],
-        health["pid"],
-    )
-    client.batch(
-        target,
-        [
-            {
-                "op": "put",
-                "root": root,
-                "path": "ready.json",
-                "content_b64": b64(record),
-                "sha256": hashlib.sha256(record).hexdigest(),
-                "mode": "0644",
-            }
-        ],
-    )
+    files = [{"path": f.dest, "remote_path": f.remote_path, "sha256": f.sha256} for f in report.files]
+    _write_ready(client, target, root, release, {k: g.to_json() for k, g in report.gates.items()}, files, health["pid"])
     report.gates[plan.GATE_READY] = Gate(True, f"{root}/ready.json records release {release}")
 
 
@@ -417,14 +393,71 @@ def _roll_back(
         {"op": "release_switch", "root": root, "release_id": previous},
         relaunch,
         {"op": "wait_health", "root": root, "port": s.port, "model": s.model_name, "timeout": s.startup_timeout},
+        _probe_op(playbook),
     ]
+    budget = target.container.ssh.command_timeout + s.startup_timeout + options.lock_timeout + _probe_timeout(playbook)
     try:
-        client.batch(
-            target, ops, timeout=target.container.ssh.command_timeout + s.startup_timeout + options.lock_timeout
-        )
-        report.diagnosis.append(f"rolled back: release {previous} is current again and its server is healthy")
+        results = client.batch(target, ops, timeout=budget)
     except AgentError as exc:
         report.diagnosis.append(f"rollback to {previous} failed: {exc.failure.describe()}")
+        return
+    values = {r.op: r.value for r in results}
+    check = HostReport(target.name)
+    plan.read_probe(playbook, values["probe"], check)
+    proof = check.gates[plan.GATE_ACCEPTANCE]
+    if not proof.ok:
+        report.diagnosis.append(
+            f"rolled back to release {previous}, but it does not pass the probe either: {proof.detail}"
+        )
+        return
+    # The previous release earned READY again on live traffic: record it, with the new server's pid.
+    files = [
+        {"path": f["path"], "remote_path": f["remote_path"], "sha256": f["sha256"]}
+        for f in values["release_switch"]["files"]
+    ]
+    _write_ready(
+        client, target, root, previous, {plan.GATE_ACCEPTANCE: proof.to_json()}, files, values["wait_health"]["pid"]
+    )
+    report.diagnosis.append(f"rolled back: release {previous} is current again, healthy and READY ({proof.detail})")
+
+
+def _probe_timeout(playbook: Playbook) -> float:
+    gate = playbook.gates.acceptance
+    return 60.0 + gate.max_tokens * len(gate.prompts or serving.DEFAULT_PROMPTS)
+
+
+def _probe_op(playbook: Playbook) -> dict[str, Any]:
+    s, gate = playbook.serving, playbook.gates.acceptance
+    return {
+        "op": "probe",
+        "port": s.port,
+        "model": s.model_name,
+        "prompts": list(gate.prompts or serving.DEFAULT_PROMPTS),
+        "max_tokens": gate.max_tokens,
+        "timeout": _probe_timeout(playbook),
+    }
+
+
+def _write_ready(
+    client: AgentClient,
+    target: Target,
+    root: str,
+    release: str,
+    gates: dict[str, Any],
+    files: list[dict[str, Any]],
+    pid: int | None,
+) -> None:
+    record = serving.ready_record(release, gates, files, pid)
+    digest = hashlib.sha256(record).hexdigest()
+    put = {
+        "op": "put",
+        "root": root,
+        "path": "ready.json",
+        "content_b64": b64(record),
+        "sha256": digest,
+        "mode": "0644",
+    }
+    client.batch(target, [put])
 
 
 def _stopped_by_lint(

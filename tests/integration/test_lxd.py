@@ -19,7 +19,7 @@ from orchestrator.lxd import LxdHost
 from orchestrator.sandbox.lxdhosts import LxdSandbox
 from tests.integration.conftest import REPO
 
-SANDBOX_PLAYBOOK = REPO / "playbooks" / "sandbox.yaml"
+SANDBOX_PLAYBOOK = REPO / "playbooks" / "sandbox-files.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +229,45 @@ def test_https_with_client_certificate_and_pinned_server_certificate(lxd_sandbox
             check=False,
         )
         subprocess.run(["lxc", "config", "unset", "core.https_address"], check=True)
+
+
+def test_real_vllm_in_a_container_becomes_ready_with_its_measured_tau(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
+    """playbooks/sandbox.yaml end to end in one LXD container: the venv and models mounted read-only."""
+    if not Path("/opt/dflash-orchestrator/vllm-venv/bin/python").exists():
+        pytest.fail("run scripts/vllm-venv first")
+    name = lxd_sandbox.nodes()[0].name
+    demo = REPO / "playbooks" / "sandbox.yaml"
+    code, report, err = run("deploy", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path)
+    try:
+        assert code == 0, (err, report and host(report, name)["gates"])
+        gates = host(report, name)["gates"]
+        assert list(gates) == [
+            "lint",
+            "containers",
+            "connect",
+            "files",
+            "loader",
+            "build",
+            "health",
+            "acceptance",
+            "ready",
+        ]
+        assert gates["acceptance"]["mean_acceptance_length"] > 7  # K = 7: every drafted token accepted
+        code, report, err = run(
+            "verify", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path
+        )
+        assert code == 0, host(report, name)["gates"]
+    finally:
+        subprocess.run(
+            [
+                "lxc",
+                "exec",
+                name,
+                "--",
+                "sh",
+                "-c",
+                'kill -TERM -$(python3 -c \'import json;print(json.load(open("/srv/dflash/run/dflash-serve.json"))["pid"])\')',
+            ],
+            check=False,
+            capture_output=True,
+        )

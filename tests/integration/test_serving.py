@@ -117,7 +117,7 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
         assert not acceptance["ok"] and acceptance["mean_acceptance_length"] < 1.5 and report["gates"]["health"]["ok"]
         diagnosis = " ".join(report["diagnosis"])
         assert "the drafter does not match the target" in diagnosis and "mask_token_id (6)" in diagnosis
-        assert f"rolled back: release {good.json['release_id']} is current again" in diagnosis
+        assert f"rolled back: release {good.json['release_id']} is current again, healthy and READY" in diagnosis
         # The previous release serves again and is still the READY one.
         assert os.readlink(base / "current") == f"releases/{good.json['release_id']}"
         assert json.loads((base / "ready.json").read_text())["release_id"] == good.json["release_id"]
@@ -191,7 +191,7 @@ def test_a_server_killed_during_the_probe_leaves_the_host_not_ready(
         deadline = time.monotonic() + 600
         # The probe has started once the server has served a completion.
         log = sandbox.srv(host) / Path(root_name).name / "logs" / "dflash-serve.log"
-        while not (log.exists() and "/v1/completions" in log.read_text(errors="replace")):
+        while not (log.exists() and "POST /v1/completions HTTP" in log.read_text(errors="replace")):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the probe never started"
             time.sleep(0.5)

@@ -93,8 +93,10 @@ def test_nothing_to_push_is_an_error(tmp_path: Path) -> None:
         load_playbook(setup(tmp_path, "name: x\ntargets: all\ndeploy_root: /srv/x\n"))
 
 
-@pytest.mark.parametrize("name", ["sandbox.yaml", "qwen36-27b-dflash.yaml", "qwen3-8b-dflash.yaml"])
+@pytest.mark.parametrize(
+    "name", ["sandbox.yaml", "sandbox-files.yaml", "qwen36-27b-dflash.yaml", "qwen3-8b-dflash.yaml"]
+)
 def test_shipped_playbooks_load(name: str) -> None:
     pb = load_playbook(REPO / "playbooks" / name)
     assert pb.drafter is not None
-    assert pb.drafter.values["dflash_config"]["mask_token_id"] in (248070, 151669)
+    assert pb.drafter.values["dflash_config"]["mask_token_id"] in (248070, 151669, 5)
