@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--release-id", default=None, help="name of the new release (default: UTC time + random)")
     v = run_parser("verify", "re-read what every target serves and report drift; never writes")
     v.add_argument("--probe", action="store_true", help="also re-run the acceptance probe on live traffic")
+    run_parser("stop", "end the vLLM server the playbook runs on every target")
     r = run_parser("rollback", "switch every target back to its previous release (or --to RELEASE)")
     r.add_argument("--to", dest="to_release", default=None, metavar="RELEASE", help="release id to switch to")
 
@@ -173,6 +174,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         run = engine.deploy(playbook, inventory, targets, options, progress)
     elif kind == "dry-run":
         run = engine.dry_run(playbook, inventory, targets, options, progress)
+    elif kind == "stop":
+        run = engine.stop(playbook, inventory, targets, options, progress)
     elif kind == "verify":
         run = engine.verify(playbook, inventory, targets, options, progress, args.probe)
     else:
@@ -276,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command in ("deploy", "verify", "rollback"):
+        if args.command in ("deploy", "verify", "rollback", "stop"):
             return _cmd_run(args)
         if args.command == "history":
             return _cmd_history(args)

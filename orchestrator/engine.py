@@ -519,6 +519,22 @@ def verify(
     return _read_only("verify", ops, plan.read_verified, playbook, inventory, targets, options, progress)
 
 
+def stop(
+    playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
+) -> RunReport:
+    """End the server each target runs for this playbook (the one the agent started, by pid)."""
+    root = playbook.deploy_root
+
+    def work(client: AgentClient, target: Target, report: HostReport) -> None:
+        lock = {"op": "lock", "root": root, "timeout": options.lock_timeout, "owner": _owner()}
+        results = client.batch(target, [lock, {"op": "stop", "root": root}])
+        _connected(report)
+        pid = results[1].value.get("stopped")
+        report.gates["stopped"] = Gate(True, f"server pid {pid} stopped" if pid else "no server was running")
+
+    return _run("stop", playbook, inventory, targets, options, progress, work)
+
+
 def rollback(
     playbook: Playbook,
     inventory: Inventory,

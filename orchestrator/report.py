@@ -51,6 +51,7 @@ _STATUS = {
     "rollback": ("READY", "NOT READY"),
     "verify": ("IN SYNC", "NOT IN SYNC"),
     "dry-run": ("CHECKED", "FAILED"),
+    "stop": ("STOPPED", "FAILED"),
 }
 
 

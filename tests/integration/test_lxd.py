@@ -258,16 +258,7 @@ def test_real_vllm_in_a_container_becomes_ready_with_its_measured_tau(lxd_sandbo
         )
         assert code == 0, host(report, name)["gates"]
     finally:
-        subprocess.run(
-            [
-                "lxc",
-                "exec",
-                name,
-                "--",
-                "sh",
-                "-c",
-                'kill -TERM -$(python3 -c \'import json;print(json.load(open("/srv/dflash/run/dflash-serve.json"))["pid"])\')',
-            ],
-            check=False,
-            capture_output=True,
+        code, report, err = run(
+            "stop", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path
         )
+        assert code == 0 and "stopped" in host(report, name)["gates"]["stopped"]["detail"], err
