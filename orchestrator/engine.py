@@ -213,6 +213,7 @@ class _Containers:
         if self.skip:
             report.gates[plan.GATE_CONTAINERS] = Gate(True, "not checked (--skip-containers)")
             return target
+        started = time.monotonic()
         try:
             host = self._host(container.host)
             spec = spec_for(container, self.playbook.disks)
@@ -226,7 +227,8 @@ class _Containers:
             "actions": result.actions,
             "drift": [{"key": d.key, "expected": d.expected, "actual": d.actual} for d in result.drift],
         }
-        report.gates[plan.GATE_CONTAINERS] = Gate(result.ok, result.detail)
+        seconds = round(time.monotonic() - started, 2)
+        report.gates[plan.GATE_CONTAINERS] = Gate(result.ok, result.detail, {"seconds": seconds})
         if result.status != "Running":
             return None
         if container.address is None:
@@ -275,10 +277,12 @@ def deploy(
 
     def work(client: AgentClient, target: Target, report: HostReport) -> None:
         timeout = target.container.ssh.command_timeout + options.lock_timeout
+        started = time.monotonic()
         results = client.batch(target, ops, timeout=timeout)
         _connected(report)
         staged = results[1].value
         plan.read_applied(playbook, staged, report)
+        report.gates[plan.GATE_FILES].data["seconds"] = round(time.monotonic() - started, 2)
         plan.read_serving(playbook, [r.value for r in results[2:]], report)
         if not report.ready:
             return  # a failed gate leaves the previous release current
@@ -358,7 +362,9 @@ def _serve(
         plan.read_made_current(playbook, values["release_switch"], report)
     health = values["wait_health"]
     kept = " (already running)" if values["launch"].get("kept") else ""
-    report.gates[plan.GATE_HEALTH] = Gate(True, f"healthy after {health['waited_s']} s, pid {health['pid']}{kept}")
+    report.gates[plan.GATE_HEALTH] = Gate(
+        True, f"healthy after {health['waited_s']} s, pid {health['pid']}{kept}", {"seconds": health["waited_s"]}
+    )
     plan.read_probe(playbook, values["probe"], report)
     if not report.ready:
         report.diagnosis = plan.diagnose(playbook, report)

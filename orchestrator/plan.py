@@ -385,6 +385,7 @@ def read_probe(playbook: Playbook, value: dict[str, Any], report: HostReport) ->
             "acceptance_rate": round(a.rate, 4),
             "drafts": a.drafts,
             "per_position": [round(p, 3) for p in a.per_position],
+            "seconds": value.get("seconds"),
         },
     )
 

@@ -102,7 +102,8 @@ def test_stopped_container_is_reported_by_verify_and_started_by_deploy(
     code, report, _ = run("verify", SANDBOX_PLAYBOOK, "-i", inv, tmp_path=tmp_path)
     assert code == 1
     bad = host(report, victim)
-    assert not bad["ready"] and bad["gates"]["containers"] == {"ok": False, "detail": "container is stopped"}
+    containers = bad["gates"]["containers"]
+    assert not bad["ready"] and not containers["ok"] and containers["detail"] == "container is stopped"
     assert "files" not in bad["gates"]  # nothing to read from a stopped container
     assert host(report, other)["in_sync"]
     assert lxd.status(victim) == "Stopped"  # verify never changes anything
