@@ -30,6 +30,8 @@ class ProgressPrinter:
             self.done += 1
             mark = "ok  " if report.ready else "FAIL"
             gate = report.failed_gate
+            if gate is None and "acceptance" in report.gates:
+                gate = "acceptance"  # READY: show the measured tau
             detail = report.gates[gate].detail if gate else _last_detail(report)
             label = f"{gate}: " if gate else ""
             self.stream.write(
@@ -63,6 +65,8 @@ def render_table(run: RunReport, stream: TextIO = sys.stdout) -> None:
     rows = []
     for h in run.hosts:
         gate = h.failed_gate or (list(h.gates)[-1] if h.gates else "-")
+        if h.ready and "acceptance" in h.gates:
+            gate = "acceptance"  # the proof worth showing: the measured tau
         detail = h.gates[gate].detail if gate in h.gates else ""
         rows.append((h.name, good if h.ready else bad, h.release_id or "-", gate, detail))
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(4)]
@@ -73,6 +77,8 @@ def render_table(run: RunReport, stream: TextIO = sys.stdout) -> None:
     for h in run.hosts:
         for diff in h.diffs:
             stream.write(f"\n# {h.name}\n{diff}")
+        for line in h.diagnosis:
+            stream.write(f"{h.name}: diagnosis: {line}\n")
 
 
 def render_json(data: Any, stream: TextIO = sys.stdout) -> None:
