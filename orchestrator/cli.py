@@ -13,10 +13,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from orchestrator import dflash, engine
+from orchestrator import dflash, engine, inventory_edit
 from orchestrator.configs import read_json, read_mapping
 from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
-from orchestrator.inventory import Inventory, Target, load_inventory
+from orchestrator.inventory import Inventory, Target, inventory_view, load_inventory, show_one
 from orchestrator.playbook import load_playbook
 from orchestrator.report import ProgressPrinter, render_json, render_table
 from orchestrator.sandbox.lxdhosts import LxdSandbox
@@ -40,6 +40,16 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1,2,3, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError("GPU indices are >= 0")
+    return values
 
 
 def _seconds(text: str) -> float:
@@ -113,6 +123,52 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument("--vllm-version", default=None, help="check the known-bug table for this vLLM version")
     lint.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K")
     lint.add_argument("--json", action="store_true")
+
+    inv = sub.add_parser("inventory", help="list, show, validate and edit the inventory (comments are kept)")
+    isub = inv.add_subparsers(dest="inventory_command", required=True, metavar="ACTION")
+    inv_parsers = []
+
+    def inv_parser(name: str, help_text: str, edits: bool = False) -> argparse.ArgumentParser:
+        p = isub.add_parser(name, help=help_text, description=help_text)
+        inv_parsers.append(p)
+        if edits:
+            p.add_argument("--dry-run", action="store_true", help="print the unified diff; write nothing")
+        return p
+
+    inv_parser("list", "hosts and containers, one line each").add_argument("--json", action="store_true")
+    show = inv_parser("show", "one container or GPU host (or everything) with resolved settings and vars")
+    show.add_argument("name", nargs="?")
+    show.add_argument("--json", action="store_true")
+    inv_parser("validate", "the same typed checks as deploy").add_argument("--json", action="store_true")
+    ah = inv_parser("add-host", "add a GPU host", edits=True)
+    ah.add_argument("name")
+    ah.add_argument("--address", required=True)
+    ah.add_argument("--port", type=_positive_int)
+    ah.add_argument("--user")
+    ah.add_argument("--key")
+    ah.add_argument("--lxd-endpoint", help="'local' or https://HOST:8443 (then add the certificates with set)")
+    inv_parser("remove-host", "remove a GPU host and its containers", edits=True).add_argument("name")
+    ac = inv_parser("add-container", "add a container to a GPU host", edits=True)
+    ac.add_argument("host")
+    ac.add_argument("name")
+    ac.add_argument("--address")
+    ac.add_argument("--gpus", type=_gpu_list, help="comma-separated GPU indices, e.g. 0,1,2,3")
+    ac.add_argument("--group", action="append", default=[], help="repeatable")
+    rc = inv_parser("remove-container", "remove a container", edits=True)
+    rc.add_argument("host")
+    rc.add_argument("name")
+    st_ = inv_parser("set", "set any field: KEY.PATH VALUE (a YAML scalar or flow collection)", edits=True)
+    st_.add_argument("key")
+    st_.add_argument("value")
+    inv_parser("unset", "remove any field: KEY.PATH", edits=True).add_argument("key")
+    for p in inv_parsers:
+        p.add_argument(
+            "-i",
+            "--inventory",
+            type=Path,
+            default=Path(os.environ.get("ORCHESTRATE_INVENTORY", DEFAULT_INVENTORY)),
+            help=f"inventory YAML (default: $ORCHESTRATE_INVENTORY or {DEFAULT_INVENTORY})",
+        )
 
     h = sub.add_parser("history", help="past runs from the state database")
     h.add_argument("--limit", type=_positive_int, default=20)
@@ -213,6 +269,60 @@ def _cmd_lint(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_NOT_READY
 
 
+def _cmd_inventory(args: argparse.Namespace) -> int:
+    action = args.inventory_command
+    if action in ("list", "show", "validate"):
+        inventory = load_inventory(args.inventory)
+        if action == "validate":
+            if args.json:
+                render_json({"ok": True, "file": str(args.inventory)})
+            else:
+                print(
+                    f"{args.inventory}: valid ({len(inventory.hosts)} GPU hosts, {len(inventory.containers)} containers)"
+                )
+            return EXIT_OK
+        view = inventory_view(inventory)
+        if action == "show" and args.name:
+            view = show_one(view, args.name)
+        if getattr(args, "json", False):
+            render_json(view)
+            return EXIT_OK
+        if action == "show":
+            render_json(view)  # YAML-like nesting reads fine as indented JSON
+            return EXIT_OK
+        for host in view["hosts"]:
+            print(f"{host['name']:<16} {host['address'] or '-':<16} lxd {host['lxd'] or '-'}")
+            for c in host["containers"]:
+                gpus = ",".join(map(str, c["gpus"])) or "-"
+                print(
+                    f"  {c['name']:<14} {c['address'] or '(via lxd)':<16} gpus {gpus:<16} groups {','.join(c['groups']) or '-'}"
+                )
+        return EXIT_OK
+    edit = {
+        "add-host": lambda: inventory_edit.add_host(
+            args.name, args.address, args.port, args.user, args.key, args.lxd_endpoint
+        ),
+        "remove-host": lambda: inventory_edit.remove_host(args.name),
+        "add-container": lambda: inventory_edit.add_container(
+            args.host, args.name, args.address, args.gpus, args.group
+        ),
+        "remove-container": lambda: inventory_edit.remove_container(args.host, args.name),
+        "set": lambda: inventory_edit.set_key(args.key, inventory_edit.parse_value(args.value)),
+        "unset": lambda: inventory_edit.unset_key(args.key),
+    }[action]()
+    try:
+        result = inventory_edit.edit_inventory(args.inventory, edit, dry_run=args.dry_run)
+    except InputError as exc:
+        if exc.file is None:
+            exc = InputError(exc.message, file=str(args.inventory), key=exc.key)
+        raise InputError(f"refused, {args.inventory} is unchanged: {exc.render()}") from exc
+    if args.dry_run:
+        sys.stdout.write(result.diff or "no change\n")
+    else:
+        _say(f"{result.summary} in {result.path}" if result.written else "no change")
+    return EXIT_OK
+
+
 def _cmd_history(args: argparse.Namespace) -> int:
     db = StateDB(args.state_dir)
     try:
@@ -285,6 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_history(args)
         if args.command == "lint":
             return _cmd_lint(args)
+        if args.command == "inventory":
+            return _cmd_inventory(args)
         return _cmd_sandbox(args)
     except OrchestratorError as exc:
         if args.verbose:

@@ -317,3 +317,50 @@ def _path(value: str, base: Path) -> Path:
 def _check_name(f: Field, name: str) -> None:
     if not name or not set(name) <= NAME_CHARS or name.startswith("-"):
         raise f.error("names may hold letters, digits, '-', '_' and '.' only")
+
+
+def inventory_view(inventory: Inventory) -> dict[str, Any]:
+    """Everything resolved, as plain data: for `inventory list/show` and machines."""
+
+    def ssh(s: SshSettings) -> dict[str, Any]:
+        return {"user": s.user, "port": s.port, "key": str(s.key) if s.key else None, "python": s.python}
+
+    hosts = []
+    for h in inventory.hosts.values():
+        hosts.append(
+            {
+                "name": h.name,
+                "address": h.address,
+                "ssh": ssh(h.ssh),
+                "lxd": h.lxd.url if h.lxd else None,
+                "vars": h.vars,
+                "containers": [
+                    {
+                        "name": c.name,
+                        "address": c.address,
+                        "jump": c.jump,
+                        "gpus": list(c.gpus),
+                        "groups": list(c.groups),
+                        "ssh": ssh(c.ssh),
+                        "vars": inventory.vars_for(c),
+                    }
+                    for c in h.containers
+                ],
+            }
+        )
+    return {
+        "file": str(inventory.file),
+        "known_hosts": str(inventory.known_hosts),
+        "hosts": hosts,
+        "groups": inventory.groups,
+    }
+
+
+def show_one(view: dict[str, Any], name: str) -> dict[str, Any]:
+    for host in view["hosts"]:
+        if host["name"] == name:
+            return dict(host)
+        for c in host["containers"]:
+            if c["name"] == name:
+                return {"host": host["name"], **c}
+    raise InputError(f"'{name}' is not a GPU host or container in {view['file']}")

@@ -1,0 +1,271 @@
+"""Editing the inventory file in place, keeping every comment, the key order, the quoting, the
+indentation and the blank lines of what the edit does not touch.
+
+Each edit is a function on the round-trip document (ruamel.yaml). The edited text is parsed and
+validated exactly as ``deploy`` would before anything is written; a refused edit leaves the file
+byte-identical. The write is atomic (temp file in the same directory, fsync, rename) and keeps the
+file's mode.
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import YAMLError
+from ruamel.yaml.tokens import CommentToken
+from ruamel.yaml.util import load_yaml_guess_indent
+
+from orchestrator.errors import InputError
+from orchestrator.inventory import Inventory, parse_inventory
+from orchestrator.yamlsource import load_text
+
+Edit = Callable[[CommentedMap], str]  # changes the document, returns what it did in words
+
+
+@dataclass(frozen=True)
+class EditResult:
+    path: Path
+    summary: str
+    diff: str
+    written: bool
+
+
+def _yaml(text: str) -> tuple[YAML, Any]:
+    try:
+        _, indent, block_seq_indent = load_yaml_guess_indent(text)
+        yaml = YAML()
+        yaml.preserve_quotes = True
+        yaml.width = 4096  # never re-wrap long lines
+        yaml.indent(mapping=indent or 2, sequence=(indent or 2) + (block_seq_indent or 0), offset=block_seq_indent or 0)
+        return yaml, yaml.load(text)
+    except YAMLError as exc:
+        raise InputError(f"invalid YAML: {exc}") from exc
+
+
+def edit_inventory(path: Path, edit: Edit, dry_run: bool = False) -> EditResult:
+    try:
+        before = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError("file not found", file=str(path)) from None
+    yaml, data = _yaml(before)
+    if not isinstance(data, CommentedMap):
+        raise InputError("the inventory must be a mapping", file=str(path), line=1)
+    summary = edit(data)
+    buffer = io.StringIO()
+    yaml.dump(data, buffer)
+    after = buffer.getvalue()
+    validate_text(after, path)  # refuse before writing: the file stays as it was
+    diff = "".join(
+        difflib.unified_diff(
+            before.splitlines(keepends=True), after.splitlines(keepends=True), fromfile=str(path), tofile=str(path)
+        )
+    )
+    if dry_run or after == before:
+        return EditResult(path, summary, diff, False)
+    _atomic_replace(path, after)
+    return EditResult(path, summary, diff, True)
+
+
+def validate_text(text: str, path: Path) -> Inventory:
+    return parse_inventory(load_text(text, str(path)), path)
+
+
+def _atomic_replace(path: Path, text: str) -> None:
+    mode = path.stat().st_mode & 0o7777
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+# --- the edits ---------------------------------------------------------------------------
+
+
+def _hosts(doc: CommentedMap) -> CommentedMap:
+    hosts = doc.get("hosts")
+    if hosts is None:
+        hosts = doc["hosts"] = CommentedMap()
+    if not isinstance(hosts, CommentedMap):
+        raise InputError("hosts: expected a mapping")
+    return hosts
+
+
+def _container_names(doc: CommentedMap) -> dict[str, str]:
+    out = {}
+    for hname, host in _hosts(doc).items():
+        for cname in (host or {}).get("containers") or {}:
+            out[cname] = hname
+    return out
+
+
+def add_host(
+    name: str,
+    address: str,
+    port: int | None = None,
+    user: str | None = None,
+    key: str | None = None,
+    lxd_endpoint: str | None = None,
+) -> Edit:
+    def edit(doc: CommentedMap) -> str:
+        hosts = _hosts(doc)
+        if name in hosts or name in _container_names(doc):
+            raise InputError(f"'{name}' is already in the inventory", key=f"hosts.{name}")
+        host = CommentedMap()
+        host["address"] = address
+        for k, v in (("port", port), ("user", user), ("key", key)):
+            if v is not None:
+                host[k] = v
+        if lxd_endpoint is not None:
+            host["lxd"] = CommentedMap(endpoint=lxd_endpoint)
+        host["containers"] = CommentedMap()
+        hosts[name] = host
+        return f"added GPU host {name}"
+
+    return edit
+
+
+def remove_host(name: str) -> Edit:
+    def edit(doc: CommentedMap) -> str:
+        hosts = _hosts(doc)
+        if name not in hosts:
+            raise InputError(f"no GPU host '{name}'", key=f"hosts.{name}")
+        del hosts[name]
+        return f"removed GPU host {name}"
+
+    return edit
+
+
+def add_container(
+    host: str, name: str, address: str | None = None, gpus: list[int] | None = None, groups: list[str] | None = None
+) -> Edit:
+    def edit(doc: CommentedMap) -> str:
+        hosts = _hosts(doc)
+        if host not in hosts:
+            raise InputError(f"no GPU host '{host}'", key=f"hosts.{host}")
+        if name in _container_names(doc) or name in hosts:
+            raise InputError(f"'{name}' is already in the inventory", key=f"hosts.{host}.containers.{name}")
+        entry = hosts[host]
+        containers = entry.get("containers")
+        if containers is None:
+            containers = entry["containers"] = CommentedMap()
+        container = CommentedMap()
+        if address is not None:
+            container["address"] = address
+        if gpus:
+            container["gpus"] = _flow(list(gpus))
+        if groups:
+            container["groups"] = _flow(list(groups))
+        containers[name] = container
+        return f"added container {name} on {host}"
+
+    return edit
+
+
+def remove_container(host: str, name: str) -> Edit:
+    def edit(doc: CommentedMap) -> str:
+        containers = (_hosts(doc).get(host) or {}).get("containers") or {}
+        if name not in containers:
+            raise InputError(f"no container '{name}' on GPU host '{host}'", key=f"hosts.{host}.containers.{name}")
+        del containers[name]
+        return f"removed container {name} from {host}"
+
+    return edit
+
+
+def parse_value(text: str) -> Any:
+    """A YAML scalar or flow collection, as typed on the command line: ``'[0,1]'``, ``true``, ``8000``."""
+    try:
+        value = YAML().load(text)
+    except YAMLError as exc:
+        raise InputError(f"cannot read value {text!r}: {exc}") from exc
+    if isinstance(value, (CommentedMap, CommentedSeq)):
+        value.fa.set_flow_style()  # '[0,1]' on the command line stays a flow list in the file
+    return value
+
+
+def set_key(path: str, value: Any) -> Edit:
+    parts = _split(path)
+
+    def edit(doc: CommentedMap) -> str:
+        node = doc
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = CommentedMap()
+            if not isinstance(child, CommentedMap):
+                raise InputError(f"'{'.'.join(parts[: i + 1])}' is not a mapping", key=path)
+            node = child
+        if parts[-1] in node:
+            node[parts[-1]] = value
+        else:
+            _append(node, parts[-1], value)
+        return f"set {path}"
+
+    return edit
+
+
+def unset_key(path: str) -> Edit:
+    parts = _split(path)
+
+    def edit(doc: CommentedMap) -> str:
+        node: Any = doc
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, CommentedMap) else None
+        if not isinstance(node, CommentedMap) or parts[-1] not in node:
+            raise InputError("no such key", key=path)
+        del node[parts[-1]]
+        return f"unset {path}"
+
+    return edit
+
+
+def _append(mapping: CommentedMap, key: str, value: Any) -> None:
+    """Add a key at the end of a mapping, before the blank lines that followed its last key."""
+    last = next(reversed(mapping), None) if len(mapping) else None
+    mapping[key] = value
+    if last is None or isinstance(mapping[last], (dict, list)):
+        return
+    slots = mapping.ca.items.get(last)
+    token = slots[2] if slots and len(slots) > 2 else None
+    if token is None or "\n" not in token.value:
+        return
+    cut = token.value.index("\n") + 1
+    if cut == len(token.value):
+        return
+    trailing = token.value[cut:]
+    token.value = token.value[:cut]
+    mapping.ca.items[key] = [None, None, CommentToken("\n" + trailing, token.start_mark, None), None]
+
+
+def _split(path: str) -> list[str]:
+    parts = path.split(".")
+    if not path or any(not p for p in parts):
+        raise InputError(f"bad key path {path!r}: expected names separated by dots")
+    return parts
+
+
+def _flow(items: list[Any]) -> Any:
+    seq = CommentedSeq(items)
+    seq.fa.set_flow_style()
+    return seq
