@@ -33,7 +33,9 @@ def _packed_agent() -> bytes:
 
 
 def agent_command(python: str) -> Command:
-    return Command((python, "-c", BOOTSTRAP))
+    # -I: ignore PYTHON* variables and user site-packages on the host; -S: no site import (the
+    # agent is stdlib-only, and this is the cost paid on every host for every batch).
+    return Command((python, "-I", "-S", "-c", BOOTSTRAP))
 
 
 def encode_request(ops: list[dict[str, Any]]) -> bytes:

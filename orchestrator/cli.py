@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from orchestrator import dflash, engine, inventory_edit
+from orchestrator import dflash, engine
 from orchestrator.configs import read_json, read_mapping
 from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
 from orchestrator.inventory import Inventory, Target, inventory_view, load_inventory, show_one
@@ -298,6 +298,8 @@ def _cmd_inventory(args: argparse.Namespace) -> int:
                     f"  {c['name']:<14} {c['address'] or '(via lxd)':<16} gpus {gpus:<16} groups {','.join(c['groups']) or '-'}"
                 )
         return EXIT_OK
+    from orchestrator import inventory_edit  # ruamel.yaml only for edits
+
     edit = {
         "add-host": lambda: inventory_edit.add_host(
             args.name, args.address, args.port, args.user, args.key, args.lxd_endpoint

@@ -289,8 +289,8 @@ def deploy(
         if playbook.serving.target is not None:
             _serve(client, playbook, target, report, bool(staged.get("changed")), owner, options)
             return
-        if not staged.get("changed"):
-            return  # unchanged: nothing to switch
+        if not staged.get("changed") or staged.get("switched"):
+            return  # unchanged, or already switched in the same exec (no checks ran in between)
         switched = client.batch(target, switch, timeout=timeout)
         plan.read_made_current(playbook, switched[1].value, report)
 

@@ -96,7 +96,13 @@ def _file_entry(spec: FileSpec, with_content: bool) -> dict[str, Any]:
 
 
 def apply_ops(playbook: Playbook, release_id: str, owner: str, lock_timeout: float) -> list[dict[str, Any]]:
-    """First batch: take the lock, stage the release (not yet current), then the serving checks on it."""
+    """First batch: take the lock, stage the release, then the serving checks on it.
+
+    With no serving checks and no server to launch, nothing needs to run between staging and the
+    switch, so the release is switched in the same exec (one round trip per host).
+    """
+    checks = serving_ops(playbook, "@applied")
+    switch_now = not checks and playbook.serving.target is None
     return [
         {"op": "lock", "root": playbook.deploy_root, "timeout": lock_timeout, "owner": owner},
         {
@@ -104,10 +110,10 @@ def apply_ops(playbook: Playbook, release_id: str, owner: str, lock_timeout: flo
             "root": playbook.deploy_root,
             "release_id": release_id,
             "keep": playbook.keep_releases,
-            "switch": False,
+            "switch": switch_now,
             "files": [_file_entry(f, True) for f in playbook.release_files],
         },
-        *serving_ops(playbook, "@applied"),
+        *checks,
     ]
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
 PREFIX = "vllm:spec_decode_num_"
 NAMES = {
     f"{PREFIX}drafts": "drafts",
@@ -36,6 +34,8 @@ class Counters:
 
 def parse(text: str) -> Counters | None:
     """Spec-decode counters summed over every engine; None when the server exposes none."""
+    from prometheus_client.parser import text_string_to_metric_families  # only probes need it
+
     out = Counters()
     seen = False
     for family in text_string_to_metric_families(text):

@@ -90,7 +90,12 @@ def write_file(path: Path, text: str, mode: int) -> None:
 
 
 def start_sshd(
-    directory: Path, listen: str, authorized_keys: Path, name: str, preexec: Callable[[], None] | None = None
+    directory: Path,
+    listen: str,
+    authorized_keys: Path,
+    name: str,
+    preexec: Callable[[], None] | None = None,
+    log_level: str = "ERROR",
 ) -> tuple[int, str]:
     """An ``sshd -D`` of our own (key-only root login), its host key and log in ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -112,9 +117,10 @@ def start_sshd(
         "AllowTcpForwarding yes",
         "X11Forwarding no",
         "PrintMotd no",
+        "Subsystem sftp internal-sftp",
         "MaxStartups 500",
         "MaxSessions 100",
-        "LogLevel ERROR",
+        f"LogLevel {log_level}",  # the benchmark counts SSH round trips from DEBUG1 lines
     ]
     config.write_text("\n".join(settings) + "\n")
     with open(directory / "sshd.log", "ab") as log:

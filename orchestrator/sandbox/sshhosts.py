@@ -94,7 +94,13 @@ def _enter_host(netns: str, files: str) -> Callable[[], None]:
 class SshSandbox:
     kind = "ssh"
 
-    def __init__(self, directory: Path = DEFAULT_DIR, prefix: str | None = None, subnet: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path = DEFAULT_DIR,
+        prefix: str | None = None,
+        subnet: str | None = None,
+        log_level: str = "ERROR",
+    ) -> None:
         """``prefix`` names the bridge, namespaces and veths; ``subnet`` is the /16's first two octets.
 
         Two sandboxes (the demo and the test suite) can be up at once with different ones. When
@@ -110,6 +116,7 @@ class SshSandbox:
         if len(octets) != 2 or not all(o.isdigit() and 0 <= int(o) <= 255 for o in octets):
             raise SandboxError(f"subnet must be the first two octets of a /16, like 10.77; got {self.subnet!r}")
         self.bridge = f"{self.prefix}-br0"
+        self.log_level = log_level
         self.state_file = self.dir / "sandbox.json"
         self.inventory = self.dir / "inventory.yaml"
         self.known_hosts = self.dir / "known_hosts"
@@ -219,7 +226,12 @@ class SshSandbox:
             run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
             run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
         host.pid, host.pid_start = start_sshd(
-            hdir, f"{host.address}:22", self.dir / "authorized_keys", name, _enter_host(host.netns, host.files)
+            hdir,
+            f"{host.address}:22",
+            self.dir / "authorized_keys",
+            name,
+            _enter_host(host.netns, host.files),
+            self.log_level,
         )
         return host
 
