@@ -17,18 +17,16 @@ Everything the agent writes lives under the deploy root the request names:
 
 import base64
 import errno
-import signal
 import fcntl
 import hashlib
 import json
 import os
-import platform
-import shutil
-import socket
 import stat
-import subprocess
 import sys
 import time
+
+# platform, shutil, signal, socket and subprocess are imported where they are used: every batch
+# pays this interpreter's start-up on every host, and most batches need none of them.
 
 PROTOCOL_VERSION = 1
 MANIFEST = ".manifest.json"
@@ -299,12 +297,14 @@ def _served_files(root_real, files):
 
 
 def _clean_staging(releases):
+    import shutil
     for name in os.listdir(releases):
         if name.startswith(STAGING_PREFIX):
             shutil.rmtree(os.path.join(releases, name), ignore_errors=True)
 
 
 def _prune(root_real, releases, keep):
+    import shutil
     protected = set(
         x for x in (_link_target(root_real, "current"), _link_target(root_real, "previous")) if x
     )
@@ -334,6 +334,7 @@ def _stage_release(staging, files, wanted):
 
 def op_release_apply(req):
     """Put a release's files and make it current, or report that current already holds them."""
+    import shutil
     root = _root(req)
     release_id = req.get("release_id")
     _check_release_id(release_id)
@@ -610,6 +611,7 @@ else:
 
 def _serving_python(req, script, args):
     """Run a script with the serving environment's own interpreter: its answer is its last line."""
+    import subprocess
     python = req.get("python")
     if not isinstance(python, str) or not python:
         raise OpError("bad_request", "python (the serving interpreter) is required")
@@ -697,6 +699,7 @@ def _log_tail(path, lines=30):
 
 
 def _stop(root, name, timeout):
+    import signal
     record = _server(root, name)
     if not record or not record["alive"]:
         return None
@@ -740,6 +743,7 @@ def op_stop(req):
 
 def op_launch(req):
     """Start the server (stopping the one we started before), detached, logging to a file."""
+    import subprocess
     root = _root(req)
     name = req.get("name", "dflash-serve")
     argv = req.get("argv")
@@ -882,6 +886,7 @@ def op_probe(req):
 
 
 def _gpus():
+    import subprocess
     try:
         proc = subprocess.run(
             ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"],
@@ -902,6 +907,9 @@ def _gpus():
 
 
 def op_facts(req):
+    import platform
+    import shutil
+    import socket
     facts = {
         "hostname": socket.gethostname(),
         "python": platform.python_version(),
