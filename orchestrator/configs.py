@@ -7,16 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import InputError
-from orchestrator.yamlsource import load_file
+from orchestrator.yamlsource import load_file, read_text
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError("file not found", file=str(path)) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read: {exc}", file=str(path)) from exc
+    text = read_text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -36,14 +36,18 @@ class Document:
         return None
 
 
-def load_file(path: Path) -> Document:
+def read_text(path: Path) -> str:
+    """A text input file, or one InputError naming it."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError("file not found", file=str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read: {exc}", file=str(path)) from exc
-    return load_text(text, str(path))
+
+
+def load_file(path: Path) -> Document:
+    return load_text(read_text(path), str(path))
 
 
 def load_text(text: str, file: str) -> Document:
