@@ -338,11 +338,11 @@ def _serve(
     ops: list[dict[str, Any]] = [lock]
     if changed:
         ops.append({"op": "release_switch", "root": root, "release_id": release, "keep": playbook.keep_releases})
-    probe_timeout = _probe_timeout(playbook)
+    probe_timeout = plan.probe_timeout(playbook)
     ops += [
         launch,
         {"op": "wait_health", "root": root, "port": s.port, "model": s.model_name, "timeout": s.startup_timeout},
-        _probe_op(playbook),
+        plan.probe_op(playbook),
     ]
     budget = target.container.ssh.command_timeout + options.lock_timeout + s.startup_timeout + probe_timeout
     try:
@@ -399,9 +399,11 @@ def _roll_back(
         {"op": "release_switch", "root": root, "release_id": previous},
         relaunch,
         {"op": "wait_health", "root": root, "port": s.port, "model": s.model_name, "timeout": s.startup_timeout},
-        _probe_op(playbook),
+        plan.probe_op(playbook),
     ]
-    budget = target.container.ssh.command_timeout + s.startup_timeout + options.lock_timeout + _probe_timeout(playbook)
+    budget = (
+        target.container.ssh.command_timeout + s.startup_timeout + options.lock_timeout + plan.probe_timeout(playbook)
+    )
     try:
         results = client.batch(target, ops, timeout=budget)
     except AgentError as exc:
@@ -425,23 +427,6 @@ def _roll_back(
         client, target, root, previous, {plan.GATE_ACCEPTANCE: proof.to_json()}, files, values["wait_health"]["pid"]
     )
     report.diagnosis.append(f"rolled back: release {previous} is current again, healthy and READY ({proof.detail})")
-
-
-def _probe_timeout(playbook: Playbook) -> float:
-    gate = playbook.gates.acceptance
-    return 60.0 + gate.max_tokens * len(gate.prompts or serving.DEFAULT_PROMPTS)
-
-
-def _probe_op(playbook: Playbook) -> dict[str, Any]:
-    s, gate = playbook.serving, playbook.gates.acceptance
-    return {
-        "op": "probe",
-        "port": s.port,
-        "model": s.model_name,
-        "prompts": list(gate.prompts or serving.DEFAULT_PROMPTS),
-        "max_tokens": gate.max_tokens,
-        "timeout": _probe_timeout(playbook),
-    }
 
 
 def _write_ready(

@@ -177,20 +177,26 @@ def verify_ops(playbook: Playbook, probe_acceptance: bool = False) -> list[dict[
     if s.target is not None:
         ops.append({"op": "serving_status", "root": playbook.deploy_root, "port": s.port})
         if probe_acceptance:
-            gate = playbook.gates.acceptance
-            prompts = list(gate.prompts) or list(DEFAULT_PROBE_PROMPTS)
-            timeout = 60.0 + gate.max_tokens * len(prompts)
-            ops.append(
-                {
-                    "op": "probe",
-                    "port": s.port,
-                    "model": s.model_name,
-                    "prompts": prompts,
-                    "max_tokens": gate.max_tokens,
-                    "timeout": timeout,
-                }
-            )
+            ops.append(probe_op(playbook))
     return ops
+
+
+def probe_timeout(playbook: Playbook) -> float:
+    gate = playbook.gates.acceptance
+    return 60.0 + gate.max_tokens * len(gate.prompts or DEFAULT_PROBE_PROMPTS)
+
+
+def probe_op(playbook: Playbook) -> dict[str, Any]:
+    """The acceptance probe: greedy completions of the playbook's prompts (or the built-in mix)."""
+    s, gate = playbook.serving, playbook.gates.acceptance
+    return {
+        "op": "probe",
+        "port": s.port,
+        "model": s.model_name,
+        "prompts": list(gate.prompts or DEFAULT_PROBE_PROMPTS),
+        "max_tokens": gate.max_tokens,
+        "timeout": probe_timeout(playbook),
+    }
 
 
 def read_serving_status(value: dict[str, Any], report: HostReport) -> None:

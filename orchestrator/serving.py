@@ -11,10 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.inventory import Container
-from orchestrator.plan import DEFAULT_PROBE_PROMPTS
 from orchestrator.playbook import Playbook
-
-DEFAULT_PROMPTS = DEFAULT_PROBE_PROMPTS
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,14 @@ def test_release_apply_switches_keeps_previous_and_prunes(tmp_path: Path) -> Non
     assert (tmp_path / "current/a").read_bytes() == b"2"
 
 
+def test_release_list_names_current_and_previous(tmp_path: Path) -> None:
+    apply(tmp_path, "r1", a=b"1")
+    apply(tmp_path, "r2", a=b"2")
+    listing = run([{"op": "release_list", "root": str(tmp_path)}])[0]["result"]
+    assert listing["current"] == "r2" and listing["previous"] == "r1"
+    assert [r["release_id"] for r in listing["releases"]] == ["r1", "r2"]
+
+
 def test_removed_file_makes_a_new_release(tmp_path: Path) -> None:
     apply(tmp_path, "r1", a=b"1", b=b"2")
     r2 = apply(tmp_path, "r2", a=b"1")["result"]
