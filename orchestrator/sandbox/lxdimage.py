@@ -4,7 +4,7 @@ No image server is reachable here, so the image is made from Debian packages: sy
 sshd, python3 (for the agent) and libnuma1 (vLLM's CPU extension needs it). Its recipe (packages,
 files, metadata) is hashed; a build is reused from the cache for as long as the recipe is the same.
 
-Traps handled (each cost a debugging session somewhere):
+Traps handled (each one breaks the containers silently otherwise):
 - udev must be installed and not masked, or systemd-networkd waits forever and eth0 gets no DHCP;
 - /etc/machine-id must be empty, or every container gets the same DHCP lease;
 - SSH host keys are removed and made at first boot (ed25519 only: RSA takes seconds and leaves

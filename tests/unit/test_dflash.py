@@ -1,4 +1,4 @@
-"""Drafter rules from DFLASH.md: lint against target and reference, the vLLM build table, loader drops."""
+"""Drafter rules: lint against target and reference, the vLLM build table, loader drops."""
 
 from __future__ import annotations
 
