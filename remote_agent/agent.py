@@ -700,7 +700,13 @@ def _log_tail(path, lines=30):
 
 def _stop(root, name, timeout):
     import signal
+    import subprocess
     record = _server(root, name)
+    if record and record.get("unit"):
+        # systemd stops the whole control group (every engine worker) and waits for it.
+        subprocess.run(["systemctl", "stop", record["unit"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       timeout=timeout + 30)
+        return record["pid"] if record["alive"] else None
     if not record or not record["alive"]:
         return None
     pid = record["pid"]
@@ -742,8 +748,8 @@ def op_stop(req):
 
 
 def op_launch(req):
-    """Start the server (stopping the one we started before), detached, logging to a file."""
-    import subprocess
+    """Start the server (stopping the one we started before): a systemd service where systemd is
+    the init, else a detached process of its own session; either way logging to a file."""
     root = _root(req)
     name = req.get("name", "dflash-serve")
     argv = req.get("argv")
@@ -756,24 +762,87 @@ def op_launch(req):
     for sub in ("run", "logs"):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     log_path = os.path.join(root, "logs", "%s.log" % name)
-    env = dict(os.environ)
-    env.update(req.get("env") or {})
-    log = open(log_path, "ab")
-    try:
+    with open(log_path, "ab") as log:
         log.write(("\n=== %s launch %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), req.get("release_id"))).encode())
-        log.flush()
+    supervisor = req.get("supervisor", "auto")
+    if supervisor == "auto":
+        supervisor = "systemd" if _systemd_is_init() else "process"
+    if supervisor == "systemd":
+        unit, pid = _launch_unit(root, name, argv, req.get("env") or {}, log_path, req.get("release_id"))
+    else:
+        unit, pid = None, _launch_process(root, argv, req.get("env") or {}, log_path)
+    record = {"pid": pid, "start": _proc_start(pid), "release_id": req.get("release_id"), "unit": unit,
+              "port": req.get("port"), "log": log_path, "started_at": time.time(), "argv": argv}
+    body = json.dumps(record).encode("utf-8")
+    _atomic_write(_pidfile(root, name), body, hashlib.sha256(body).hexdigest(), 0o644)
+    return {"pid": pid, "log": log_path, "stopped": stopped, "kept": False, "supervisor": supervisor, "unit": unit}
+
+
+def _systemd_is_init():
+    import shutil
+    return os.path.isdir("/run/systemd/system") and shutil.which("systemctl") is not None
+
+
+def _launch_process(root, argv, extra_env, log_path):
+    """Own session (it outlives the SSH session), output to the log file."""
+    import subprocess
+    env = dict(os.environ)
+    env.update(extra_env)
+    with open(log_path, "ab") as log:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                     cwd=root, start_new_session=True, close_fds=True)
         except OSError as exc:
             raise _os_error("launch", exc, argv[0])
-    finally:
-        log.close()
-    record = {"pid": proc.pid, "start": _proc_start(proc.pid), "release_id": req.get("release_id"),
-              "port": req.get("port"), "log": log_path, "started_at": time.time(), "argv": argv}
-    body = json.dumps(record).encode("utf-8")
-    _atomic_write(_pidfile(root, name), body, hashlib.sha256(body).hexdigest(), 0o644)
-    return {"pid": proc.pid, "log": log_path, "stopped": stopped, "kept": False}
+    return proc.pid
+
+
+def _systemd_quote(text, expand_dollar=True):
+    text = text.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    if expand_dollar:
+        text = text.replace("$", "$$")
+    return '"%s"' % text
+
+
+def _launch_unit(root, name, argv, extra_env, log_path, release_id):
+    """A systemd service written with the atomic protocol (0600: its environment may hold secrets)."""
+    import subprocess
+    unit = "%s-%s.service" % (name, hashlib.sha256(root.encode()).hexdigest()[:8])
+    lines = [
+        "[Unit]",
+        "Description=vLLM DFlash server for %s (release %s), managed by dflash-orchestrator" % (root, release_id),
+        "",
+        "[Service]",
+        "Type=simple",
+        "ExecStart=" + " ".join(_systemd_quote(a) for a in argv),
+        "WorkingDirectory=%s" % root,
+        "StandardOutput=append:%s" % log_path,
+        "StandardError=append:%s" % log_path,
+        "LimitNOFILE=20000",
+        "KillMode=control-group",
+        "TimeoutStopSec=30",
+        "Restart=no",
+    ]
+    lines += ["Environment=" + _systemd_quote("%s=%s" % (k, v), expand_dollar=False) for k, v in sorted(extra_env.items())]
+    body = ("\n".join(lines) + "\n").encode("utf-8")
+    _atomic_write(os.path.join("/etc/systemd/system", unit), body, hashlib.sha256(body).hexdigest(), 0o600)
+
+    def systemctl(*args):
+        return subprocess.run(["systemctl"] + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+
+    systemctl("daemon-reload")
+    systemctl("reset-failed", unit)  # a failed unit keeps its name until reset
+    started = systemctl("start", unit)
+    if started.returncode != 0:
+        raise OpError("launch", "systemctl start %s failed: %s" % (unit, started.stderr.decode("utf-8", "replace").strip()), unit)
+    deadline = time.monotonic() + 10
+    while True:
+        shown = systemctl("show", "-p", "MainPID", "--value", unit).stdout.decode().strip()
+        if shown.isdigit() and int(shown) > 0:
+            return unit, int(shown)
+        if time.monotonic() > deadline:
+            raise OpError("launch", "%s started but has no main process; see %s" % (unit, log_path), unit)
+        time.sleep(0.05)
 
 
 def _http(port, method, path, body=None, timeout=30.0):

@@ -258,8 +258,24 @@ def test_real_vllm_in_a_container_becomes_ready_with_its_measured_tau(lxd_sandbo
             "verify", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path
         )
         assert code == 0, host(report, name)["gates"]
+        # systemd is the container's init: the server runs as a unit written by the agent.
+        cat = ["lxc", "exec", name, "--", "cat", "/srv/dflash/run/dflash-serve.json"]
+        record = json.loads(subprocess.run(cat, capture_output=True, text=True, check=True).stdout)
+        assert record["unit"].startswith("dflash-serve-")
+        active = subprocess.run(
+            ["lxc", "exec", name, "--", "systemctl", "is-active", record["unit"]], capture_output=True, text=True
+        )
+        assert active.stdout.strip() == "active"
     finally:
         code, report, err = run(
             "stop", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path
         )
         assert code == 0 and "stopped" in host(report, name)["gates"]["stopped"]["detail"], err
+    gone = subprocess.run(
+        ["lxc", "exec", name, "--", "systemctl", "is-active", record["unit"]], capture_output=True, text=True
+    )
+    assert gone.stdout.strip() in ("inactive", "failed")
+    leftover = subprocess.run(
+        ["lxc", "exec", name, "--", "pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True
+    )
+    assert leftover.stdout.strip() == ""  # every engine worker of the unit is gone
