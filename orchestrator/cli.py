@@ -62,6 +62,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _inventory_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-i",
+        "--inventory",
+        type=Path,
+        default=Path(os.environ.get("ORCHESTRATE_INVENTORY", DEFAULT_INVENTORY)),
+        help=f"inventory YAML (default: $ORCHESTRATE_INVENTORY or {DEFAULT_INVENTORY})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orchestrate",
@@ -73,13 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     def run_parser(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("playbook", type=Path, help="playbook YAML")
-        p.add_argument(
-            "-i",
-            "--inventory",
-            type=Path,
-            default=Path(os.environ.get("ORCHESTRATE_INVENTORY", DEFAULT_INVENTORY)),
-            help=f"inventory YAML (default: $ORCHESTRATE_INVENTORY or {DEFAULT_INVENTORY})",
-        )
+        _inventory_option(p)
         p.add_argument(
             "-l",
             "--limit",
@@ -162,13 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     st_.add_argument("value")
     inv_parser("unset", "remove any field: KEY.PATH", edits=True).add_argument("key")
     for p in inv_parsers:
-        p.add_argument(
-            "-i",
-            "--inventory",
-            type=Path,
-            default=Path(os.environ.get("ORCHESTRATE_INVENTORY", DEFAULT_INVENTORY)),
-            help=f"inventory YAML (default: $ORCHESTRATE_INVENTORY or {DEFAULT_INVENTORY})",
-        )
+        _inventory_option(p)
 
     h = sub.add_parser("history", help="past runs from the state database")
     h.add_argument("--limit", type=_positive_int, default=20)

@@ -334,14 +334,14 @@ def _serve(
     release = report.release_id
     launch = serving.command(playbook, target.container, release).as_op(root, release, s.port)
     launch["keep_if_running"] = not changed
-    lock = {"op": "lock", "root": root, "timeout": options.lock_timeout, "owner": owner}
+    lock = plan.lock_op(playbook, owner, options.lock_timeout)
     ops: list[dict[str, Any]] = [lock]
     if changed:
         ops.append({"op": "release_switch", "root": root, "release_id": release, "keep": playbook.keep_releases})
     probe_timeout = plan.probe_timeout(playbook)
     ops += [
         launch,
-        {"op": "wait_health", "root": root, "port": s.port, "model": s.model_name, "timeout": s.startup_timeout},
+        plan.health_op(playbook),
         plan.probe_op(playbook),
     ]
     budget = target.container.ssh.command_timeout + options.lock_timeout + s.startup_timeout + probe_timeout
@@ -387,7 +387,7 @@ def _roll_back(
     """After a failure past launch: the previous release and its server come back; the host stays not ready."""
     root, s = playbook.deploy_root, playbook.serving
     previous = report.previous
-    lock = {"op": "lock", "root": root, "timeout": options.lock_timeout, "owner": owner}
+    lock = plan.lock_op(playbook, owner, options.lock_timeout)
     if not changed or previous is None:
         # Nothing to go back to: stop the failed server rather than leave it looking healthy.
         client.batch(target, [lock, {"op": "stop", "root": root}])
@@ -398,7 +398,7 @@ def _roll_back(
         lock,
         {"op": "release_switch", "root": root, "release_id": previous},
         relaunch,
-        {"op": "wait_health", "root": root, "port": s.port, "model": s.model_name, "timeout": s.startup_timeout},
+        plan.health_op(playbook),
         plan.probe_op(playbook),
     ]
     budget = (
@@ -517,7 +517,7 @@ def stop(
     root = playbook.deploy_root
 
     def work(client: AgentClient, target: Target, report: HostReport) -> None:
-        lock = {"op": "lock", "root": root, "timeout": options.lock_timeout, "owner": _owner()}
+        lock = plan.lock_op(playbook, _owner(), options.lock_timeout)
         results = client.batch(target, [lock, {"op": "stop", "root": root}])
         _connected(report)
         pid = results[1].value.get("stopped")

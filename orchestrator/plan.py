@@ -95,6 +95,22 @@ def _file_entry(spec: FileSpec, with_content: bool) -> dict[str, Any]:
     return entry
 
 
+def lock_op(playbook: Playbook, owner: str, lock_timeout: float) -> dict[str, Any]:
+    """The deploy-root flock, held by the agent until its batch ends."""
+    return {"op": "lock", "root": playbook.deploy_root, "timeout": lock_timeout, "owner": owner}
+
+
+def health_op(playbook: Playbook) -> dict[str, Any]:
+    s = playbook.serving
+    return {
+        "op": "wait_health",
+        "root": playbook.deploy_root,
+        "port": s.port,
+        "model": s.model_name,
+        "timeout": s.startup_timeout,
+    }
+
+
 def apply_ops(playbook: Playbook, release_id: str, owner: str, lock_timeout: float) -> list[dict[str, Any]]:
     """First batch: take the lock, stage the release, then the serving checks on it.
 
@@ -104,7 +120,7 @@ def apply_ops(playbook: Playbook, release_id: str, owner: str, lock_timeout: flo
     checks = serving_ops(playbook, "@applied")
     switch_now = not checks and playbook.serving.target is None
     return [
-        {"op": "lock", "root": playbook.deploy_root, "timeout": lock_timeout, "owner": owner},
+        lock_op(playbook, owner, lock_timeout),
         {
             "op": "release_apply",
             "root": playbook.deploy_root,
@@ -239,7 +255,7 @@ def switch_ops(
     playbook: Playbook, release_id: str | None, owner: str, lock_timeout: float, keep: int | None = None
 ) -> list[dict[str, Any]]:
     return [
-        {"op": "lock", "root": playbook.deploy_root, "timeout": lock_timeout, "owner": owner},
+        lock_op(playbook, owner, lock_timeout),
         {"op": "release_switch", "root": playbook.deploy_root, "release_id": release_id, "keep": keep},
     ]
 
