@@ -12,6 +12,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+# The `orchestrate` process is ours alone: paramiko imports invoke (installed beside Fabric) only
+# to run ssh_config `Match exec` lines, which we never read, and that import (asyncio,
+# unittest.mock) costs ~25 ms of every start. A None entry makes paramiko skip it. Code that
+# imports orchestrator as a library is not affected.
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orchestrate":
+    sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
 
 from orchestrator import dflash, engine
 from orchestrator.configs import read_json, read_mapping
@@ -19,10 +27,12 @@ from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, Orchestrato
 from orchestrator.inventory import Inventory, Target, inventory_view, load_inventory, show_one
 from orchestrator.playbook import load_playbook
 from orchestrator.report import ProgressPrinter, render_json, render_table
-from orchestrator.sandbox.lxdhosts import LxdSandbox
-from orchestrator.sandbox.sshhosts import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
-from orchestrator.sandbox.sshhosts import SshSandbox
+from orchestrator.sandbox import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
 from orchestrator.state import StateDB
+
+if TYPE_CHECKING:
+    from orchestrator.sandbox.lxdhosts import LxdSandbox
+    from orchestrator.sandbox.sshhosts import SshSandbox
 
 DEFAULT_INVENTORY = "inventory/inventory.yaml"
 
@@ -345,6 +355,9 @@ def _cmd_history(args: argparse.Namespace) -> int:
 
 
 def _open_sandbox(args: argparse.Namespace) -> SshSandbox | LxdSandbox:
+    from orchestrator.sandbox.lxdhosts import LxdSandbox
+    from orchestrator.sandbox.sshhosts import SshSandbox
+
     directory = args.dir or DEFAULT_SANDBOX_DIR
     kind = getattr(args, "kind", None)
     try:
@@ -378,6 +391,8 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
             for h in hosts:
                 print(f"  {h['name']:<14} {h['address']:<15} {'running' if h['running'] else 'STOPPED'}")
         return EXIT_OK if status["up"] else EXIT_NOT_READY
+    from orchestrator.sandbox.lxdhosts import LxdSandbox
+
     if isinstance(box, LxdSandbox):
         box.down(_say, purge=args.purge)
     else:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator import dflash, plan, serving
-from orchestrator.agent import AgentClient, b64
+from orchestrator.agent import AgentClient
 from orchestrator.containers import spec_for
 from orchestrator.errors import AgentError, AgentProtocolError, LxdError, OrchestratorError, TransportError
 from orchestrator.inventory import Inventory, Target
@@ -444,7 +444,7 @@ def _write_ready(
         "op": "put",
         "root": root,
         "path": "ready.json",
-        "content_b64": b64(record),
+        "content": record,
         "sha256": digest,
         "mode": "0644",
     }

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator import dflash, probe
-from orchestrator.agent import b64
 from orchestrator.playbook import FileSpec, Playbook
 
 DEFAULT_PROBE_PROMPTS = (
@@ -91,7 +90,7 @@ def new_release_id(now: float | None = None) -> str:
 def _file_entry(spec: FileSpec, with_content: bool) -> dict[str, Any]:
     entry: dict[str, Any] = {"path": spec.dest, "sha256": spec.sha256, "mode": spec.mode}
     if with_content:
-        entry["content_b64"] = b64(spec.content)
+        entry["content"] = spec.content
     return entry
 
 

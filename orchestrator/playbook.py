@@ -197,8 +197,10 @@ def _file_spec(f: Field, src: str, dest: str, base: Path, src_key: str = "src") 
     norm = posixpath.normpath(dest)
     if dest.startswith("/") or norm != dest or norm.startswith("../") or norm == "..":
         raise dest_field.error(f"'{dest}' must be a relative path inside the release, with no '..' or '.' parts")
-    if dest == ".manifest.json":
-        raise dest_field.error("'.manifest.json' is reserved for the release manifest")
+    if dest == ".manifest.sha256":
+        raise dest_field.error("'.manifest.sha256' is reserved for the release manifest")
+    if "\n" in dest or "\\" in dest:
+        raise dest_field.error(f"{dest!r} holds a newline or a backslash; release paths may not")
     size = path.stat().st_size
     if size > MAX_FILE_BYTES:
         raise src_field.error(f"{path} is {size} bytes; files up to {MAX_FILE_BYTES} bytes are pushed")

@@ -1,4 +1,6 @@
-"""The remote agent: one stdlib-only file (``agent.py``) sent to each host with every batch.
+"""The remote agent: stdlib-only files sent to each host with every batch.
+
+``loader.py`` runs first and finds the agent's compiled code (or compiles ``agent.py``).
 
 This package only locates that file for the controller; it is never imported on a host.
 """
@@ -9,3 +11,8 @@ from importlib.resources import files
 def source() -> bytes:
     """The agent's source, exactly as it will run on the host."""
     return files(__name__).joinpath("agent.py").read_bytes()
+
+
+def loader_source() -> bytes:
+    """The loader's source, exactly as it will run on the host."""
+    return files(__name__).joinpath("loader.py").read_bytes()

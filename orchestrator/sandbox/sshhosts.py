@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import SandboxError
+from orchestrator.sandbox import DEFAULT_DIR
 from orchestrator.sandbox.processes import SSHD, alive, run, start_sshd, stop_process, write_file
 
-DEFAULT_DIR = Path(os.environ.get("ORCHESTRATE_SANDBOX_DIR", "/var/lib/dflash-orchestrator/sandbox"))
 DEFAULT_PREFIX = "dfo"
 DEFAULT_SUBNET = "10.77"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.agent import AgentClient, b64
+from orchestrator.agent import AgentClient
 from orchestrator.errors import AgentError
 from orchestrator.inventory import load_inventory
 from orchestrator.ssh import KnownHosts, SshTransport
@@ -118,7 +118,7 @@ def test_agent_refuses_paths_outside_the_deploy_root_over_ssh(sandbox: Sandbox, 
                 "root": root_name,
                 "path": path,
                 "sha256": hashlib.sha256(data).hexdigest(),
-                "content_b64": b64(data),
+                "content": data,
             }
             with pytest.raises(AgentError) as info:
                 client.batch(target, [op])

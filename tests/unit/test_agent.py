@@ -10,6 +10,7 @@ import ast
 import fcntl
 import hashlib
 import json
+import marshal
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 import remote_agent
-from orchestrator.agent import BOOTSTRAP, b64, decode_response, encode_request
+from orchestrator.agent import BOOTSTRAP, _packed_agent, decode_response, encode_request
 
 
 def run(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -31,7 +32,7 @@ def run(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def files(**contents: bytes) -> list[dict[str, Any]]:
     return [
-        {"path": p.replace("__", "/"), "sha256": hashlib.sha256(c).hexdigest(), "mode": "0644", "content_b64": b64(c)}
+        {"path": p.replace("__", "/"), "sha256": hashlib.sha256(c).hexdigest(), "mode": "0644", "content": c}
         for p, c in contents.items()
     ]
 
@@ -47,6 +48,7 @@ def apply(root: Path, release: str, keep: int = 5, **contents: bytes) -> dict[st
 
 def test_agent_is_python38_compatible() -> None:
     ast.parse(remote_agent.source(), feature_version=(3, 8))
+    ast.parse(remote_agent.loader_source(), feature_version=(3, 8))
 
 
 def test_put_is_atomic_idempotent_and_reports_digests(tmp_path: Path) -> None:
@@ -56,7 +58,7 @@ def test_put_is_atomic_idempotent_and_reports_digests(tmp_path: Path) -> None:
         "root": str(tmp_path),
         "path": "cfg/config.json",
         "sha256": hashlib.sha256(data).hexdigest(),
-        "content_b64": b64(data),
+        "content": data,
         "mode": "0600",
     }
     first = run([op])[0]["result"]
@@ -83,7 +85,7 @@ def test_stat_and_sha256(tmp_path: Path) -> None:
 
 
 def test_put_refuses_content_that_does_not_match_its_digest(tmp_path: Path) -> None:
-    op = {"op": "put", "root": str(tmp_path), "path": "x", "sha256": "0" * 64, "content_b64": b64(b"abc")}
+    op = {"op": "put", "root": str(tmp_path), "path": "x", "sha256": "0" * 64, "content": b"abc"}
     err = run([op])[0]["error"]
     assert err["code"] == "checksum" and not (tmp_path / "x").exists()
 
@@ -139,7 +141,7 @@ def test_paths_outside_the_root_are_refused(tmp_path: Path, path: str) -> None:
         "root": str(root),
         "path": path,
         "sha256": hashlib.sha256(b"x").hexdigest(),
-        "content_b64": b64(b"x"),
+        "content": b"x",
     }
     err = run([op])[0]["error"]
     assert err["code"] == "outside_root" and err["op"] == "put"
@@ -186,7 +188,111 @@ def test_facts(tmp_path: Path) -> None:
 
 
 def test_bad_request_is_answered_not_crashed() -> None:
-    source = encode_request([]).split(b"\n", 1)
-    bad = source[0] + b"\n" + source[1][: int(source[0])] + b"not json"
-    proc = subprocess.run([sys.executable, "-c", BOOTSTRAP], input=bad, capture_output=True, timeout=60)
-    assert proc.returncode == 0 and "bad request" in json.loads(proc.stdout)["error"]
+    for bad in (b"not marshal", marshal.dumps([1, 2]), marshal.dumps({"v": 99, "ops": []})):
+        proc = subprocess.run(
+            [sys.executable, "-c", BOOTSTRAP], input=_packed_agent() + bad, capture_output=True, timeout=60
+        )
+        assert proc.returncode == 0 and "bad request" in json.loads(proc.stdout)["error"]
+
+
+def run_with_home(home: Path, ops: list[dict[str, Any]]) -> dict[str, Any]:
+    env = dict(os.environ, HOME=str(home))
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", BOOTSTRAP],
+        input=encode_request(ops),
+        capture_output=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+def test_compiled_agent_is_cached_and_trusted_only_when_private(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    assert run_with_home(home, [{"op": "facts"}])["results"][0]["ok"]
+    cache_dir = home / ".cache" / "dflash-orchestrator"
+    (cached,) = cache_dir.iterdir()
+    assert cached.name.endswith(sys.implementation.cache_tag) and cached.stat().st_mode & 0o777 == 0o600
+    assert cache_dir.stat().st_mode & 0o777 == 0o700
+    # Whatever code sits in a private cache is what runs: plant a marker to prove the cache is read.
+    marker = compile('import sys; sys.stdout.write(\'{"v": 1, "results": [], "from": "cache"}\')', "x", "exec")
+    cached.write_bytes(marshal.dumps(marker))
+    assert run_with_home(home, [{"op": "facts"}]).get("from") == "cache"
+    # A directory others can write to, or a file someone else owns, is never trusted.
+    cache_dir.chmod(0o770)
+    assert "from" not in run_with_home(home, [{"op": "facts"}])
+    cache_dir.chmod(0o700)
+    cached.write_bytes(marshal.dumps(marker))
+    os.chown(cached, 65534, 65534)
+    assert "from" not in run_with_home(home, [{"op": "facts"}])
+    # A torn or foreign file is compiled over, not crashed on.
+    for junk in (b"", b"\x00garbage", marshal.dumps("not code")):
+        cached.unlink(missing_ok=True)
+        cached.write_bytes(junk)
+        assert run_with_home(home, [{"op": "facts"}])["results"][0]["ok"]
+        assert type(marshal.loads(cached.read_bytes())).__name__ == "code"
+
+
+def test_cache_of_an_older_agent_is_replaced(tmp_path: Path) -> None:
+    cache_dir = tmp_path / ".cache" / "dflash-orchestrator"
+    cache_dir.mkdir(parents=True, mode=0o700)
+    (cache_dir / "agent-0123.cpython-38").write_bytes(b"old")
+    run_with_home(tmp_path, [{"op": "facts"}])
+    assert [p.name.startswith("agent-0123") for p in cache_dir.iterdir()] == [False]
+
+
+def test_an_unwritable_home_still_runs_the_agent(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.write_text("a file, not a directory")
+    assert run_with_home(home, [{"op": "facts"}])["results"][0]["ok"]
+
+
+def agent_namespace() -> dict[str, Any]:
+    ns: dict[str, Any] = {"__name__": "agent"}
+    exec(compile(remote_agent.source(), "agent", "exec"), ns)
+    return ns
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {
+            "q": 'say "hi"\\ \n\t\x00\x1f\x7f',
+            "u": "μ→ü 🚀",
+            "n": [1, -2, 0.5, 1e-05, 12345678901234567890, True, False, None],
+        },
+        {"nested": {"a": [[], {}, ""]}, "tuple": (1, "x")},
+    ],
+)
+def test_agent_json_writer_round_trips(value: dict[str, Any]) -> None:
+    text = agent_namespace()["_dumps"](value)
+    assert json.loads(text) == json.loads(json.dumps(value))
+
+
+def test_agent_json_writer_edge_cases() -> None:
+    dumps = agent_namespace()["_dumps"]
+    assert dumps({"x": float("nan"), "y": float("inf"), 3: 1}) == '{"x":null,"y":null,"3":1}'
+    # an undecodable file name arrives as a lone surrogate and leaves as a JSON escape
+    raw = dumps(["a\udcff"]).encode("utf-8", "backslashreplace")
+    assert json.loads(raw) == ["a\udcff"]
+    with pytest.raises(TypeError):
+        dumps({"b": b"bytes"})
+
+
+def test_manifest_is_sha256sum_format_and_strictly_read(tmp_path: Path) -> None:
+    apply(tmp_path, "r1", a=b"1", d__b=b"2")
+    release = tmp_path / "releases" / "r1"
+    check = subprocess.run(["sha256sum", "--check", "--strict", ".manifest.sha256"], cwd=release, capture_output=True)
+    assert check.returncode == 0 and check.stdout.decode().splitlines() == ["a: OK", "d/b: OK"]
+    read = agent_namespace()["_read_manifest"]
+    assert read(str(release)) == {"a": hashlib.sha256(b"1").hexdigest(), "d/b": hashlib.sha256(b"2").hexdigest()}
+    for bad in (b"", b"zz  a\n", (64 * "0" + " a\n").encode(), (64 * "0" + "  a").encode()):
+        (release / ".manifest.sha256").write_bytes(bad)
+        assert read(str(release)) == ({} if bad == b"" else None)
+
+
+def test_release_paths_with_newlines_are_refused(tmp_path: Path) -> None:
+    res = apply(tmp_path, "r1", **{"a\nb": b"1"})
+    assert res["error"]["code"] == "bad_request" and not (tmp_path / "current").exists()

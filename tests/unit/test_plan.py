@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import base64
-import json
+import marshal
 from pathlib import Path
 
 from orchestrator import plan
+from orchestrator.agent import MARSHAL_VERSION
 from orchestrator.playbook import load_playbook
 
 PB = """\
@@ -34,9 +35,9 @@ def test_apply_batch_locks_then_applies_with_content(tmp_path: Path) -> None:
     assert ops[0] == {"op": "lock", "root": "/srv/dflash", "timeout": 5.0, "owner": "me@here"}
     files = ops[1]["files"]
     assert [f["path"] for f in files] == ["a.txt", "drafter/config.json"]
-    assert base64.b64decode(files[0]["content_b64"]) == b"new line\nsame\n"
+    assert files[0]["content"] == b"new line\nsame\n"
     assert ops[1]["keep"] == 3 and ops[1]["release_id"] == "r1"
-    json.dumps(ops)  # the request must be plain JSON
+    marshal.dumps(ops, MARSHAL_VERSION)  # the request must be plain data that marshal carries
 
 
 def test_verify_reports_each_drifted_file_with_both_digests(tmp_path: Path) -> None:
