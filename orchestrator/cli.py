@@ -25,7 +25,7 @@ from orchestrator import dflash, engine
 from orchestrator.configs import read_json, read_mapping
 from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
 from orchestrator.inventory import Inventory, Target, inventory_view, load_inventory, show_one
-from orchestrator.playbook import load_playbook
+from orchestrator.playbook import Playbook, load_playbook
 from orchestrator.report import ProgressPrinter, render_json, render_table
 from orchestrator.sandbox import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
 from orchestrator.state import StateDB
@@ -234,10 +234,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     kind = "dry-run" if getattr(args, "dry_run", False) else args.command
     progress = ProgressPrinter(kind, len(targets))
     _say(f"{kind} {playbook.name}: {len(targets)} hosts, forks {args.forks}")
-    if kind == "deploy":
-        run = engine.deploy(playbook, inventory, targets, options, progress)
-    elif kind == "dry-run":
+    if kind == "dry-run":
         run = engine.dry_run(playbook, inventory, targets, options, progress)
+    elif playbook.serving.multi_node is not None:
+        run = _run_group(kind, args, playbook, inventory, targets, options, progress)
+    elif kind == "deploy":
+        run = engine.deploy(playbook, inventory, targets, options, progress)
     elif kind == "stop":
         run = engine.stop(playbook, inventory, targets, options, progress)
     elif kind == "verify":
@@ -256,6 +258,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         render_table(run)
     return EXIT_OK if run.ok else EXIT_NOT_READY
+
+
+def _run_group(
+    kind: str,
+    args: argparse.Namespace,
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: engine.RunOptions,
+    progress: ProgressPrinter,
+) -> engine.RunReport:
+    """A multi-node playbook: one deployment over its nodes, gated as a group."""
+    from orchestrator import group
+
+    if kind == "deploy":
+        return group.deploy(playbook, inventory, targets, options, progress, _say)
+    if kind == "verify":
+        return group.verify(playbook, inventory, targets, options, progress, args.probe)
+    if kind == "stop":
+        return group.stop(playbook, inventory, targets, options, progress)
+    return group.rollback(playbook, inventory, targets, options, progress, args.to_release)
 
 
 def _cmd_lint(args: argparse.Namespace) -> int:

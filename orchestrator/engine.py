@@ -8,7 +8,6 @@ that host's failed gate and never stops the others (unless the rollout's failure
 from __future__ import annotations
 
 import getpass
-import hashlib
 import socket
 import threading
 import time
@@ -132,22 +131,9 @@ def _fan_out(
         report = reports[name]
         started = time.monotonic()
         progress(report, "start")
-        try:
-            work(by_name[name], report)
-        except TransportError as exc:
-            report.gates[plan.GATE_CONNECT] = Gate(False, exc.message)
-        except AgentError as exc:
-            gate = plan.GATE_FILES
-            report.gates[plan.GATE_CONNECT] = Gate(True, "connected")
-            report.gates[gate] = Gate(False, exc.failure.describe())
-        except AgentProtocolError as exc:
-            report.gates[plan.GATE_CONNECT] = Gate(True, "connected")
-            report.gates[plan.GATE_FILES] = Gate(False, str(exc).split(": ", 1)[-1])
-        except OrchestratorError as exc:
-            report.gates[plan.GATE_FILES] = Gate(False, str(exc))
+        guarded(report, lambda: work(by_name[name], report))
         report.duration_s = time.monotonic() - started
-        c = transport.counters(name)
-        report.ssh = {"connects": c.connects, "execs": c.execs, "retries": c.retries}
+        count_ssh(transport, report)
         progress(report, "done")
 
     failures = 0
@@ -162,6 +148,27 @@ def _fan_out(
             list(pool.map(one, batch))
             failures += sum(not reports[n].ready for n in batch)
     return [reports[t.name] for t in targets]
+
+
+def guarded(report: HostReport, work: Callable[[], None], gate: str = plan.GATE_FILES) -> None:
+    """Run one host's work; what goes wrong becomes that host's failed gate, never an exception."""
+    try:
+        work()
+    except TransportError as exc:
+        report.gates[plan.GATE_CONNECT] = Gate(False, exc.message)
+    except AgentError as exc:
+        report.gates.setdefault(plan.GATE_CONNECT, Gate(True, "connected"))
+        report.gates[gate] = Gate(False, exc.failure.describe())
+    except AgentProtocolError as exc:
+        report.gates.setdefault(plan.GATE_CONNECT, Gate(True, "connected"))
+        report.gates[gate] = Gate(False, str(exc).split(": ", 1)[-1])
+    except OrchestratorError as exc:
+        report.gates[gate] = Gate(False, str(exc))
+
+
+def count_ssh(transport: SshTransport, report: HostReport) -> None:
+    c = transport.counters(report.name)
+    report.ssh = {"connects": c.connects, "execs": c.execs, "retries": c.retries}
 
 
 def _connected(report: HostReport) -> None:
@@ -438,17 +445,7 @@ def _write_ready(
     files: list[dict[str, Any]],
     pid: int | None,
 ) -> None:
-    record = serving.ready_record(release, gates, files, pid)
-    digest = hashlib.sha256(record).hexdigest()
-    put = {
-        "op": "put",
-        "root": root,
-        "path": "ready.json",
-        "content": record,
-        "sha256": digest,
-        "mode": "0644",
-    }
-    client.batch(target, [put])
+    client.batch(target, [plan.put_op(root, "ready.json", serving.ready_record(release, gates, files, pid))])
 
 
 def _stopped_by_lint(

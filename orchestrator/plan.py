@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import difflib
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -92,6 +93,12 @@ def _file_entry(spec: FileSpec, with_content: bool) -> dict[str, Any]:
     if with_content:
         entry["content"] = spec.content
     return entry
+
+
+def put_op(root: str, path: str, content: bytes, mode: str = "0644") -> dict[str, Any]:
+    """One file written with the atomic protocol (temp, fsync, verify, rename), e.g. ready.json."""
+    digest = hashlib.sha256(content).hexdigest()
+    return {"op": "put", "root": root, "path": path, "content": content, "sha256": digest, "mode": mode}
 
 
 def lock_op(playbook: Playbook, owner: str, lock_timeout: float) -> dict[str, Any]:

