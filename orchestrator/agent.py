@@ -99,9 +99,9 @@ class AgentClient:
         """Run ops in one round trip; raise ``AgentError`` for the first failed op."""
         result = self.transport.run(target, agent_command(target.container.ssh.python), encode_request(ops), timeout)
         results = decode_response(target.name, result.exit_status, result.stdout, result.stderr)
-        for r in results:
+        for i, r in enumerate(results):
             if r.failure is not None:
-                raise AgentError(target.name, r.failure)
+                raise AgentError(target.name, r.failure, [x.value for x in results[:i]])
         if len(results) != len(ops):
             raise AgentProtocolError(
                 target.name, f"expected {len(ops)} results, got {len(results)}", result.exit_status, result.tail()

@@ -171,6 +171,31 @@ def count_ssh(transport: SshTransport, report: HostReport) -> None:
     report.ssh = {"connects": c.connects, "execs": c.execs, "retries": c.retries}
 
 
+# The gate a failed read-only check belongs to (a stale drafter config that transformers cannot
+# load is the loader's failure; the files' drift read before it must still be reported).
+_CHECK_GATES = {
+    "loader_view": plan.GATE_LOADER,
+    "vllm_build": plan.GATE_BUILD,
+    "serving_status": plan.GATE_HEALTH,
+    "probe": plan.GATE_ACCEPTANCE,
+}
+
+
+def read_only_batch(
+    client: AgentClient, target: Target, ops: list[dict[str, Any]], report: HostReport
+) -> tuple[dict[str, dict[str, Any]], tuple[str, Gate] | None]:
+    """Answers by op name, and the gate of the check that failed (if one did after the first op)."""
+    try:
+        results = client.batch(target, ops, timeout=target.container.ssh.command_timeout + 600)
+        answers, failed = [r.value for r in results], None
+    except AgentError as exc:
+        if not exc.done or exc.failure.op not in _CHECK_GATES:
+            raise
+        answers, failed = exc.done, (_CHECK_GATES[exc.failure.op], Gate(False, exc.failure.describe()))
+    _connected(report)
+    return {op["op"]: value for op, value in zip(ops, answers, strict=False)}, failed
+
+
 def _connected(report: HostReport) -> None:
     report.gates[plan.GATE_CONNECT] = Gate(True, "connected")
 
@@ -474,16 +499,16 @@ def _read_only(
     """One batch per host that writes nothing; ``reader`` turns its answer into gates."""
 
     def work(client: AgentClient, target: Target, report: HostReport) -> None:
-        results = client.batch(target, ops, timeout=target.container.ssh.command_timeout + 600)
-        _connected(report)
-        reader(playbook, results[0].value, report)
-        values = {r.op: r.value for r in results[1:]}
-        if "loader_view" in values:
+        values, failed = read_only_batch(client, target, ops, report)
+        reader(playbook, values[ops[0]["op"]], report)
+        if "vllm_build" in values:
             plan.read_serving(playbook, [values["loader_view"], values["vllm_build"]], report)
         if "serving_status" in values and report.release_id is not None:
             plan.read_serving_status(values["serving_status"], report)
         if "probe" in values:
             plan.read_probe(playbook, values["probe"], report)
+        if failed is not None:
+            report.gates[failed[0]] = failed[1]
 
     return _run(kind, playbook, inventory, targets, options, progress, work)
 

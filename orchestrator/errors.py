@@ -115,9 +115,12 @@ class AgentFailure:
 
 
 class AgentError(OrchestratorError):
-    def __init__(self, host: str, failure: AgentFailure) -> None:
+    """An operation of a batch failed; ``done`` holds the answers of the ops before it."""
+
+    def __init__(self, host: str, failure: AgentFailure, done: list[dict[str, Any]] | None = None) -> None:
         self.host = host
         self.failure = failure
+        self.done = done or []
         super().__init__(f"{host}: {failure.describe()}")
 
 

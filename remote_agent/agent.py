@@ -903,7 +903,10 @@ def _launch_process(root, argv, extra_env, log_path):
 
 
 def _systemd_quote(text, expand_dollar=True):
+    # systemd C-unescapes quoted words: a newline (a multi-line `python -c` program) must travel
+    # as \n, or the unit file is cut at it ("bad unit file setting").
     text = text.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    text = text.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
     if expand_dollar:
         text = text.replace("$", "$$")
     return '"%s"' % text

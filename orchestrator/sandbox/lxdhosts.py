@@ -303,6 +303,7 @@ class LxdSandbox:
         containers = "".join(
             f"      {n.name}:            # address discovered through LXD\n"
             f"        jump: true\n"
+            f"        groups: [sandbox-nodes]\n"
             f"        lxd:\n"
             f"          image: {lxdimage.image_alias()}\n"
             f"          profiles: [{PROFILE}]\n"
