@@ -116,7 +116,7 @@ def group_build_problems(playbook: Playbook, dist: str | None, version: str | No
                 where,
                 "error",
                 "vLLM's Ray executor refuses the CPU platform ('current platform cpu does not support ray')",
-                fix="use executor: mp on CPU hosts (the Ray executor is for GPU hosts)",
+                fix="use executor: mp on CPU hosts; the Ray executor is for GPU hosts",
             )
         )
     if s.speculative and s.pipeline_parallel_size > 1 and dist == CPU_DIST:

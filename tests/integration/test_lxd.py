@@ -6,66 +6,22 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from orchestrator.inventory import LxdEndpoint
 from orchestrator.lxd import LxdHost
 from orchestrator.sandbox.lxdhosts import LxdSandbox
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, host, inventory, run
 
 SANDBOX_PLAYBOOK = REPO / "playbooks" / "sandbox-files.yaml"
-
-
-@pytest.fixture(scope="module")
-def lxd_sandbox() -> Iterator[LxdSandbox]:
-    if os.geteuid() != 0:
-        pytest.fail("LXD tests need root")
-    box = LxdSandbox(Path("/var/lib/dflash-orchestrator/test-lxd-sandbox"), prefix="dft", jump_port=2223)
-    box.down()
-    box.up(2)
-    try:
-        yield box
-    finally:
-        box.down()
 
 
 @pytest.fixture
 def lxd() -> LxdHost:
     return LxdHost("sandbox", LxdEndpoint("local"))
-
-
-def inventory(box: LxdSandbox, tmp_path: Path, edit: Any = None) -> Path:
-    """The sandbox's inventory, optionally edited, written with absolute paths."""
-    data = yaml.safe_load(box.inventory.read_text())
-    data["known_hosts"] = str(box.known_hosts)
-    data["defaults"]["key"] = str(box.client_key)
-    if edit is not None:
-        edit(data)
-    path = tmp_path / "inventory.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def run(*args: str | Path, tmp_path: Path) -> tuple[int, Any, str]:
-    env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(tmp_path / "state"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator", *map(str, args), "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    return proc.returncode, json.loads(proc.stdout) if proc.stdout else None, proc.stderr
-
-
-def host(report: Any, name: str) -> Any:
-    return next(h for h in report["hosts"] if h["name"] == name)
 
 
 def test_deploy_and_verify_the_sandbox_playbook(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:

