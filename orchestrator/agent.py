@@ -24,7 +24,8 @@ from orchestrator.inventory import Target
 from orchestrator.ssh import Command, SshTransport
 
 PROTOCOL_VERSION = 1
-BOOTSTRAP = "import sys;b=sys.stdin.buffer;exec(b.read(int(b.readline())))"
+# The leading string names the process in `ps` on the host (and lets tests find it).
+BOOTSTRAP = "'dflash-agent';import sys;b=sys.stdin.buffer;exec(b.read(int(b.readline())))"
 # marshal format 4 is read by every Python the agent supports (3.4+).
 MARSHAL_VERSION = 4
 

@@ -194,6 +194,8 @@ def load_playbook(path: Path | str) -> Playbook:
             target = read_json(_local(d["target_config"], d["target_config"].str(), base))
         drafter = Drafter(config, read_json(config.src), reference, target)
 
+    if serving.multi_node is not None and "rollout" in top:
+        raise top["rollout"].error("a multi-node deployment is one group, deployed whole: rollout does not apply")
     if not files and drafter is None:
         raise top.error("the playbook pushes no files: add files: or drafter:")
     return Playbook(

@@ -167,6 +167,10 @@ def test_a_group_name_places_its_containers_in_inventory_order(tmp_path: Path) -
         ("  tensor_parallel_size: 2\n  multi_node: {nodes: [a0, a0]}\n", "only one rank"),
         ("  tensor_parallel_size: 2\n  multi_node: {nodes: [a0, a1], executor: slurm}\n", "expected one of mp, ray"),
         ("  tensor_parallel_size: 2\n  multi_node: {nodes: [a0, a1], ports: 1}\n", "ports"),
+        (
+            "  tensor_parallel_size: 2\n  multi_node: {nodes: [a0, a1]}\nrollout: {canary: 1}\n",
+            "rollout does not apply",
+        ),
     ],
 )
 def test_bad_multi_node_sections_are_refused_at_load(tmp_path: Path, serving_yaml: str, message: str) -> None:
