@@ -210,8 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _targets(args: argparse.Namespace, playbook_targets: tuple[str, ...], inventory: Inventory) -> list[Target]:
-    chosen = inventory.resolve(playbook_targets)
+def _targets(args: argparse.Namespace, playbook: Playbook, inventory: Inventory) -> list[Target]:
+    multi = playbook.serving.multi_node
+    try:
+        chosen = inventory.resolve(playbook.targets)
+    except InputError as exc:
+        if multi is None or playbook.targets != multi.nodes:
+            raise
+        raise multi.error(f"{exc.message} (nodes and targets name containers or groups of the inventory)") from None
     if args.limit:
         limited = {t.name for t in inventory.resolve(args.limit)}
         chosen = [t for t in chosen if t.name in limited]
@@ -223,7 +229,7 @@ def _targets(args: argparse.Namespace, playbook_targets: tuple[str, ...], invent
 def _cmd_run(args: argparse.Namespace) -> int:
     playbook = load_playbook(args.playbook)
     inventory = load_inventory(args.inventory)
-    targets = _targets(args, playbook.targets, inventory)
+    targets = _targets(args, playbook, inventory)
     options = engine.RunOptions(
         forks=args.forks,
         skip_containers=args.skip_containers,

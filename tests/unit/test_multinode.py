@@ -222,3 +222,16 @@ def test_ray_status_counts_active_nodes_and_gpus() -> None:
     one_node_cpu = RAY_STATUS.replace(RAY_STATUS.splitlines()[5] + "\n", "").replace(" 0.0/16.0 GPU\n", "")
     assert ray_status(one_node_cpu) == (1, 0.0)
     assert ray_status("") == (0, 0.0)
+
+
+def test_cli_refuses_a_bad_group_before_any_connection(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 with the playbook's file and line, for a node the inventory does not have."""
+    from orchestrator import cli
+
+    (tmp_path / "inv.yaml").write_text(INV)
+    path = write_playbook(tmp_path, "  tensor_parallel_size: 2\n  multi_node: {nodes: [cpu0, ghost]}\n")
+    state = tmp_path / "state"
+    code = cli.main(["deploy", str(path), "-i", str(tmp_path / "inv.yaml"), "--state-dir", str(state)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{path}:" in err and "serving.multi_node" in err and "'ghost'" in err
+    assert not state.exists()  # nothing ran, nothing recorded
