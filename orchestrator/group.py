@@ -6,11 +6,13 @@ then every node is launched (``mp``: the head and headless ranks; ``ray``: a Ray
 vLLM on the head), health and acceptance are proven through the head, and each rank must still
 be alive afterwards. The group is READY only when every node is: one failing node fails them
 all, and the report names it. A failed launch stops every node and checks that each is gone
-(a headless rank outlives its head otherwise), then puts the previous release back.
+(a headless rank outlives its head otherwise), then starts the group again on the previous
+release and proves it, as a single host would be rolled back.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -117,36 +119,49 @@ def deploy(
     owner = _owner()
     reports = {t.name: HostReport(t.name, gates={plan.GATE_LINT: lint}) for t in placement.nodes}
     containers = _Containers(inventory, playbook, ensure=True, skip=options.skip_containers)
-    stage_ops = plan.apply_ops(playbook, release_id, owner, options.lock_timeout)
     started, started_mono = time.time(), time.monotonic()
     with _transport(inventory, options) as transport:
         group = _Group(placement, AgentClient(transport), reports)
-        say(f"group: {placement.describe()}: staging release {release_id} on every node")
+        say(f"group: {placement.describe()}: staging the release on every node")
         builds: dict[str, str] = {}
+        located: set[str] = set()
 
-        def stage(rank: int, target: Target, report: HostReport) -> None:
-            reachable = containers.locate(target, report)
-            if reachable is None:
-                return
-            group.targets[target.name] = reachable
-            timeout = target.container.ssh.command_timeout + options.lock_timeout
-            results = group.client.batch(reachable, stage_ops, timeout=timeout)
-            _connected(report)
-            plan.read_applied(playbook, results[1].value, report)
-            values = [r.value for r in results[2:]]
-            plan.read_serving(playbook, values, report)
-            if len(values) == 2 and values[1].get("version"):
-                build = values[1]
-                builds[target.name] = f"{build['dist']} {build['version']}"
-                _group_build_gate(playbook, build, report)
+        def stage_with(ops: list[dict[str, Any]]) -> Callable[[int, Target, HostReport], None]:
+            def stage(rank: int, target: Target, report: HostReport) -> None:
+                if target.name not in located:  # the containers gate runs once per node
+                    reachable = containers.locate(target, report)
+                    if reachable is None:
+                        return
+                    group.targets[target.name] = reachable
+                    located.add(target.name)
+                reachable = group.targets[target.name]
+                timeout = target.container.ssh.command_timeout + options.lock_timeout
+                results = group.client.batch(reachable, ops, timeout=timeout)
+                _connected(report)
+                plan.read_applied(playbook, results[1].value, report)
+                values = [r.value for r in results[2:]]
+                plan.read_serving(playbook, values, report)
+                if len(values) == 2 and values[1].get("version"):
+                    build = values[1]
+                    builds[target.name] = f"{build['dist']} {build['version']}"
+                    _group_build_gate(playbook, build, report)
 
-        group.each(stage, plan.GATE_FILES)
+            return stage
+
+        group.each(stage_with(plan.apply_ops(playbook, release_id, owner, options.lock_timeout)), plan.GATE_FILES)
+        apart = [n for n, r in reports.items() if r.release_id != release_id]
+        if not group.failed() and apart and len({r.release_id for r in reports.values()}) > 1:
+            # One group, one release id: the nodes that kept an older copy of these files (one was
+            # repaired alone, say) stage this release too.
+            say(f"group: the nodes hold different releases: staging {release_id} on {', '.join(apart)} too")
+            fresh = plan.apply_ops(playbook, release_id, owner, options.lock_timeout, reuse=False)
+            group.each(stage_with(fresh), plan.GATE_FILES, names=apart)
         if not _staged_alike(group, builds):
             return _finish(
                 "deploy", playbook, inventory, release_id, reports, started, transport, progress, started_mono
             )
         group.placement = placement.located(group.targets)
-        _launch_and_prove(playbook, group, release_id, owner, options, say)
+        _launch_and_prove(playbook, group, owner, options, say)
         return _finish("deploy", playbook, inventory, release_id, reports, started, transport, progress, started_mono)
 
 
@@ -178,78 +193,98 @@ def _staged_alike(group: _Group, builds: dict[str, str]) -> bool:
     return True
 
 
-def _launch_and_prove(
-    playbook: Playbook, group: _Group, release_id: str, owner: str, options: RunOptions, say: Say
-) -> None:
-    placement, s, root = group.placement, playbook.serving, playbook.deploy_root
-    release = group.reports[placement.head.name].release_id or release_id
-    changed = any(r.changed for r in group.reports.values())
-    lock = plan.lock_op(playbook, owner, options.lock_timeout)
-    launch_timeout = max(t.container.ssh.command_timeout for t in placement.nodes) + options.lock_timeout + 120
-    ray = placement.multi.executor == "ray"
+class _Launch:
+    """Starting and proving one group on one release (the new one, or the previous on the way back)."""
 
-    if changed or not _all_running(playbook, group, release):
+    def __init__(self, playbook: Playbook, group: _Group, owner: str, options: RunOptions, say: Say) -> None:
+        self.playbook = playbook
+        self.group = group
+        self.say = say
+        self.lock = plan.lock_op(playbook, owner, options.lock_timeout)
+        nodes = group.placement.nodes
+        self.timeout = max(t.container.ssh.command_timeout for t in nodes) + options.lock_timeout + 120
+
+    def start(self, release: str, switch: set[str]) -> bool:
+        """Stop what runs, switch the named nodes to ``release``, start every rank. False: a node failed."""
+        playbook, group, root = self.playbook, self.group, self.playbook.deploy_root
+        placement, ray = group.placement, group.placement.multi.executor == "ray"
         # A group starts together: stop every rank first (a survivor would hold the old group's ports).
-        say("group: stopping every node's previous processes")
-        _stop_all(playbook, group, lock)
+        _stop_all(playbook, group, self.lock)
         if group.failed():
-            group.fail_others(group.failed(), "not launched")
-            return
+            return False
 
         def switch_and_start(rank: int, target: Target, report: HostReport) -> None:
-            ops: list[dict[str, Any]] = [lock]
-            if report.changed:
+            ops: list[dict[str, Any]] = [self.lock]
+            if target.name in switch:
                 ops.append(
                     {"op": "release_switch", "root": root, "release_id": release, "keep": playbook.keep_releases}
                 )
             if ray:
                 ops.append(serving.ray_command(playbook, placement, rank).as_op(root, release, None, serving.RAY))
             elif (command := serving.rank_command(playbook, placement, rank, release)) is not None:
-                ops.append(command.as_op(root, release, s.port if rank == 0 else None))
-            results = group.client.batch(target, ops, timeout=launch_timeout)
+                ops.append(command.as_op(root, release, playbook.serving.port if rank == 0 else None))
+            results = group.client.batch(target, ops, timeout=self.timeout)
             values = {r.op: r.value for r in results}
             if "release_switch" in values:
-                plan.read_made_current(playbook, values["release_switch"], report)
+                switched = values["release_switch"]
+                if report.files:
+                    plan.read_made_current(playbook, switched, report)
+                else:  # going back: the previous release's own files
+                    plan.read_switched(switched, report)
             pid = values["launch"]["pid"]
             report.gates[GATE_GROUP] = Gate(True, f"rank {rank} ({group.role(rank)}) started, pid {pid}")
 
-        say(f"group: launching release {release} on {len(placement.nodes)} nodes")
+        self.say(f"group: launching release {release} on {len(placement.nodes)} nodes")
         group.each(switch_and_start, plan.GATE_HEALTH)
         if not group.failed() and ray:
-            _ray_cluster_then_vllm(playbook, group, release, lock, launch_timeout, say)
-        if group.failed():
-            _roll_back(playbook, group, lock, say)
-            return
+            _ray_cluster_then_vllm(playbook, group, release, self.lock, self.timeout, self.say)
+        return not group.failed()
 
-    head = placement.head
-    say(f"group: waiting for the head {head.name} to be healthy, then probing acceptance")
-    budget = head.container.ssh.command_timeout + s.startup_timeout + plan.probe_timeout(playbook)
-    head_report = group.reports[head.name]
-    try:
-        results = group.client.batch(
-            group.targets[head.name], [plan.health_op(playbook), plan.probe_op(playbook)], budget
+    def prove(self) -> bool:
+        """Health and acceptance through the head, then every other rank still alive."""
+        playbook, group = self.playbook, self.group
+        head = group.placement.head
+        self.say(f"group: waiting for the head {head.name} to be healthy, then probing acceptance")
+        s = playbook.serving
+        budget = head.container.ssh.command_timeout + s.startup_timeout + plan.probe_timeout(playbook)
+        head_report = group.reports[head.name]
+        try:
+            results = group.client.batch(
+                group.targets[head.name], [plan.health_op(playbook), plan.probe_op(playbook)], budget
+            )
+        except AgentError as exc:
+            gate = plan.GATE_ACCEPTANCE if exc.failure.op == "probe" else plan.GATE_HEALTH
+            head_report.gates[gate] = Gate(False, exc.failure.message)
+            head_report.diagnosis = plan.diagnose(playbook, head_report, failure=exc.failure)
+            group.fail_others([head.name], "group not ready")
+            return False
+        health = results[0].value
+        head_report.gates[plan.GATE_HEALTH] = Gate(
+            True, f"healthy after {health['waited_s']} s, pid {health['pid']}", {"seconds": health["waited_s"]}
         )
-    except AgentError as exc:
-        gate = plan.GATE_ACCEPTANCE if exc.failure.op == "probe" else plan.GATE_HEALTH
-        head_report.gates[gate] = Gate(False, exc.failure.message)
-        head_report.diagnosis = plan.diagnose(playbook, head_report, failure=exc.failure)
-        group.fail_others([head.name], "group not ready")
-        _roll_back(playbook, group, lock, say)
+        plan.read_probe(playbook, results[1].value, head_report)
+        if not head_report.ready:
+            head_report.diagnosis = plan.diagnose(playbook, head_report)
+            group.fail_others([head.name], "group not ready")
+            return False
+        _check_ranks_alive(playbook, group)
+        if group.failed():
+            group.fail_others(group.failed(), "group not ready")
+            return False
+        return True
+
+
+def _launch_and_prove(playbook: Playbook, group: _Group, owner: str, options: RunOptions, say: Say) -> None:
+    release = group.reports[group.placement.head.name].release_id
+    assert release is not None
+    launch = _Launch(playbook, group, owner, options, say)
+    changed = {n for n, r in group.reports.items() if r.changed}
+    running = not changed and _all_running(playbook, group, release)
+    if not running and not launch.start(release, changed):
+        _roll_back(launch)
         return
-    health = results[0].value
-    head_report.gates[plan.GATE_HEALTH] = Gate(
-        True, f"healthy after {health['waited_s']} s, pid {health['pid']}", {"seconds": health["waited_s"]}
-    )
-    plan.read_probe(playbook, results[1].value, head_report)
-    if not head_report.ready:
-        head_report.diagnosis = plan.diagnose(playbook, head_report)
-        group.fail_others([head.name], "group not ready")
-        _roll_back(playbook, group, lock, say)
-        return
-    _check_ranks_alive(playbook, group)
-    if group.failed():
-        group.fail_others(group.failed(), "group not ready")
-        _roll_back(playbook, group, lock, say)
+    if not launch.prove():
+        _roll_back(launch)
         return
     _write_ready_everywhere(playbook, group, release)
 
@@ -388,21 +423,43 @@ def _main_process(group: _Group, rank: int) -> str:
     return serving.RAY if group.placement.multi.executor == "ray" and rank > 0 else serving.SERVER
 
 
-def _roll_back(playbook: Playbook, group: _Group, lock: dict[str, Any], say: Say) -> None:
-    """Stop every node (checking each is gone), then make the previous release current again."""
-    say("group: not ready: stopping every node and putting the previous release back")
-    _stop_all(playbook, group, lock)
-
-    def switch_back(rank: int, target: Target, report: HostReport) -> None:
-        if not report.changed or report.previous is None:
-            return
-        ops = [lock, {"op": "release_switch", "root": playbook.deploy_root, "release_id": report.previous}]
-        group.client.batch(target, ops)
-
-    group.each(switch_back, "rollback")
+def _roll_back(failed: _Launch) -> None:
+    """After a failed launch: stop every node (checking each is gone), then bring the previous
+    release back on every node, start the group on it and prove it again; READY again if it passes.
+    With no common previous release the group stays stopped."""
+    playbook, group, say = failed.playbook, failed.group, failed.say
+    say("group: not ready: stopping every node")
+    _stop_all(playbook, group, failed.lock)
+    previous = {r.previous if r.changed else r.release_id for r in group.reports.values()}
+    back = previous.pop() if len(previous) == 1 else None
+    changed = any(r.changed for r in group.reports.values())
+    stopped = all(r.gates.get("stopped", Gate(False, "")).ok for r in group.reports.values())
+    if back is None or not changed or not stopped:  # nothing else to go back to, or a node is stuck
+        line = (
+            "no previous release to go back to: the group was stopped on every node (no vLLM or Ray process left)"
+            if stopped
+            else "the group could not be stopped on every node: see each node's stopped gate"
+        )
+        for report in group.reports.values():
+            report.diagnosis.append(line)
+        return
+    say(f"group: rolling back to release {back} on every node")
+    # A second look at the same nodes, so that the new release's failed gates stay as they are.
+    again = _Group(group.placement, group.client, {n: HostReport(n) for n in group.reports})
+    again.targets = group.targets
+    relaunch = copy.copy(failed)
+    relaunch.group = again
+    switch = {n for n, r in group.reports.items() if r.changed}
+    if relaunch.start(back, switch) and relaunch.prove():
+        _write_ready_everywhere(playbook, again, back)
+        proof = again.reports[group.placement.head.name].gates[plan.GATE_ACCEPTANCE].detail
+        line = f"rolled back: release {back} is current again on every node, healthy and READY ({proof})"
+    else:
+        _stop_all(playbook, again, failed.lock)
+        why = "; ".join(f"{n}: {r.gates[r.failed_gate].detail}" for n, r in again.reports.items() if r.failed_gate)
+        line = f"rolled back to release {back}, but the group does not pass on it either ({why}): stopped"
     for report in group.reports.values():
-        back = f"; release {report.previous} is current again" if report.changed and report.previous else ""
-        report.diagnosis.append(f"the group was stopped on every node (no vLLM or Ray process left){back}")
+        report.diagnosis.append(line)
 
 
 def verify(

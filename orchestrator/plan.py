@@ -117,11 +117,14 @@ def health_op(playbook: Playbook) -> dict[str, Any]:
     }
 
 
-def apply_ops(playbook: Playbook, release_id: str, owner: str, lock_timeout: float) -> list[dict[str, Any]]:
+def apply_ops(
+    playbook: Playbook, release_id: str, owner: str, lock_timeout: float, reuse: bool = True
+) -> list[dict[str, Any]]:
     """First batch: take the lock, stage the release, then the serving checks on it.
 
     With no serving checks and no server to launch, nothing needs to run between staging and the
-    switch, so the release is switched in the same exec (one round trip per host).
+    switch, so the release is switched in the same exec (one round trip per host). ``reuse``:
+    keep ``current`` when it already holds these files (else always stage ``release_id``).
     """
     checks = serving_ops(playbook, "@applied")
     switch_now = not checks and playbook.serving.target is None
@@ -133,6 +136,7 @@ def apply_ops(playbook: Playbook, release_id: str, owner: str, lock_timeout: flo
             "release_id": release_id,
             "keep": playbook.keep_releases,
             "switch": switch_now,
+            "reuse": reuse,
             "files": [_file_entry(f, True) for f in playbook.release_files],
         },
         *checks,

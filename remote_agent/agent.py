@@ -417,7 +417,9 @@ def op_release_apply(req):
     current, served = _served_files(root, files)
     before = dict((f["path"], f["sha256"]) for f in served)
     wanted = dict((f["path"], f["sha256"]) for f in files)
-    if current is not None:
+    # reuse=False: a new release even when current holds these files (a multi-node group must
+    # share one release id, and a node that was repaired alone holds another).
+    if current is not None and req.get("reuse", True):
         manifest = _read_manifest(os.path.join(releases, current))
         if manifest == wanted and all(before[p] == wanted[p] for p in wanted):
             _batch["applied"] = current

@@ -82,7 +82,8 @@ def current(name: str) -> str:
 def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
     """READY with tau near K+1; a stale drafter config on the second node alone, and a killed
     headless rank, each fail verify for the group and name that node; a drafter the target rejects
-    is refused and the group is stopped everywhere with the previous release current again."""
+    is refused, the group stopped everywhere and started again on the previous release, READY;
+    rollback leaves no vLLM process on either node."""
     head, other = (n.name for n in lxd_sandbox.nodes())
     inv = pinned(lxd_sandbox, tmp_path)
     try:
@@ -110,7 +111,16 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
         assert code == 1
         assert "drift" in host(report, other)["gates"]["files"]["detail"] and config in json.dumps(report)
         assert host(report, head)["gates"]["group"]["detail"] == f"group not ready: {other} failed its files gate"
-        in_container(other, "python3", "-c", f"open({config!r}, 'w').write({kept!r})")
+        assert kept  # what the deploy below must put back
+
+        # deploy repairs it: the second node stages a new release, and the head (unchanged) stages
+        # the same release id too, so that the group stays on one release; then the group restarts.
+        code, report, err = run("deploy", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        assert code == 0, (err[-3000:], report)
+        repaired = host(report, other)["release_id"]
+        assert repaired != good and host(report, head)["release_id"] == repaired
+        assert in_container(other, "cat", f"/srv/dflash/releases/{repaired}/drafter/config.json").stdout == kept
+        good = repaired
 
         # A headless rank that dies leaves the head looking healthy: verify must still fail the group.
         rank = json.loads(in_container(other, "cat", "/srv/dflash/run/dflash-serve.json").stdout)["pid"]
@@ -137,10 +147,22 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
         assert not acceptance["ok"] and acceptance["mean_acceptance_length"] < 2
         assert any("mask_token_id" in d for d in host(report, head)["diagnosis"])
         assert f"{head} failed its acceptance gate" in host(report, other)["gates"]["group"]["detail"]
+        # Rolled back as one group: the good release current on both nodes, started and proven again.
+        back = f"rolled back: release {good} is current again on every node, healthy and READY"
+        for name in (head, other):
+            assert host(report, name)["gates"]["stopped"]["ok"]
+            assert any(d.startswith(back) for d in host(report, name)["diagnosis"]), host(report, name)
+            assert current(name) == f"releases/{good}"
+        code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        assert code == 0, report
+
+        # `orchestrate rollback` of a group stops every node and checks that nothing is left.
+        code, report, err = run("rollback", PLAYBOOK, "-i", inv, "--to", good, tmp_path=tmp_path)
+        assert code == 0, (err, report)
         for name in (head, other):
             assert host(report, name)["gates"]["stopped"]["ok"]
             assert venv_processes(name) == [], f"vLLM left running on {name}"
-            assert current(name) == f"releases/{good}"  # the previous release is current again
+            assert current(name) == f"releases/{good}"
     finally:
         run("stop", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
     assert venv_processes(head) == [] and venv_processes(other) == []
