@@ -40,6 +40,7 @@ VLLM_CLI = (
 class ServerCommand:
     argv: tuple[str, ...]
     env: dict[str, str]
+    stop_timeout: int = 30  # SIGTERM, then this long before SIGKILL (the unit's TimeoutStopSec)
 
     def as_op(self, root: str, release_id: str, port: int | None, name: str = SERVER) -> dict[str, Any]:
         return {
@@ -50,6 +51,7 @@ class ServerCommand:
             "env": self.env,
             "release_id": release_id,
             "port": port,
+            "stop_timeout": self.stop_timeout,
         }
 
 
@@ -178,7 +180,8 @@ def ray_command(playbook: Playbook, placement: Placement, rank: int) -> ServerCo
         argv += ["--address", f"{placement.master_addr}:{multi.ray_port}"]
     env = {"RAY_USAGE_STATS_ENABLED": "0", **_node_env(playbook, placement, rank)}
     env.update(s.env)
-    return ServerCommand(tuple(argv), env)
+    # `ray start --block` sits out SIGTERM (about 30 s here); the node holds no state worth the wait.
+    return ServerCommand(tuple(argv), env, stop_timeout=5)
 
 
 def ray_status_argv(playbook: Playbook, placement: Placement) -> list[str]:

@@ -875,7 +875,8 @@ def op_launch(req):
     if supervisor == "auto":
         supervisor = "systemd" if _systemd_is_init() else "process"
     if supervisor == "systemd":
-        unit, pid = _launch_unit(root, name, argv, req.get("env") or {}, log_path, req.get("release_id"))
+        unit, pid = _launch_unit(root, name, argv, req.get("env") or {}, log_path, req.get("release_id"),
+                                 int(req.get("stop_timeout", 30)))
     else:
         unit, pid = None, _launch_process(root, argv, req.get("env") or {}, log_path)
     record = {"pid": pid, "start": _proc_start(pid), "release_id": req.get("release_id"), "unit": unit,
@@ -914,7 +915,7 @@ def _systemd_quote(text, expand_dollar=True):
     return '"%s"' % text
 
 
-def _launch_unit(root, name, argv, extra_env, log_path, release_id):
+def _launch_unit(root, name, argv, extra_env, log_path, release_id, stop_timeout=30):
     """A systemd service written with the atomic protocol (0600: its environment may hold secrets)."""
     import subprocess
     unit = "%s-%s.service" % (name, _sha256(root.encode())[:8])
@@ -930,7 +931,7 @@ def _launch_unit(root, name, argv, extra_env, log_path, release_id):
         "StandardError=append:%s" % log_path,
         "LimitNOFILE=20000",
         "KillMode=control-group",
-        "TimeoutStopSec=30",
+        "TimeoutStopSec=%d" % stop_timeout,
         "Restart=no",
     ]
     lines += ["Environment=" + _systemd_quote("%s=%s" % (k, v), expand_dollar=False) for k, v in sorted(extra_env.items())]

@@ -87,6 +87,8 @@ def test_ray_cluster_then_vllm_on_the_head_exact_argv_and_env() -> None:
         *start, "--node-ip-address", "10.20.1.2", "--num-gpus", "8", *ports, "--address", "10.20.0.2:6379",
     ]  # fmt: skip
     assert ray_worker.env["VLLM_HOST_IP"] == "10.20.1.2" and ray_worker.env["RAY_USAGE_STATS_ENABLED"] == "0"
+    # Stopped quickly: the supervisor's grace period for Ray is short, vLLM's the default.
+    assert ray_head.as_op("/srv/dflash", "R1", None, serving.RAY)["stop_timeout"] == 5
     vllm = serving.rank_command(pb, p, 0, "R1")
     assert vllm is not None and serving.rank_command(pb, p, 1, "R1") is None  # vLLM only on the head
     assert vllm.argv[vllm.argv.index("--pipeline-parallel-size") + 1 :][:4] == (
