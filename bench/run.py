@@ -36,6 +36,17 @@ class Sample:
     wall: float
     cpu: float
     trips: float
+    machine: float
+
+
+def machine_busy() -> float:
+    """CPU seconds the whole machine has been busy: the controller, sshd and the hosts' processes.
+
+    With every host on this machine's cores, the hosts' own work turns into wall time for every
+    tool alike; this column shows how much of it each tool causes.
+    """
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def children_cpu() -> float:
@@ -153,11 +164,11 @@ def main() -> None:
                 write_inputs(work, box, names, config_bytes(rep + 1000 * n))
                 for run in ("first", "second"):
                     for tool in tools:
-                        trips, cpu, start = count_requests(box, names), children_cpu(), time.perf_counter()
+                        trips, cpu, busy = count_requests(box, names), children_cpu(), machine_busy()
+                        start = time.perf_counter()
                         run_tool(tool, work, n, venv)
-                        sample = Sample(
-                            time.perf_counter() - start, children_cpu() - cpu, (count_requests(box, names) - trips) / n
-                        )
+                        wall, busy = time.perf_counter() - start, machine_busy() - busy
+                        sample = Sample(wall, children_cpu() - cpu, (count_requests(box, names) - trips) / n, busy)
                         results.setdefault((n, tool, run), []).append(sample)
                         print(
                             f"N={n} rep={rep} {run:<6} {tool:<20} {sample.wall:6.2f} s wall {sample.cpu:6.2f} s cpu {sample.trips:4.1f} trips/host",
@@ -170,13 +181,17 @@ def main() -> None:
 
 def print_table(results: dict[tuple[int, str, str], list[Sample]], sizes: list[int], tools: list[str]) -> None:
     print(
-        f"{'N':>4} {'run':<7} {'tool':<20} {'wall s':>8} {'cpu s':>7} {'trips/host':>10} {'x ansible':>10} {'x fabric':>9}"
+        f"{'N':>4} {'run':<7} {'tool':<20} {'wall s':>8} {'cpu s':>7} {'trips/host':>10} {'x ansible':>10}"
+        f" {'x fabric':>9} {'machine cpu s':>14}"
     )
     for n in sizes:
         for run in ("first", "second"):
             med = {
                 t: Sample(
-                    *(statistics.median(getattr(s, f) for s in results[(n, t, run)]) for f in ("wall", "cpu", "trips"))
+                    *(
+                        statistics.median(getattr(s, f) for s in results[(n, t, run)])
+                        for f in ("wall", "cpu", "trips", "machine")
+                    )
                 )
                 for t in tools
             }
@@ -186,7 +201,8 @@ def print_table(results: dict[tuple[int, str, str], list[Sample]], sizes: list[i
                 rel_a = f"{med[t].wall / ans.wall:.3f}" if ans else "-"
                 rel_f = f"{med[t].wall / fab.wall:.3f}" if fab else "-"
                 print(
-                    f"{n:>4} {run:<7} {t:<20} {med[t].wall:8.2f} {med[t].cpu:7.2f} {med[t].trips:10.1f} {rel_a:>10} {rel_f:>9}"
+                    f"{n:>4} {run:<7} {t:<20} {med[t].wall:8.2f} {med[t].cpu:7.2f} {med[t].trips:10.1f} {rel_a:>10}"
+                    f" {rel_f:>9} {med[t].machine:14.2f}"
                 )
 
 
