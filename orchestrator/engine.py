@@ -196,6 +196,20 @@ def read_only_batch(
     return {op["op"]: value for op, value in zip(ops, answers, strict=False)}, failed
 
 
+def read_checks(
+    playbook: Playbook, values: dict[str, dict[str, Any]], failed: tuple[str, Gate] | None, report: HostReport
+) -> None:
+    """The loader, build, serving and probe gates from a read-only batch's answers (verify)."""
+    if "vllm_build" in values:
+        plan.read_serving(playbook, [values["loader_view"], values["vllm_build"]], report)
+    if "serving_status" in values and report.release_id is not None:
+        plan.read_serving_status(values["serving_status"], report)
+    if "probe" in values:
+        plan.read_probe(playbook, values["probe"], report)
+    if failed is not None:
+        report.gates[failed[0]] = failed[1]
+
+
 def _connected(report: HostReport) -> None:
     report.gates[plan.GATE_CONNECT] = Gate(True, "connected")
 
@@ -501,14 +515,7 @@ def _read_only(
     def work(client: AgentClient, target: Target, report: HostReport) -> None:
         values, failed = read_only_batch(client, target, ops, report)
         reader(playbook, values[ops[0]["op"]], report)
-        if "vllm_build" in values:
-            plan.read_serving(playbook, [values["loader_view"], values["vllm_build"]], report)
-        if "serving_status" in values and report.release_id is not None:
-            plan.read_serving_status(values["serving_status"], report)
-        if "probe" in values:
-            plan.read_probe(playbook, values["probe"], report)
-        if failed is not None:
-            report.gates[failed[0]] = failed[1]
+        read_checks(playbook, values, failed, report)
 
     return _run(kind, playbook, inventory, targets, options, progress, work)
 

@@ -31,6 +31,7 @@ from orchestrator.engine import (
     _transport,
     count_ssh,
     guarded,
+    read_checks,
     read_only_batch,
 )
 from orchestrator.errors import AgentError
@@ -51,6 +52,8 @@ class _Group:
         self.client = client
         self.reports = reports
         self.targets: dict[str, Target] = {t.name: t for t in placement.nodes}
+        self.pids: dict[str, int] = {}  # each node's proven process, for its READY record
+        self.located: set[str] = set()
 
     def each(self, work: Callable[[int, Target, HostReport], None], gate: str, names: list[str] | None = None) -> None:
         """``work(rank, target, report)`` on every (or the named) node at once, failures as gates."""
@@ -63,6 +66,16 @@ class _Group:
 
         with ThreadPoolExecutor(max_workers=max(1, len(chosen))) as pool:
             list(pool.map(one, chosen))
+
+    def locate(self, containers: _Containers, target: Target, report: HostReport) -> Target | None:
+        """The containers gate, once per node per run: the target to reach, or None."""
+        if target.name not in self.located:
+            reachable = containers.locate(target, report)
+            if reachable is None:
+                return None
+            self.targets[target.name] = reachable
+            self.located.add(target.name)
+        return self.targets[target.name]
 
     def failed(self) -> list[str]:
         """Nodes with a failed gate of their own (a node with no gates yet has not failed)."""
@@ -124,17 +137,12 @@ def deploy(
         group = _Group(placement, AgentClient(transport), reports)
         say(f"group: {placement.describe()}: staging the release on every node")
         builds: dict[str, str] = {}
-        located: set[str] = set()
 
         def stage_with(ops: list[dict[str, Any]]) -> Callable[[int, Target, HostReport], None]:
             def stage(rank: int, target: Target, report: HostReport) -> None:
-                if target.name not in located:  # the containers gate runs once per node
-                    reachable = containers.locate(target, report)
-                    if reachable is None:
-                        return
-                    group.targets[target.name] = reachable
-                    located.add(target.name)
-                reachable = group.targets[target.name]
+                reachable = group.locate(containers, target, report)
+                if reachable is None:
+                    return
                 timeout = target.container.ssh.command_timeout + options.lock_timeout
                 results = group.client.batch(reachable, ops, timeout=timeout)
                 _connected(report)
@@ -259,6 +267,7 @@ class _Launch:
             group.fail_others([head.name], "group not ready")
             return False
         health = results[0].value
+        group.pids[head.name] = health["pid"]
         head_report.gates[plan.GATE_HEALTH] = Gate(
             True, f"healthy after {health['waited_s']} s, pid {health['pid']}", {"seconds": health["waited_s"]}
         )
@@ -296,7 +305,7 @@ def _all_running(playbook: Playbook, group: _Group, release: str) -> bool:
 
     def status(rank: int, target: Target, report: HostReport) -> None:
         names = ([serving.RAY] if ray else []) + ([serving.SERVER] if rank == 0 or not ray else [])
-        ops = [{"op": "serving_status", "root": playbook.deploy_root, "name": n, "health": False} for n in names]
+        ops = [_status_op(playbook, n) for n in names]
         results = group.client.batch(target, ops)
         servers = [r.value.get("server") or {} for r in results]
         alive[target.name] = all(x.get("alive") and x.get("release_id") in (release, None) for x in servers)
@@ -369,22 +378,30 @@ def cluster_size(
 
 
 def _check_ranks_alive(playbook: Playbook, group: _Group) -> None:
-    ray = group.placement.multi.executor == "ray"
 
     def check(rank: int, target: Target, report: HostReport) -> None:
-        if rank == 0:
-            return
-        name = serving.RAY if ray else serving.SERVER
-        value = group.client.batch(
-            target, [{"op": "serving_status", "root": playbook.deploy_root, "name": name, "health": False}]
-        )[0].value
-        server = value.get("server") or {}
-        if not server.get("alive"):
-            report.gates[plan.GATE_HEALTH] = Gate(False, f"the {group.role(rank)} ({name}) is not running")
-        else:
-            report.gates[plan.GATE_HEALTH] = Gate(True, f"{group.role(rank)} pid {server['pid']} alive")
+        if rank > 0:
+            value = group.client.batch(target, [_status_op(playbook, _main_process(group, rank))])[0].value
+            _rank_alive(group, rank, value, report)
 
     group.each(check, plan.GATE_HEALTH)
+
+
+def _rank_alive(group: _Group, rank: int, status: dict[str, Any], report: HostReport) -> None:
+    """A rank other than the head serves no HTTP: its health is its process being alive."""
+    server = status.get("server") or {}
+    if server.get("alive"):
+        group.pids[report.name] = server["pid"]
+        report.gates[plan.GATE_HEALTH] = Gate(True, f"{group.role(rank)} pid {server['pid']} alive")
+    else:
+        report.gates[plan.GATE_HEALTH] = Gate(False, f"{group.role(rank)} is not running")
+
+
+def _status_op(playbook: Playbook, name: str, head: bool = False) -> dict[str, Any]:
+    """serving_status of one supervised process; /health only on the head (the others serve no HTTP)."""
+    op: dict[str, Any] = {"op": "serving_status", "root": playbook.deploy_root, "name": name}
+    op.update({"port": playbook.serving.port} if head else {"health": False})
+    return op
 
 
 def _write_ready_everywhere(playbook: Playbook, group: _Group, release: str) -> None:
@@ -398,18 +415,7 @@ def _write_ready_everywhere(playbook: Playbook, group: _Group, release: str) -> 
             report.gates[plan.GATE_ACCEPTANCE] = Gate(True, f"through the head {placement.head.name}: {proof.detail}")
         gates = {k: g.to_json() for k, g in report.gates.items()}
         gates["group"] = {"rank": rank, "nodes": names, "executor": placement.multi.executor}
-        value = group.client.batch(
-            target,
-            [
-                {
-                    "op": "serving_status",
-                    "root": playbook.deploy_root,
-                    "name": _main_process(group, rank),
-                    "health": False,
-                }
-            ],
-        )[0].value
-        pid = (value.get("server") or {}).get("pid")
+        pid = group.pids.get(target.name)  # the head's from its health wait, the others' from their check
         files = [{"path": f.dest, "remote_path": f.remote_path, "sha256": f.sha256} for f in report.files]
         record = serving.ready_record(release, gates, files, pid)
         group.client.batch(target, [plan.put_op(playbook.deploy_root, "ready.json", record)])
@@ -482,35 +488,21 @@ def verify(
         group = _Group(placement, AgentClient(transport), reports)
 
         def check(rank: int, target: Target, report: HostReport) -> None:
-            reachable = containers.locate(target, report)
+            reachable = group.locate(containers, target, report)
             if reachable is None:
                 return
-            group.targets[target.name] = reachable
-            status: dict[str, Any] = {
-                "op": "serving_status",
-                "root": playbook.deploy_root,
-                "name": _main_process(group, rank),
-            }
-            status.update({"port": playbook.serving.port} if rank == 0 else {"health": False})
+            status = _status_op(playbook, _main_process(group, rank), head=rank == 0)
             ops = [*base_ops, status]
             if rank == 0 and probe_acceptance:
                 ops.append(plan.probe_op(playbook))
             values, failed = read_only_batch(group.client, reachable, ops, report)
             plan.read_verified(playbook, values["release_verify"], report)
+            read_checks(playbook, values, failed, report)
+            # What only a group checks: its build's multi-node limits; a rank's process, not /health.
             if "vllm_build" in values:
-                plan.read_serving(playbook, [values["loader_view"], values["vllm_build"]], report)
                 _group_build_gate(playbook, values["vllm_build"], report)
-            if "serving_status" in values and report.release_id is not None:
-                plan.read_serving_status(values["serving_status"], report)
-                if rank > 0:
-                    server = values["serving_status"].get("server") or {}
-                    alive = bool(server.get("alive"))
-                    detail = f"pid {server.get('pid')} alive" if alive else "is not running"
-                    report.gates[plan.GATE_HEALTH] = Gate(alive, f"{group.role(rank)} {detail}")
-            if "probe" in values:
-                plan.read_probe(playbook, values["probe"], report)
-            if failed is not None:
-                report.gates[failed[0]] = failed[1]
+            if rank > 0 and "serving_status" in values and report.release_id is not None:
+                _rank_alive(group, rank, values["serving_status"], report)
 
         group.each(check, plan.GATE_FILES)
         head = placement.head.name
@@ -572,9 +564,7 @@ def _stop_run(
         group = _Group(placement, AgentClient(transport), reports)
 
         def locate(rank: int, target: Target, report: HostReport) -> None:
-            reachable = containers.locate(target, report)
-            if reachable is not None:
-                group.targets[target.name] = reachable
+            group.locate(containers, target, report)
 
         group.each(locate, plan.GATE_CONNECT)
         if not group.failed():
