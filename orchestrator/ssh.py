@@ -18,6 +18,7 @@ host-key policy is not strict by default; what we need of it is these few hundre
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import hashlib
 import hmac
@@ -46,6 +47,30 @@ from orchestrator.inventory import Endpoint, Target
 
 _SEND_CHUNK = 1 << 18
 _SEND_POLL = 0.002
+
+
+class _PromptAckSocket(socket.socket):
+    """A TCP socket that acknowledges what it receives at once.
+
+    After authentication sshd sends a few small packets (host key list, debug notes) and then
+    holds its answer to our channel open under Nagle until they are acknowledged, while our
+    kernel delays that acknowledgement (~40 ms): twice per connection, most of a connection's
+    latency. sshd turns Nagle off only for sessions with a terminal, so the fix is on our side:
+    no Nagle for what we send (TCP_NODELAY) and a prompt ACK after every read (TCP_QUICKACK,
+    Linux; it does not stay set by itself). Serial connect + exec: ~115 ms -> ~30 ms.
+    """
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        data = super().recv(bufsize, flags)
+        _quick_ack(self)
+        return data
+
+
+def _quick_ack(sock: socket.socket) -> None:
+    if hasattr(socket, "TCP_QUICKACK"):
+        # An error here means the connection is going away; the read that follows reports it.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
 
 
 @dataclass(frozen=True)
@@ -304,7 +329,13 @@ class SshTransport:
 
     def _dial(self, endpoint: Endpoint) -> socket.socket:
         try:
-            return socket.create_connection((endpoint.address, endpoint.ssh.port), timeout=endpoint.ssh.connect_timeout)
+            plain = socket.create_connection(
+                (endpoint.address, endpoint.ssh.port), timeout=endpoint.ssh.connect_timeout
+            )
+            plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = _PromptAckSocket(plain.family, plain.type, plain.proto, fileno=plain.detach())
+            _quick_ack(sock)
+            return sock
         except TimeoutError as exc:
             raise ConnectFailed(endpoint.name, f"connect to {endpoint.address}:{endpoint.ssh.port} timed out") from exc
         except OSError as exc:

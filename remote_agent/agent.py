@@ -360,9 +360,32 @@ def _served_files(root_real, files):
 
 
 def _rmtree(path, ignore_errors=False):
-    import shutil  # only when there is something to remove: shutil pulls in re (~5 ms a start)
+    """Remove a directory tree without following symlinks (shutil's fd-based walk, in short).
 
-    shutil.rmtree(path, ignore_errors=ignore_errors)
+    Not shutil itself: it pulls in re, bz2 and lzma, ~5 ms of every deploy once old releases
+    are pruned. Every step is relative to an open directory, so a link swapped in mid-way
+    is removed as a link, never followed.
+    """
+    try:
+        _rmtree_at(None, path)
+    except OSError:
+        if not ignore_errors:
+            raise
+
+
+def _rmtree_at(parent_fd, name):
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+    try:
+        with os.scandir(fd) as entries:
+            children = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        for child, is_dir in children:
+            if is_dir:
+                _rmtree_at(fd, child)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
 
 
 def _clean_staging(releases):

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.errors import AuthenticationFailed, CommandTimeout, ConnectFailed
 from orchestrator.inventory import Target, load_inventory
-from orchestrator.ssh import Command, KnownHosts, RetryPolicy, SshTransport
+from orchestrator.ssh import Command, KnownHosts, RetryPolicy, SshTransport, _PromptAckSocket
 from tests.integration.conftest import Sandbox
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_wait=0.01, max_wait=0.05)
@@ -65,3 +65,18 @@ def test_wrong_key_fails_authentication_without_retry(sandbox: Sandbox, tmp_path
     with SshTransport(kh, retry=FAST_RETRY) as transport, pytest.raises(AuthenticationFailed, match="as root failed"):
         transport.run(t, Command(("true",)))
     assert transport.counters(t.name).retries == 0
+
+
+def test_connections_neither_hold_writes_nor_delay_acks(sandbox: Sandbox) -> None:
+    """sshd answers a channel open under Nagle after its post-auth notes; with our kernel delaying
+    the ACK those notes wait for, each connection stalled ~40 ms twice. Timing is the benchmark's
+    business (bench/); here: the live connection's socket has Nagle off and re-arms quick ACKs
+    on every read (that re-arming itself is tested in tests/unit/test_ssh_socket.py)."""
+    import socket
+
+    t, kh = target(sandbox)
+    with SshTransport(kh) as transport:
+        assert transport.run(t, Command(("true",))).ok
+        sock = transport._connections[t.name].sock
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        assert isinstance(sock, _PromptAckSocket)

@@ -109,6 +109,19 @@ def test_release_apply_switches_keeps_previous_and_prunes(tmp_path: Path) -> Non
     assert (tmp_path / "current/a").read_bytes() == b"2"
 
 
+def test_pruning_removes_a_release_tree_without_following_links(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.bin").write_bytes(b"not ours")
+    apply(root, "r1", keep=2, a=b"1", d__e__f=b"deep")
+    (root / "releases/r1/d/to-outside").symlink_to(outside)
+    (root / "releases/r1/d/to-file").symlink_to(outside / "keep.bin")
+    apply(root, "r2", keep=2, a=b"2")
+    assert apply(root, "r3", keep=2, a=b"3")["result"]["pruned"] == ["r1"]
+    assert sorted(os.listdir(root / "releases")) == ["r2", "r3"]
+    assert (outside / "keep.bin").read_bytes() == b"not ours"
+
+
 def test_release_list_names_current_and_previous(tmp_path: Path) -> None:
     apply(tmp_path, "r1", a=b"1")
     apply(tmp_path, "r2", a=b"2")
