@@ -2,13 +2,35 @@
 
 A host is READY only when every gate of the readiness chain has passed on it. The public API:
 load an inventory and a playbook, then run ``deploy``, ``verify`` or ``rollback``.
+
+The names below load on first use, so that importing one submodule (``orchestrator.cli``,
+``orchestrator.inventory``) does not import them all before its own first line runs.
 """
 
-from orchestrator.engine import RunOptions, RunReport, deploy, dry_run, rollback, verify
-from orchestrator.inventory import Inventory, load_inventory
-from orchestrator.playbook import Playbook, load_playbook
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchestrator.engine import RunOptions, RunReport, deploy, dry_run, rollback, verify
+    from orchestrator.inventory import Inventory, load_inventory
+    from orchestrator.playbook import Playbook, load_playbook
 
 __version__ = "0.1.0"
+
+_HOMES = {
+    "RunOptions": "orchestrator.engine",
+    "RunReport": "orchestrator.engine",
+    "deploy": "orchestrator.engine",
+    "dry_run": "orchestrator.engine",
+    "rollback": "orchestrator.engine",
+    "verify": "orchestrator.engine",
+    "Inventory": "orchestrator.inventory",
+    "load_inventory": "orchestrator.inventory",
+    "Playbook": "orchestrator.playbook",
+    "load_playbook": "orchestrator.playbook",
+}
 
 __all__ = [
     "Inventory",
@@ -22,3 +44,12 @@ __all__ = [
     "rollback",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value

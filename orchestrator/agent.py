@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import marshal
+import threading
 import zlib
 from dataclasses import dataclass
 from functools import cache
@@ -30,13 +31,22 @@ BOOTSTRAP = "'dflash-agent';import sys;b=sys.stdin.buffer;exec(b.read(int(b.read
 MARSHAL_VERSION = 4
 
 
+_packing = threading.Lock()
+
+
 @cache
-def _packed_agent() -> bytes:
+def _packed_agent_once() -> bytes:
     loader = remote_agent.loader_source()
     source = remote_agent.source()
-    packed = zlib.compress(source, 9)
+    packed = zlib.compress(source)
     key = hashlib.sha256(source).hexdigest()[:32]
     return b"%d\n%s%d %s\n%s" % (len(loader), loader, len(packed), key.encode(), packed)
+
+
+def _packed_agent() -> bytes:
+    # Every host's thread asks at once when a run starts; pack once, not once per thread.
+    with _packing:
+        return _packed_agent_once()
 
 
 def agent_command(python: str) -> Command:

@@ -5,14 +5,17 @@
 This package only locates that file for the controller; it is never imported on a host.
 """
 
-from importlib.resources import files
+from pathlib import Path
+
+# Beside this file (importlib.resources would cost ~3 ms of every start for the same answer).
+_HERE = Path(__file__).resolve().parent
 
 
 def source() -> bytes:
     """The agent's source, exactly as it will run on the host."""
-    return files(__name__).joinpath("agent.py").read_bytes()
+    return (_HERE / "agent.py").read_bytes()
 
 
 def loader_source() -> bytes:
     """The loader's source, exactly as it will run on the host."""
-    return files(__name__).joinpath("loader.py").read_bytes()
+    return (_HERE / "loader.py").read_bytes()
