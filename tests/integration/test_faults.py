@@ -242,3 +242,37 @@ def test_two_deploys_at_once_do_not_interleave(sandbox: Sandbox, tmp_path: Path,
         # The served release is whole: its drafter config comes from the same playbook.
         expected = GOOD_DRAFTER if tag == "a" else STALE_DRAFTER
         assert (base / "current" / "drafter" / "config.json").read_bytes() == expected.read_bytes()
+
+
+def test_a_host_that_hangs_up_before_its_banner_gets_one_line_not_a_traceback(
+    sandbox: Sandbox, cli, tmp_path: Path, root_name: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A listener on loopback that accepts and closes at once: not an SSH server at all."""
+    import socket
+    import threading
+
+    mute = socket.create_server(("127.0.0.1", 0))
+    port = mute.getsockname()[1]
+    stop = threading.Event()
+
+    def hang_up() -> None:
+        while not stop.is_set():
+            conn, _ = mute.accept()
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        (tmp_path / "known_hosts").write_text("")
+        inv = tmp_path / "inventory.yaml"
+        inv.write_text(
+            f"known_hosts: known_hosts\ndefaults:\n  key: {sandbox.box.client_key}\n  connect_timeout: 5\n"
+            f"hosts:\n  odd:\n    containers:\n      mute: {{address: 127.0.0.1, port: {port}}}\n"
+        )
+        run = cli("deploy", write_playbook(tmp_path, root_name), "-i", inv, "--json")
+    finally:
+        stop.set()
+        mute.close()
+    assert run.code == 1
+    detail = run.host("mute")["gates"]["connect"]["detail"]
+    assert f"SSH handshake with [127.0.0.1]:{port} failed" in detail and "banner" in detail
+    assert "Traceback" not in run.stderr and "Exception (client)" not in run.stderr
