@@ -12,6 +12,7 @@ the hosts' own sshd logs at DEBUG1). Needs root (it brings up the ssh sandbox).
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import resource
@@ -138,6 +139,10 @@ def main() -> None:
     sizes = [int(x) for x in args.hosts.split(",")]
     tools = args.tools.split(",")
     venv = Path(sys.executable).parent
+    # The tool as installed: pip compiles a package's bytecode when it installs it, while an
+    # editable checkout run with PYTHONDONTWRITEBYTECODE set compiles every module on every start.
+    for package in ("orchestrator", "remote_agent"):
+        compileall.compile_dir(REPO / package, quiet=1)
     box = SshSandbox(
         Path("/var/lib/dflash-orchestrator/bench-sandbox"), prefix="dfb", subnet="10.81", log_level="DEBUG1"
     )
