@@ -345,6 +345,7 @@ class SshTransport:
             )
             plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock = _PromptAckSocket(plain.family, plain.type, plain.proto, fileno=plain.detach())
+            sock.settimeout(endpoint.ssh.connect_timeout)  # the new object does not carry it over
             _quick_ack(sock)
             return sock
         except TimeoutError as exc:
