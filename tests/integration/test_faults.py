@@ -253,11 +253,13 @@ def test_a_host_that_hangs_up_before_its_banner_gets_one_line_not_a_traceback(
 
     mute = socket.create_server(("127.0.0.1", 0))
     port = mute.getsockname()[1]
-    stop = threading.Event()
 
     def hang_up() -> None:
-        while not stop.is_set():
-            conn, _ = mute.accept()
+        while True:
+            try:
+                conn, _ = mute.accept()
+            except OSError:
+                return  # shut down: the test is over
             conn.close()
 
     threading.Thread(target=hang_up, daemon=True).start()
@@ -270,7 +272,7 @@ def test_a_host_that_hangs_up_before_its_banner_gets_one_line_not_a_traceback(
         )
         run = cli("deploy", write_playbook(tmp_path, root_name), "-i", inv, "--json")
     finally:
-        stop.set()
+        mute.shutdown(socket.SHUT_RDWR)  # wakes the accept above
         mute.close()
     assert run.code == 1
     detail = run.host("mute")["gates"]["connect"]["detail"]
