@@ -132,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     v = run_parser("verify", "re-read what every target serves and report drift; never writes")
     v.add_argument("--probe", action="store_true", help="also re-run the acceptance probe on live traffic")
     run_parser("stop", "end the vLLM server the playbook runs on every target")
-    r = run_parser("rollback", "switch every target back to its previous release (or --to RELEASE)")
+    r = run_parser(
+        "rollback",
+        "switch every target back to its previous release (or --to RELEASE); with a server in the"
+        " playbook, start it on that release and prove it (health, acceptance) like a deploy",
+    )
     r.add_argument("--to", dest="to_release", default=None, metavar="RELEASE", help="release id to switch to")
 
     lint = sub.add_parser("lint", help="check a DFlash drafter config against its target, a reference and a vLLM build")
@@ -289,7 +293,7 @@ def _run_group(
         return group.verify(playbook, inventory, targets, options, progress, args.probe)
     if kind == "stop":
         return group.stop(playbook, inventory, targets, options, progress)
-    return group.rollback(playbook, inventory, targets, options, progress, args.to_release)
+    return group.rollback(playbook, inventory, targets, options, progress, args.to_release, _say)
 
 
 def _cmd_lint(args: argparse.Namespace) -> int:

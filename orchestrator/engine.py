@@ -405,7 +405,10 @@ def _serve(
     values = {r.op: r.value for r in results}
     if changed:
         report.previous = values["release_switch"].get("previous")
-        plan.read_made_current(playbook, values["release_switch"], report)
+        if report.files:
+            plan.read_made_current(playbook, values["release_switch"], report)
+        else:  # a rollback: the earlier release's own files, as its manifest holds them
+            plan.read_switched(values["release_switch"], report)
     health = values["wait_health"]
     kept = " (already running)" if values["launch"].get("kept") else ""
     report.gates[plan.GATE_HEALTH] = Gate(
@@ -563,11 +566,30 @@ def rollback(
     progress: Progress,
     to_release: str | None = None,
 ) -> RunReport:
-    ops = plan.switch_ops(playbook, to_release, _owner(), options.lock_timeout)
+    """Make an earlier release current again (the previous one, or ``to_release``).
 
-    def work(client: AgentClient, target: Target, report: HostReport) -> None:
+    With a server in the playbook, that release is started and proven as a deploy proves a new
+    one: health, then acceptance on live traffic, then its READY record. If it fails, the release
+    that was current comes back, started and proven again, and the host is reported not ready.
+    """
+    owner = _owner()
+    root = playbook.deploy_root
+
+    def switch_only(client: AgentClient, target: Target, report: HostReport) -> None:
+        ops = plan.switch_ops(playbook, to_release, owner, options.lock_timeout)
         results = client.batch(target, ops, timeout=target.container.ssh.command_timeout + options.lock_timeout)
         _connected(report)
         plan.read_switched(results[1].value, report)
 
+    def switch_and_serve(client: AgentClient, target: Target, report: HostReport) -> None:
+        listing = client.batch(target, [{"op": "release_list", "root": root}])[0].value
+        _connected(report)
+        back = to_release or listing["previous"]
+        if back is None:
+            report.gates[plan.GATE_FILES] = Gate(False, "there is no previous release to go back to")
+            return
+        report.release_id, report.previous = back, listing["current"]
+        _serve(client, playbook, target, report, back != listing["current"], owner, options)
+
+    work = switch_and_serve if playbook.serving.target is not None else switch_only
     return _run("rollback", playbook, inventory, targets, options, progress, work, to_release)

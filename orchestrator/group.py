@@ -531,7 +531,7 @@ def stop(
     playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
 ) -> RunReport:
     """Stop vLLM (and Ray) on every node of the group and check that nothing of it is left."""
-    return _stop_run("stop", playbook, inventory, targets, options, progress, None)
+    return _stop_run("stop", playbook, inventory, targets, options, progress)
 
 
 def rollback(
@@ -541,9 +541,61 @@ def rollback(
     options: RunOptions,
     progress: Progress,
     to_release: str | None = None,
+    say: Say = lambda _m: None,
 ) -> RunReport:
-    """Stop the group everywhere (it serves the release being left), then switch every node back."""
-    return _stop_run("rollback", playbook, inventory, targets, options, progress, to_release)
+    """Go back to an earlier release on every node, and prove it as a deploy proves a new one.
+
+    The group is stopped, every node switched to the release (the previous one, which must be the
+    same on every node, or ``to_release``), the group started on it and proven through the head,
+    then READY recorded on every node. If that fails, the release that was current comes back the
+    same way; with nothing to go back to, the group stays stopped.
+    """
+    placement = place(playbook, inventory, targets)
+    reports = {t.name: HostReport(t.name) for t in placement.nodes}
+    containers = _Containers(inventory, playbook, ensure=False, skip=options.skip_containers)
+    started, started_mono = time.time(), time.monotonic()
+    with _transport(inventory, options) as transport:
+        group = _Group(placement, AgentClient(transport), reports)
+        listings: dict[str, dict[str, Any]] = {}
+
+        def look(rank: int, target: Target, report: HostReport) -> None:
+            reachable = group.locate(containers, target, report)
+            if reachable is not None:
+                ops = [{"op": "release_list", "root": playbook.deploy_root}]
+                listings[target.name] = group.client.batch(reachable, ops)[0].value
+                _connected(report)
+
+        group.each(look, plan.GATE_CONNECT)
+        if not group.failed():
+            back = _common_release(listings, to_release, reports)
+            if back is not None:
+                for name, report in reports.items():
+                    report.release_id, report.previous = back, listings[name]["current"]
+                    report.changed = back != listings[name]["current"]
+                group.placement = placement.located(group.targets)
+                say(f"group: rolling back to release {back} on {len(placement.nodes)} nodes")
+                _launch_and_prove(playbook, group, _owner(), options, say)
+        if group.failed():
+            group.fail_others(group.failed(), "group not rolled back")
+        return _finish("rollback", playbook, inventory, to_release, reports, started, transport, progress, started_mono)
+
+
+def _common_release(
+    listings: dict[str, dict[str, Any]], to_release: str | None, reports: dict[str, HostReport]
+) -> str | None:
+    """The release every node goes back to, or None with each node's files gate saying why not."""
+    wanted = {name: to_release or listing["previous"] for name, listing in listings.items()}
+    problems = {
+        name: f"release {release} does not exist here"
+        for name, release in wanted.items()
+        if release is not None and release not in {r["release_id"] for r in listings[name]["releases"]}
+    }
+    if None in wanted.values() or len(set(wanted.values())) > 1:
+        held = ", ".join(f"{name}: {release or 'none'}" for name, release in wanted.items())
+        problems = {name: f"the nodes have no common previous release ({held}): name one with --to" for name in wanted}
+    for name, detail in problems.items():
+        reports[name].gates[plan.GATE_FILES] = Gate(False, detail)
+    return None if problems else next(iter(wanted.values()))
 
 
 def _stop_run(
@@ -553,7 +605,6 @@ def _stop_run(
     targets: list[Target],
     options: RunOptions,
     progress: Progress,
-    to_release: str | None,
 ) -> RunReport:
     placement = place(playbook, inventory, targets)
     reports = {t.name: HostReport(t.name) for t in placement.nodes}
@@ -569,14 +620,6 @@ def _stop_run(
         group.each(locate, plan.GATE_CONNECT)
         if not group.failed():
             _stop_all(playbook, group, lock)
-        if kind == "rollback" and not group.failed():
-
-            def switch(rank: int, target: Target, report: HostReport) -> None:
-                ops = plan.switch_ops(playbook, to_release, _owner(), options.lock_timeout)
-                results = group.client.batch(target, ops)
-                plan.read_switched(results[1].value, report)
-
-            group.each(switch, "rollback")
         if group.failed():
             group.fail_others(group.failed(), f"group {kind} incomplete")
-        return _finish(kind, playbook, inventory, to_release, reports, started, transport, progress, started_mono)
+        return _finish(kind, playbook, inventory, None, reports, started, transport, progress, started_mono)

