@@ -82,6 +82,37 @@ def stop_process(pid: int, start: str, grace: float = 10.0) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def stop_namespace(netns: Path, grace: float = 5.0) -> None:
+    """End every process still inside a network namespace the sandbox created.
+
+    Only our sshd and what it started ever run there, but a session whose parent exited first is
+    reparented to init and escapes the walk down from the listener; left alone it waits forever
+    on a connection whose peer is gone with the namespace.
+    """
+    try:
+        st = os.stat(netns)
+    except FileNotFoundError:
+        return
+    wanted = (st.st_dev, st.st_ino)
+    victims: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                ns = os.stat(entry / "ns" / "net")
+                if (ns.st_dev, ns.st_ino) == wanted:
+                    victims[int(entry.name)] = proc_start(int(entry.name))
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(alive(p, s) for p, s in victims.items()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid, start in victims.items():
+        if alive(pid, start):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def write_file(path: Path, text: str, mode: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)

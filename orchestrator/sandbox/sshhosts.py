@@ -26,7 +26,7 @@ from typing import Any
 
 from orchestrator.errors import SandboxError
 from orchestrator.sandbox import DEFAULT_DIR
-from orchestrator.sandbox.processes import SSHD, alive, run, start_sshd, stop_process, write_file
+from orchestrator.sandbox.processes import SSHD, alive, run, start_sshd, stop_namespace, stop_process, write_file
 
 DEFAULT_PREFIX = "dfo"
 DEFAULT_SUBNET = "10.77"
@@ -285,6 +285,7 @@ class SshSandbox:
 
     def _stop_host(self, host: SandboxHost) -> None:
         stop_process(host.pid, host.pid_start)
+        stop_namespace(Path(f"/run/netns/{host.netns}"))
         if Path(f"/run/netns/{host.netns}").exists():
             run(["ip", "netns", "del", host.netns], check=False)
         run(["ip", "link", "del", host.veth], check=False)

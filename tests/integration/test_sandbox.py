@@ -68,3 +68,21 @@ def exercise_sandbox_cli(cli, directory: Path) -> None:  # type: ignore[no-untyp
     assert "dfs-" not in netns
     assert subprocess.run(["ip", "link", "show", "dfs-br0"], capture_output=True).returncode != 0
     assert cli("status", "--json").returncode == 1
+
+
+def test_down_ends_what_runs_in_a_host_even_when_it_left_sshd(tmp_path: Path) -> None:
+    """A process in a host's namespace that is no descendant of its sshd (a session whose parent
+    exited first) is ended too, not left waiting on a connection that can no longer close."""
+    box = SshSandbox(tmp_path / "box", prefix="dfq", subnet="10.84")
+    try:
+        box.up(1)
+        stray = subprocess.Popen(["ip", "netns", "exec", box.hosts()[0].netns, "sleep", "600"], start_new_session=True)
+        try:
+            box.down()
+            stray.wait(timeout=30)  # raises while it still runs (down may have reaped it already)
+        finally:
+            if stray.poll() is None:
+                stray.kill()
+                stray.wait()
+    finally:
+        box.down()
