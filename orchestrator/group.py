@@ -531,7 +531,23 @@ def stop(
     playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
 ) -> RunReport:
     """Stop vLLM (and Ray) on every node of the group and check that nothing of it is left."""
-    return _stop_run("stop", playbook, inventory, targets, options, progress)
+    placement = place(playbook, inventory, targets)
+    reports = {t.name: HostReport(t.name) for t in placement.nodes}
+    containers = _Containers(inventory, playbook, ensure=False, skip=options.skip_containers)
+    lock = plan.lock_op(playbook, _owner(), options.lock_timeout)
+    started, started_mono = time.time(), time.monotonic()
+    with _transport(inventory, options) as transport:
+        group = _Group(placement, AgentClient(transport), reports)
+
+        def locate(rank: int, target: Target, report: HostReport) -> None:
+            group.locate(containers, target, report)
+
+        group.each(locate, plan.GATE_CONNECT)
+        if not group.failed():
+            _stop_all(playbook, group, lock)
+        if group.failed():
+            group.fail_others(group.failed(), "group stop incomplete")
+        return _finish("stop", playbook, inventory, None, reports, started, transport, progress, started_mono)
 
 
 def rollback(
@@ -596,30 +612,3 @@ def _common_release(
     for name, detail in problems.items():
         reports[name].gates[plan.GATE_FILES] = Gate(False, detail)
     return None if problems else next(iter(wanted.values()))
-
-
-def _stop_run(
-    kind: str,
-    playbook: Playbook,
-    inventory: Inventory,
-    targets: list[Target],
-    options: RunOptions,
-    progress: Progress,
-) -> RunReport:
-    placement = place(playbook, inventory, targets)
-    reports = {t.name: HostReport(t.name) for t in placement.nodes}
-    containers = _Containers(inventory, playbook, ensure=False, skip=options.skip_containers)
-    lock = plan.lock_op(playbook, _owner(), options.lock_timeout)
-    started, started_mono = time.time(), time.monotonic()
-    with _transport(inventory, options) as transport:
-        group = _Group(placement, AgentClient(transport), reports)
-
-        def locate(rank: int, target: Target, report: HostReport) -> None:
-            group.locate(containers, target, report)
-
-        group.each(locate, plan.GATE_CONNECT)
-        if not group.failed():
-            _stop_all(playbook, group, lock)
-        if group.failed():
-            group.fail_others(group.failed(), f"group {kind} incomplete")
-        return _finish(kind, playbook, inventory, None, reports, started, transport, progress, started_mono)

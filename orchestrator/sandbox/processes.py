@@ -72,14 +72,24 @@ def stop_process(pid: int, start: str, grace: float = 10.0) -> None:
     """End a process we started, and its children, if it is still the one we started."""
     if not alive(pid, start):
         return
-    for victim in [*descendants(pid), pid]:
+    for child in descendants(pid):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGTERM)
+            os.kill(child, signal.SIGTERM)
+    _end({pid: start}, grace)
+
+
+def _end(victims: dict[int, str], grace: float) -> None:
+    """SIGTERM each (PID, start time), wait up to ``grace`` for them to go, SIGKILL who is left."""
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while alive(pid, start) and time.monotonic() < deadline:
+    while any(alive(p, s) for p, s in victims.items()) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if alive(pid, start):
-        os.kill(pid, signal.SIGKILL)
+    for pid, start in victims.items():
+        if alive(pid, start):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def stop_namespace(netns: Path, grace: float = 5.0) -> None:
@@ -101,16 +111,7 @@ def stop_namespace(netns: Path, grace: float = 5.0) -> None:
                 ns = os.stat(entry / "ns" / "net")
                 if (ns.st_dev, ns.st_ino) == wanted:
                     victims[int(entry.name)] = proc_start(int(entry.name))
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(alive(p, s) for p, s in victims.items()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    for pid, start in victims.items():
-        if alive(pid, start):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    _end(victims, grace)
 
 
 def write_file(path: Path, text: str, mode: int) -> None:
