@@ -462,7 +462,13 @@ class SshTransport:
     def _exchange(
         self, name: str, chan: paramiko.Channel, command: Command, stdin: bytes, limit: float, counters: Counters
     ) -> Result:
-        """Send stdin while draining stdout/stderr, so a command that answers as it reads never stalls us."""
+        """Send stdin while draining stdout/stderr, so a command that answers as it reads never stalls us.
+
+        The command is over only when the streams have ended (EOF, or the channel closed) *and*
+        the exit status is in. The exit status alone is no such sign: sshd sends it as soon as the
+        command exits, while output it already read from the command may still wait for window
+        space behind it (8 MiB through ``cat`` lost its last ~32 KB that way).
+        """
         deadline = time.monotonic() + limit
         out, err = bytearray(), bytearray()
         pending = memoryview(stdin)
@@ -473,10 +479,19 @@ class SshTransport:
                 chan.shutdown_write()
             while True:
                 progressed = False
+                if pending and chan.closed:
+                    pending = pending[:0]  # the command is gone without reading it all
                 while pending and chan.send_ready():
                     try:
                         sent = chan.send(bytes(pending[:_SEND_CHUNK]))
                     except TimeoutError:
+                        break
+                    except OSError:
+                        if not chan.closed:
+                            raise
+                        sent = 0
+                    if sent == 0:  # closed under us: the command ended without reading it all
+                        pending = pending[:0]
                         break
                     pending = pending[sent:]
                     counters.bytes_sent += sent
@@ -489,22 +504,24 @@ class SshTransport:
                 while chan.recv_stderr_ready():
                     err += chan.recv_stderr(1 << 16)
                     progressed = True
-                if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
-                    break
-                if chan.closed and not progressed:
+                # EOF is set only after every data packet before it was buffered (one transport
+                # thread, in order), so once it is in and the buffers are empty, nothing is missing.
+                ended = (chan.eof_received or chan.closed) and not chan.recv_ready() and not chan.recv_stderr_ready()
+                if ended and chan.exit_status_ready() and not pending:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CommandTimeout(name, f"{command.argv[0]} did not finish within {limit:.0f} s")
-                if not progressed:
-                    if chan.eof_received and not pending:
-                        # Only the exit status is still to come. paramiko keeps the channel
-                        # readable for select from EOF on, so waiting there would spin.
-                        chan.status_event.wait(remaining)
-                    else:
-                        # Readable data wakes select; a reopened send window does not, so poll
-                        # briefly then.
-                        select.select([chan], [], [], min(remaining, _SEND_POLL if pending else 1.0))
+                if progressed:
+                    continue
+                if ended:
+                    # Only the exit status (or stdin's last window) is still to come. paramiko keeps
+                    # the channel readable for select from EOF on, so select would spin here.
+                    chan.status_event.wait(min(remaining, _SEND_POLL) if pending else remaining)
+                else:
+                    # Readable data wakes select; a reopened send window does not, so poll
+                    # briefly then.
+                    select.select([chan], [], [], min(remaining, _SEND_POLL if pending else 1.0))
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self._drop(name)
             raise ConnectionLost(name, f"connection lost during the command: {exc or type(exc).__name__}") from exc
