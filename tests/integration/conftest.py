@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -159,6 +160,21 @@ def inventory(box: LxdSandbox, tmp_path: Path, edit: Any = None) -> Path:
     path = tmp_path / "inventory.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def in_container(box: LxdSandbox, name: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run a command in a sandbox container over OpenSSH, through the sandbox's jump host.
+
+    Not ``lxc exec``: Debian 12's LXD (5.0.2) can lose a command's output under CPU load and still
+    exit 0 (LXD issue 11422, fixed in 5.14 by PR 11606). A test once read an empty ``readlink``
+    of a link that was there; a ``pgrep`` read that way could even pass a check for leftovers.
+    """
+    return subprocess.run(
+        ["ssh", "-F", str(box.ssh_config), "-o", "BatchMode=yes", name, "--", shlex.join(argv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def run(*args: str | Path, tmp_path: Path) -> tuple[int, Any, str]:

@@ -14,7 +14,7 @@ import pytest
 from orchestrator.inventory import LxdEndpoint
 from orchestrator.lxd import LxdHost
 from orchestrator.sandbox.lxdhosts import LxdSandbox
-from tests.integration.conftest import REPO, host, inventory, run
+from tests.integration.conftest import REPO, host, in_container, inventory, run
 
 SANDBOX_PLAYBOOK = REPO / "playbooks" / "sandbox-files.yaml"
 
@@ -215,23 +215,18 @@ def test_real_vllm_in_a_container_becomes_ready_with_its_measured_tau(lxd_sandbo
         )
         assert code == 0, host(report, name)["gates"]
         # systemd is the container's init: the server runs as a unit written by the agent.
-        cat = ["lxc", "exec", name, "--", "cat", "/srv/dflash/run/dflash-serve.json"]
-        record = json.loads(subprocess.run(cat, capture_output=True, text=True, check=True).stdout)
+        cat = in_container(lxd_sandbox, name, "cat", "/srv/dflash/run/dflash-serve.json")
+        assert cat.returncode == 0, cat.stderr
+        record = json.loads(cat.stdout)
         assert record["unit"].startswith("dflash-serve-")
-        active = subprocess.run(
-            ["lxc", "exec", name, "--", "systemctl", "is-active", record["unit"]], capture_output=True, text=True
-        )
+        active = in_container(lxd_sandbox, name, "systemctl", "is-active", record["unit"])
         assert active.stdout.strip() == "active"
     finally:
         code, report, err = run(
             "stop", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path
         )
         assert code == 0 and "stopped" in host(report, name)["gates"]["stopped"]["detail"], err
-    gone = subprocess.run(
-        ["lxc", "exec", name, "--", "systemctl", "is-active", record["unit"]], capture_output=True, text=True
-    )
+    gone = in_container(lxd_sandbox, name, "systemctl", "is-active", record["unit"])
     assert gone.stdout.strip() in ("inactive", "failed")
-    leftover = subprocess.run(
-        ["lxc", "exec", name, "--", "pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True
-    )
-    assert leftover.stdout.strip() == ""  # every engine worker of the unit is gone
+    leftover = in_container(lxd_sandbox, name, "pgrep", "-f", "vllm[.]entrypoints")
+    assert leftover.returncode == 1, leftover  # every engine worker of the unit is gone (1: none matched)
