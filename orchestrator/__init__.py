@@ -1,7 +1,8 @@
 """dflash-orchestrator: deploy vLLM DFlash speculative decoding to LXC containers over SSH.
 
 A host is READY only when every gate of the readiness chain has passed on it. The public API:
-load an inventory and a playbook, then run ``deploy``, ``verify`` or ``rollback``.
+load an inventory and a playbook, then run ``deploy``, ``verify``, ``rollback`` or ``stop`` (a
+multi-node playbook is run as one group: the library decides).
 
 The names below load on first use, so that importing one submodule (``orchestrator.cli``,
 ``orchestrator.inventory``) does not import them all before its own first line runs.
@@ -13,19 +14,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from orchestrator.engine import RunOptions, RunReport, deploy, dry_run, rollback, verify
     from orchestrator.inventory import Inventory, load_inventory
     from orchestrator.playbook import Playbook, load_playbook
+    from orchestrator.results import RunReport
+    from orchestrator.runner import RunOptions
+    from orchestrator.runs import deploy, dry_run, rollback, stop, verify
 
 __version__ = "0.1.0"
 
 _HOMES = {
-    "RunOptions": "orchestrator.engine",
-    "RunReport": "orchestrator.engine",
-    "deploy": "orchestrator.engine",
-    "dry_run": "orchestrator.engine",
-    "rollback": "orchestrator.engine",
-    "verify": "orchestrator.engine",
+    "RunOptions": "orchestrator.runner",
+    "RunReport": "orchestrator.results",
+    "deploy": "orchestrator.runs",
+    "dry_run": "orchestrator.runs",
+    "rollback": "orchestrator.runs",
+    "stop": "orchestrator.runs",
+    "verify": "orchestrator.runs",
     "Inventory": "orchestrator.inventory",
     "load_inventory": "orchestrator.inventory",
     "Playbook": "orchestrator.playbook",
@@ -42,6 +46,7 @@ __all__ = [
     "load_inventory",
     "load_playbook",
     "rollback",
+    "stop",
     "verify",
 ]
 

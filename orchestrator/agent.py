@@ -1,4 +1,4 @@
-"""Agent client: one SSH exec per batch of operations.
+"""Agent client: one exec per batch of operations, over any connector (SSH or local).
 
 The agent's source travels with every request, compressed, behind a fixed bootstrap given to
 ``python3 -c``; nothing is installed on the host and no request data ever enters a shell string.
@@ -15,14 +15,16 @@ import json
 import marshal
 import threading
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import remote_agent
+from orchestrator.connector import Command, Connector
 from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError
 from orchestrator.inventory import Target
-from orchestrator.ssh import Command, SshTransport
+from orchestrator.protocol import AnswerError, Answers, Op, batch_timeout
 
 PROTOCOL_VERSION = 1
 # The leading string names the process in `ps` on the host (and lets tests find it).
@@ -55,7 +57,7 @@ def agent_command(python: str) -> Command:
     return Command((python, "-I", "-S", "-c", BOOTSTRAP))
 
 
-def encode_request(ops: list[dict[str, Any]]) -> bytes:
+def encode_request(ops: Sequence[dict[str, Any]]) -> bytes:
     return _packed_agent() + marshal.dumps({"v": PROTOCOL_VERSION, "ops": ops}, MARSHAL_VERSION)
 
 
@@ -63,7 +65,7 @@ def encode_request(ops: list[dict[str, Any]]) -> bytes:
 class OpResult:
     op: str
     ok: bool
-    value: dict[str, Any]
+    value: Any  # read (and checked) by its op's reader
     failure: AgentFailure | None = None
     skipped: bool = False
 
@@ -87,12 +89,16 @@ def decode_response(host: str, exit_status: int, stdout: bytes, stderr: bytes) -
         raise AgentProtocolError(host, f"the agent refused the request: {data['error']}", exit_status, "")
     results = []
     for item in data["results"]:
+        if not isinstance(item, dict) or not isinstance(item.get("error") or {}, dict):
+            raise AgentProtocolError(
+                host, f"unexpected result in the agent's answer: {str(item)[:200]}", exit_status, ""
+            )
         failure = AgentFailure.from_json(item["error"]) if item.get("error") else None
         results.append(
             OpResult(
                 op=str(item.get("op")),
                 ok=bool(item.get("ok")),
-                value=item.get("result") or {},
+                value=item.get("result", {}),
                 failure=failure,
                 skipped=bool(item.get("skipped")),
             )
@@ -101,20 +107,37 @@ def decode_response(host: str, exit_status: int, stdout: bytes, stderr: bytes) -
 
 
 class AgentClient:
-    """Runs batches on targets through one transport."""
+    """Runs batches on targets through one connector."""
 
-    def __init__(self, transport: SshTransport) -> None:
-        self.transport = transport
+    def __init__(self, connector: Connector) -> None:
+        self.connector = connector
 
-    def batch(self, target: Target, ops: list[dict[str, Any]], timeout: float | None = None) -> list[OpResult]:
-        """Run ops in one round trip; raise ``AgentError`` for the first failed op."""
-        result = self.transport.run(target, agent_command(target.container.ssh.python), encode_request(ops), timeout)
+    def batch(self, target: Target, ops: Sequence[Op[Any]], timeout: float | None = None) -> Answers:
+        """Run ops in one round trip; raise ``AgentError`` for the first failed op (with the
+        answers of the ops before it). The deadline is ``protocol.batch_timeout`` unless given."""
+        if timeout is None:
+            timeout = batch_timeout(ops, target.container.ssh.command_timeout)
+        requests = [op.request for op in ops]
+        result = self.connector.run(
+            target, agent_command(target.container.ssh.python), encode_request(requests), timeout
+        )
         results = decode_response(target.name, result.exit_status, result.stdout, result.stderr)
-        for i, r in enumerate(results):
-            if r.failure is not None:
-                raise AgentError(target.name, r.failure, [x.value for x in results[:i]])
         if len(results) != len(ops):
             raise AgentProtocolError(
                 target.name, f"expected {len(ops)} results, got {len(results)}", result.exit_status, result.tail()
             )
-        return results
+        values: dict[str, Any] = {}
+        for op, r in zip(ops, results, strict=True):
+            if r.failure is not None:
+                raise AgentError(target.name, r.failure, Answers(values))
+            if r.op != op.name:
+                raise AgentProtocolError(
+                    target.name, f"answer for {r.op!r} where {op.name!r} was asked", result.exit_status, ""
+                )
+            try:
+                values[op.key] = op.read(r.value)
+            except AnswerError as exc:
+                raise AgentProtocolError(
+                    target.name, f"{op.name} answered badly: {exc}", result.exit_status, ""
+                ) from None
+        return Answers(values)

@@ -26,12 +26,13 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orchestrate":
     sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
     gc.disable()
 
-from orchestrator import dflash, engine
+from orchestrator import dflash, runs
 from orchestrator.configs import read_json, read_mapping
 from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
 from orchestrator.inventory import Inventory, Target, inventory_view, load_inventory, show_one
 from orchestrator.playbook import Playbook, load_playbook
 from orchestrator.report import ProgressPrinter, render_json, render_table
+from orchestrator.runner import RunOptions
 from orchestrator.sandbox import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
 from orchestrator.state import StateDB
 
@@ -239,7 +240,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     playbook = load_playbook(args.playbook)
     inventory = load_inventory(args.inventory)
     targets = _targets(args, playbook, inventory)
-    options = engine.RunOptions(
+    options = RunOptions(
         forks=args.forks,
         skip_containers=args.skip_containers,
         accept_new_host_keys=args.accept_new_host_keys,
@@ -250,17 +251,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     progress = ProgressPrinter(kind, len(targets))
     _say(f"{kind} {playbook.name}: {len(targets)} hosts, forks {args.forks}")
     if kind == "dry-run":
-        run = engine.dry_run(playbook, inventory, targets, options, progress)
-    elif playbook.serving.multi_node is not None:
-        run = _run_group(kind, args, playbook, inventory, targets, options, progress)
+        run = runs.dry_run(playbook, inventory, targets, options, progress)
     elif kind == "deploy":
-        run = engine.deploy(playbook, inventory, targets, options, progress)
+        run = runs.deploy(playbook, inventory, targets, options, progress, _say)
     elif kind == "stop":
-        run = engine.stop(playbook, inventory, targets, options, progress)
+        run = runs.stop(playbook, inventory, targets, options, progress, _say)
     elif kind == "verify":
-        run = engine.verify(playbook, inventory, targets, options, progress, args.probe)
+        run = runs.verify(playbook, inventory, targets, options, progress, args.probe, _say)
     else:
-        run = engine.rollback(playbook, inventory, targets, options, progress, args.to_release)
+        run = runs.rollback(playbook, inventory, targets, options, progress, args.to_release, _say)
     for key in run.accepted_host_keys:
         _say(f"accepted new host key: {key}")
     db = StateDB(args.state_dir)
@@ -273,27 +272,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         render_table(run)
     return EXIT_OK if run.ok else EXIT_NOT_READY
-
-
-def _run_group(
-    kind: str,
-    args: argparse.Namespace,
-    playbook: Playbook,
-    inventory: Inventory,
-    targets: list[Target],
-    options: engine.RunOptions,
-    progress: ProgressPrinter,
-) -> engine.RunReport:
-    """A multi-node playbook: one deployment over its nodes, gated as a group."""
-    from orchestrator import group
-
-    if kind == "deploy":
-        return group.deploy(playbook, inventory, targets, options, progress, _say)
-    if kind == "verify":
-        return group.verify(playbook, inventory, targets, options, progress, args.probe)
-    if kind == "stop":
-        return group.stop(playbook, inventory, targets, options, progress)
-    return group.rollback(playbook, inventory, targets, options, progress, args.to_release, _say)
 
 
 def _cmd_lint(args: argparse.Namespace) -> int:

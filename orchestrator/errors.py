@@ -10,7 +10,9 @@ OrchestratorError                 exit code 1 unless a subclass says otherwise
 │   ├── ConnectFailed             transient: refused, unreachable, timed out
 │   ├── ConnectionLost            transient: reset or closed during a command
 │   └── CommandTimeout
-├── AgentError                    the remote agent reported a structured failure
+├── AgentError                    the remote agent reported a structured failure (an AgentFailure)
+├── AgentProtocolError            the agent's answer could not be understood or had the wrong shape
+├── LxdError                      a GPU host's LXD: unreachable, refused, or a change that failed
 ├── StateError                    the local state database
 └── SandboxError                  setting up or tearing down the local sandbox
 """
@@ -115,12 +117,13 @@ class AgentFailure:
 
 
 class AgentError(OrchestratorError):
-    """An operation of a batch failed; ``done`` holds the answers of the ops before it."""
+    """An operation of a batch failed; ``done`` holds the answers of the ops before it
+    (``protocol.Answers``, found by op)."""
 
-    def __init__(self, host: str, failure: AgentFailure, done: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, host: str, failure: AgentFailure, done: Any = None) -> None:
         self.host = host
         self.failure = failure
-        self.done = done or []
+        self.done = done
         super().__init__(f"{host}: {failure.describe()}")
 
 

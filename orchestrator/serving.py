@@ -42,21 +42,15 @@ class ServerCommand:
     env: dict[str, str]
     stop_timeout: int = 30  # SIGTERM, then this long before SIGKILL (the unit's TimeoutStopSec)
 
-    def as_op(self, root: str, release_id: str, port: int | None, name: str = SERVER) -> dict[str, Any]:
-        return {
-            "op": "launch",
-            "root": root,
-            "name": name,
-            "argv": list(self.argv),
-            "env": self.env,
-            "release_id": release_id,
-            "port": port,
-            "stop_timeout": self.stop_timeout,
-        }
+
+def deploy_root(playbook: Playbook, container: Container) -> str:
+    """Where a container keeps its releases: its own ``deploy_root`` in the inventory, else the
+    playbook's."""
+    return container.deploy_root or playbook.deploy_root
 
 
-def release_dir(playbook: Playbook, release_id: str) -> str:
-    return f"{playbook.deploy_root}/releases/{release_id}"
+def release_dir(root: str, release_id: str) -> str:
+    return f"{root}/releases/{release_id}"
 
 
 def command(playbook: Playbook, container: Container, release_id: str) -> ServerCommand:
@@ -79,19 +73,19 @@ def command(playbook: Playbook, container: Container, release_id: str) -> Server
         "--port",
         str(s.port),
     ]
-    argv += _speculative_args(playbook, release_id) + list(s.extra_args)
+    argv += _speculative_args(playbook, container, release_id) + list(s.extra_args)
     env = {"HF_HUB_OFFLINE": "1", **_gpu_env(container)}
     env.update(s.env)
     return ServerCommand(tuple(argv), env)
 
 
-def _speculative_args(playbook: Playbook, release_id: str) -> list[str]:
+def _speculative_args(playbook: Playbook, container: Container, release_id: str) -> list[str]:
     s = playbook.serving
     if not s.speculative:
         return []
     spec = {
         "method": "dflash",
-        "model": f"{release_dir(playbook, release_id)}/drafter",
+        "model": f"{release_dir(deploy_root(playbook, container), release_id)}/drafter",
         "num_speculative_tokens": s.num_speculative_tokens,
     }
     return ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
@@ -154,7 +148,7 @@ def rank_command(playbook: Playbook, placement: Placement, rank: int, release_id
         env["RAY_ADDRESS"] = f"{placement.master_addr}:{multi.ray_port}"
     if rank == 0:
         argv += ["--host", s.host, "--port", str(s.port)]
-    argv += _speculative_args(playbook, release_id) + list(s.extra_args)
+    argv += _speculative_args(playbook, placement.nodes[rank].container, release_id) + list(s.extra_args)
     env.update(s.env)
     return ServerCommand(tuple(argv), env)
 

@@ -25,7 +25,6 @@ import hmac
 import logging
 import os
 import select
-import shlex
 import socket
 import threading
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 import paramiko
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from orchestrator.connector import Command, Counters, Result, RetryPolicy
 from orchestrator.errors import (
     AuthenticationFailed,
     CommandTimeout,
@@ -77,43 +77,6 @@ def _quick_ack(sock: socket.socket) -> None:
         # An error here means the connection is going away; the read that follows reports it.
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-
-
-@dataclass(frozen=True)
-class Command:
-    """A remote command as a value: an argv list, quoted in exactly one place."""
-
-    argv: tuple[str, ...]
-
-    def render(self) -> str:
-        return shlex.join(self.argv)
-
-
-@dataclass(frozen=True)
-class Result:
-    host: str
-    command: Command
-    exit_status: int
-    stdout: bytes
-    stderr: bytes
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_status == 0
-
-    def tail(self, stream: str = "stderr", lines: int = 10) -> str:
-        data = self.stderr if stream == "stderr" else self.stdout
-        return "\n".join(data.decode("utf-8", "replace").rstrip().splitlines()[-lines:])
-
-
-@dataclass
-class Counters:
-    """Per-endpoint counts, so callers (and tests) can see what a run cost."""
-
-    connects: int = 0
-    execs: int = 0
-    retries: int = 0
-    bytes_sent: int = 0
 
 
 def fingerprint(key_type: str, blob_b64: str) -> str:
@@ -224,13 +187,6 @@ class KnownHosts:
             number = len(self.path.read_text(encoding="utf-8").splitlines())
             self._add_line(f"{name} {key_type} {blob}", number)
             self.accepted.append(f"{name} {fingerprint(key_type, blob)}")
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    attempts: int = 4
-    initial_wait: float = 0.2
-    max_wait: float = 5.0
 
 
 @dataclass

@@ -12,8 +12,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from orchestrator.engine import RunReport
 from orchestrator.errors import StateError
+from orchestrator.results import RunReport
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (

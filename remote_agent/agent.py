@@ -1,18 +1,22 @@
 """dflash-orchestrator remote agent.
 
 Runs on the container with nothing but the Python standard library (3.8+). The controller
-sends this file and a request over one SSH exec: a JSON object ``{"v": 1, "ops": [...]}``
-on stdin; the agent answers with ``{"v": 1, "results": [...]}`` on stdout. Operations run in
-order and the batch stops at the first failure; every failure is a structured record
-(op, path, errno, code, message), never a traceback for the controller to parse.
+sends this file (compressed, behind ``loader.py``) and a request over one exec: a marshal'd
+``{"v": 1, "ops": [...]}`` on stdin; the agent answers ``{"v": 1, "results": [...]}`` as JSON on
+stdout. Operations run in order and the batch stops at the first failure (the rest are answered
+``skipped``); every failure is a structured record (op, path, errno, code, message), never a
+traceback for the controller to parse. ``OPS`` at the end lists every operation; the controller
+builds exactly these (``orchestrator/protocol.py``).
 
 Everything the agent writes lives under the deploy root the request names:
 
-    <root>/.lock                       flock held for the whole batch by the ``lock`` op
-    <root>/releases/<id>/...           one immutable directory per release
-    <root>/releases/<id>/.manifest.json  what the release holds (path -> sha256)
-    <root>/current  -> releases/<id>   what the server reads
-    <root>/previous -> releases/<id>   where ``rollback`` goes
+    <root>/.lock                          flock held for the rest of the batch by the ``lock`` op
+    <root>/releases/<id>/...              one immutable directory per release
+    <root>/releases/<id>/.manifest.sha256 sha256sum(1) lines for every file of the release
+    <root>/current  -> releases/<id>      what the server reads
+    <root>/previous -> releases/<id>      where ``rollback`` goes
+    <root>/ready.json                     the READY record (written with ``put``)
+    <root>/run/<name>.json, logs/<name>.log  the supervised processes (vLLM, Ray) and their logs
 """
 
 import binascii
@@ -595,49 +599,6 @@ def op_put(req):
     return record
 
 
-def op_read(req):
-    root = _root(req)
-    path = _inside(root, req.get("path"))
-    limit = int(req.get("max_bytes", 1 << 20))
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError as exc:
-        raise _os_error("io", exc, path)
-    if len(data) > limit:
-        raise OpError("too_large", "file is larger than %d bytes" % limit, path)
-    return {"path": path, "content_b64": _b64(data), "sha256": _sha256(data)}
-
-
-def op_stat(req):
-    root = _root(req)
-    out = []
-    for rel in req.get("paths") or []:
-        path = _inside(root, rel)
-        try:
-            record = _stat_record(path)
-        except FileNotFoundError:
-            out.append({"path": path, "exists": False})
-            continue
-        except OSError as exc:
-            raise _os_error("io", exc, path)
-        record.update({"path": path, "exists": True})
-        if req.get("sha256") and os.path.isfile(path):
-            record["sha256"] = _sha256_file(path)
-        out.append(record)
-    return {"files": out}
-
-
-def op_sha256(req):
-    """Digests of files under the root, each read afresh (None when missing)."""
-    root = _root(req)
-    out = []
-    for rel in req.get("paths") or []:
-        path = _inside(root, rel)
-        out.append({"path": path, "sha256": _sha256_or_none(path)})
-    return {"files": out}
-
-
 def op_lock(req):
     """Exclusive flock on the deploy root, held until this batch ends."""
     root = _root(req)
@@ -827,11 +788,13 @@ def _stop(root, name, timeout):
 
 
 def _group_alive(pgid):
+    """A process of the group still running. A zombie is not: it holds no port, memory or GPU,
+    and its parent (init, for our detached servers) may take a moment to reap it."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            if os.getpgid(int(entry)) == pgid:
+            if os.getpgid(int(entry)) == pgid and _proc_start(int(entry)) is not None:
                 return True
         except ProcessLookupError:
             continue
@@ -885,8 +848,12 @@ def op_launch(req):
     argv = req.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise OpError("bad_request", "argv must be a list of strings")
+    # The command and its environment, as one digest: a changed environment (say
+    # VLLM_USE_V2_MODEL_RUNNER) restarts the server as a changed flag does, and the record on
+    # disk names no secret the environment holds.
+    spec = _sha256(_dumps({"argv": argv, "env": sorted((req.get("env") or {}).items())}).encode("utf-8"))
     current = _server(root, name)
-    if req.get("keep_if_running") and current and current["alive"] and current.get("argv") == argv:
+    if req.get("keep_if_running") and current and current["alive"] and current.get("command_sha256") == spec:
         return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}
     stopped = _stop(root, name, float(req.get("stop_timeout", 30)))
     for sub in ("run", "logs"):
@@ -903,7 +870,8 @@ def op_launch(req):
     else:
         unit, pid = None, _launch_process(root, argv, req.get("env") or {}, log_path)
     record = {"pid": pid, "start": _proc_start(pid), "release_id": req.get("release_id"), "unit": unit,
-              "port": req.get("port"), "log": log_path, "started_at": time.time(), "argv": argv}
+              "port": req.get("port"), "log": log_path, "started_at": time.time(), "argv": argv,
+              "command_sha256": spec}
     body = _dumps(record).encode("utf-8")
     _atomic_write(_pidfile(root, name), body, _sha256(body), 0o644)
     return {"pid": pid, "log": log_path, "stopped": stopped, "kept": False, "supervisor": supervisor, "unit": unit}
@@ -996,15 +964,6 @@ def _http(port, method, path, body=None, timeout=30.0):
         return None, str(reason)
 
 
-def op_http(req):
-    """One request to the local server (loopback only): probes need no open port."""
-    path = req.get("path", "/")
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise OpError("bad_request", "path must start with /")
-    status, text = _http(req.get("port", 8000), req.get("method", "GET"), path, req.get("body"), float(req.get("timeout", 30)))
-    return {"status": status, "body": text[: int(req.get("max_bytes", 1 << 20))]}
-
-
 def op_wait_health(req):
     """Poll /health and /v1/models until healthy; fail at once when the process dies, or at the deadline."""
     import json
@@ -1094,63 +1053,7 @@ def op_probe(req):
     return {"before": before, "after": after, "completions": completions, "seconds": round(time.monotonic() - started, 2)}
 
 
-def _gpus():
-    import subprocess
-    try:
-        proc = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            timeout=20,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if proc.returncode != 0:
-        return []
-    gpus = []
-    for line in proc.stdout.decode("utf-8", "replace").splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 4:
-            gpus.append({"index": int(parts[0]), "name": parts[1], "memory": parts[2], "driver": parts[3]})
-    return gpus
-
-
-def op_facts(req):
-    import platform
-    import shutil
-    import socket
-    facts = {
-        "hostname": socket.gethostname(),
-        "python": platform.python_version(),
-        "executable": sys.executable,
-        "uid": os.getuid(),
-        "kernel": platform.release(),
-        "os": {},
-        "gpus": _gpus(),
-    }
-    try:
-        with open("/etc/os-release") as f:
-            for line in f:
-                key, _, value = line.strip().partition("=")
-                if key in ("ID", "VERSION_ID", "PRETTY_NAME"):
-                    facts["os"][key.lower()] = value.strip('"')
-    except OSError:
-        pass
-    root = req.get("root")
-    if root:
-        probe = root
-        while not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        usage = shutil.disk_usage(probe)
-        facts["disk"] = {"path": probe, "free": usage.free, "total": usage.total}
-    return facts
-
-
 OPS = {
-    "facts": op_facts,
-    "stat": op_stat,
-    "sha256": op_sha256,
-    "read": op_read,
     "put": op_put,
     "lock": op_lock,
     "release_apply": op_release_apply,
@@ -1162,7 +1065,6 @@ OPS = {
     "vllm_build": op_vllm_build,
     "launch": op_launch,
     "stop": op_stop,
-    "http": op_http,
     "wait_health": op_wait_health,
     "serving_status": op_serving_status,
     "command": op_command,

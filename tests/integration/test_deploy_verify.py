@@ -24,7 +24,7 @@ def test_deploy_then_verify_clean(sandbox: Sandbox, cli, tmp_path: Path, root_na
     release = deployed.json["release_id"]
     for h in hosts:
         assert h["ready"] and h["gates"]["files"]["ok"] and h["release_id"] == release
-        assert h["ssh"]["connects"] == 1 and h["ssh"]["execs"] <= 2  # a changing deploy: at most two execs
+        assert h["ssh"]["connects"] == 1 and h["ssh"]["execs"] <= 2, h  # a changing deploy: at most two execs
         by_path = {f["path"]: f for f in h["files"]}
         cfg = by_path["drafter/config.json"]
         assert cfg["remote_path"] == f"{root_name}/releases/{release}/drafter/config.json"

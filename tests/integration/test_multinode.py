@@ -9,21 +9,20 @@ commands of a GPU Ray deployment are pinned in tests/unit/test_multinode.py.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from orchestrator import group, serving
+from orchestrator import launch, protocol, serving
 from orchestrator.agent import AgentClient
 from orchestrator.inventory import load_inventory
 from orchestrator.placement import place
 from orchestrator.playbook import load_playbook
 from orchestrator.sandbox.lxdhosts import LxdSandbox
 from orchestrator.ssh import KnownHosts, SshTransport
-from tests.integration.conftest import REPO, host, inventory, run
+from tests.integration.conftest import REPO, host, in_container, inventory, run
 
 PLAYBOOK = REPO / "playbooks" / "sandbox-multinode.yaml"
 MODELS = Path("/opt/dflash-orchestrator/tiny-models")
@@ -65,18 +64,23 @@ def variant(tmp_path: Path, name: str, **changes: Any) -> Path:
     return path
 
 
-def in_container(name: str, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["lxc", "exec", name, "--", *argv], capture_output=True, text=True, timeout=60)
+def read(box: LxdSandbox, name: str, path: str) -> str:
+    found = in_container(box, name, "cat", path)
+    assert found.returncode == 0, f"cat {path} in {name} exited {found.returncode}: {found.stderr}"
+    return found.stdout
 
 
-def venv_processes(name: str) -> list[str]:
+def venv_processes(box: LxdSandbox, name: str) -> list[str]:
     """Every process of the vLLM venv in a container (API server, engine, workers, Ray)."""
-    found = in_container(name, "pgrep", "-af", "/opt/dflash-orchestrator/vllm-venv")
-    return [line for line in found.stdout.splitlines() if line.strip()]
+    found = in_container(box, name, "pgrep", "-af", "/opt/dflash-orchestrator/vllm-venv")
+    assert found.returncode in (0, 1), f"pgrep in {name} exited {found.returncode}: {found.stderr}"
+    return [line for line in found.stdout.splitlines() if line.strip() and "pgrep" not in line]
 
 
-def current(name: str) -> str:
-    return in_container(name, "readlink", "/srv/dflash/current").stdout.strip()
+def current(box: LxdSandbox, name: str) -> str:
+    found = in_container(box, name, "readlink", "/srv/dflash/current")
+    assert found.returncode == 0, f"readlink in {name} exited {found.returncode}: {found.stderr}"
+    return found.stdout.strip()
 
 
 def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
@@ -85,8 +89,9 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
     is refused, the group stopped everywhere and started again on the previous release, READY;
     `rollback` starts the group on the release it goes back to and proves it (refused: back again);
     `stop` leaves no vLLM process on either node."""
-    head, other = (n.name for n in lxd_sandbox.nodes())
-    inv = pinned(lxd_sandbox, tmp_path)
+    box = lxd_sandbox
+    head, other = (n.name for n in box.nodes())
+    inv = pinned(box, tmp_path)
     try:
         code, report, err = run("deploy", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
         assert code == 0, (err[-3000:], report)
@@ -95,9 +100,9 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
         assert "headless rank" in host(report, other)["gates"]["health"]["detail"]
         assert "through the head" in host(report, other)["gates"]["acceptance"]["detail"]
         # TP 2 really spans the containers: the second rank's worker runs in the other container.
-        assert "Worker_TP1" in in_container(other, "cat", "/srv/dflash/logs/dflash-serve.log").stdout
+        assert "Worker_TP1" in read(box, other, "/srv/dflash/logs/dflash-serve.log")
         for name in (head, other):
-            record = json.loads(in_container(name, "cat", "/srv/dflash/ready.json").stdout)
+            record = json.loads(read(box, name, "/srv/dflash/ready.json"))
             assert record["release_id"] == good and record["gates"]["group"]["nodes"] == [head, other]
 
         code, report, err = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
@@ -105,9 +110,9 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
 
         # The incident, on one node of the group: the drafter config on disk is not what was pushed.
         config = f"/srv/dflash/releases/{good}/drafter/config.json"
-        kept = in_container(other, "cat", config).stdout
+        kept = read(box, other, config)
         stale = (REPO / "tests" / "data" / "stale-drafter-config.json").read_text()
-        in_container(other, "python3", "-c", f"open({config!r}, 'w').write({stale!r})")
+        assert in_container(box, other, "python3", "-c", f"open({config!r}, 'w').write({stale!r})").returncode == 0
         code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
         assert code == 1
         assert "drift" in host(report, other)["gates"]["files"]["detail"] and config in json.dumps(report)
@@ -120,12 +125,12 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
         assert code == 0, (err[-3000:], report)
         repaired = host(report, other)["release_id"]
         assert repaired != good and host(report, head)["release_id"] == repaired
-        assert in_container(other, "cat", f"/srv/dflash/releases/{repaired}/drafter/config.json").stdout == kept
+        assert read(box, other, f"/srv/dflash/releases/{repaired}/drafter/config.json") == kept
         good = repaired
 
         # A headless rank that dies leaves the head looking healthy: verify must still fail the group.
-        rank = json.loads(in_container(other, "cat", "/srv/dflash/run/dflash-serve.json").stdout)["pid"]
-        assert in_container(other, "kill", "-9", str(rank)).returncode == 0
+        rank = json.loads(read(box, other, "/srv/dflash/run/dflash-serve.json"))["pid"]
+        assert in_container(box, other, "kill", "-9", str(rank)).returncode == 0
         code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
         assert code == 1
         assert host(report, other)["gates"]["health"] == {"ok": False, "detail": "headless rank is not running"}
@@ -153,7 +158,7 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
         for name in (head, other):
             assert host(report, name)["gates"]["stopped"]["ok"]
             assert any(d.startswith(back) for d in host(report, name)["diagnosis"]), host(report, name)
-            assert current(name) == f"releases/{good}"
+            assert current(box, name) == f"releases/{good}"
         code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
         assert code == 0, report
 
@@ -162,8 +167,8 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
         assert code == 0, (err, report)
         assert host(report, head)["gates"]["acceptance"]["mean_acceptance_length"] > K - 1
         for name in (head, other):
-            assert host(report, name)["release_id"] == good and current(name) == f"releases/{good}"
-            assert json.loads(in_container(name, "cat", "/srv/dflash/ready.json").stdout)["release_id"] == good
+            assert host(report, name)["release_id"] == good and current(box, name) == f"releases/{good}"
+            assert json.loads(read(box, name, "/srv/dflash/ready.json"))["release_id"] == good
 
         # `orchestrate rollback` to the previous release (the wrong mask): the group is started on
         # it on both nodes, refused through the head, and the good release started and proven again.
@@ -172,33 +177,35 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
         assert not host(report, head)["gates"]["acceptance"]["ok"]
         for name in (head, other):
             assert any(d.startswith(back) for d in host(report, name)["diagnosis"]), host(report, name)
-            assert current(name) == f"releases/{good}"
+            assert current(box, name) == f"releases/{good}"
         code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
         assert code == 0, report
     finally:
         run("stop", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
-    assert venv_processes(head) == [] and venv_processes(other) == []
+    assert venv_processes(box, head) == [] and venv_processes(box, other) == []
 
 
 def test_one_node_failing_its_gate_stops_the_group_before_launch(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
-    head, other = (n.name for n in lxd_sandbox.nodes())
-    inv = pinned(lxd_sandbox, tmp_path)
+    box = lxd_sandbox
+    head, other = (n.name for n in box.nodes())
+    inv = pinned(box, tmp_path)
     # The second node's deploy root cannot be locked (its lock file is a directory).
-    in_container(other, "rm", "-f", "/srv/dflash/.lock")
-    assert in_container(other, "mkdir", "-p", "/srv/dflash/.lock").returncode == 0
+    assert in_container(box, other, "rm", "-f", "/srv/dflash/.lock").returncode == 0
+    assert in_container(box, other, "mkdir", "-p", "/srv/dflash/.lock").returncode == 0
     try:
         code, report, _ = run("deploy", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
     finally:
-        in_container(other, "rmdir", "/srv/dflash/.lock")
+        in_container(box, other, "rmdir", "/srv/dflash/.lock")
     assert code == 1
     assert not host(report, other)["gates"]["files"]["ok"]
     assert host(report, head)["gates"]["group"]["detail"] == f"not launched: {other} failed its files gate"
     assert "health" not in host(report, head)["gates"]
-    assert venv_processes(head) == [] and venv_processes(other) == []
+    assert venv_processes(box, head) == [] and venv_processes(box, other) == []
 
 
 def test_ray_cluster_is_bootstrapped_checked_and_torn_down(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
     """A real two-node Ray cluster over the containers (vLLM's Ray executor itself refuses the CPU)."""
+    box = lxd_sandbox
     ray = variant(tmp_path, "ray", **{"serving.multi_node.executor": "ray"})
     inv = pinned(lxd_sandbox, tmp_path, addresses=True)
     # The build gate refuses the combination on every node, with vLLM's reason: nothing starts.
@@ -206,7 +213,7 @@ def test_ray_cluster_is_bootstrapped_checked_and_torn_down(lxd_sandbox: LxdSandb
     assert code == 1
     for h in report["hosts"]:
         assert "Ray executor refuses the CPU platform" in h["gates"]["build"]["detail"]
-        assert venv_processes(h["name"]) == []
+        assert venv_processes(box, h["name"]) == []
 
     playbook, inventory_ = load_playbook(ray), load_inventory(inv)
     placement = place(playbook, inventory_, inventory_.resolve(playbook.targets))
@@ -215,13 +222,13 @@ def test_ray_cluster_is_bootstrapped_checked_and_torn_down(lxd_sandbox: LxdSandb
         client = AgentClient(transport)
         for rank, node in enumerate(placement.nodes):
             command = serving.ray_command(playbook, placement, rank)
-            launched = client.batch(node, [command.as_op(playbook.deploy_root, "ray-test", None, serving.RAY)])
-            assert launched[0].value["unit"].startswith("dflash-ray-")
-        nodes, gpus, text = group.cluster_size(playbook, client, placement.head, placement, 2, deadline_s=180)
+            op = protocol.launch(playbook.deploy_root, serving.RAY, command, "ray-test", None)
+            assert (client.batch(node, [op])[op].unit or "").startswith("dflash-ray-")
+        nodes, gpus, text = launch.cluster_size(playbook, client, placement.head, placement, 2, deadline_s=180)
         assert (nodes, gpus) == (2, 0.0), text
     finally:
         transport.close()
         code, report, err = run("stop", ray, "-i", inv, tmp_path=tmp_path)
     assert code == 0, err
     for h in report["hosts"]:
-        assert h["gates"]["stopped"]["ok"] and venv_processes(h["name"]) == []
+        assert h["gates"]["stopped"]["ok"] and venv_processes(box, h["name"]) == []

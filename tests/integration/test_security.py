@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
 
+from orchestrator import protocol
 from orchestrator.agent import AgentClient
 from orchestrator.errors import AgentError
 from orchestrator.inventory import load_inventory
@@ -113,13 +113,7 @@ def test_agent_refuses_paths_outside_the_deploy_root_over_ssh(sandbox: Sandbox, 
     with SshTransport(KnownHosts(inv.known_hosts)) as transport:
         client = AgentClient(transport)
         for path in ("../../etc/orchestrate-escape", "/etc/orchestrate-escape"):
-            op = {
-                "op": "put",
-                "root": root_name,
-                "path": path,
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "content": data,
-            }
+            op = protocol.put(root_name, path, data)
             with pytest.raises(AgentError) as info:
                 client.batch(target, [op])
             assert info.value.failure.code == "outside_root" and info.value.failure.op == "put"

@@ -70,18 +70,13 @@ def test_put_is_atomic_idempotent_and_reports_digests(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path / "cfg")) == ["config.json"]  # no temp files left
 
 
-def test_stat_and_sha256(tmp_path: Path) -> None:
-    (tmp_path / "a").write_bytes(b"abc")
-    res = run(
-        [
-            {"op": "stat", "root": str(tmp_path), "paths": ["a", "b"], "sha256": True},
-            {"op": "sha256", "root": str(tmp_path), "paths": ["a", "b"]},
-        ]
-    )
-    st, digests = res[0]["result"]["files"], res[1]["result"]["files"]
-    assert st[0]["exists"] and st[0]["size"] == 3 and st[0]["sha256"] == hashlib.sha256(b"abc").hexdigest()
-    assert st[1] == {"path": str(tmp_path / "b"), "exists": False}
-    assert [d["sha256"] for d in digests] == [hashlib.sha256(b"abc").hexdigest(), None]
+def test_verify_reads_each_file_afresh_and_names_what_is_missing(tmp_path: Path) -> None:
+    apply(tmp_path, "r1", a=b"abc")
+    res = run([{"op": "release_verify", "root": str(tmp_path), "files": [{"path": "a"}, {"path": "b"}]}])
+    served = res[0]["result"]
+    assert served["current"] == "r1"
+    assert [f["sha256"] for f in served["files"]] == [hashlib.sha256(b"abc").hexdigest(), None]
+    assert served["files"][0]["remote_path"] == str(tmp_path / "releases/r1/a")
 
 
 def test_put_refuses_content_that_does_not_match_its_digest(tmp_path: Path) -> None:
@@ -187,17 +182,14 @@ def test_lock_times_out_naming_the_holder(tmp_path: Path) -> None:
 
 
 def test_errors_are_structured_never_tracebacks(tmp_path: Path) -> None:
-    res = run([{"op": "read", "root": str(tmp_path), "path": "missing"}, {"op": "facts"}])
+    (tmp_path / ".lock").mkdir()  # a lock file that cannot be opened
+    res = run([{"op": "lock", "root": str(tmp_path)}, {"op": "release_list", "root": str(tmp_path)}])
     err = res[0]["error"]
-    assert err["code"] == "io" and err["errno"] == 2 and err["path"].endswith("missing")
+    assert err["code"] == "io" and err["errno"] == 21 and err["path"].endswith(".lock")
     assert res[1]["skipped"]
+    missing = run([{"op": "release_switch", "root": str(tmp_path), "release_id": "missing"}])[0]["error"]
+    assert missing["code"] == "no_release" and missing["path"].endswith("releases/missing")
     assert run([{"op": "no_such_op"}])[0]["error"]["code"] == "unknown_op"
-
-
-def test_facts(tmp_path: Path) -> None:
-    facts = run([{"op": "facts", "root": str(tmp_path / "not-yet")}])[0]["result"]
-    assert facts["python"].count(".") == 2 and facts["uid"] == os.getuid()
-    assert facts["disk"]["path"] == str(tmp_path) and facts["gpus"] == []
 
 
 def test_bad_request_is_answered_not_crashed() -> None:
@@ -224,7 +216,7 @@ def run_with_home(home: Path, ops: list[dict[str, Any]]) -> dict[str, Any]:
 def test_compiled_agent_is_cached_and_trusted_only_when_private(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
-    assert run_with_home(home, [{"op": "facts"}])["results"][0]["ok"]
+    assert run_with_home(home, [{"op": "release_list", "root": str(tmp_path / "root")}])["results"][0]["ok"]
     cache_dir = home / ".cache" / "dflash-orchestrator"
     (cached,) = cache_dir.iterdir()
     assert cached.name.endswith(sys.implementation.cache_tag) and cached.stat().st_mode & 0o777 == 0o600
@@ -232,19 +224,19 @@ def test_compiled_agent_is_cached_and_trusted_only_when_private(tmp_path: Path) 
     # Whatever code sits in a private cache is what runs: plant a marker to prove the cache is read.
     marker = compile('import sys; sys.stdout.write(\'{"v": 1, "results": [], "from": "cache"}\')', "x", "exec")
     cached.write_bytes(marshal.dumps(marker))
-    assert run_with_home(home, [{"op": "facts"}]).get("from") == "cache"
+    assert run_with_home(home, [{"op": "release_list", "root": str(tmp_path / "root")}]).get("from") == "cache"
     # A directory others can write to, or a file someone else owns, is never trusted.
     cache_dir.chmod(0o770)
-    assert "from" not in run_with_home(home, [{"op": "facts"}])
+    assert "from" not in run_with_home(home, [{"op": "release_list", "root": str(tmp_path / "root")}])
     cache_dir.chmod(0o700)
     cached.write_bytes(marshal.dumps(marker))
     os.chown(cached, 65534, 65534)
-    assert "from" not in run_with_home(home, [{"op": "facts"}])
+    assert "from" not in run_with_home(home, [{"op": "release_list", "root": str(tmp_path / "root")}])
     # A torn or foreign file is compiled over, not crashed on.
     for junk in (b"", b"\x00garbage", marshal.dumps("not code")):
         cached.unlink(missing_ok=True)
         cached.write_bytes(junk)
-        assert run_with_home(home, [{"op": "facts"}])["results"][0]["ok"]
+        assert run_with_home(home, [{"op": "release_list", "root": str(tmp_path / "root")}])["results"][0]["ok"]
         assert type(marshal.loads(cached.read_bytes())).__name__ == "code"
 
 
@@ -252,14 +244,14 @@ def test_cache_of_an_older_agent_is_replaced(tmp_path: Path) -> None:
     cache_dir = tmp_path / ".cache" / "dflash-orchestrator"
     cache_dir.mkdir(parents=True, mode=0o700)
     (cache_dir / "agent-0123.cpython-38").write_bytes(b"old")
-    run_with_home(tmp_path, [{"op": "facts"}])
+    run_with_home(tmp_path, [{"op": "release_list", "root": str(tmp_path / "root")}])
     assert [p.name.startswith("agent-0123") for p in cache_dir.iterdir()] == [False]
 
 
 def test_an_unwritable_home_still_runs_the_agent(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.write_text("a file, not a directory")
-    assert run_with_home(home, [{"op": "facts"}])["results"][0]["ok"]
+    assert run_with_home(home, [{"op": "release_list", "root": str(tmp_path / "root")}])["results"][0]["ok"]
 
 
 def agent_namespace() -> dict[str, Any]:

@@ -149,3 +149,35 @@ def test_shipped_example_inventory_loads() -> None:
     inv = load_inventory(REPO / "inventory" / "example.yaml")
     assert len(inv.containers) == 3
     assert all(t.jump is not None for t in inv.resolve(["serve"]))
+
+
+def test_a_local_container_needs_no_address_and_may_own_its_deploy_root(tmp_path: Path) -> None:
+    inv = load_inventory(
+        write(
+            tmp_path, "hosts:\n  box:\n    containers:\n      me: {connection: local, deploy_root: /home/me/dflash}\n"
+        )
+    )
+    (target,) = inv.resolve(["me"])
+    assert target.container.connection == "local" and target.container.deploy_root == "/home/me/dflash"
+    assert target.container.address is None and target.jump is None
+
+
+@pytest.mark.parametrize(
+    ("container", "where", "why"),
+    [
+        ("{connection: telnet}", "hosts.box.containers.me.connection", "expected 'ssh' or 'local'"),
+        ("{connection: local, jump: true}", "hosts.box.containers.me.jump", "is this machine: no jump"),
+        ("{address: 10.0.0.1, deploy_root: srv/dflash}", "hosts.box.containers.me.deploy_root", "absolute path"),
+        ("{connection: ssh}", "hosts.box.containers.me", "missing required key 'address'"),
+    ],
+)
+def test_bad_connections_name_the_key(tmp_path: Path, container: str, where: str, why: str) -> None:
+    text = error_of(tmp_path, f"hosts:\n  box:\n    address: 10.0.0.9\n    containers:\n      me: {container}\n")
+    assert where in text and why in text and ":5 " in text
+
+
+def test_a_local_container_cannot_sit_on_an_lxd_managed_host(tmp_path: Path) -> None:
+    text = error_of(
+        tmp_path, "hosts:\n  box:\n    lxd: {endpoint: local}\n    containers:\n      me: {connection: local}\n"
+    )
+    assert "hosts.box.containers.me.connection" in text and "LXD containers reached over SSH" in text

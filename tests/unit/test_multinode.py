@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import serving
+from orchestrator import protocol, serving
 from orchestrator.errors import InputError
 from orchestrator.inventory import load_inventory
 from orchestrator.placement import group_build_problems, place, ray_status
@@ -88,7 +88,7 @@ def test_ray_cluster_then_vllm_on_the_head_exact_argv_and_env() -> None:
     ]  # fmt: skip
     assert ray_worker.env["VLLM_HOST_IP"] == "10.20.1.2" and ray_worker.env["RAY_USAGE_STATS_ENABLED"] == "0"
     # Stopped quickly: the supervisor's grace period for Ray is short, vLLM's the default.
-    assert ray_head.as_op("/srv/dflash", "R1", None, serving.RAY)["stop_timeout"] == 5
+    assert protocol.launch("/srv/dflash", serving.RAY, ray_head, "R1", None).request["stop_timeout"] == 5
     vllm = serving.rank_command(pb, p, 0, "R1")
     assert vllm is not None and serving.rank_command(pb, p, 1, "R1") is None  # vLLM only on the head
     assert vllm.argv[vllm.argv.index("--pipeline-parallel-size") + 1 :][:4] == (
@@ -240,29 +240,29 @@ def test_cli_refuses_a_bad_group_before_any_connection(tmp_path: Path, capsys: p
 
 
 def test_a_group_rolls_back_only_to_a_release_every_node_holds() -> None:
-    from orchestrator.group import _common_release
-    from orchestrator.plan import HostReport
+    from orchestrator.plan import common_release
+    from orchestrator.protocol import Releases
 
-    def listing(current: str, previous: str | None, *held: str) -> dict[str, object]:
-        return {"current": current, "previous": previous, "releases": [{"release_id": r} for r in held]}
-
-    def reports() -> dict[str, HostReport]:
-        return {n: HostReport(n) for n in ("big-0", "big-1")}
+    def listing(current: str, previous: str | None, *held: str) -> Releases:
+        return Releases(current, previous, held)
 
     same = {"big-0": listing("R2", "R1", "R1", "R2"), "big-1": listing("R2", "R1", "R1", "R2")}
-    assert _common_release(same, None, reports()) == "R1"
+    assert common_release(same, None, alone=False) == ("R1", {})
 
     # One node was repaired alone, so its previous release differs: nothing is touched.
     apart = {"big-0": listing("R3", "R1", "R1", "R3"), "big-1": listing("R3", "R2", "R2", "R3")}
-    r = reports()
-    assert _common_release(apart, None, r) is None
-    for report in r.values():
-        detail = report.gates["files"].detail
+    back, problems = common_release(apart, None, alone=False)
+    assert back is None and set(problems) == {"big-0", "big-1"}
+    for detail in problems.values():
         assert "no common previous release (big-0: R1, big-1: R2)" in detail and "--to" in detail
-    assert _common_release(apart, "R3", reports()) == "R3"  # named: held by both
+    assert common_release(apart, "R3", alone=False) == ("R3", {})  # named: held by both
 
     # Named, but missing on one node: that node says so.
-    r = reports()
-    assert _common_release(apart, "R1", r) is None
-    assert r["big-1"].gates["files"].detail == "release R1 does not exist here"
-    assert "files" not in r["big-0"].gates
+    back, problems = common_release(apart, "R1", alone=False)
+    assert back is None and problems == {"big-1": "release R1 does not exist here"}
+
+    # A single host with no previous release.
+    assert common_release({"h": listing("R1", None, "R1")}, None, alone=True) == (
+        None,
+        {"h": "there is no previous release to go back to"},
+    )

@@ -6,9 +6,10 @@ import base64
 import marshal
 from pathlib import Path
 
-from orchestrator import plan
+from orchestrator import plan, protocol
 from orchestrator.agent import MARSHAL_VERSION
 from orchestrator.playbook import load_playbook
+from orchestrator.results import HostReport
 
 PB = """\
 name: demo
@@ -30,7 +31,7 @@ def playbook(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def test_apply_batch_locks_then_applies_with_content(tmp_path: Path) -> None:
     pb = playbook(tmp_path)
-    ops = plan.apply_ops(pb, "r1", "me@here", 5.0)
+    ops = [op.request for op in plan.Stage(pb, "/srv/dflash", "r1", "me@here", 5.0).ops]
     assert [o["op"] for o in ops] == ["lock", "release_apply"]
     assert ops[0] == {"op": "lock", "root": "/srv/dflash", "timeout": 5.0, "owner": "me@here"}
     files = ops[1]["files"]
@@ -55,8 +56,8 @@ def test_verify_reports_each_drifted_file_with_both_digests(tmp_path: Path) -> N
             },
         ],
     }
-    report = plan.HostReport("h")
-    plan.read_verified(pb, answer, report)
+    report = HostReport("h")
+    plan.read_verified(pb, protocol.release_verify("/srv/dflash", []).read(answer), report)
     assert not report.ready
     assert [f.drift for f in report.files] == [False, True]
     detail = report.gates["files"].detail
@@ -66,9 +67,9 @@ def test_verify_reports_each_drifted_file_with_both_digests(tmp_path: Path) -> N
 
 def test_verify_with_nothing_deployed_is_not_in_sync(tmp_path: Path) -> None:
     pb = playbook(tmp_path)
-    report = plan.HostReport("h")
+    report = HostReport("h")
     files = [{"path": f.dest, "remote_path": f"/srv/dflash/current/{f.dest}", "sha256": None} for f in pb.release_files]
-    plan.read_verified(pb, {"current": None, "files": files}, report)
+    plan.read_verified(pb, protocol.release_verify("/srv/dflash", []).read({"current": None, "files": files}), report)
     assert not report.ready and "nothing deployed" in report.gates["files"].detail
 
 
@@ -92,8 +93,8 @@ def test_dry_run_diff(tmp_path: Path) -> None:
             },
         ],
     }
-    report = plan.HostReport("h")
-    plan.read_inspected(pb, answer, report)
+    report = HostReport("h")
+    plan.read_inspected(pb, protocol.release_inspect("/srv/dflash", []).read(answer), report)
     assert [f.changed for f in report.files] == [True, False]
     assert len(report.diffs) == 1
     assert "-old line\n+new line\n" in report.diffs[0] and "--- /r/a.txt" in report.diffs[0]

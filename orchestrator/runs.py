@@ -1,0 +1,303 @@
+"""The runs a user asks for: deploy, verify, rollback, stop and the dry run, each written once.
+
+Each is a few steps over the units of ``runner`` (a single host, or a multi-node group): the
+steps decide through ``plan`` and talk to hosts only through the run's agent client. What only a
+group has (every node on one release, the proof through its head, its ranks, Ray) is in the steps
+themselves, where a unit has more than one node.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from orchestrator import launch, plan, protocol
+from orchestrator.errors import AgentError
+from orchestrator.inventory import Inventory, Target
+from orchestrator.playbook import Playbook
+from orchestrator.results import (
+    GATE_ACCEPTANCE,
+    GATE_BUILD,
+    GATE_CONNECT,
+    GATE_FILES,
+    GATE_GROUP,
+    GATE_HEALTH,
+    GATE_LINT,
+    GATE_LOADER,
+    GATE_RAY,
+    Gate,
+    RunReport,
+)
+from orchestrator.runner import Node, Progress, Run, RunOptions, Say, Unit, execute, quiet, units_for
+
+
+def deploy(
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    say: Say = quiet,
+) -> RunReport:
+    """Lint; then on every node stage the release and check it (files, loader, build); then,
+    with a server, start it and prove it (else switch ``current``). READY only if all pass."""
+    release_id = options.release_id or plan.new_release_id()
+    problems = plan.lint_playbook(playbook)
+    lint = plan.lint_gate(playbook, problems)
+    units = units_for(playbook, inventory, targets)
+    if lint is not None and not lint.ok:
+        # Nothing is touched: every host says why, and no connection is opened.
+        now = time.time()
+        hosts = [n.report for u in units for n in u.nodes]
+        for host in hosts:
+            host.gates[GATE_LINT] = lint
+        return RunReport("deploy", str(playbook.file), str(inventory.file), release_id, hosts, now, now, lint=problems)
+
+    def work(run: Run, unit: Unit) -> None:
+        if lint is not None:
+            for node in unit.nodes:
+                node.report.gates[GATE_LINT] = lint
+        if not _stage(run, unit, release_id):
+            return
+        if playbook.serving.target is not None:
+            launch.serve(run, unit)
+        else:
+            unit.each(lambda node: _switch_staged(run, node), GATE_FILES)
+
+    report = execute("deploy", playbook, inventory, units, options, progress, work, release_id, playbook.rollout, say)
+    report.lint = problems
+    return report
+
+
+def _stage(run: Run, unit: Unit, release_id: str) -> bool:
+    """Stage the release on every node with its checks; a group must end on one release and one
+    vLLM. False: a node failed (a group's other nodes then fail their group gate: not launched)."""
+    playbook = run.playbook
+    builds: dict[str, str] = {}
+
+    def stage(reuse: bool) -> Any:
+        def on(node: Node) -> None:
+            if not run.locate(node):
+                return
+            batch = plan.Stage(playbook, node.root, release_id, run.owner, run.options.lock_timeout, reuse)
+            started = time.monotonic()
+            answers = run.batch(node, batch.ops)
+            node.staged = answers[batch.apply]
+            plan.read_applied(playbook, node.staged, node.report)
+            node.report.gates[GATE_FILES].data["seconds"] = round(time.monotonic() - started, 2)
+            if batch.checks is not None:
+                build = answers[batch.checks.build]
+                plan.read_checks(playbook, answers[batch.checks.loader], build, node.report)
+                if build.version:
+                    builds[node.name] = build.describe()
+
+        return on
+
+    if not unit.single:
+        run.note(unit, f"{unit.placement.describe()}: staging the release on every node")
+    unit.each(stage(reuse=True), GATE_FILES)
+    releases = {n.report.release_id for n in unit.nodes}
+    apart = [n for n in unit.nodes if n.report.release_id != release_id]
+    if not unit.failed() and len(releases) > 1:
+        # One group, one release id: the nodes that kept an older copy of these files (one was
+        # repaired alone, say) stage this release too.
+        run.note(unit, f"the nodes hold different releases: staging {release_id} on {', '.join(n.name for n in apart)}")
+        unit.each(stage(reuse=False), GATE_FILES, apart)
+    return _alike(unit, builds)
+
+
+def _alike(unit: Unit, builds: dict[str, str]) -> bool:
+    """Every node passed its own gates, holds the same release and runs the same vLLM."""
+    if not unit.failed():
+        head = unit.head
+        for node in unit.nodes[1:]:
+            if node.report.release_id != head.report.release_id:
+                detail = f"holds release {node.report.release_id}, the head {head.report.release_id}"
+                node.report.gates[GATE_GROUP] = Gate(False, detail)
+            elif builds.get(node.name) != builds.get(head.name):
+                detail = f"runs {builds.get(node.name)}, the head {builds.get(head.name)}"
+                node.report.gates[GATE_GROUP] = Gate(False, detail)
+    unit.fail_others(unit.failed(), "not launched")
+    return not unit.failed()
+
+
+def _switch_staged(run: Run, node: Node) -> None:
+    """Files only: make the staged release current (once the checks on it passed)."""
+    staged = node.staged
+    if staged is None or not staged.changed or staged.switched:
+        return  # unchanged, or already switched in the same exec (no checks ran in between)
+    switch = protocol.release_switch(node.root, staged.release_id, run.playbook.keep_releases)
+    answers = run.batch(node, [run.lock(node), switch])
+    plan.read_made_current(run.playbook, answers[switch], node.report)
+
+
+# The gate a failed read-only check belongs to (a stale drafter config that transformers cannot
+# load is the loader's failure; the files' drift read before it must still be reported).
+_CHECK_GATES = {
+    "loader_view": GATE_LOADER,
+    "vllm_build": GATE_BUILD,
+    "serving_status": GATE_HEALTH,
+    "probe": GATE_ACCEPTANCE,
+}
+
+
+def _read_only(run: Run, node: Node, ops: list[protocol.Op[Any]]) -> tuple[protocol.Answers, tuple[str, Gate] | None]:
+    """Answers by op, and the gate of the check that failed (if one did after the first op)."""
+    try:
+        return run.batch(node, ops), None
+    except AgentError as exc:
+        if exc.failure.op not in _CHECK_GATES or exc.done is None:
+            raise
+        node.report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
+        return exc.done, (_CHECK_GATES[exc.failure.op], Gate(False, exc.failure.describe()))
+
+
+def verify(
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    probe_acceptance: bool = False,
+    say: Say = quiet,
+) -> RunReport:
+    """Read only, one exec per node: the files the server reads against the playbook's digests,
+    the loader and build checks, the server (or rank) alive and healthy, the READY record, and
+    with ``probe_acceptance`` the acceptance probe through the head. A group also needs every
+    node on one release (and, with Ray, every node in the cluster)."""
+
+    def check(run: Run, unit: Unit, node: Node) -> None:
+        if not run.locate(node):
+            return
+        served = protocol.release_verify(node.root, plan.paths(playbook))
+        checks = plan.Checks(playbook, node.root, None) if plan.Checks.wanted(playbook) else None
+        ops: list[protocol.Op[Any]] = [served, *(checks.ops if checks else [])]
+        status = None
+        if playbook.serving.target is not None:
+            port = playbook.serving.port if node.rank == 0 else None
+            status = protocol.serving_status(node.root, unit.process(node), port)
+            ops.append(status)
+        probe = plan.probe_op(playbook) if probe_acceptance and status is not None and node.rank == 0 else None
+        if probe is not None:
+            ops.append(probe)
+        answers, failed = _read_only(run, node, ops)
+        report = node.report
+        plan.read_verified(playbook, answers[served], report)
+        if checks is not None:
+            plan.read_checks(playbook, answers.get(checks.loader), answers.get(checks.build), report)
+        if status is not None and status in answers and report.release_id is not None:
+            role = None if node.rank == 0 else unit.role(node)
+            plan.read_serving_status(answers[status], report, role)
+        if probe is not None and probe in answers:
+            plan.read_probe(playbook, answers[probe], report)
+        if failed is not None:
+            report.gates[failed[0]] = failed[1]
+
+    def work(run: Run, unit: Unit) -> None:
+        unit.each(lambda node: check(run, unit, node), GATE_FILES)
+        if unit.single:
+            return
+        head = unit.head
+        if unit.ray and not unit.failed():
+            want = len(unit.nodes)
+            nodes, gpus, _ = launch.cluster_size(playbook, run.client, head.target, unit.placement, want, deadline_s=0)
+            head.report.gates[GATE_RAY] = Gate(
+                nodes == want, f"ray status shows {nodes} of {want} nodes, {gpus:g} GPUs"
+            )
+        for node in unit.nodes:
+            if node.report.release_id != head.report.release_id:
+                detail = f"current is release {node.report.release_id}, the head's {head.report.release_id}"
+                node.report.gates[GATE_GROUP] = Gate(False, detail)
+        unit.fail_others(unit.failed(), "group not ready")
+
+    return execute("verify", playbook, inventory, units_for(playbook, inventory, targets), options, progress, work)
+
+
+def dry_run(
+    playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
+) -> RunReport:
+    """What a deploy would change on every node, with diffs of text files; nothing is written."""
+
+    def inspect(run: Run, node: Node) -> None:
+        if run.locate(node):
+            op = protocol.release_inspect(node.root, plan.paths(playbook))
+            plan.read_inspected(playbook, run.batch(node, [op])[op], node.report)
+
+    def work(run: Run, unit: Unit) -> None:
+        unit.each(lambda node: inspect(run, node), GATE_FILES)
+
+    units = units_for(playbook, inventory, targets, grouped=False)
+    return execute("dry-run", playbook, inventory, units, options, progress, work)
+
+
+def stop(
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    say: Say = quiet,
+) -> RunReport:
+    """Stop what the agent started for this playbook (vLLM, and Ray) and check that none of it is left."""
+
+    def work(run: Run, unit: Unit) -> None:
+        unit.each(run.locate, GATE_CONNECT)
+        if not unit.failed():
+            launch.stop_all(run, unit)
+        unit.fail_others(unit.failed(), "group stop incomplete")
+
+    units = units_for(playbook, inventory, targets)
+    return execute("stop", playbook, inventory, units, options, progress, work, say=say)
+
+
+def rollback(
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: Progress,
+    to_release: str | None = None,
+    say: Say = quiet,
+) -> RunReport:
+    """Make an earlier release current again (the previous one, or ``to_release``).
+
+    With a server in the playbook, that release is started and proven as a deploy proves a new
+    one: health, then acceptance on live traffic, then its READY record (on a group, every node
+    must have the same release to go back to). If it fails, the release that was current comes
+    back, started and proven again, and the hosts are reported not ready.
+    """
+
+    def switch_only(run: Run, node: Node) -> None:
+        if run.locate(node):
+            switch = protocol.release_switch(node.root, to_release)
+            plan.read_switched(run.batch(node, [run.lock(node), switch])[switch], node.report)
+
+    def work(run: Run, unit: Unit) -> None:
+        if playbook.serving.target is None:
+            unit.each(lambda node: switch_only(run, node), GATE_FILES)
+            return
+        listings: dict[str, protocol.Releases] = {}
+
+        def look(node: Node) -> None:
+            if run.locate(node):
+                op = protocol.release_list(node.root)
+                listings[node.name] = run.batch(node, [op])[op]
+
+        unit.each(look, GATE_CONNECT)
+        back = None
+        if not unit.failed():
+            back, problems = plan.common_release(listings, to_release, alone=unit.single)
+            for node in unit.nodes:
+                if node.name in problems:
+                    node.report.gates[GATE_FILES] = Gate(False, problems[node.name])
+        if back is not None:
+            for node in unit.nodes:
+                current = listings[node.name].current
+                node.report.release_id, node.report.previous = back, current
+                node.report.changed = back != current
+            run.note(unit, f"rolling back to release {back} on {', '.join(n.name for n in unit.nodes)}")
+            launch.serve(run, unit)
+        unit.fail_others(unit.failed(), "group not rolled back")
+
+    units = units_for(playbook, inventory, targets)
+    return execute("rollback", playbook, inventory, units, options, progress, work, to_release, say=say)

@@ -1,0 +1,151 @@
+"""A stand-in for the serving side (vLLM and its Python), for the fast whole-run tests only.
+
+Real vLLM (the CPU build, with the tiny models) takes one to three minutes to start, so the
+unit tests that drive whole deploys, rollbacks and groups through the real agent and the
+``local`` connector launch this instead; every real-vLLM behaviour the tool relies on is tested
+against real vLLM in ``tests/integration`` (test_serving.py, test_multinode.py). It answers to the
+exact commands the agent runs (``serving.python`` points at it):
+
+- ``-c <loader script> <dir> <fields>``: the drafter's config.json fields, as read from the file;
+- ``-c <build script>``: vLLM 0.33.0;
+- ``-m vllm.entrypoints.openai.api_server ...`` and ``-c <vllm CLI> serve <target> ...``: an
+  OpenAI-style server on ``--host/--port`` with ``/health``, ``/v1/models``, ``/v1/completions``
+  and vLLM's ``vllm:spec_decode_*`` counters on ``/metrics``; with ``--headless``, a rank that
+  only lives until it is stopped.
+
+Acceptance depends on the drafter config the server was given, as it does for real: every draft is
+accepted when ``dflash_config.mask_token_id`` is ``$STANDIN_GOOD_MASK``, none otherwise.
+``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+VERSION = "0.33.0"
+
+
+def options(args: list[str]) -> tuple[dict[str, str], set[str]]:
+    values, flags = {}, set()
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            values[arg[2:]] = args[i + 1]
+            i += 2
+        else:
+            flags.add(arg.lstrip("-"))
+            i += 1
+    return values, flags
+
+
+class Counters:
+    def __init__(self, k: int, good: bool) -> None:
+        self.k, self.good = k, good
+        self.drafts = self.draft_tokens = self.accepted = 0
+        self.per_pos = [0] * k
+        self.lock = threading.Lock()
+
+    def complete(self, tokens: int) -> None:
+        with self.lock:
+            drafts = math.ceil(tokens / (self.k + 1)) if self.good else tokens
+            self.drafts += drafts
+            self.draft_tokens += drafts * self.k
+            if self.good:
+                self.accepted += drafts * self.k
+                self.per_pos = [p + drafts for p in self.per_pos]
+
+    def text(self, model: str) -> str:
+        labels = f'engine="0",model_name="{model}"'
+        lines = []
+        for name, value in (
+            ("drafts", self.drafts),
+            ("draft_tokens", self.draft_tokens),
+            ("accepted_tokens", self.accepted),
+        ):
+            lines += [
+                f"# TYPE vllm:spec_decode_num_{name} counter",
+                f"vllm:spec_decode_num_{name}_total{{{labels}}} {value}.0",
+            ]
+        lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
+        for pos, value in enumerate(self.per_pos):
+            lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{pos}"}} {value}.0')
+        return "\n".join(lines) + "\n"
+
+
+def serve(args: list[str]) -> None:
+    values, flags = options(args)
+    if "headless" in flags:
+        signal.pause()  # a rank without HTTP: alive until stopped
+        return
+    if os.environ.get("STANDIN_FAIL_START"):
+        sys.exit("RuntimeError: Engine core initialization failed (stand-in told to fail)")
+    model = values.get("served-model-name", "dflash")
+    spec = json.loads(values.get("speculative-config", "{}"))
+    k = int(spec.get("num_speculative_tokens", 15))
+    drafter = json.loads((Path(spec["model"]) / "config.json").read_text()) if spec else {}
+    mask = (drafter.get("dflash_config") or {}).get("mask_token_id")
+    counters = Counters(k, str(mask) == os.environ.get("STANDIN_GOOD_MASK"))
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, status: int, body: Any, kind: str = "application/json") -> None:
+            data = (json.dumps(body) if kind == "application/json" else body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._send(200, {})
+            elif self.path == "/v1/models":
+                self._send(200, {"data": [{"id": model}]})
+            elif self.path == "/metrics":
+                self._send(200, counters.text(model), "text/plain; version=0.0.4")
+            else:
+                self._send(404, {"error": "not found"})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+            tokens = int(body.get("max_tokens", 16))
+            counters.complete(tokens)
+            self._send(200, {"choices": [{"text": "C" * tokens}], "usage": {"completion_tokens": tokens}})
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer((values.get("host", "127.0.0.1"), int(values.get("port", "8000"))), Handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server.serve_forever()
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["-c"]:
+        script, rest = argv[1], argv[2:]
+        if "AutoConfig" in script:
+            config = json.loads((Path(rest[0]) / "config.json").read_text())
+            fields = {name: config.get(name, "<absent>") for name in json.loads(rest[1])}
+            print(json.dumps({"class": "Qwen3Config", "transformers": "stand-in", "fields": fields}))
+        elif "vllm.entrypoints.cli.main" in script and rest[:1] == ["serve"]:
+            serve(rest[2:])
+        elif "metadata.version(dist)" in script:
+            print(json.dumps({"dist": "vllm", "version": VERSION}))
+        else:
+            sys.exit(f"stand-in: unknown program {script[:60]!r}")
+    elif argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"]:
+        serve(argv[2:])
+    else:
+        sys.exit(f"stand-in: cannot run {argv[:2]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

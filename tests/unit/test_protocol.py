@@ -1,0 +1,167 @@
+"""The agent protocol: the controller builds exactly the agent's operations, and reads answers warily."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import remote_agent
+from orchestrator import protocol
+from orchestrator.agent import AgentClient
+from orchestrator.connector import Command, Result
+from orchestrator.errors import AgentError, AgentProtocolError
+from orchestrator.inventory import Container, SshSettings, Target
+from orchestrator.serving import ServerCommand
+
+PACKAGE = Path(protocol.__file__).parent
+
+
+def agent_ops() -> set[str]:
+    spec = importlib.util.spec_from_file_location("dflash_agent", Path(remote_agent.__file__).with_name("agent.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return set(module.OPS)
+
+
+def used_builders() -> set[str]:
+    """``protocol.<name>(...)`` calls anywhere in the controller outside protocol.py itself."""
+    used = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "protocol.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "protocol"
+            ):
+                used.add(node.func.attr)
+    return used
+
+
+def test_the_controller_builds_exactly_the_agents_operations_and_uses_each() -> None:
+    assert set(protocol.OPERATIONS) == agent_ops()
+    assert set(protocol.OPERATIONS) <= used_builders(), set(protocol.OPERATIONS) - used_builders()
+
+
+def build(name: str) -> protocol.Op[Any]:
+    command = ServerCommand(("python3", "-m", "x"), {"A": "1"})
+    args: dict[str, tuple[Any, ...]] = {
+        "lock": ("/r", "me", 5.0),
+        "release_apply": ("/r", "R1", (), 3, False),
+        "release_verify": ("/r", ["a"]),
+        "release_inspect": ("/r", ["a"]),
+        "release_list": ("/r",),
+        "release_switch": ("/r", "R1"),
+        "put": ("/r", "ready.json", b"{}"),
+        "loader_view": ("/r", protocol.APPLIED, "/py", ["model_type"]),
+        "vllm_build": ("/py",),
+        "launch": ("/r", "dflash-serve", command, "R1", 8000),
+        "stop": ("/r", "dflash-serve"),
+        "wait_health": ("/r", "dflash-serve", 8000, "m", 60.0),
+        "serving_status": ("/r", "dflash-serve", 8000),
+        "command": (["ray", "status"],),
+        "probe": (8000, "m", ["p"], 16, 60.0),
+    }
+    return protocol.OPERATIONS[name](*args[name])
+
+
+@pytest.mark.parametrize("name", sorted(protocol.OPERATIONS))
+def test_each_builder_names_its_operation(name: str) -> None:
+    assert build(name).name == name
+
+
+def test_a_batchs_deadline_is_the_command_timeout_plus_what_each_op_may_wait() -> None:
+    ops = [build("lock"), build("wait_health"), build("probe"), build("release_list")]
+    assert protocol.batch_timeout(ops, 120.0) == 120.0 + 5.0 + 60.0 + 60.0
+
+
+GOOD = {
+    "lock": {"waited_s": 0},
+    "release_switch": {
+        "release_id": "R1",
+        "previous": None,
+        "files": [{"path": "a", "remote_path": "/r/a", "sha256": "a" * 64}],
+    },
+    "stop": {"stopped": None, "gone": True},
+    "serving_status": {"server": {"pid": 7, "alive": True, "release_id": "R1"}, "health": 200, "ready": None},
+}
+BAD = [
+    ("lock", {}, "'waited_s' is missing"),
+    ("lock", {"waited_s": "soon"}, "'waited_s' is str, expected float"),
+    ("stop", {"stopped": True, "gone": True}, "'stopped' is bool, expected int"),
+    (
+        "release_switch",
+        {**GOOD["release_switch"], "files": [{"path": "a", "remote_path": "/r/a", "sha256": "zz"}]},
+        "not a sha256",
+    ),
+    ("release_switch", {**GOOD["release_switch"], "files": "all of them"}, "'files' is str, expected list"),
+    ("release_switch", {**GOOD["release_switch"], "files": ["a"]}, "an item of 'files' is str"),
+    ("serving_status", {**GOOD["serving_status"], "server": {"pid": 7}}, "'alive' is missing"),
+]
+
+
+@pytest.mark.parametrize(("name", "answer", "why"), BAD)
+def test_answers_of_the_wrong_shape_are_refused_naming_the_field(name: str, answer: Any, why: str) -> None:
+    op = build(name)
+    assert op.read(GOOD[name]) is not None
+    with pytest.raises(protocol.AnswerError, match=why):
+        op.read(answer)
+
+
+class Scripted:
+    """A connector that answers with fixed bytes: how a hostile or broken host looks to the client."""
+
+    def __init__(self, stdout: bytes) -> None:
+        self.stdout = stdout
+
+    def run(self, target: Target, command: Command, stdin: bytes = b"", timeout: float | None = None) -> Result:
+        return Result(target.name, command, 0, self.stdout, b"")
+
+    def close(self) -> None:
+        pass
+
+
+TARGET = Target(Container("h", "gpu", "127.0.0.1", SshSettings()), None)
+
+
+def test_answers_are_found_by_op_even_two_of_a_kind() -> None:
+    server, ray = protocol.stop("/r", "dflash-serve"), protocol.stop("/r", "dflash-ray")
+    answer = (
+        b'{"v": 1, "results": [{"op": "stop", "ok": true, "result": {"stopped": 12, "gone": true}},'
+        b' {"op": "stop", "ok": true, "result": {"stopped": null, "gone": false}}]}'
+    )
+    answers = AgentClient(Scripted(answer)).batch(TARGET, [server, ray])
+    assert answers[server] == protocol.Stopped(12, True) and answers[ray] == protocol.Stopped(None, False)
+
+
+def test_a_failed_op_carries_the_answers_before_it() -> None:
+    lock, listing = protocol.lock("/r", "me", 1.0), protocol.release_list("/r")
+    answer = (
+        b'{"v": 1, "results": [{"op": "lock", "ok": true, "result": {"waited_s": 0.1}},'
+        b' {"op": "release_list", "ok": false, "error": {"op": "release_list", "code": "io", "message": "EIO"}}]}'
+    )
+    with pytest.raises(AgentError) as info:
+        AgentClient(Scripted(answer)).batch(TARGET, [lock, listing])
+    assert info.value.failure.code == "io" and info.value.done[lock] == protocol.Locked(0.1)
+
+
+@pytest.mark.parametrize(
+    ("stdout", "why"),
+    [
+        (b'{"v": 1, "results": []}', "expected 1 results, got 0"),
+        (b'{"v": 1, "results": ["lock"]}', "unexpected result"),
+        (b'{"v": 1, "results": [{"op": "put", "ok": true, "result": {}}]}', "answer for 'put' where 'lock' was asked"),
+        (b'{"v": 1, "results": [{"op": "lock", "ok": true, "result": []}]}', "the answer is list"),
+        (b'{"v": 1, "results": [{"op": "lock", "ok": true, "error": "x"}]}', "unexpected result"),
+    ],
+)
+def test_a_malformed_batch_answer_is_a_protocol_error(stdout: bytes, why: str) -> None:
+    with pytest.raises(AgentProtocolError, match=why):
+        AgentClient(Scripted(stdout)).batch(TARGET, [protocol.lock("/r", "me", 1.0)])

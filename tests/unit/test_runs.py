@@ -1,0 +1,473 @@
+"""Whole runs through the real engine and the real agent, on this machine: the ``local`` connector.
+
+No root, no SSH, no network beyond loopback: every "container" is a ``connection: local`` entry of
+the inventory with its own deploy root under the test's directory, and the agent runs as a local
+subprocess exactly as it runs over SSH. The serving side is ``standin_vllm.py`` (see its
+docstring: real vLLM is what tests/integration runs; here only the speed differs). Deploys,
+verifies, rollbacks and stops of single hosts and of a two-node group, with their failure paths.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import orchestrator
+from orchestrator import cli, runs
+from orchestrator.inventory import Inventory, load_inventory
+from orchestrator.playbook import Playbook, load_playbook
+from orchestrator.results import HostReport, RunReport
+from orchestrator.runner import RunOptions
+
+STANDIN = Path(__file__).with_name("standin_vllm.py")
+GOOD_MASK = 5
+K = 7
+
+TARGET_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": 64,
+    "layer_types": ["full_attention", "full_attention"],
+}
+DRAFTER_CONFIG = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "block_size": 8,
+    "dflash_config": {"mask_token_id": GOOD_MASK, "target_layer_ids": [1]},
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 64,
+    "num_target_layers": 2,
+    "layer_types": ["full_attention"],
+    "bos_token_id": None,
+}
+
+
+def quiet(_report: HostReport, _event: str) -> None:
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@dataclass
+class Box:
+    """This machine as a few ``connection: local`` containers, and playbooks to run on them."""
+
+    dir: Path
+    inventory_path: Path
+    port: int
+
+    @property
+    def inventory(self) -> Inventory:
+        return load_inventory(self.inventory_path)
+
+    def root(self, name: str) -> Path:
+        return self.dir / "roots" / name
+
+    def playbook(self, name: str = "pb", mask: int = GOOD_MASK, targets: str = "[solo]", **serving: Any) -> Playbook:
+        drafter = dict(DRAFTER_CONFIG, dflash_config={"mask_token_id": mask, "target_layer_ids": [1]})
+        (self.dir / f"{name}-drafter.json").write_text(json.dumps(drafter, indent=2) + "\n")
+        notes = self.dir / "notes.txt"
+        if not notes.exists():
+            notes.write_text("release notes\n")
+        book: dict[str, Any] = {
+            "name": name,
+            "targets": yaml.safe_load(targets),
+            "deploy_root": "/nonexistent/overridden-per-container",
+            "keep_releases": 3,
+            "files": [{"src": "notes.txt", "dest": "notes.txt"}],
+            "drafter": {"config": f"{name}-drafter.json", "target_config": "target/config.json"},
+            "serving": {
+                "python": str(self.dir / "bin" / "python"),
+                "target": str(self.dir / "target"),
+                "model_name": "tiny",
+                "num_speculative_tokens": K,
+                "port": self.port,
+                "startup_timeout": 30,
+                "env": {"STANDIN_GOOD_MASK": str(GOOD_MASK)},
+                **serving,
+            },
+            "gates": {"acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 10, "max_tokens": 32}},
+        }
+        path = self.dir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(book))
+        return load_playbook(path)
+
+    def group(self, name: str = "group", mask: int = GOOD_MASK, **serving: Any) -> Playbook:
+        multi = {"nodes": ["n0", "n1"], "master_addr": "127.0.0.1", "master_port": free_port()}
+        return self.playbook(name, mask, "[n0, n1]", tensor_parallel_size=2, multi_node=multi, **serving)
+
+    def current(self, name: str) -> str:
+        return os.readlink(self.root(name) / "current")
+
+    def pid(self, name: str) -> int:
+        return int(json.loads((self.root(name) / "run" / "dflash-serve.json").read_text())["pid"])
+
+
+@pytest.fixture
+def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Box]:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the agent's compiled-code cache
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN} "$@"\n')
+    python.chmod(0o755)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(TARGET_CONFIG))
+    containers = {
+        name: {"connection": "local", "deploy_root": str(tmp_path / "roots" / name), "python": sys.executable}
+        for name in ("solo", "n0", "n1")
+    }
+    containers["n0"]["address"] = containers["n1"]["address"] = "127.0.0.1"
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump({"hosts": {"this-box": {"containers": containers}}}))
+    made = Box(tmp_path, inventory, free_port())
+    yield made
+    # End what the runs started, by the pids the agent recorded (a failing test leaves servers).
+    for pidfile in tmp_path.glob("roots/*/run/*.json"):
+        pid = json.loads(pidfile.read_text())["pid"]
+        if alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
+OPTIONS = RunOptions(forks=4, lock_timeout=5.0)
+
+
+def deploy(box: Box, playbook: Playbook, **options: Any) -> RunReport:
+    inv = box.inventory
+    return runs.deploy(playbook, inv, inv.resolve(playbook.targets), replace(OPTIONS, **options), quiet)
+
+
+def verify(box: Box, playbook: Playbook, probe: bool = False) -> RunReport:
+    inv = box.inventory
+    return runs.verify(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet, probe)
+
+
+def rollback(box: Box, playbook: Playbook, to: str | None = None) -> RunReport:
+    inv = box.inventory
+    return runs.rollback(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet, to)
+
+
+def stop(box: Box, playbook: Playbook) -> RunReport:
+    inv = box.inventory
+    return runs.stop(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet)
+
+
+def host(run: RunReport, name: str) -> HostReport:
+    return next(h for h in run.hosts if h.name == name)
+
+
+def test_one_host_ready_refused_rolled_back_rolled_back_again_and_stopped(box: Box) -> None:
+    good_pb = box.playbook()
+    first = deploy(box, good_pb)
+    solo = host(first, "solo")
+    assert first.ok, solo.gates
+    assert solo.gates["acceptance"].data["mean_acceptance_length"] == K + 1
+    assert list(solo.gates) == ["lint", "connect", "files", "loader", "build", "health", "acceptance", "ready"]
+    assert solo.ssh == {"connects": 0, "execs": 3, "retries": 0}  # stage, start+proof, READY record
+    good, server = first.release_id, box.pid("solo")
+    assert box.current("solo") == f"releases/{good}" and alive(server)
+    assert verify(box, good_pb, probe=True).ok
+
+    # The incident: a drafter config the server accepts, healthy, with ~0% of drafts accepted.
+    bad = deploy(box, box.playbook("bad", mask=6))
+    solo = host(bad, "solo")
+    assert not bad.ok and not solo.gates["acceptance"].ok
+    assert solo.gates["acceptance"].data["mean_acceptance_length"] == 1.0
+    assert any("mask_token_id (6)" in d for d in solo.diagnosis)
+    back = f"rolled back: release {good} is current again, healthy and READY"
+    assert any(d.startswith(back) for d in solo.diagnosis), solo.diagnosis
+    assert box.current("solo") == f"releases/{good}" and not alive(server)
+    assert verify(box, good_pb).ok
+
+    # `rollback` goes to the previous release (the bad one): refused, and the good one back again.
+    refused = rollback(box, good_pb)
+    solo = host(refused, "solo")
+    assert not refused.ok and solo.release_id == bad.release_id and not solo.gates["acceptance"].ok
+    assert any(d.startswith(back) for d in solo.diagnosis) and box.current("solo") == f"releases/{good}"
+    assert verify(box, good_pb).ok
+
+    stopped = stop(box, good_pb)
+    assert stopped.ok and host(stopped, "solo").gates["stopped"].detail.startswith("stopped pid")
+    assert not alive(box.pid("solo"))
+    after = verify(box, good_pb)
+    assert not after.ok and host(after, "solo").gates["health"].detail == "the server is not running"
+
+
+def test_lint_errors_stop_the_deploy_before_anything_is_touched(box: Box) -> None:
+    playbook = box.playbook(mask=64)  # the mask token must be inside the target's vocabulary
+    run = deploy(box, playbook)
+    assert not run.ok and host(run, "solo").gates["lint"].detail.startswith("not attempted")
+    assert not box.root("solo").exists()
+
+
+def test_a_release_that_cannot_be_staged_leaves_current_and_no_staging(box: Box) -> None:
+    first = deploy(box, box.playbook())
+    assert first.ok
+    (box.dir / "notes.txt").write_text("other notes\n")
+    changed = box.playbook("changed")
+    # A retried batch may find its release id taken; with other content it must refuse.
+    run = deploy(box, changed, release_id=first.release_id)
+    detail = host(run, "solo").gates["files"].detail
+    assert not run.ok and f"release {first.release_id} exists with other content" in detail
+    assert box.current("solo") == f"releases/{first.release_id}"
+    assert not [p for p in (box.root("solo") / "releases").iterdir() if p.name.startswith(".")]
+    assert alive(box.pid("solo"))  # the server that ran was not touched
+
+
+def test_a_locked_deploy_root_waits_then_fails_naming_the_holder(box: Box) -> None:
+    playbook = box.playbook()
+    box.root("solo").mkdir(parents=True)
+    with open(box.root("solo") / ".lock", "w") as held:
+        held.write('{"owner": "alice@other-controller"}')
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        run = deploy(box, playbook, lock_timeout=0.3)
+    detail = host(run, "solo").gates["files"].detail
+    assert not run.ok and "locked by another run" in detail and "alice@other-controller" in detail
+    assert not (box.root("solo") / "current").exists()
+
+
+def liar(box: Box, edit: str) -> str:
+    """A host that runs the real agent and then lies in its answer (``edit`` rewrites the JSON)."""
+    script = box.dir / "liar.py"
+    script.write_text(
+        "import json, subprocess, sys\n"
+        "real = subprocess.run([sys.executable, *sys.argv[1:]], input=sys.stdin.buffer.read(), capture_output=True)\n"
+        "answer = json.loads(real.stdout)\n"
+        f"{edit}\n"
+        "sys.stdout.write(json.dumps(answer))\n"
+    )
+    wrapper = box.dir / "bin" / "lying-python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def with_python(box: Box, name: str, python: str) -> None:
+    data = yaml.safe_load(box.inventory_path.read_text())
+    data["hosts"]["this-box"]["containers"][name]["python"] = python
+    box.inventory_path.write_text(yaml.safe_dump(data))
+
+
+def test_a_host_whose_read_back_disagrees_with_our_copy_is_not_ready(box: Box) -> None:
+    """The controller checks every digest against its own copy, not only the agent's word."""
+    edit = "answer['results'][1]['result']['files'][0]['sha256'] = '0' * 64"
+    with_python(box, "solo", liar(box, edit))
+    run = deploy(box, box.playbook())
+    detail = host(run, "solo").gates["files"].detail
+    assert not run.ok and detail.startswith("read-back differs") and "0" * 64 in detail
+    assert "health" not in host(run, "solo").gates  # nothing was launched
+
+
+def test_a_host_answering_in_the_wrong_shape_fails_its_gate_clearly(box: Box) -> None:
+    edit = "answer['results'][0]['result'] = {'waited_s': 'soon'}"
+    with_python(box, "solo", liar(box, edit))
+    run = deploy(box, box.playbook())
+    detail = host(run, "solo").gates["files"].detail
+    assert not run.ok and detail == "lock answered badly: 'waited_s' is str, expected float (exit 0)"
+
+
+def test_a_server_that_does_not_start_is_stopped_and_the_earlier_release_tried_again(box: Box) -> None:
+    """The earlier release is relaunched with the playbook's serving settings (the failing ones
+    here), so it fails too: the host is left stopped, on the release that was current."""
+    first = deploy(box, box.playbook())
+    assert first.ok
+    (box.dir / "notes.txt").write_text("a new release\n")
+    broken = box.playbook("broken", env={"STANDIN_FAIL_START": "1", "STANDIN_GOOD_MASK": str(GOOD_MASK)})
+    run = deploy(box, broken)
+    solo = host(run, "solo")
+    assert not run.ok and not solo.gates["health"].ok
+    assert (
+        "the server process exited" in solo.gates["health"].detail
+        and "stand-in told to fail" in solo.gates["health"].detail
+    )
+    again = f"rolled back to release {first.release_id}, but it does not pass"
+    assert any(d.startswith(again) for d in solo.diagnosis), solo.diagnosis
+    assert box.current("solo") == f"releases/{first.release_id}" and not alive(box.pid("solo"))
+    # The files of the current release again: nothing to go back to, and the message says why.
+    (box.dir / "notes.txt").write_text("release notes\n")
+    run = deploy(box, box.playbook("broken-again", env={"STANDIN_FAIL_START": "1"}))
+    assert not run.ok and host(run, "solo").diagnosis[-1].startswith(
+        f"release {first.release_id} was already current and does not pass with this playbook's serving settings"
+    )
+
+
+def test_a_refused_first_release_leaves_nothing_running(box: Box) -> None:
+    run = deploy(box, box.playbook(mask=6))
+    solo = host(run, "solo")
+    assert not run.ok and not solo.gates["acceptance"].ok
+    assert "no previous release to go back to: stopped (no vLLM or Ray process left)" in solo.diagnosis
+    assert not alive(box.pid("solo"))
+
+
+def test_verify_catches_a_changed_file_and_a_restarted_server(box: Box) -> None:
+    playbook = box.playbook()
+    first = deploy(box, playbook)
+    assert first.ok
+    served = box.root("solo") / "releases" / str(first.release_id) / "drafter" / "config.json"
+    kept = served.read_bytes()
+    served.write_bytes(kept.replace(b'"mask_token_id": 5', b'"mask_token_id": 6'))
+    drifted = host(verify(box, playbook), "solo")
+    assert not drifted.gates["files"].ok and drifted.gates["files"].detail.startswith("drift:")
+    assert str(served) in drifted.gates["files"].detail
+    # Repaired by the next deploy, which stages a new release and starts the server on it.
+    repaired = deploy(box, playbook)
+    assert repaired.ok and repaired.release_id != first.release_id
+    # A server restarted behind our back is healthy, but no longer the one proven READY.
+    record = json.loads((box.root("solo") / "ready.json").read_text())
+    record["pid"] += 1
+    (box.root("solo") / "ready.json").write_text(json.dumps(record))
+    restarted = host(verify(box, playbook), "solo")
+    assert not restarted.gates["ready"].ok and "restarted since READY" in restarted.gates["ready"].detail
+
+
+def test_rollback_with_nothing_to_go_back_to_says_so(box: Box) -> None:
+    playbook = box.playbook()
+    assert deploy(box, playbook).ok
+    run = rollback(box, playbook)
+    assert not run.ok and host(run, "solo").gates["files"].detail == "there is no previous release to go back to"
+    missing = rollback(box, playbook, to="20200101T000000Z-000000")
+    assert host(missing, "solo").gates["files"].detail == "release 20200101T000000Z-000000 does not exist here"
+
+
+def test_a_group_is_ready_and_a_dead_rank_fails_verify_naming_it(box: Box) -> None:
+    playbook = box.group()
+    run = orchestrator.deploy(playbook, box.inventory, box.inventory.resolve(playbook.targets), OPTIONS, quiet)
+    assert run.ok, [(h.name, h.gates) for h in run.hosts]  # the library runs it as one group
+    head, rank = host(run, "n0"), host(run, "n1")
+    assert head.gates["acceptance"].data["mean_acceptance_length"] == K + 1
+    assert rank.gates["health"].detail.startswith("headless rank pid")
+    assert rank.gates["acceptance"].detail.startswith("through the head n0")
+    for name in ("n0", "n1"):
+        record = json.loads((box.root(name) / "ready.json").read_text())
+        assert record["release_id"] == run.release_id and record["gates"]["group"]["nodes"] == ["n0", "n1"]
+    assert verify(box, playbook, probe=True).ok
+
+    os.kill(box.pid("n1"), signal.SIGKILL)
+    checked = verify(box, playbook)
+    assert not checked.ok
+    assert host(checked, "n1").gates["health"].detail == "headless rank is not running"
+    assert host(checked, "n0").gates["group"].detail == "group not ready: n1 failed its health gate"
+
+
+def test_a_group_whose_second_node_fails_its_files_gate_is_not_launched(box: Box) -> None:
+    playbook = box.group()
+    first = deploy(box, playbook)
+    assert first.ok
+    servers = {name: box.pid(name) for name in ("n0", "n1")}
+    (box.dir / "notes.txt").write_text("new notes\n")
+    with open(box.root("n1") / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        run = deploy(box, box.group(), lock_timeout=0.3)
+    assert not run.ok and "locked by another run" in host(run, "n1").gates["files"].detail
+    assert host(run, "n0").gates["group"].detail == "not launched: n1 failed its files gate"
+    assert "health" not in host(run, "n0").gates
+    assert all(alive(pid) for pid in servers.values())  # the group that ran still runs
+
+
+def test_a_group_refused_by_the_probe_goes_back_to_its_release_on_every_node(box: Box) -> None:
+    first = deploy(box, box.group())
+    assert first.ok
+    run = deploy(box, box.group("bad-group", mask=6))
+    head = host(run, "n0")
+    assert not run.ok and not head.gates["acceptance"].ok
+    assert host(run, "n1").gates["group"].detail == "group not ready: n0 failed its acceptance gate"
+    back = f"rolled back: release {first.release_id} is current again on every node, healthy and READY"
+    for name in ("n0", "n1"):
+        assert any(d.startswith(back) for d in host(run, name).diagnosis), host(run, name).diagnosis
+        assert box.current(name) == f"releases/{first.release_id}"
+    assert verify(box, box.group()).ok
+
+
+def test_a_group_rollback_needs_the_release_on_every_node(box: Box) -> None:
+    """Rollback of a group whose second node fails its files gate: nothing is stopped or switched."""
+    first = deploy(box, box.group())
+    (box.dir / "notes.txt").write_text("second\n")
+    second = deploy(box, box.group())
+    assert first.ok and second.ok
+    # The second node lost the first release (pruned by hand, say).
+    for item in sorted((box.root("n1") / "releases" / str(first.release_id)).rglob("*"), reverse=True):
+        item.unlink() if not item.is_dir() or item.is_symlink() else item.rmdir()
+    (box.root("n1") / "releases" / str(first.release_id)).rmdir()
+    os.unlink(box.root("n1") / "previous")
+    running = {name: box.pid(name) for name in ("n0", "n1")}
+    run = rollback(box, box.group(), to=first.release_id)
+    assert not run.ok
+    assert host(run, "n1").gates["files"].detail == f"release {first.release_id} does not exist here"
+    assert host(run, "n0").gates["group"].detail == "group not rolled back: n1 failed its files gate"
+    assert all(alive(pid) for pid in running.values())
+    assert box.current("n0") == box.current("n1") == f"releases/{second.release_id}"
+    assert verify(box, box.group()).ok
+
+
+def test_stop_through_the_cli_ends_every_rank_of_a_group(box: Box, capfd: pytest.CaptureFixture[str]) -> None:
+    playbook = box.group()
+    assert deploy(box, playbook).ok
+    pids = [box.pid("n0"), box.pid("n1")]
+    state = box.dir / "state"
+    code = cli.main(["stop", str(playbook.file), "-i", str(box.inventory_path), "--json", "--state-dir", str(state)])
+    captured = capfd.readouterr()
+    assert code == 0, captured.err
+    out = json.loads(captured.out)
+    assert code == 0 and all(h["gates"]["stopped"]["ok"] for h in out["hosts"])
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_files_only_one_exec_a_host_then_dry_run_diff_and_rollback(box: Box) -> None:
+    """Without a server a deploy is one exec per host (stage and switch together); the dry run
+    reads what each host serves and diffs it; rollback only switches."""
+    (box.dir / "a.txt").write_text("first\n")
+    book = {
+        "name": "files",
+        "targets": ["solo", "n0"],
+        "deploy_root": "/unused",
+        "files": [{"src": "a.txt", "dest": "a.txt"}],
+    }
+    (box.dir / "files.yaml").write_text(yaml.safe_dump(book))
+    playbook = load_playbook(box.dir / "files.yaml")
+    first = deploy(box, playbook)
+    assert first.ok and all(h.ssh == {"connects": 0, "execs": 1, "retries": 0} for h in first.hosts)
+    assert (box.root("solo") / "current" / "a.txt").read_text() == "first\n"
+
+    (box.dir / "a.txt").write_text("second\n")
+    playbook = load_playbook(box.dir / "files.yaml")
+    inv = box.inventory
+    looked = runs.dry_run(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet)
+    assert looked.ok and all("-first\n+second\n" in h.diffs[0] for h in looked.hosts)
+    assert (box.root("solo") / "current" / "a.txt").read_text() == "first\n"  # nothing written
+
+    second = deploy(box, playbook)
+    assert second.ok and (box.root("n0") / "current" / "a.txt").read_text() == "second\n"
+    back = rollback(box, playbook)
+    assert back.ok and all(h.release_id == first.release_id for h in back.hosts)
+    assert (box.root("solo") / "current" / "a.txt").read_text() == "first\n"
+    assert not verify(box, playbook).ok  # the playbook says "second"
