@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--release-id", default=None, help="name of the new release (default: UTC time + random)")
     v = run_parser("verify", "re-read what every target serves and report drift; never writes")
     v.add_argument("--probe", action="store_true", help="also re-run the acceptance probe on live traffic")
+    v.add_argument(
+        "--rehash",
+        action="store_true",
+        help="hash every model file again instead of trusting the host's digest cache (reads all of each model)",
+    )
     run_parser("stop", "end the vLLM server the playbook runs on every target")
     r = run_parser(
         "rollback",
@@ -257,7 +262,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     elif kind == "stop":
         run = runs.stop(playbook, inventory, targets, options, progress, _say)
     elif kind == "verify":
-        run = runs.verify(playbook, inventory, targets, options, progress, args.probe, _say)
+        run = runs.verify(playbook, inventory, targets, options, progress, args.probe, _say, args.rehash)
     else:
         run = runs.rollback(playbook, inventory, targets, options, progress, args.to_release, _say)
     for key in run.accepted_host_keys:

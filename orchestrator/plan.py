@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from orchestrator import dflash, placement, probe, protocol
-from orchestrator.playbook import FileSpec, Playbook
+from orchestrator.playbook import DRAFTER_CONFIG, DRAFTER_DIR, FileSpec, Model, Playbook
 from orchestrator.results import (
     GATE_ACCEPTANCE,
     GATE_BUILD,
@@ -92,23 +92,65 @@ class Checks:
         return playbook.serving.python is not None and playbook.drafter is not None
 
 
-class Stage:
-    """The first batch of a deploy: take the lock, stage the release, then the checks on it.
+class ModelChecks:
+    """The model directories of a playbook, read on a host: every file's digest (cached on the
+    host), the target's config.json where the server reads it, the drafter's safetensors headers."""
 
-    With no checks and no server to launch, nothing needs to run between staging and the switch,
-    so the release is switched in the same exec (one round trip per host). ``reuse``: keep
-    ``current`` when it already holds these files (else always stage ``release_id``).
+    def __init__(self, playbook: Playbook, root: str, record: bool, rehash: bool = False, drafter: bool = True) -> None:
+        models = playbook.models
+        self.target = self.drafter = None
+        if models.target is not None:
+            m = models.target
+            self.target = protocol.model_files(
+                root, m.role, m.path, _names(m), config=True, rehash=rehash, record=record
+            )
+        if models.drafter is not None and drafter:
+            m = models.drafter
+            self.drafter = protocol.model_files(
+                root, m.role, m.path, _names(m), headers=True, rehash=rehash, record=record, skip=[DRAFTER_CONFIG]
+            )
+        self.ops: list[protocol.Op[Any]] = [op for op in (self.target, self.drafter) if op is not None]
+
+
+def _names(model: Model) -> tuple[str, ...] | None:
+    return tuple(sorted(model.manifest)) if model.manifest is not None else None
+
+
+class Stage:
+    """The first batch of a deploy: take the lock, read the model directories, stage the release
+    (the drafter's overlay included), then the checks on it.
+
+    With no checks, no models and no server to launch, nothing needs to run between staging and
+    the switch, so the release is switched in the same exec (one round trip per host). ``reuse``:
+    keep ``current`` when it already holds these files (else always stage ``release_id``).
     """
 
     def __init__(
-        self, playbook: Playbook, root: str, release_id: str, owner: str, lock_timeout: float, reuse: bool = True
+        self,
+        playbook: Playbook,
+        root: str,
+        release_id: str,
+        owner: str,
+        lock_timeout: float,
+        reuse: bool = True,
+        rehash: bool = False,
     ) -> None:
         self.checks = Checks(playbook, root, protocol.APPLIED) if Checks.wanted(playbook) else None
-        switch_now = self.checks is None and playbook.serving.target is None
+        self.models = ModelChecks(playbook, root, record=True, rehash=rehash)
+        drafter = playbook.models.drafter
+        overlays = [protocol.Overlay(DRAFTER_DIR, drafter.path, _names(drafter))] if drafter is not None else []
+        switch_now = self.checks is None and playbook.serving.target is None and not self.models.ops
         files = playbook.release_files
         self.lock = protocol.lock(root, owner, lock_timeout)
-        self.apply = protocol.release_apply(root, release_id, files, playbook.keep_releases, switch_now, reuse)
-        self.ops: list[protocol.Op[Any]] = [self.lock, self.apply, *(self.checks.ops if self.checks else [])]
+        self.apply = protocol.release_apply(
+            root, release_id, files, playbook.keep_releases, switch_now, reuse, overlays
+        )
+        self.ops: list[protocol.Op[Any]] = [
+            self.lock,
+            *self.models.ops,
+            self.apply,
+            *(self.checks.ops if self.checks else []),
+        ]
 
 
 def health_op(playbook: Playbook, root: str, name: str) -> protocol.Op[protocol.Healthy]:
@@ -169,7 +211,8 @@ def read_applied(playbook: Playbook, applied: protocol.Applied, report: HostRepo
     report.release_id = applied.release_id
     report.previous = applied.previous
     report.changed = applied.changed
-    states = _states(applied.files, expected, report)
+    # The overlay's links are the models gate's to judge (their digests against the pins).
+    states = _states(tuple(f for f in applied.files if f.link is None), expected, report)
     if states is None:
         return
     report.files = states
@@ -294,7 +337,9 @@ def read_switched(switched: protocol.Switched, report: HostReport) -> None:
     report.release_id = switched.release_id
     report.previous = switched.previous
     report.changed = switched.release_id != switched.previous
-    report.files = [FileState(f.path, f.remote_path, f.sha256, f.sha256 or "") for f in switched.files]
+    report.files = [
+        FileState(f.path, f.remote_path, f.sha256, f.sha256 or "") for f in switched.files if f.link is None
+    ]
     report.gates[GATE_FILES] = Gate(
         True, f"release {report.release_id} is current, {len(report.files)} files verified by read-back"
     )

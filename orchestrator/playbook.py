@@ -9,6 +9,9 @@ files:                              # local source (relative to this file) -> pa
 drafter:
   config: files/drafter/config.json # pushed as drafter/config.json in the release
   reference: files/reference.json   # pinned known-good values, or an inline mapping
+models:                             # where the weights live, as the server sees them
+  target: {path: /models/Qwen3.6-27B, manifest: files/target.sha256}
+  drafter: {path: /models/Qwen3.6-27B-DFlash, push: /data/Qwen3.6-27B-DFlash}
 serving: {...}
 gates: {...}
 rollout: {...}
@@ -18,15 +21,17 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from orchestrator.configs import read_json, read_mapping
 from orchestrator.errors import InputError
-from orchestrator.yamlsource import Field, load_file
+from orchestrator.yamlsource import Field, load_file, read_text
 
-DRAFTER_CONFIG_DEST = "drafter/config.json"
+DRAFTER_DIR = "drafter"
+DRAFTER_CONFIG = "config.json"
+DRAFTER_CONFIG_DEST = f"{DRAFTER_DIR}/{DRAFTER_CONFIG}"
 # Files larger than this are sent inline with the request; models belong on mounted volumes.
 MAX_FILE_BYTES = 64 * 1024 * 1024
 
@@ -60,6 +65,26 @@ class Drafter:
     values: dict[str, Any]  # the config's JSON, parsed once: what lint and the loader gate compare
     reference: dict[str, Any] | None = None  # pinned known-good values (file or inline)
     target: dict[str, Any] | None = None  # a local copy of the target model's config.json
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model directory on the hosts: where the server reads it, and what pins its files."""
+
+    role: str  # "target" or "drafter"
+    path: str  # absolute, as the server sees it (in LXD, usually a disk from the GPU host)
+    manifest: dict[str, str] | None = None  # relative path -> sha256, from a local sha256sum file
+    push: Path | None = None  # a local directory uploaded to ``path`` from the controller
+
+
+@dataclass(frozen=True)
+class Models:
+    target: Model | None = None
+    drafter: Model | None = None
+
+    @property
+    def all(self) -> tuple[Model, ...]:
+        return tuple(m for m in (self.target, self.drafter) if m is not None)
 
 
 EXECUTORS = ("mp", "ray")
@@ -133,6 +158,7 @@ class Playbook:
     serving: Serving
     gates: Gates
     rollout: Rollout
+    models: Models = Models()
 
     @property
     def release_files(self) -> tuple[FileSpec, ...]:
@@ -145,7 +171,19 @@ def load_playbook(path: Path | str) -> Playbook:
     path = Path(path)
     doc = load_file(path)
     top = Field(doc).mapping(
-        {"name", "targets", "deploy_root", "keep_releases", "files", "drafter", "disks", "serving", "gates", "rollout"},
+        {
+            "name",
+            "targets",
+            "deploy_root",
+            "keep_releases",
+            "files",
+            "drafter",
+            "disks",
+            "serving",
+            "gates",
+            "rollout",
+            "models",
+        },
         required=frozenset({"name", "deploy_root"}),
     )
     base = path.parent
@@ -157,7 +195,10 @@ def load_playbook(path: Path | str) -> Playbook:
         or deploy_root == "/"
     ):
         raise root_field.error("expected an absolute, normalised directory other than /")
+    models = _models(top["models"], base)
     serving = _serving(top["serving"])
+    if serving.target is None and models.target is not None:
+        serving = replace(serving, target=models.target.path)
     if "targets" in top:
         targets = top["targets"].str_list()
     elif serving.multi_node is not None:
@@ -193,6 +234,8 @@ def load_playbook(path: Path | str) -> Playbook:
         if "target_config" in d:
             target = read_json(_local(d["target_config"], d["target_config"].str(), base))
         drafter = Drafter(config, read_json(config.src), reference, target)
+    if models.drafter is not None and drafter is None:
+        raise top["models"]["drafter"].error("a drafter model needs drafter.config: the config its release serves")
 
     if serving.multi_node is not None and "rollout" in top:
         raise top["rollout"].error("a multi-node deployment is one group, deployed whole: rollout does not apply")
@@ -210,6 +253,7 @@ def load_playbook(path: Path | str) -> Playbook:
         serving=serving,
         gates=_gates(top["gates"]),
         rollout=_rollout(top["rollout"]),
+        models=models,
     )
 
 
@@ -248,6 +292,56 @@ def _file_spec(f: Field, src: str, dest: str, base: Path, src_key: str = "src") 
     except OSError as exc:
         raise src_field.error(f"cannot read {path}: {exc.strerror}") from exc
     return FileSpec(src=path, dest=dest, mode=mode, content=content)
+
+
+def _models(f: Field, base: Path) -> Models:
+    f.mapping({"target", "drafter"})
+    found: dict[str, Model] = {}
+    for role in ("target", "drafter"):
+        if role not in f:
+            continue
+        m = f[role].mapping({"path", "manifest", "push"}, required=frozenset({"path"}))
+        path = m["path"].str()
+        if not path.startswith("/") or posixpath.normpath(path) != path or path == "/":
+            raise m["path"].error("expected an absolute, normalised directory other than /")
+        manifest = None
+        if "manifest" in m:
+            manifest = _sha256sum_file(m["manifest"], _local(m["manifest"], m["manifest"].str(), base))
+            if role == "drafter":
+                # The overlay serves the release's config.json, never the model directory's own.
+                manifest.pop(DRAFTER_CONFIG, None)
+        push = None
+        if "push" in m:
+            push = Path(m["push"].str()).expanduser()
+            push = push if push.is_absolute() else base / push
+            if not push.is_dir():
+                raise m["push"].error(f"local directory {push} does not exist")
+        found[role] = Model(role, path, manifest, push)
+    if "target" in found and "drafter" in found and found["target"].path == found["drafter"].path:
+        raise f["drafter"]["path"].error("the drafter and the target cannot share a model directory")
+    return Models(found.get("target"), found.get("drafter"))
+
+
+def _sha256sum_file(f: Field, path: Path) -> dict[str, str]:
+    """A ``sha256sum``-format file: ``<64 hex>  <relative path>`` per line (``*`` binary mark allowed)."""
+    files: dict[str, str] = {}
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        digest, sep, name = line[:64], line[64:66], line[66:]
+        name = name[1:] if sep == " *" else name
+        where = f"{path}:{number}"
+        if sep not in ("  ", " *") or len(digest) != 64 or digest.strip("0123456789abcdefABCDEF"):
+            raise f.error(f"{where}: expected '<sha256>  <path>' (sha256sum's format)")
+        norm = posixpath.normpath(name)
+        if not name or name.startswith("/") or norm != name or norm.startswith(".."):
+            raise f.error(f"{where}: {name!r} must be a relative path inside the model directory")
+        if name in files:
+            raise f.error(f"{where}: {name} is listed twice")
+        files[name] = digest.lower()
+    if not files:
+        raise f.error(f"{path} lists no files")
+    return files
 
 
 def _disks(f: Field) -> tuple[Disk, ...]:

@@ -77,6 +77,9 @@ class ServedFile:
     sha256: str | None  # None: missing
     changed: bool = False
     content: bytes | None = None  # release_inspect: small files' bytes, for diffs
+    link: str | None = None  # an overlay link: where it points now (``remote_path``: where it should)
+    verified: str | None = None  # an overlay link's digest: "cached" or "hashed" on the host
+    pinned: str | None = None  # an overlay link's digest as the release that was current recorded it
 
     @classmethod
     def read(cls, value: dict[str, Any]) -> ServedFile:
@@ -90,12 +93,18 @@ class ServedFile:
                 raise AnswerError("'content_b64' is not base64") from exc
         else:
             content_bytes = None
+        verified = _field(value, "verified", str, optional=True)
+        if verified not in (None, "cached", "hashed"):
+            raise AnswerError(f"'verified' is {verified!r}")
         return cls(
             path=_field(value, "path", str),
             remote_path=_field(value, "remote_path", str),
             sha256=_sha256(value, "sha256"),
             changed=bool(_field(value, "changed", bool, optional=True)),
             content=content_bytes,
+            link=_field(value, "link", str, optional=True),
+            verified=verified,
+            pinned=_sha256(value, "pinned"),
         )
 
 
@@ -135,6 +144,30 @@ class Served:
     current: str | None
     previous: str | None
     files: tuple[ServedFile, ...]
+    links: tuple[ServedFile, ...] = ()  # release_verify: every link of current's overlay
+    manifest: dict[str, str] | None = None  # release_verify: current's own record of its digests
+    models: dict[str, str] = field(default_factory=dict)  # release_verify: model file -> digest it was proven with
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: str  # relative to the model directory
+    size: int
+    sha256: str
+    verified: str  # "cached" or "hashed"
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model directory on the host: its files and digests, and what was asked of it besides."""
+
+    path: str
+    files: tuple[ModelFile, ...]
+    missing: tuple[str, ...]  # named (by a manifest) but not there
+    pins: dict[str, str] | None = None  # digests the current release was proven with (None: it kept none)
+    release_id: str | None = None  # that release
+    config: str | None = None  # config.json's text, when asked (None: the directory has none)
+    headers: dict[str, dict[str, Any]] = field(default_factory=dict)  # safetensors file -> tensor -> dtype, shape
 
 
 @dataclass(frozen=True)
@@ -251,8 +284,9 @@ class Answers:
     def __getitem__(self, op: Op[A]) -> A:
         return self._values[op.key]  # type: ignore[no-any-return]
 
-    def get(self, op: Op[A]) -> A | None:
-        return self._values.get(op.key)
+    def get(self, op: Op[A] | None) -> A | None:
+        """The op's answer; None when it was not asked (None) or not answered (a failure before it)."""
+        return self._values.get(op.key) if op is not None else None
 
     def __contains__(self, op: Op[Any]) -> bool:
         return op.key in self._values
@@ -280,10 +314,27 @@ def _applied(v: dict[str, Any]) -> Applied:
     )
 
 
+@dataclass(frozen=True)
+class Overlay:
+    """Links in the release at ``dest`` to the files of the model directory ``source`` (all of
+    them, or the ``files`` a manifest names), except those the release pushes itself."""
+
+    dest: str
+    source: str
+    files: tuple[str, ...] | None = None
+
+
 def release_apply(
-    root: str, release_id: str, files: Sequence[FileSpec], keep: int, switch: bool, reuse: bool = True
+    root: str,
+    release_id: str,
+    files: Sequence[FileSpec],
+    keep: int,
+    switch: bool,
+    reuse: bool = True,
+    overlays: Sequence[Overlay] = (),
 ) -> Op[Applied]:
-    """Stage a release (files travel inline), or find that ``current`` holds them already.
+    """Stage a release (files travel inline, overlays as links), or find that ``current`` holds
+    them already.
 
     ``switch``: make it current in the same op (nothing needs to run in between). ``reuse``: keep
     ``current`` when it holds these files (else always stage ``release_id``).
@@ -297,21 +348,100 @@ def release_apply(
         "switch": switch,
         "reuse": reuse,
         "files": entries,
+        "overlays": [
+            {"dest": o.dest, "source": o.source, "files": list(o.files) if o.files is not None else None}
+            for o in overlays
+        ],
     }
     return Op(request, _applied)
 
 
+def _model_files(v: dict[str, Any]) -> ModelFiles:
+    files = []
+    for item in _items(v, "files"):
+        verified = _field(item, "verified", str)
+        if verified not in ("cached", "hashed"):
+            raise AnswerError(f"'verified' is {verified!r}")
+        digest = _sha256(item, "sha256")
+        if digest is None:
+            raise AnswerError("'sha256' is missing")
+        files.append(ModelFile(_field(item, "path", str), _field(item, "size", int), digest, verified))
+    missing = _field(v, "missing", list)
+    if not all(isinstance(m, str) for m in missing):
+        raise AnswerError("'missing' is not a list of paths")
+    headers = _field(v, "headers", dict, optional=True) or {}
+    for name, tensors in headers.items():
+        _mapping(tensors, f"the header of {name}")
+    pins = _field(v, "pins", dict, optional=True)
+    if pins is not None and not all(isinstance(k, str) and isinstance(d, str) for k, d in pins.items()):
+        raise AnswerError("'pins' is not a mapping of paths to digests")
+    return ModelFiles(
+        _field(v, "path", str),
+        tuple(files),
+        tuple(missing),
+        pins,
+        _field(v, "release_id", str, optional=True),
+        _field(v, "config", str, optional=True),
+        headers,
+    )
+
+
+# Hashing a model the first time reads all of it (tens of GB on a target): minutes, not seconds.
+MODEL_HASH_TIMEOUT = 1800.0
+
+
+def model_files(
+    root: str,
+    role: str,
+    path: str,
+    files: Sequence[str] | None = None,
+    config: bool = False,
+    headers: bool = False,
+    rehash: bool = False,
+    record: bool = False,
+    skip: Sequence[str] = (),
+) -> Op[ModelFiles]:
+    """A model directory's files (all, or those named) with their digests from the deploy root's
+    digest cache or hashed now; its config.json (``config``); its safetensors headers
+    (``headers``). ``record``: keep new digests in the cache (a deploy, under the lock). ``skip``:
+    files the release replaces (the drafter's config.json)."""
+    request = {
+        "op": "model_files",
+        "name": role,
+        "root": root,
+        "path": path,
+        "files": list(files) if files is not None else None,
+        "config": config,
+        "headers": headers,
+        "rehash": rehash,
+        "record": record,
+        "skip": list(skip),
+    }
+    return Op(request, _model_files, budget_s=MODEL_HASH_TIMEOUT)
+
+
 def _served(v: dict[str, Any]) -> Served:
+    manifest = _field(v, "manifest", dict, optional=True)
+    if manifest is not None and not all(isinstance(k, str) and isinstance(d, str) for k, d in manifest.items()):
+        raise AnswerError("'manifest' is not a mapping of paths to digests")
+    models = _field(v, "models", dict, optional=True) or {}
+    if not all(isinstance(k, str) and isinstance(d, str) for k, d in models.items()):
+        raise AnswerError("'models' is not a mapping of paths to digests")
     return Served(
         current=_field(v, "current", str, optional=True),
         previous=_field(v, "previous", str, optional=True),
         files=_files(v),
+        links=tuple(ServedFile.read(f) for f in _items(v, "links")) if "links" in v else (),
+        manifest=manifest,
+        models=models,
     )
 
 
-def release_verify(root: str, paths: Iterable[str]) -> Op[Served]:
-    """Read-only: the digests of the files the server reads, through ``current``."""
-    return Op({"op": "release_verify", "root": root, "files": [{"path": p} for p in paths]}, _served)
+def release_verify(root: str, paths: Iterable[str], rehash: bool = False) -> Op[Served]:
+    """Read-only: the digests of the files the server reads, through ``current``, and its overlay's
+    links (``rehash``: hash model files again instead of trusting the digest cache)."""
+    request = {"op": "release_verify", "root": root, "files": [{"path": p} for p in paths], "rehash": rehash}
+    return Op(request, _served)
 
 
 def release_inspect(root: str, paths: Iterable[str]) -> Op[Served]:
@@ -481,6 +611,7 @@ def _scrapes(v: dict[str, Any]) -> Scrapes:
 # Every operation the controller builds, by the name the agent knows it by.
 OPERATIONS: dict[str, Callable[..., Op[Any]]] = {
     "lock": lock,
+    "model_files": model_files,
     "release_apply": release_apply,
     "release_verify": release_verify,
     "release_inspect": release_inspect,

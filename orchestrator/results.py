@@ -16,6 +16,8 @@ GATE_LINT = "lint"
 GATE_CONTAINERS = "containers"
 GATE_CONNECT = "connect"
 GATE_FILES = "files"
+GATE_MODELS = "models"
+GATE_WEIGHTS = "weights"
 GATE_LOADER = "loader"
 GATE_BUILD = "build"
 GATE_HEALTH = "health"
@@ -69,6 +71,7 @@ class HostReport:
     diagnosis: list[str] = field(default_factory=list)
     duration_s: float = 0.0
     ssh: dict[str, int] = field(default_factory=dict)
+    models: list[dict[str, Any]] = field(default_factory=list)  # per model directory: files, bytes, drift
 
     @property
     def ready(self) -> bool:
@@ -102,6 +105,8 @@ class HostReport:
         }
         if kind == "verify":
             out["in_sync"] = self.ready
+        if self.models:
+            out["models"] = self.models
         if self.container is not None:
             out["container"] = self.container
         if self.diagnosis:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from orchestrator import launch, plan, protocol
+from orchestrator import launch, models, plan, protocol
 from orchestrator.errors import AgentError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.playbook import Playbook
@@ -24,6 +24,7 @@ from orchestrator.results import (
     GATE_HEALTH,
     GATE_LINT,
     GATE_LOADER,
+    GATE_MODELS,
     GATE_RAY,
     Gate,
     RunReport,
@@ -81,10 +82,20 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
                 return
             batch = plan.Stage(playbook, node.root, release_id, run.owner, run.options.lock_timeout, reuse)
             started = time.monotonic()
-            answers = run.batch(node, batch.ops)
+            try:
+                answers = run.batch(node, batch.ops)
+            except AgentError as exc:
+                if exc.failure.op != "model_files":
+                    raise
+                node.report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
+                node.report.gates[GATE_MODELS] = Gate(False, exc.failure.describe())
+                return
             node.staged = answers[batch.apply]
             plan.read_applied(playbook, node.staged, node.report)
             node.report.gates[GATE_FILES].data["seconds"] = round(time.monotonic() - started, 2)
+            target, drafter = answers.get(batch.models.target), answers.get(batch.models.drafter)
+            config = models.read_models(playbook, target, drafter, node.report)
+            models.read_weights(playbook, drafter, config, node.report)
             if batch.checks is not None:
                 build = answers[batch.checks.build]
                 plan.read_checks(playbook, answers[batch.checks.loader], build, node.report)
@@ -134,6 +145,7 @@ def _switch_staged(run: Run, node: Node) -> None:
 # The gate a failed read-only check belongs to (a stale drafter config that transformers cannot
 # load is the loader's failure; the files' drift read before it must still be reported).
 _CHECK_GATES = {
+    "model_files": GATE_MODELS,
     "loader_view": GATE_LOADER,
     "vllm_build": GATE_BUILD,
     "serving_status": GATE_HEALTH,
@@ -160,8 +172,11 @@ def verify(
     progress: Progress,
     probe_acceptance: bool = False,
     say: Say = quiet,
+    rehash: bool = False,
 ) -> RunReport:
     """Read only, one exec per node: the files the server reads against the playbook's digests,
+    the model files (their digests from the host's cache, or hashed again with ``rehash``) and the
+    overlay's links against their pins,
     the loader and build checks, the server (or rank) alive and healthy, the READY record, and
     with ``probe_acceptance`` the acceptance probe through the head. A group also needs every
     node on one release (and, with Ray, every node in the cluster)."""
@@ -169,9 +184,11 @@ def verify(
     def check(run: Run, unit: Unit, node: Node) -> None:
         if not run.locate(node):
             return
-        served = protocol.release_verify(node.root, plan.paths(playbook))
+        served = protocol.release_verify(node.root, plan.paths(playbook), rehash)
         checks = plan.Checks(playbook, node.root, None) if plan.Checks.wanted(playbook) else None
-        ops: list[protocol.Op[Any]] = [served, *(checks.ops if checks else [])]
+        # The drafter's files are checked through the overlay's links (release_verify).
+        model = plan.ModelChecks(playbook, node.root, record=False, rehash=rehash, drafter=False)
+        ops: list[protocol.Op[Any]] = [served, *model.ops, *(checks.ops if checks else [])]
         status = None
         if playbook.serving.target is not None:
             port = playbook.serving.port if node.rank == 0 else None
@@ -183,6 +200,9 @@ def verify(
         answers, failed = _read_only(run, node, ops)
         report = node.report
         plan.read_verified(playbook, answers[served], report)
+        if model.target is None or model.target in answers:  # else its failure is the gate, below
+            found = answers[served]
+            models.read_models(playbook, answers.get(model.target), None, report, found.links, found.manifest)
         if checks is not None:
             plan.read_checks(playbook, answers.get(checks.loader), answers.get(checks.build), report)
         if status is not None and status in answers and report.release_id is not None:

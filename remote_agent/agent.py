@@ -44,6 +44,9 @@ except ImportError:
 
 PROTOCOL_VERSION = 1
 MANIFEST = ".manifest.sha256"
+LINKS = ".links"  # a release's overlay links: "<path>\t<target>" lines
+MODELS = ".models.sha256"  # the model files a release was proven with: "<sha256>  <absolute path>"
+DIGESTS = ".digests"  # the digest cache of the deploy root
 STAGING_PREFIX = ".staging-"
 CHUNK = 1 << 20
 
@@ -327,6 +330,39 @@ def _read_manifest(release_dir):
     return files
 
 
+def _read_models(release_dir):
+    """{absolute path: sha256} of the model files a release was proven with ({} when none)."""
+    try:
+        with open(os.path.join(release_dir, MODELS), "rb") as f:
+            lines = f.read().decode("utf-8", "surrogateescape").split("\n")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise _os_error("io", exc, os.path.join(release_dir, MODELS))
+    return dict((line[66:], line[:64]) for line in lines[:-1] if line[64:66] == "  ")
+
+
+def _links_bytes(links):
+    return "".join("%s\t%s\n" % (p, links[p]) for p in sorted(links)).encode("utf-8", "surrogateescape")
+
+
+def _read_links(release_dir):
+    """{path: target} of a release's overlay links ({} when it has none)."""
+    try:
+        with open(os.path.join(release_dir, LINKS), "rb") as f:
+            lines = f.read().decode("utf-8", "surrogateescape").split("\n")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise _os_error("io", exc, os.path.join(release_dir, LINKS))
+    links = {}
+    for line in lines[:-1]:
+        path, sep, target = line.partition("\t")
+        if sep:
+            links[path] = target
+    return links
+
+
 def _set_link(root_real, name, release_id):
     """Point ``name`` at a release with a rename over the old link (atomic)."""
     link = os.path.join(root_real, name)
@@ -352,15 +388,211 @@ def _switch(root_real, release_id):
     return old
 
 
-def _served_files(root_real, files):
-    """Digests through ``current``, resolved: the path the server reads."""
+def _served_files(root_real, files, rehash=False):
+    """Digests through ``current``, resolved: the path the server reads. A link of the release's
+    overlay must still point where the release recorded; its digest is the digest cache's."""
     current = _link_target(root_real, "current")
+    links = _read_links(os.path.join(root_real, "releases", current)) if current else {}
     out = []
     for spec in files:
+        if spec["path"] in links:
+            out.append(_served_link(root_real, "current", spec["path"], links[spec["path"]], rehash))
+            continue
         served = _inside(root_real, os.path.join("current", spec["path"]))
         real = os.path.realpath(served)
         out.append({"path": spec["path"], "remote_path": real, "sha256": _sha256_or_none(real)})
     return current, out
+
+
+def _served_link(root_real, base, path, target, rehash=False):
+    """One overlay link under ``base`` (``current``, or a release's directory): where it points
+    (``link``), and the digest of what it points at when that is where the release says."""
+    parent = _inside(root_real, os.path.join(base, os.path.dirname(path))) if os.path.dirname(path) else None
+    link = os.path.join(parent or _inside(root_real, base), os.path.basename(path))
+    try:
+        found = os.readlink(link)
+    except OSError:
+        found = None
+    record = {"path": path, "remote_path": target, "link": found, "sha256": None, "verified": None}
+    if found == target:
+        record["sha256"], record["verified"] = _digests(root_real).digest(link, rehash)
+    return record
+
+
+# --- model files and their digests ---------------------------------------------------------
+
+
+class _Digests:
+    """sha256 of files by (device, inode, size, mtime_ns, ctime_ns), kept in <root>/.digests: a
+    no-change verify of a model of many GB is a stat per file. ctime cannot be set back by hand,
+    so a file rewritten in place (same size, mtime restored) is hashed again."""
+
+    def __init__(self, root_real):
+        self.path = os.path.join(root_real, DIGESTS)
+        self.known = {}
+        self.dirty = False
+        try:
+            with open(self.path, "rb") as f:
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            text = ""
+        for line in text.split("\n"):
+            parts = line.split(" ", 6)
+            if len(parts) != 7 or len(parts[0]) != 64:
+                continue
+            try:
+                key = (int(parts[1]), int(parts[2]))
+                self.known[key] = (int(parts[3]), int(parts[4]), int(parts[5]), parts[0], parts[6])
+            except ValueError:
+                continue
+
+    def digest(self, path, rehash=False):
+        """(sha256, "cached" | "hashed") of what ``path`` reads as, or (None, None) when it is not
+        a readable regular file."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None, None
+        if not stat.S_ISREG(st.st_mode):
+            return None, None
+        key, stamp = (st.st_dev, st.st_ino), (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        hit = self.known.get(key)
+        if not rehash and hit is not None and hit[:3] == stamp:
+            return hit[3], "cached"
+        digest = _sha256_or_none(path)
+        try:
+            after = os.stat(path)
+        except OSError:
+            return None, None
+        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == stamp and digest is not None:
+            self.known[key] = stamp + (digest, os.path.realpath(path))
+            self.dirty = True
+        return digest, "hashed"
+
+    def save(self):
+        """Written under the deploy-root lock only; entries whose file is gone or changed are dropped."""
+        if not self.dirty:
+            return
+        lines = []
+        for (dev, ino), (size, mtime, ctime, digest, real) in sorted(self.known.items()):
+            try:
+                st = os.stat(real)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (dev, ino, size, mtime, ctime):
+                lines.append("%s %d %d %d %d %d %s\n" % (digest, dev, ino, size, mtime, ctime, real))
+        body = "".join(lines).encode("utf-8", "surrogateescape")
+        _atomic_write(self.path, body, _sha256(body), 0o644)
+        self.dirty = False
+
+
+def _digests(root_real):
+    """The deploy root's digest cache, shared by every op of the batch."""
+    key = ("digests", root_real)
+    if key not in _batch:
+        _batch[key] = _Digests(root_real)
+    return _batch[key]
+
+
+def _model_path(value):
+    if not isinstance(value, str) or not os.path.isabs(value) or os.path.normpath(value) != value or value == "/":
+        raise OpError("bad_request", "a model path must be absolute and normalised", value)
+    return value
+
+
+def _model_names(source, names=None):
+    """The files of a model directory, relative to it (hidden entries, such as the .cache/ that
+    `hf download` leaves, skipped), or the named ones. Directories that are links are not entered."""
+    if names is None:
+        if not os.path.isdir(source):
+            raise OpError("missing_model", "model directory %s does not exist" % source, source)
+        names = []
+        for dirpath, dirnames, filenames in os.walk(source):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            rel = os.path.relpath(dirpath, source)
+            for name in filenames:
+                if not name.startswith("."):
+                    names.append(name if rel == "." else os.path.join(rel, name))
+    for name in names:
+        norm = os.path.normpath(name) if isinstance(name, str) and name else ""
+        if not norm or norm != name or name.startswith(("/", "../")) or any(c in name for c in "\t\n\\"):
+            raise OpError("bad_path", "model file name %r cannot be served from a release" % (name,), source)
+    return sorted(names)
+
+
+def _safetensors_header(path):
+    """Tensor names, dtypes and shapes from a safetensors file's JSON header (never the tensors)."""
+    import json
+
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        size = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if size <= 1 or size > 100 * CHUNK:
+            raise OpError("bad_weights", "%s is not a safetensors file (header length %d)" % (path, size), path)
+        try:
+            header = json.loads(f.read(size).decode("utf-8"))
+        except ValueError:
+            raise OpError("bad_weights", "%s: the safetensors header is not JSON" % path, path)
+    if not isinstance(header, dict):
+        raise OpError("bad_weights", "%s: the safetensors header is not an object" % path, path)
+    tensors = {}
+    for name, info in header.items():
+        if name != "__metadata__" and isinstance(info, dict):
+            tensors[name] = {"dtype": info.get("dtype"), "shape": info.get("shape")}
+    return tensors
+
+
+def op_model_files(req):
+    """The files of a model directory with their digests (the cache's, or hashed now), and on
+    request its config.json as text and its safetensors headers. Reads only: the cache is
+    written when ``record`` (under the lock, by a deploy)."""
+    root = _root(req)
+    source = _model_path(req.get("path"))
+    skip = set(req.get("skip") or [])
+    names = [n for n in _model_names(source, req.get("files")) if n not in skip]
+    digests = _digests(root)
+    current = _link_target(root, "current")
+    recorded = _read_models(os.path.join(root, "releases", current)) if current else {}
+    prefix = source + "/"
+    pins = dict((p[len(prefix):], d) for p, d in recorded.items() if p.startswith(prefix))
+    seen = _batch.setdefault("models", {})
+    files, missing = [], []
+    for name in names:
+        path = os.path.join(source, name)
+        digest, verified = digests.digest(path, bool(req.get("rehash")))
+        if digest is None:
+            missing.append(name)
+            continue
+        seen[path] = digest
+        files.append({"path": name, "size": os.stat(path).st_size, "sha256": digest, "verified": verified})
+    # pins: the digests the current release was proven with for this directory (None: it kept none).
+    out = {"path": source, "files": files, "missing": missing, "pins": pins if recorded else None,
+           "release_id": current}
+    if req.get("config"):
+        out["config"] = _read_small(os.path.join(source, "config.json"))
+    if req.get("headers"):
+        out["headers"] = dict(
+            (f["path"], _safetensors_header(os.path.join(source, f["path"])))
+            for f in files
+            if f["path"].endswith(".safetensors")
+        )
+    if req.get("record"):
+        digests.save()
+    return out
+
+
+def _read_small(path, limit=CHUNK):
+    """A small text file's content (a model's config.json), or None when there is none."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+    if len(data) > limit:
+        raise OpError("too_large", "%s is larger than %d bytes" % (path, limit), path)
+    return data.decode("utf-8", "replace")
 
 
 def _rmtree(path, ignore_errors=False):
@@ -417,19 +649,48 @@ def _prune(root_real, releases, keep):
     return pruned
 
 
-def _stage_release(staging, files, wanted):
+def _stage_release(staging, files, wanted, links, models):
     os.mkdir(staging, 0o755)
     for spec in files:
         if "\n" in spec["path"] or "\\" in spec["path"]:
             raise OpError("bad_request", "a file path may not hold a newline or a backslash", spec["path"])
         data, expected = _decode_content(spec)
         _atomic_write(os.path.join(staging, spec["path"]), data, expected, _mode(spec))
+    for path in sorted(links):
+        where = os.path.join(staging, path)
+        os.makedirs(os.path.dirname(where), mode=0o755, exist_ok=True)
+        os.symlink(links[path], where)
+    if links:
+        body = _links_bytes(links)
+        _atomic_write(os.path.join(staging, LINKS), body, _sha256(body), 0o644)
+    if models:
+        # sha256sum(1) format with absolute paths: `sha256sum -c` checks the models from anywhere.
+        body = "".join("%s  %s\n" % (models[p], p) for p in sorted(models)).encode("utf-8", "surrogateescape")
+        _atomic_write(os.path.join(staging, MODELS), body, _sha256(body), 0o644)
     body = _manifest_bytes(wanted)
     _atomic_write(os.path.join(staging, MANIFEST), body, _sha256(body), 0o644)
 
 
+def _overlay_links(req, pushed):
+    """{release path: target} for every overlay: each file of a model directory not pushed itself
+    (the drafter's weights beside the release's own config.json)."""
+    links = {}
+    for overlay in req.get("overlays") or []:
+        dest, source = overlay.get("dest"), _model_path(overlay.get("source"))
+        if not isinstance(dest, str) or not dest or os.path.normpath(dest) != dest or dest.startswith(("/", "..")):
+            raise OpError("bad_request", "an overlay's dest must be a relative path", dest)
+        for name in _model_names(source, overlay.get("files")):
+            path = "%s/%s" % (dest, name)
+            if path not in pushed:
+                links[path] = os.path.join(source, name)
+    return links
+
+
 def op_release_apply(req):
-    """Put a release's files and make it current, or report that current already holds them."""
+    """Put a release's files and make it current, or report that current already holds them.
+
+    ``overlays`` add links to model files beside the files pushed (the drafter's weights beside
+    the release's config.json): each link and its target's digest are part of the release."""
     root = _root(req)
     release_id = req.get("release_id")
     _check_release_id(release_id)
@@ -441,32 +702,46 @@ def op_release_apply(req):
     releases = _releases_dir(root)
     _clean_staging(releases)
 
-    current, served = _served_files(root, files)
-    before = dict((f["path"], f["sha256"]) for f in served)
     wanted = dict((f["path"], f["sha256"]) for f in files)
+    links = _overlay_links(req, wanted)
+    digests = _digests(root)
+    verified = {}
+    for path in sorted(links):
+        _inside(root, os.path.join("releases", release_id, os.path.dirname(path)))
+        wanted[path], verified[path] = digests.digest(links[path], bool(req.get("rehash")))
+        if wanted[path] is None:
+            raise OpError("missing_model_file", "%s is missing or not a readable file" % links[path], links[path])
+    current, served = _served_files(root, files + [{"path": p} for p in sorted(links)])
+    before = dict((f["path"], f["sha256"]) for f in served)
+    current_dir = os.path.join(releases, current) if current else None
+    current_links = _read_links(current_dir) if current_dir else {}
+    pinned = _read_manifest(current_dir) if current_dir else None
+    # The model files this batch read (model_files): the release records what it is proven with.
+    models = dict(_batch.get("models") or {})
+    same_models = (_read_models(current_dir) if current_dir else {}) == models
     # reuse=False: a new release even when current holds these files (a multi-node group must
     # share one release id, and a node that was repaired alone holds another).
-    if current is not None and req.get("reuse", True):
-        manifest = _read_manifest(os.path.join(releases, current))
-        if manifest == wanted and all(before[p] == wanted[p] for p in wanted):
+    if current is not None and req.get("reuse", True) and same_models:
+        if pinned == wanted and current_links == links and all(before[p] == wanted[p] for p in wanted):
             _batch["applied"] = current
+            digests.save()
             return {
                 "changed": False,
                 "release_id": current,
                 "previous": _link_target(root, "previous"),
-                "files": [dict(f, changed=False) for f in served],
+                "files": [_with_link(dict(f, changed=False), links, verified, pinned, current_links) for f in served],
                 "pruned": [],
             }
 
     final_dir = os.path.join(releases, release_id)
     if os.path.lexists(final_dir):
         # A retried batch after a cut connection may find its own finished release.
-        if _read_manifest(final_dir) != wanted:
+        if _read_manifest(final_dir) != wanted or _read_links(final_dir) != links or _read_models(final_dir) != models:
             raise OpError("release_exists", "release %s exists with other content" % release_id, final_dir)
     else:
         staging = os.path.join(releases, "%s%s-%d" % (STAGING_PREFIX, release_id, os.getpid()))
         try:
-            _stage_release(staging, files, wanted)
+            _stage_release(staging, files, wanted, links, models)
             os.rename(staging, final_dir)
             _fsync_dir(releases)
         except OSError as exc:
@@ -480,21 +755,28 @@ def op_release_apply(req):
             raise
     for spec in files:
         _read_back(os.path.join(final_dir, spec["path"]), spec["sha256"])
+    for path in sorted(links):
+        found = _served_link(root, os.path.join("releases", release_id), path, links[path])
+        if found["sha256"] != wanted[path]:
+            raise OpError("drift", "read-back of link %s: %s -> %s, sha256 %s, expected %s -> %s, %s"
+                          % (path, path, found["link"], found["sha256"], path, links[path], wanted[path]), path)
     _batch["applied"] = release_id
+    digests.save()
     if not switch:
         # Staged only: the controller switches after the gates that need the files have passed.
         out = []
-        for spec in files:
-            path = os.path.join(final_dir, spec["path"])
-            record = {"path": spec["path"], "remote_path": path, "sha256": spec["sha256"], "before": before[spec["path"]]}
-            record["changed"] = before[spec["path"]] != spec["sha256"]
-            record.update(_stat_record(path))
-            out.append(record)
+        for path in sorted(wanted):
+            where = os.path.join(final_dir, path)
+            record = {"path": path, "remote_path": links.get(path, where), "sha256": wanted[path], "before": before[path]}
+            record["changed"] = before[path] != wanted[path]
+            if path not in links:
+                record.update(_stat_record(where))
+            out.append(_with_link(record, links, verified, pinned, current_links))
         return {"changed": True, "switched": False, "release_id": release_id,
                 "previous": _link_target(root, "current"), "files": out, "pruned": []}
 
     previous = _switch(root, release_id)
-    current, served = _served_files(root, files)
+    current, served = _served_files(root, files + [{"path": p} for p in sorted(links)])
     for f in served:
         if f["sha256"] != wanted[f["path"]]:
             raise OpError(
@@ -505,9 +787,10 @@ def op_release_apply(req):
     out = []
     for f in served:
         record = dict(f, changed=before[f["path"]] != f["sha256"])
-        record.update(_stat_record(f["remote_path"]))
+        if f["path"] not in links:
+            record.update(_stat_record(f["remote_path"]))
         record["before"] = before[f["path"]]
-        out.append(record)
+        out.append(_with_link(record, links, verified, pinned, current_links))
     return {
         "changed": True,
         "switched": True,
@@ -518,14 +801,36 @@ def op_release_apply(req):
     }
 
 
+def _with_link(record, links, verified, pinned, current_links):
+    """An overlay link's record: its target, how its digest was had, and the digest the release
+    that was current recorded for the same link (the pin, when no manifest names one)."""
+    path = record["path"]
+    if path in links:
+        record["link"] = links[path]
+        record["remote_path"] = links[path]
+        record["verified"] = verified.get(path) or record.get("verified")
+        same = pinned is not None and current_links.get(path) == links[path]
+        record["pinned"] = pinned.get(path) if same else None
+    return record
+
+
 def op_release_verify(req):
-    """Read-only: the digests of the files the server reads, through ``current``."""
+    """Read-only: the digests of the files the server reads, through ``current``, and every link of
+    its overlay (where it points, and its target's digest: the cache's unless ``rehash``)."""
     root = _root(req)
-    current, served = _served_files(root, req.get("files") or [])
-    manifest = None
+    rehash = bool(req.get("rehash"))
+    current, served = _served_files(root, req.get("files") or [], rehash)
+    manifest, links = None, []
     if current is not None:
-        manifest = _read_manifest(os.path.join(root, "releases", current))
-    return {"current": current, "previous": _link_target(root, "previous"), "files": served, "manifest": manifest}
+        release_dir = os.path.join(root, "releases", current)
+        manifest = _read_manifest(release_dir)
+        recorded = _read_links(release_dir)
+        links = [_served_link(root, "current", p, recorded[p], rehash) for p in sorted(recorded)]
+        models = _read_models(release_dir)
+    else:
+        models = {}
+    return {"current": current, "previous": _link_target(root, "previous"), "files": served, "manifest": manifest,
+            "links": links, "models": models}
 
 
 def op_release_inspect(req):
@@ -569,8 +874,15 @@ def op_release_switch(req):
     if manifest is None:
         raise OpError("no_release", "release %s does not exist (or has no manifest)" % target, release_dir)
     wanted = manifest
+    links = _read_links(release_dir)
     for path, digest in sorted(wanted.items()):
-        _read_back(os.path.join(release_dir, path), digest)
+        if path in links:
+            found = _served_link(root, os.path.join("releases", target), path, links[path])
+            if found["sha256"] != digest:
+                raise OpError("drift", "link %s -> %s reads sha256 %s, the release recorded %s"
+                              % (path, found["link"], found["sha256"], digest), links[path])
+        else:
+            _read_back(os.path.join(release_dir, path), digest)
     previous = _switch(root, target)
     current, served = _served_files(root, [{"path": p} for p in sorted(wanted)])
     for f in served:
@@ -1054,6 +1366,7 @@ def op_probe(req):
 
 
 OPS = {
+    "model_files": op_model_files,
     "put": op_put,
     "lock": op_lock,
     "release_apply": op_release_apply,

@@ -54,6 +54,7 @@ def build(name: str) -> protocol.Op[Any]:
     command = ServerCommand(("python3", "-m", "x"), {"A": "1"})
     args: dict[str, tuple[Any, ...]] = {
         "lock": ("/r", "me", 5.0),
+        "model_files": ("/r", "drafter", "/models/d"),
         "release_apply": ("/r", "R1", (), 3, False),
         "release_verify": ("/r", ["a"]),
         "release_inspect": ("/r", ["a"]),

@@ -1,0 +1,147 @@
+"""Model directories through whole local runs: the drafter overlay, pins, the digest cache, the
+target's config where the server reads it, and the weights gate (local connector, real agent)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from orchestrator.playbook import Playbook
+from tests.unit.localbox import DRAFTER_CONFIG, TARGET_CONFIG, Box, deploy, drafter_shapes, host, safetensors, verify
+
+STALE = dict(DRAFTER_CONFIG, dflash_config={"mask_token_id": 6, "target_layer_ids": [1]})
+
+
+def model_dirs(box: Box) -> tuple[Path, Path]:
+    """A target directory and a drafter directory whose own config.json is stale (the incident)."""
+    target, drafter = box.dir / "models" / "target", box.dir / "models" / "drafter"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(json.dumps(TARGET_CONFIG))
+    safetensors(target / "model.safetensors", {"lm_head.weight": [64, 64]})
+    safetensors(drafter / "model.safetensors", drafter_shapes())
+    (drafter / "config.json").write_text(json.dumps(STALE))
+    (drafter / "mask_embedding.pt").write_bytes(b"anything the published drafter ships")
+    (drafter / ".cache" / "huggingface").mkdir(parents=True)  # what `hf download --local-dir` leaves
+    (drafter / ".cache" / "huggingface" / "download.lock").write_text("")
+    return target, drafter
+
+
+def with_models(box: Box, name: str = "pb", config: dict[str, Any] | None = None, **models: Any) -> Playbook:
+    target, draft = box.dir / "models" / "target", box.dir / "models" / "drafter"
+    spec: dict[str, Any] = {"target": {"path": str(target)}, "drafter": {"path": str(draft)}}
+    for role, extra in models.items():
+        spec[role].update(extra)
+    return box.playbook(name, top={"models": spec}, drafter=config)
+
+
+def test_the_overlay_serves_the_releases_config_beside_the_model_directorys_weights(box: Box) -> None:
+    _, drafter = model_dirs(box)
+    playbook = with_models(box)
+    assert playbook.serving.target == str(box.dir / "models" / "target")  # defaults to models.target.path
+    run = deploy(box, playbook)
+    solo = host(run, "solo")
+    assert run.ok, solo.gates
+    assert list(solo.gates)[:6] == ["lint", "connect", "files", "models", "weights", "loader"]
+    # The server read the release's config (the right mask): the stand-in accepted every draft.
+    assert solo.gates["acceptance"].data["mean_acceptance_length"] == 8
+    overlay = box.root("solo") / "releases" / str(run.release_id) / "drafter"
+    assert json.loads((overlay / "config.json").read_text())["dflash_config"]["mask_token_id"] == 5
+    assert os.readlink(overlay / "model.safetensors") == str(drafter / "model.safetensors")
+    assert os.readlink(overlay / "mask_embedding.pt") == str(drafter / "mask_embedding.pt")
+    assert sorted(p.name for p in overlay.iterdir()) == ["config.json", "mask_embedding.pt", "model.safetensors"]
+    assert [(m["name"], m["files"], m["verified"], m["drift"]) for m in solo.models] == [
+        ("target", 2, "hashed", []),
+        ("drafter", 2, "hashed", []),
+    ]
+    assert "pinned by nothing yet: recorded now" in solo.gates["models"].detail
+    # `sha256sum -c` checks the release by hand, links and models included.
+    release = box.root("solo") / "releases" / str(run.release_id)
+    manifest = (release / ".manifest.sha256").read_text()
+    digest = hashlib.sha256((drafter / "model.safetensors").read_bytes()).hexdigest()
+    assert f"{digest}  drafter/model.safetensors\n" in manifest
+    assert f"{digest}  {drafter}/model.safetensors\n" in (release / ".models.sha256").read_text()
+
+    again = deploy(box, playbook)
+    solo = host(again, "solo")
+    assert again.ok and again.hosts[0].release_id == run.release_id and not solo.changed
+    assert [m["verified"] for m in solo.models] == ["cached", "cached"]  # a stat per file
+    assert f"pinned by release {run.release_id}" in solo.gates["models"].detail
+    checked = verify(box, playbook)
+    assert checked.ok, host(checked, "solo").gates
+    assert "1 links in sync" not in host(checked, "solo").gates["models"].detail  # two links
+    assert "2 links in sync" in host(checked, "solo").gates["models"].detail
+
+
+def test_a_flipped_byte_in_a_weight_file_is_drift_named_by_path(box: Box) -> None:
+    _, drafter = model_dirs(box)
+    playbook = with_models(box)
+    first = deploy(box, playbook)
+    assert first.ok
+    weights = drafter / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+    checked = host(verify(box, playbook), "solo")
+    detail = checked.gates["models"].detail
+    assert not checked.gates["models"].ok
+    assert f"{weights} (served as drafter/model.safetensors) has sha256 {hashlib.sha256(data).hexdigest()}" in detail
+
+    again = host(deploy(box, playbook), "solo")
+    assert not again.ready and "health" not in again.gates
+    assert f"drafter {drafter}: model.safetensors has sha256" in again.gates["models"].detail
+    assert f"release {first.release_id} pinned" in again.gates["models"].detail
+    drifted = next(m for m in again.models if m["name"] == "drafter")
+    assert drifted["changed"] and drifted["drift"][0].startswith("model.safetensors has sha256")
+
+
+def test_a_manifest_pins_every_file_and_names_the_one_that_differs(box: Box) -> None:
+    target, _ = model_dirs(box)
+    real = hashlib.sha256((target / "model.safetensors").read_bytes()).hexdigest()
+    config = hashlib.sha256((target / "config.json").read_bytes()).hexdigest()
+    (box.dir / "target.sha256").write_text(f"{config}  config.json\n{'0' * 64}  model.safetensors\n")
+    run = deploy(box, with_models(box, target={"manifest": "target.sha256"}))
+    detail = host(run, "solo").gates["models"].detail
+    assert not run.ok and f"model.safetensors has sha256 {real}, the manifest pins {'0' * 64}" in detail
+
+    (box.dir / "target.sha256").write_text(f"{config}  config.json\n{real}  model.safetensors\n")
+    run = deploy(box, with_models(box, target={"manifest": "target.sha256"}))
+    assert run.ok and "pinned by the playbook's manifest" in host(run, "solo").gates["models"].detail
+
+
+def test_the_target_config_on_the_host_is_what_the_drafter_is_linted_against(box: Box) -> None:
+    target, _ = model_dirs(box)
+    (target / "config.json").write_text(json.dumps(dict(TARGET_CONFIG, num_hidden_layers=1)))
+    run = deploy(box, with_models(box))
+    detail = host(run, "solo").gates["models"].detail
+    assert not run.ok
+    assert "differs from drafter.target_config in num_hidden_layers (2 here, 1 on the host)" in detail
+    assert "dflash_config.target_layer_ids: layers [1] are outside the target's 0..0" in detail
+
+    (target / "config.json").unlink()
+    missing = host(deploy(box, with_models(box)), "solo").gates["models"].detail
+    assert missing == f"the target has no config.json on this host ({target}/config.json)"
+
+
+def test_a_config_that_does_not_describe_its_weights_fails_the_weights_gate(box: Box) -> None:
+    model_dirs(box)
+    two_layers = {"num_hidden_layers": 2, "layer_types": ["full_attention", "full_attention"]}
+    run = deploy(box, with_models(box, config=two_layers))
+    gate = host(run, "solo").gates["weights"]
+    assert not run.ok and gate.detail == "num_hidden_layers: the weights hold 1 layers"
+
+    taps = {"dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 1]}}
+    gate = host(deploy(box, with_models(box, "taps", config=taps)), "solo").gates["weights"]
+    assert "fc.weight takes 64 inputs = hidden_size 64 x 1 tapped layers, but the config taps 2 ([0, 1])" in gate.detail
+
+
+def test_a_missing_model_directory_fails_the_models_gate_before_anything_is_staged(box: Box) -> None:
+    model_dirs(box)
+    gone = box.dir / "models" / "not-downloaded-yet"
+    run = deploy(box, with_models(box, drafter={"path": str(gone)}))
+    gate = host(run, "solo").gates["models"]
+    assert not run.ok and gate.detail == f"model_files {gone}: model directory {gone} does not exist"
+    assert not (box.root("solo") / "releases").exists() or not list((box.root("solo") / "releases").iterdir())
