@@ -11,17 +11,18 @@ code); the answer comes back as JSON, which the controller parses without trusti
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import marshal
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import remote_agent
-from orchestrator.connector import Command, Connector
+from orchestrator.connector import Command, Connector, Stdin
 from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError
 from orchestrator.inventory import Target
 from orchestrator.protocol import AnswerError, Answers, Op, batch_timeout
@@ -58,7 +59,10 @@ def agent_command(python: str) -> Command:
 
 
 def encode_request(ops: Sequence[dict[str, Any]]) -> bytes:
-    return _packed_agent() + marshal.dumps({"v": PROTOCOL_VERSION, "ops": ops}, MARSHAL_VERSION)
+    """The agent (for its loader), then the request framed by its length: a stream an op reads
+    (an upload's bytes) may follow it."""
+    request = marshal.dumps({"v": PROTOCOL_VERSION, "ops": ops}, MARSHAL_VERSION)
+    return _packed_agent() + b"%d\n" % len(request) + request
 
 
 @dataclass(frozen=True)
@@ -112,15 +116,17 @@ class AgentClient:
     def __init__(self, connector: Connector) -> None:
         self.connector = connector
 
-    def batch(self, target: Target, ops: Sequence[Op[Any]], timeout: float | None = None) -> Answers:
+    def batch(
+        self, target: Target, ops: Sequence[Op[Any]], timeout: float | None = None, stream: Iterable[bytes] = ()
+    ) -> Answers:
         """Run ops in one round trip; raise ``AgentError`` for the first failed op (with the
-        answers of the ops before it). The deadline is ``protocol.batch_timeout`` unless given."""
+        answers of the ops before it). The deadline is ``protocol.batch_timeout`` unless given.
+        ``stream``: bytes sent after the request, for the ops that read them (uploads)."""
         if timeout is None:
             timeout = batch_timeout(ops, target.container.ssh.command_timeout)
-        requests = [op.request for op in ops]
-        result = self.connector.run(
-            target, agent_command(target.container.ssh.python), encode_request(requests), timeout
-        )
+        request = encode_request([op.request for op in ops])
+        stdin: Stdin = itertools.chain((request,), stream) if stream != () else request
+        result = self.connector.run(target, agent_command(target.container.ssh.python), stdin, timeout)
         results = decode_response(target.name, result.exit_status, result.stdout, result.stderr)
         if len(results) != len(ops):
             raise AgentProtocolError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shlex
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -61,6 +62,43 @@ class Counters:
         return {"connects": self.connects, "execs": self.execs, "retries": self.retries}
 
 
+# What a command reads on stdin: bytes, or chunks of a stream (a file pushed from an offset), read
+# as they are sent so that memory stays flat whatever the size.
+Stdin = bytes | Iterable[bytes]
+
+
+class Feed:
+    """What is left of a command's stdin to send, chunk by chunk."""
+
+    def __init__(self, source: Stdin) -> None:
+        self._chunks: Iterator[bytes] = iter((source,) if isinstance(source, bytes) else source)
+        self._view = memoryview(b"")
+        self._next()
+
+    def _next(self) -> None:
+        while not self._view:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return
+            self._view = memoryview(chunk)
+
+    def __bool__(self) -> bool:
+        return bool(self._view)
+
+    def take(self, limit: int) -> bytes:
+        return bytes(self._view[:limit])
+
+    def advance(self, sent: int) -> None:
+        self._view = self._view[sent:]
+        if not self._view:
+            self._next()
+
+    def drop(self) -> None:
+        """The command will read no more: what is left is not sent."""
+        self._view = memoryview(b"")
+        self._chunks = iter(())
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How transient failures (refused, reset, closed mid-command) are retried: never others."""
@@ -71,7 +109,7 @@ class RetryPolicy:
 
 
 class Connector(Protocol):
-    def run(self, target: Target, command: Command, stdin: bytes = b"", timeout: float | None = None) -> Result:
+    def run(self, target: Target, command: Command, stdin: Stdin = b"", timeout: float | None = None) -> Result:
         """Run one command to completion: both streams whole, and its exit status."""
         ...
 
@@ -108,7 +146,7 @@ class Connections:
                 )
             return self._ssh
 
-    def run(self, target: Target, command: Command, stdin: bytes = b"", timeout: float | None = None) -> Result:
+    def run(self, target: Target, command: Command, stdin: Stdin = b"", timeout: float | None = None) -> Result:
         return self._for(target).run(target, command, stdin, timeout)
 
     def counters(self, target: Target) -> Counters:

@@ -13,6 +13,7 @@ OrchestratorError                 exit code 1 unless a subclass says otherwise
 ├── AgentError                    the remote agent reported a structured failure (an AgentFailure)
 ├── AgentProtocolError            the agent's answer could not be understood or had the wrong shape
 ├── LxdError                      a GPU host's LXD: unreachable, refused, or a change that failed
+├── ArtifactError                 a local file to push (``push:``) could not be read
 ├── StateError                    the local state database
 └── SandboxError                  setting up or tearing down the local sandbox
 """
@@ -144,6 +145,10 @@ class LxdError(OrchestratorError):
         self.host = host
         self.message = message
         super().__init__(f"{host}: {message}")
+
+
+class ArtifactError(OrchestratorError):
+    """A local model file to push could not be read (it changed or vanished since it was hashed)."""
 
 
 class StateError(OrchestratorError):

@@ -7,10 +7,12 @@ behind its ``python3 -c`` bootstrap), started from its argv with no shell, its r
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
+import time
 
-from orchestrator.connector import Command, Counters, Result
+from orchestrator.connector import Command, Counters, Feed, Result, Stdin
 from orchestrator.errors import CommandTimeout
 from orchestrator.inventory import Target
 
@@ -24,19 +26,59 @@ class LocalConnector:
         with self._guard:
             return self._counters.setdefault(name, Counters())
 
-    def run(self, target: Target, command: Command, stdin: bytes = b"", timeout: float | None = None) -> Result:
+    def run(self, target: Target, command: Command, stdin: Stdin = b"", timeout: float | None = None) -> Result:
         limit = timeout if timeout is not None else target.container.ssh.command_timeout
+        deadline = time.monotonic() + limit
         self.counters(target.name).execs += 1
         try:
-            proc = subprocess.run(list(command.argv), input=stdin, capture_output=True, timeout=limit, check=False)
-        except subprocess.TimeoutExpired as exc:
-            raise CommandTimeout(target.name, f"{command.argv[0]} did not finish within {limit:.0f} s") from exc
+            proc = subprocess.Popen(
+                list(command.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
         except OSError as exc:
             # What a shell would answer over SSH: 127 not found, 126 not executable.
             status = 127 if isinstance(exc, FileNotFoundError) else 126
             message = f"{command.argv[0]}: {exc.strerror or exc}\n".encode()
             return Result(target.name, command, status, b"", message)
-        return Result(target.name, command, proc.returncode, proc.stdout, proc.stderr)
+        streams: dict[str, bytes] = {}
+        failed: list[BaseException] = []
+        threads = [
+            threading.Thread(target=lambda key, f: streams.__setitem__(key, f.read()), args=(key, f), daemon=True)
+            for key, f in (("out", proc.stdout), ("err", proc.stderr))
+        ]
+        threads.append(threading.Thread(target=self._feed, args=(proc, Feed(stdin), failed), daemon=True))
+        for thread in threads:
+            thread.start()
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            proc.wait()
+            raise CommandTimeout(target.name, f"{command.argv[0]} did not finish within {limit:.0f} s") from exc
+        finally:
+            for thread in threads:
+                thread.join()
+        if failed:
+            raise failed[0]  # reading the stream failed (a local file): that error, not the command's
+        return Result(target.name, command, proc.returncode, streams.get("out", b""), streams.get("err", b""))
+
+    @staticmethod
+    def _feed(proc: subprocess.Popen[bytes], pending: Feed, failed: list[BaseException]) -> None:
+        """Write stdin (a stream is read as it is written), then close it; a command that exits
+        without reading it all just gets no more."""
+        assert proc.stdin is not None
+        try:
+            while pending:
+                chunk = pending.take(1 << 20)
+                proc.stdin.write(chunk)
+                pending.advance(len(chunk))
+        except BrokenPipeError:
+            pending.drop()
+        except Exception as exc:
+            failed.append(exc)
+            proc.kill()
+        finally:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
 
     def close(self) -> None:
         """Nothing is held open between commands."""

@@ -29,17 +29,20 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _drift(model: Model, found: protocol.ModelFiles) -> tuple[list[str], bool, str]:
-    """(what differs from the pin, whether the files changed since the current release, what pins them)."""
+def _drift(model: Model, found: protocol.ModelFiles, pinned: dict[str, str] | None) -> tuple[list[str], bool, str]:
+    """(what differs from the pin, whether the files changed since the current release, what pins
+    them). ``pinned``: the playbook's manifest or the pushed files, else the host's record pins."""
     digests = {f.path: f.sha256 for f in found.files}
     drift = [f"{name} is missing" for name in found.missing]
     pins = found.pins or {}
     changed = found.pins is not None and pins != digests
-    if model.manifest is not None:
-        for name, want in sorted(model.manifest.items()):
+    if pinned is not None:
+        what = "the manifest" if model.manifest is not None else "the pushed file"
+        for name, want in sorted(pinned.items()):
             if name in digests and digests[name] != want:
-                drift.append(f"{name} has sha256 {digests[name]}, the manifest pins {want}")
-        return drift, changed, "the playbook's manifest"
+                drift.append(f"{name} has sha256 {digests[name]}, {what} pins {want}")
+        by = "the playbook's manifest" if model.manifest is not None else f"the files pushed from {model.push}"
+        return drift, changed, by
     if found.pins is None:
         return drift, False, "nothing yet: recorded now"
     for name in sorted(set(pins) | set(digests)):
@@ -123,6 +126,7 @@ def read_models(
     report: HostReport,
     links: tuple[protocol.ServedFile, ...] = (),
     manifest: dict[str, str] | None = None,
+    pins: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, Any] | None:
     """The models gate (deploy and verify), and the target's config as the host holds it.
 
@@ -138,7 +142,8 @@ def read_models(
     for model, found in ((models.target, target), (models.drafter, drafter)):
         if model is None or found is None:
             continue
-        drift, changed, pinned_by = _drift(model, found)
+        pinned = (pins or {}).get(model.role, model.manifest)
+        drift, changed, pinned_by = _drift(model, found, pinned)
         report.models.append(_summary(model, found, drift, changed))
         problems += [f"{model.role} {model.path}: {d}" for d in drift]
         size = _size(sum(f.size for f in found.files))

@@ -96,24 +96,41 @@ class ModelChecks:
     """The model directories of a playbook, read on a host: every file's digest (cached on the
     host), the target's config.json where the server reads it, the drafter's safetensors headers."""
 
-    def __init__(self, playbook: Playbook, root: str, record: bool, rehash: bool = False, drafter: bool = True) -> None:
-        models = playbook.models
+    def __init__(
+        self,
+        playbook: Playbook,
+        root: str,
+        record: bool,
+        rehash: bool = False,
+        drafter: bool = True,
+        pins: Pins | None = None,
+    ) -> None:
+        models, pins = playbook.models, pins if pins is not None else manifests(playbook)
         self.target = self.drafter = None
         if models.target is not None:
             m = models.target
             self.target = protocol.model_files(
-                root, m.role, m.path, _names(m), config=True, rehash=rehash, record=record
+                root, m.role, m.path, _names(pins, m), config=True, rehash=rehash, record=record
             )
         if models.drafter is not None and drafter:
             m = models.drafter
             self.drafter = protocol.model_files(
-                root, m.role, m.path, _names(m), headers=True, rehash=rehash, record=record, skip=[DRAFTER_CONFIG]
+                root, m.role, m.path, _names(pins, m), headers=True, rehash=rehash, record=record, skip=[DRAFTER_CONFIG]
             )
         self.ops: list[protocol.Op[Any]] = [op for op in (self.target, self.drafter) if op is not None]
 
 
-def _names(model: Model) -> tuple[str, ...] | None:
-    return tuple(sorted(model.manifest)) if model.manifest is not None else None
+# Per model (by role): the files it must hold and their digests, when something pins them (the
+# playbook's manifest, or the directory pushed from the controller); else the host's record is.
+Pins = dict[str, dict[str, str]]
+
+
+def manifests(playbook: Playbook) -> Pins:
+    return {m.role: m.manifest for m in playbook.models.all if m.manifest is not None}
+
+
+def _names(pins: Pins, model: Model) -> tuple[str, ...] | None:
+    return tuple(sorted(pins[model.role])) if model.role in pins else None
 
 
 class Stage:
@@ -134,11 +151,13 @@ class Stage:
         lock_timeout: float,
         reuse: bool = True,
         rehash: bool = False,
+        pins: Pins | None = None,
     ) -> None:
+        pins = pins if pins is not None else manifests(playbook)
         self.checks = Checks(playbook, root, protocol.APPLIED) if Checks.wanted(playbook) else None
-        self.models = ModelChecks(playbook, root, record=True, rehash=rehash)
+        self.models = ModelChecks(playbook, root, record=True, rehash=rehash, pins=pins)
         drafter = playbook.models.drafter
-        overlays = [protocol.Overlay(DRAFTER_DIR, drafter.path, _names(drafter))] if drafter is not None else []
+        overlays = [protocol.Overlay(DRAFTER_DIR, drafter.path, _names(pins, drafter))] if drafter is not None else []
         switch_now = self.checks is None and playbook.serving.target is None and not self.models.ops
         files = playbook.release_files
         self.lock = protocol.lock(root, owner, lock_timeout)

@@ -608,10 +608,59 @@ def _scrapes(v: dict[str, Any]) -> Scrapes:
     return Scrapes(_field(v, "before", str), _field(v, "after", str), _field(v, "seconds", float, optional=True))
 
 
+@dataclass(frozen=True)
+class UploadState:
+    path: str
+    present: bool  # already holds the digest pushed
+    partial: int  # bytes an earlier, cut upload left (0: none)
+    partial_sha256: str | None  # the digest of those bytes
+
+
+def _upload_state(v: dict[str, Any]) -> UploadState:
+    return UploadState(
+        _field(v, "path", str), _field(v, "present", bool), _field(v, "partial", int), _sha256(v, "partial_sha256")
+    )
+
+
+def upload_status(root: str, files: Sequence[tuple[str, int, str]]) -> Op[tuple[UploadState, ...]]:
+    """For each (path, size, sha256) to push: there already, or what a cut upload left of it."""
+    request = {"op": "upload_status", "root": root, "files": [{"path": p, "size": n, "sha256": d} for p, n, d in files]}
+    return Op(request, lambda v: tuple(_upload_state(f) for f in _items(v, "files")), budget_s=MODEL_HASH_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    path: str
+    written: int  # bytes sent this time (the rest was kept from a cut upload)
+
+
+# An upload may not be slower than this on average; its deadline follows from its size.
+SLOWEST_UPLOAD_BYTES_PER_S = 5e6
+
+
+def upload(root: str, path: str, size: int, sha256: str, offset: int = 0, mode: str = "0644") -> Op[Uploaded]:
+    """A file whose bytes from ``offset`` follow the request on stdin: appended to what a cut
+    upload left, checked whole, renamed into place and read back."""
+    request = {
+        "op": "upload",
+        "name": path,
+        "root": root,
+        "path": path,
+        "size": size,
+        "sha256": sha256,
+        "offset": offset,
+        "mode": mode,
+    }
+    reader = lambda v: Uploaded(_field(v, "path", str), _field(v, "written", int))  # noqa: E731
+    return Op(request, reader, budget_s=60.0 + (size - offset) / SLOWEST_UPLOAD_BYTES_PER_S)
+
+
 # Every operation the controller builds, by the name the agent knows it by.
 OPERATIONS: dict[str, Callable[..., Op[Any]]] = {
     "lock": lock,
     "model_files": model_files,
+    "upload_status": upload_status,
+    "upload": upload,
     "release_apply": release_apply,
     "release_verify": release_verify,
     "release_inspect": release_inspect,

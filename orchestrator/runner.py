@@ -235,11 +235,16 @@ class Run:
     """What every step of one run shares: the playbook, options, one agent client, the containers gate."""
 
     playbook: Playbook
+    inventory: Inventory
     options: RunOptions
     client: AgentClient
     containers: ContainerGate
     say: Say
     owner: str = field(default_factory=lambda: f"{getpass.getuser()}@{socket.gethostname()}")
+    # What several nodes share and is done once for all of them (a model pushed to a GPU host
+    # whose containers mount it): key -> the outcome, under its own lock.
+    once: dict[Any, Any] = field(default_factory=dict)
+    once_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def locate(self, node: Node) -> bool:
         """The containers gate, once per node per run; False when the node cannot be reached."""
@@ -286,6 +291,7 @@ def execute(
     with Connections(inventory, options.accept_new_host_keys, options.retry) as connections:
         run = Run(
             playbook,
+            inventory,
             options,
             AgentClient(connections),
             ContainerGate(inventory, playbook, ensure=kind == "deploy", skip=options.skip_containers),

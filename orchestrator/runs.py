@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from orchestrator import launch, models, plan, protocol
-from orchestrator.errors import AgentError
+from orchestrator import launch, models, plan, protocol, push
+from orchestrator.errors import AgentError, ArtifactError
 from orchestrator.inventory import Inventory, Target
-from orchestrator.playbook import Playbook
+from orchestrator.playbook import DRAFTER_CONFIG, Playbook
 from orchestrator.results import (
     GATE_ACCEPTANCE,
     GATE_BUILD,
@@ -80,7 +80,15 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
         def on(node: Node) -> None:
             if not run.locate(node):
                 return
-            batch = plan.Stage(playbook, node.root, release_id, run.owner, run.options.lock_timeout, reuse)
+            pushed = _push_models(run, node)
+            if pushed is None:
+                return
+            pins = plan.manifests(playbook)
+            for role, done in pushed.items():  # what was pushed is what the model must hold
+                pins.setdefault(
+                    role, {p: d for p, d in done.digests.items() if (role, p) != ("drafter", DRAFTER_CONFIG)}
+                )
+            batch = plan.Stage(playbook, node.root, release_id, run.owner, run.options.lock_timeout, reuse, pins=pins)
             started = time.monotonic()
             try:
                 answers = run.batch(node, batch.ops)
@@ -94,7 +102,8 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
             plan.read_applied(playbook, node.staged, node.report)
             node.report.gates[GATE_FILES].data["seconds"] = round(time.monotonic() - started, 2)
             target, drafter = answers.get(batch.models.target), answers.get(batch.models.drafter)
-            config = models.read_models(playbook, target, drafter, node.report)
+            config = models.read_models(playbook, target, drafter, node.report, pins=pins)
+            push.note(pushed, node.report)
             models.read_weights(playbook, drafter, config, node.report)
             if batch.checks is not None:
                 build = answers[batch.checks.build]
@@ -115,6 +124,25 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
         run.note(unit, f"the nodes hold different releases: staging {release_id} on {', '.join(n.name for n in apart)}")
         unit.each(stage(reuse=False), GATE_FILES, apart)
     return _alike(unit, builds)
+
+
+def _push_models(run: Run, node: Node) -> dict[str, push.Pushed] | None:
+    """Every model with ``push:`` where this node's server reads it (None: a push failed, and the
+    models gate says why)."""
+    pushed = {}
+    for model in run.playbook.models.all:
+        if model.push is None:
+            continue
+        try:
+            pushed[model.role] = push.push(run, node, model)
+        except AgentError as exc:
+            node.report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
+            node.report.gates[GATE_MODELS] = Gate(False, f"pushing the {model.role}: {exc.failure.describe()}")
+            return None
+        except ArtifactError as exc:
+            node.report.gates[GATE_MODELS] = Gate(False, f"pushing the {model.role}: {exc}")
+            return None
+    return pushed
 
 
 def _alike(unit: Unit, builds: dict[str, str]) -> bool:

@@ -34,7 +34,7 @@ from pathlib import Path
 import paramiko
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from orchestrator.connector import Command, Counters, Result, RetryPolicy
+from orchestrator.connector import Command, Counters, Feed, Result, RetryPolicy, Stdin
 from orchestrator.errors import (
     AuthenticationFailed,
     CommandTimeout,
@@ -216,12 +216,13 @@ class SshTransport:
 
     # --- public --------------------------------------------------------------------------
 
-    def run(self, target: Target, command: Command, stdin: bytes = b"", timeout: float | None = None) -> Result:
-        """Run one command, retrying transient failures with a fresh connection."""
+    def run(self, target: Target, command: Command, stdin: Stdin = b"", timeout: float | None = None) -> Result:
+        """Run one command, retrying transient failures with a fresh connection (not when stdin is
+        a stream: it cannot be sent again; its caller resumes instead)."""
         counters = self.counters(target.name)
         retrying = Retrying(
             retry=retry_if_exception(lambda exc: isinstance(exc, TransportError) and exc.transient),
-            stop=stop_after_attempt(self.retry.attempts),
+            stop=stop_after_attempt(self.retry.attempts if isinstance(stdin, bytes) else 1),
             wait=wait_exponential(multiplier=self.retry.initial_wait, max=self.retry.max_wait),
             before_sleep=lambda _state: self._note_retry(target, counters),
             reraise=True,
@@ -399,7 +400,7 @@ class SshTransport:
 
     # --- commands ----------------------------------------------------------------------
 
-    def _run_once(self, target: Target, command: Command, stdin: bytes, timeout: float | None) -> Result:
+    def _run_once(self, target: Target, command: Command, stdin: Stdin, timeout: float | None) -> Result:
         name = target.name
         t = self._connection(target)
         limit = timeout if timeout is not None else target.container.ssh.command_timeout
@@ -416,7 +417,7 @@ class SshTransport:
             chan.close()
 
     def _exchange(
-        self, name: str, chan: paramiko.Channel, command: Command, stdin: bytes, limit: float, counters: Counters
+        self, name: str, chan: paramiko.Channel, command: Command, stdin: Stdin, limit: float, counters: Counters
     ) -> Result:
         """Send stdin while draining stdout/stderr, so a command that answers as it reads never stalls us.
 
@@ -427,7 +428,7 @@ class SshTransport:
         """
         deadline = time.monotonic() + limit
         out, err = bytearray(), bytearray()
-        pending = memoryview(stdin)
+        pending = Feed(stdin)
         try:
             chan.exec_command(command.render())
             chan.setblocking(False)
@@ -436,10 +437,10 @@ class SshTransport:
             while True:
                 progressed = False
                 if pending and chan.closed:
-                    pending = pending[:0]  # the command is gone without reading it all
+                    pending.drop()  # the command is gone without reading it all
                 while pending and chan.send_ready():
                     try:
-                        sent = chan.send(bytes(pending[:_SEND_CHUNK]))
+                        sent = chan.send(pending.take(_SEND_CHUNK))
                     except TimeoutError:
                         break
                     except OSError:
@@ -447,9 +448,9 @@ class SshTransport:
                             raise
                         sent = 0
                     if sent == 0:  # closed under us: the command ended without reading it all
-                        pending = pending[:0]
+                        pending.drop()
                         break
-                    pending = pending[sent:]
+                    pending.advance(sent)
                     counters.bytes_sent += sent
                     progressed = True
                     if not pending:

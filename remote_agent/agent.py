@@ -581,6 +581,114 @@ def op_model_files(req):
     return out
 
 
+def _partial(path, digest):
+    """Where an upload of ``path`` collects its bytes until it is whole (one per content)."""
+    return os.path.join(os.path.dirname(path), ".%s.partial-%s" % (os.path.basename(path), digest[:16]))
+
+
+def _prefix_sha256(path, size):
+    h = _builtin_sha256() if size <= CHUNK else __import__("hashlib").sha256()
+    with open(path, "rb") as f:
+        left = size
+        while left:
+            block = f.read(min(CHUNK, left))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def op_upload_status(req):
+    """For each file to push: already there (its digest matches), or how much of it an upload
+    cut short left behind, with the digest of that prefix (so the upload can resume after it)."""
+    root = _root(req)
+    digests = _digests(root)
+    out = []
+    for spec in req.get("files") or []:
+        path, digest, size = _model_path(spec.get("path")), spec.get("sha256"), int(spec.get("size", 0))
+        have, _ = digests.digest(path)
+        record = {"path": path, "present": have == digest, "partial": 0, "partial_sha256": None}
+        if not record["present"]:
+            try:
+                st = os.lstat(_partial(path, digest))
+            except OSError:
+                st = None
+            if st is not None and stat.S_ISREG(st.st_mode) and 0 < st.st_size <= size:
+                record["partial"] = st.st_size
+                record["partial_sha256"] = _prefix_sha256(_partial(path, digest), st.st_size)
+        out.append(record)
+    return {"files": out}
+
+
+def op_upload(req):
+    """A file streamed on stdin after the request (``size - offset`` bytes), appended to what an
+    earlier upload left at ``offset``, then checked whole against ``sha256``, renamed into place
+    (fsync, rename, directory fsync) and read back afresh. Memory stays flat whatever the size."""
+    root = _root(req)
+    path, digest = _model_path(req.get("path")), req.get("sha256")
+    size, offset = int(req.get("size", -1)), int(req.get("offset", 0))
+    if not isinstance(digest, str) or len(digest) != 64 or not 0 <= offset <= size:
+        raise OpError("bad_request", "upload needs a sha256, a size and an offset within it", path)
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise _os_error("io", exc, directory)
+    partial = _partial(path, digest)
+    try:
+        fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise _os_error("io", exc, partial)
+    h = _builtin_sha256() if size <= CHUNK else __import__("hashlib").sha256()
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OpError("busy", "another upload is writing %s" % path, partial)
+        if offset > os.fstat(fd).st_size:
+            raise OpError("bad_offset", "%s holds %d bytes, not %d" % (partial, os.fstat(fd).st_size, offset), partial)
+        os.ftruncate(fd, offset)
+        left = offset
+        while left:  # the prefix kept from a cut upload counts in the digest too
+            block = os.pread(fd, min(CHUNK, left), offset - left)
+            if not block:
+                raise OpError("io", "%s is shorter than %d bytes" % (partial, offset), partial)
+            h.update(block)
+            left -= len(block)
+        os.lseek(fd, offset, os.SEEK_SET)
+        left, stream = size - offset, sys.stdin.buffer
+        while left:
+            block = stream.read(min(CHUNK, left))
+            if not block:
+                raise OpError("short_stream", "the stream ended %d bytes early" % left, path)
+            view = memoryview(block)
+            while view:
+                view = view[os.write(fd, view):]
+            h.update(block)
+            left -= len(block)
+        os.fsync(fd)
+    except OSError as exc:
+        raise _os_error("io", exc, partial)
+    finally:
+        os.close(fd)
+    if h.hexdigest() != digest:
+        _unlink_quietly(partial)
+        raise OpError("checksum", "the uploaded bytes hash to %s, expected %s" % (h.hexdigest(), digest), path)
+    try:
+        os.chmod(partial, _mode(req))
+        os.replace(partial, path)
+        _fsync_dir(directory)
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+    digests = _digests(root)
+    got, _ = digests.digest(path, rehash=True)  # a fresh read of the final path, kept in the cache
+    if got != digest:
+        raise OpError("drift", "read-back of %s: sha256 %s, expected %s" % (path, got, digest), path)
+    digests.save()
+    return {"path": path, "size": size, "sha256": digest, "written": size - offset}
+
+
 def _read_small(path, limit=CHUNK):
     """A small text file's content (a model's config.json), or None when there is none."""
     try:
@@ -1367,6 +1475,8 @@ def op_probe(req):
 
 OPS = {
     "model_files": op_model_files,
+    "upload_status": op_upload_status,
+    "upload": op_upload,
     "put": op_put,
     "lock": op_lock,
     "release_apply": op_release_apply,
@@ -1417,8 +1527,13 @@ def run(request):
 
 
 def main():
-    raw = sys.stdin.buffer.read()
+    stdin = sys.stdin.buffer
     try:
+        # "<n>\n" and n bytes of marshal data; what follows is for the ops that stream (upload).
+        size = int(stdin.readline(32))
+        raw = stdin.read(size)
+        if size < 0 or len(raw) != size:
+            raise EOFError("the request ends after %d of %d bytes" % (len(raw), size))
         request = marshal.loads(raw)
         if not isinstance(request, dict) or request.get("v") != PROTOCOL_VERSION:
             raise ValueError("protocol version %r, agent speaks %d" % (getattr(request, "get", {}.get)("v"), PROTOCOL_VERSION))

@@ -145,3 +145,59 @@ def test_a_missing_model_directory_fails_the_models_gate_before_anything_is_stag
     gate = host(run, "solo").gates["models"]
     assert not run.ok and gate.detail == f"model_files {gone}: model directory {gone} does not exist"
     assert not (box.root("solo") / "releases").exists() or not list((box.root("solo") / "releases").iterdir())
+
+
+def test_push_uploads_once_keeps_what_is_there_and_resumes_a_cut_upload(box: Box) -> None:
+    """Files streamed from the controller (no size limit, chunk by chunk), nothing resent when the
+    host has them, and an upload that was cut continues after the prefix it left."""
+    local = box.dir / "local-drafter"
+    safetensors(local / "model.safetensors", drafter_shapes())
+    (local / "config.json").write_text(json.dumps(STALE))
+    (local / "big.bin").write_bytes(os.urandom(6 << 20))
+    dest = box.dir / "pushed" / "drafter"
+    model_dirs(box)
+    playbook = with_models(box, drafter={"path": str(dest), "push": str(local)})
+
+    run = deploy(box, playbook)
+    solo = host(run, "solo")
+    assert run.ok, solo.gates
+    assert (dest / "big.bin").read_bytes() == (local / "big.bin").read_bytes()
+    pushed = next(m for m in solo.models if m["name"] == "drafter")["pushed"]
+    total = sum(p.stat().st_size for p in local.iterdir())
+    assert pushed["files"] == 3 and pushed["bytes_sent"] == total and pushed["resumed"] == 0
+    assert oct((dest / "big.bin").stat().st_mode & 0o777) == "0o644"  # readable by the server's user
+
+    again = host(deploy(box, playbook), "solo")
+    assert next(m for m in again.models if m["name"] == "drafter")["pushed"]["bytes_sent"] == 0
+    assert "all 3 files already there" in again.gates["models"].detail
+
+    # A new version of the big file, of which a cut upload left the first 2 MiB on the host.
+    new = os.urandom(6 << 20)
+    (local / "big.bin").write_bytes(new)
+    partial = dest / f".big.bin.partial-{hashlib.sha256(new).hexdigest()[:16]}"
+    partial.write_bytes(new[: 2 << 20])
+    resumed = host(deploy(box, playbook), "solo")
+    drafter = next(m for m in resumed.models if m["name"] == "drafter")
+    assert drafter["pushed"] == {**drafter["pushed"], "files": 1, "bytes_sent": 4 << 20, "resumed": 1}
+    assert (dest / "big.bin").read_bytes() == new and not partial.exists()
+    # What was pushed pins the model: a new version pushed is a change, not drift.
+    assert resumed.ready and drafter["changed"] and drafter["drift"] == []
+    assert f"pinned by the files pushed from {local}" in resumed.gates["models"].detail
+
+    # A partial whose bytes are not the file's prefix is started over.
+    newer = os.urandom(3 << 20)
+    (local / "big.bin").write_bytes(newer)
+    partial = dest / f".big.bin.partial-{hashlib.sha256(newer).hexdigest()[:16]}"
+    partial.write_bytes(os.urandom(1 << 20))
+    restarted = host(deploy(box, playbook), "solo")
+    entry = next(m for m in restarted.models if m["name"] == "drafter")["pushed"]
+    assert entry["bytes_sent"] == 3 << 20 and entry["resumed"] == 0
+    assert (dest / "big.bin").read_bytes() == newer
+    assert restarted.ready
+
+    # Changed on the host behind the controller's back: the pushed digest pins it, so it is
+    # pushed again (the host's file is replaced), not served as it is.
+    (dest / "big.bin").write_bytes(b"tampered")
+    repaired = host(deploy(box, playbook), "solo")
+    assert repaired.ready and (dest / "big.bin").read_bytes() == newer
+    assert next(m for m in repaired.models if m["name"] == "drafter")["pushed"]["bytes_sent"] == 3 << 20

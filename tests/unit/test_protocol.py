@@ -55,6 +55,8 @@ def build(name: str) -> protocol.Op[Any]:
     args: dict[str, tuple[Any, ...]] = {
         "lock": ("/r", "me", 5.0),
         "model_files": ("/r", "drafter", "/models/d"),
+        "upload_status": ("/r", [("/models/d/a", 3, "a" * 64)]),
+        "upload": ("/r", "/models/d/a", 3, "a" * 64),
         "release_apply": ("/r", "R1", (), 3, False),
         "release_verify": ("/r", ["a"]),
         "release_inspect": ("/r", ["a"]),
