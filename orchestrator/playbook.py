@@ -328,8 +328,7 @@ def _sha256sum_file(f: Field, path: Path) -> dict[str, str]:
     for number, line in enumerate(read_text(path).splitlines(), start=1):
         if not line.strip() or line.startswith("#"):
             continue
-        digest, sep, name = line[:64], line[64:66], line[66:]
-        name = name[1:] if sep == " *" else name
+        digest, sep, name = line[:64], line[64:66], line[66:]  # sep " *": sha256sum's binary mark
         where = f"{path}:{number}"
         if sep not in ("  ", " *") or len(digest) != 64 or digest.strip("0123456789abcdefABCDEF"):
             raise f.error(f"{where}: expected '<sha256>  <path>' (sha256sum's format)")

@@ -144,7 +144,7 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
             **{
                 "drafter.config": str(wrong / "config.json"),
                 "drafter.reference": None,
-                "files": [{"src": str(wrong / "model.safetensors"), "dest": "drafter/model.safetensors"}],
+                "models.drafter.path": str(wrong),
             },
         )
         code, report, err = run("deploy", bad, "-i", inv, tmp_path=tmp_path)

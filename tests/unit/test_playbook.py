@@ -100,3 +100,52 @@ def test_shipped_playbooks_load(name: str) -> None:
     pb = load_playbook(REPO / "playbooks" / name)
     assert pb.drafter is not None
     assert pb.drafter.values["dflash_config"]["mask_token_id"] in (248070, 151669, 5)
+
+
+MODELS = (
+    GOOD + "models:\n  target: {path: /models/T, manifest: t.sha256}\n  drafter: {path: /models/D, push: local-d}\n"
+)
+
+
+def test_models_pin_by_manifest_and_default_the_served_target(tmp_path: Path) -> None:
+    digest = hashlib.sha256(b"x").hexdigest()
+    (tmp_path / "t.sha256").write_text(f"{digest}  model.safetensors\n{digest} *tokenizer.json\n")
+    (tmp_path / "local-d").mkdir()
+    pb = load_playbook(setup(tmp_path, MODELS))
+    assert pb.serving.target == "/models/T"  # serving.target defaults to the target model's path
+    assert pb.models.target is not None and pb.models.target.manifest == {
+        "model.safetensors": digest,
+        "tokenizer.json": digest,
+    }
+    assert pb.models.drafter is not None and pb.models.drafter.push == tmp_path / "local-d"
+
+
+@pytest.mark.parametrize(
+    ("manifest", "change", "expected"),
+    [
+        ("zz  a\n", None, "t.sha256:1: expected '<sha256>  <path>' (sha256sum's format)"),
+        (f"{'a' * 64}  ../etc/passwd\n", None, "'../etc/passwd' must be a relative path inside the model directory"),
+        (f"{'a' * 64}  a\n{'b' * 64}  a\n", None, "t.sha256:2: a is listed twice"),
+        ("", None, "t.sha256 lists no files"),
+        (f"{'a' * 64}  a\n", ("path: /models/T,", "path: models/T,"), "models.target.path: expected an absolute"),
+        (f"{'a' * 64}  a\n", ("push: local-d", "push: nowhere"), "models.drafter.push: local directory"),
+        (f"{'a' * 64}  a\n", ("path: /models/D,", "path: /models/T,"), "cannot share a model directory"),
+    ],
+)
+def test_bad_models_name_file_line_and_key(
+    tmp_path: Path, manifest: str, change: tuple[str, str] | None, expected: str
+) -> None:
+    (tmp_path / "t.sha256").write_text(manifest)
+    (tmp_path / "local-d").mkdir()
+    text = MODELS.replace(*change) if change else MODELS
+    with pytest.raises(InputError) as info:
+        load_playbook(setup(tmp_path, text))
+    assert expected in str(info.value) and str(tmp_path / "pb.yaml") in str(info.value)
+    assert info.value.exit_code == 2
+
+
+def test_a_drafter_model_needs_the_config_its_release_serves(tmp_path: Path) -> None:
+    text = "name: d\ntargets: [all]\ndeploy_root: /srv/d\nfiles: [{src: a.env, dest: a.env}]\n"
+    text += "models:\n  drafter: {path: /models/D}\n"
+    with pytest.raises(InputError, match="models.drafter: a drafter model needs drafter.config"):
+        load_playbook(setup(tmp_path, text))
