@@ -129,6 +129,15 @@ def manifests(playbook: Playbook) -> Pins:
     return {m.role: m.manifest for m in playbook.models.all if m.manifest is not None}
 
 
+def pins(playbook: Playbook, pushed: Pins) -> Pins:
+    """A model's manifest pins it; else what was pushed to it (the drafter's config.json aside:
+    the release serves its own)."""
+    out = manifests(playbook)
+    for role, digests in pushed.items():
+        out.setdefault(role, {p: d for p, d in digests.items() if (role, p) != ("drafter", DRAFTER_CONFIG)})
+    return out
+
+
 def _names(pins: Pins, model: Model) -> tuple[str, ...] | None:
     return tuple(sorted(pins[model.role])) if model.role in pins else None
 

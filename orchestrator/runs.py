@@ -9,12 +9,13 @@ themselves, where a unit has more than one node.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator import launch, models, plan, protocol, push
 from orchestrator.errors import AgentError, ArtifactError
 from orchestrator.inventory import Inventory, Target
-from orchestrator.playbook import DRAFTER_CONFIG, Playbook
+from orchestrator.playbook import Playbook
 from orchestrator.results import (
     GATE_ACCEPTANCE,
     GATE_BUILD,
@@ -76,18 +77,14 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
     playbook = run.playbook
     builds: dict[str, str] = {}
 
-    def stage(reuse: bool) -> Any:
+    def stage(reuse: bool) -> Callable[[Node], None]:
         def on(node: Node) -> None:
             if not run.locate(node):
                 return
             pushed = _push_models(run, node)
             if pushed is None:
                 return
-            pins = plan.manifests(playbook)
-            for role, done in pushed.items():  # what was pushed is what the model must hold
-                pins.setdefault(
-                    role, {p: d for p, d in done.digests.items() if (role, p) != ("drafter", DRAFTER_CONFIG)}
-                )
+            pins = plan.pins(playbook, {role: done.digests for role, done in pushed.items()})
             batch = plan.Stage(playbook, node.root, release_id, run.owner, run.options.lock_timeout, reuse, pins=pins)
             started = time.monotonic()
             try:

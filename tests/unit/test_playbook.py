@@ -147,5 +147,5 @@ def test_bad_models_name_file_line_and_key(
 def test_a_drafter_model_needs_the_config_its_release_serves(tmp_path: Path) -> None:
     text = "name: d\ntargets: [all]\ndeploy_root: /srv/d\nfiles: [{src: a.env, dest: a.env}]\n"
     text += "models:\n  drafter: {path: /models/D}\n"
-    with pytest.raises(InputError, match="models.drafter: a drafter model needs drafter.config"):
+    with pytest.raises(InputError, match=r"models\.drafter: a drafter model needs drafter\.config"):
         load_playbook(setup(tmp_path, text))
