@@ -106,6 +106,7 @@ def destination(run: Run, node: Node, model: Model) -> Destination:
 @dataclass(frozen=True)
 class Pushed:
     destination: str
+    by: str  # the node whose run pushed it (the others sharing the destination waited for it)
     files: int
     sent: int  # bytes sent this time
     kept: int  # files already there
@@ -138,7 +139,7 @@ def push(run: Run, node: Node, model: Model) -> Pushed:
     assert entry is not None
     if first:
         try:
-            entry["result"] = _push(run, where, local_files(model.push))
+            entry["result"] = _push(run, where, local_files(model.push), node.name)
         except BaseException as exc:
             entry["error"] = exc
         finally:
@@ -149,9 +150,11 @@ def push(run: Run, node: Node, model: Model) -> Pushed:
     return entry["result"]  # type: ignore[no-any-return]
 
 
-def _push(run: Run, where: Destination, files: list[LocalFile]) -> Pushed:
+def _push(run: Run, where: Destination, files: list[LocalFile], by: str) -> Pushed:
     started = time.monotonic()
-    root = run.playbook.deploy_root
+    # The model directory keeps its own digest cache (hidden: never served, never linked), so a
+    # GPU host needs no deploy root, and a no-change push is a stat per file.
+    root = where.path
     status = protocol.upload_status(root, [(f"{where.path}/{f.rel}", f.size, f.sha256) for f in files])
     states = run.client.batch(where.target, [status])[status]
     sent = kept = resumed = 0
@@ -167,7 +170,7 @@ def _push(run: Run, where: Destination, files: list[LocalFile]) -> Pushed:
         answers = run.client.batch(where.target, [upload], stream=_chunks(f, offset, report))
         sent += answers[upload].written
     digests = {f.rel: f.sha256 for f in files}
-    return Pushed(where.label, len(files), sent, kept, resumed, time.monotonic() - started, digests)
+    return Pushed(where.label, by, len(files), sent, kept, resumed, time.monotonic() - started, digests)
 
 
 def _progress(run: Run, where: Destination, f: LocalFile, offset: int) -> Callable[[int], None]:
@@ -208,6 +211,7 @@ def note(pushed: dict[str, Pushed], report: HostReport) -> None:
         if done is not None:
             entry["pushed"] = {
                 "destination": done.destination,
+                "by": done.by,
                 "files": done.files - done.kept,
                 "bytes_sent": done.sent,
                 "resumed": done.resumed,
