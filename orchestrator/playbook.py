@@ -197,7 +197,9 @@ def load_playbook(path: Path | str) -> Playbook:
         raise root_field.error("expected an absolute, normalised directory other than /")
     models = _models(top["models"], base)
     serving = _serving(top["serving"])
-    if serving.target is None and models.target is not None:
+    if serving.target is not None and serving.python is None:
+        raise top["serving"]["target"].error("a server needs serving.python too (the interpreter that runs vLLM)")
+    if serving.target is None and serving.python is not None and models.target is not None:
         serving = replace(serving, target=models.target.path)
     if "targets" in top:
         targets = top["targets"].str_list()

@@ -103,7 +103,8 @@ def test_shipped_playbooks_load(name: str) -> None:
 
 
 MODELS = (
-    GOOD + "models:\n  target: {path: /models/T, manifest: t.sha256}\n  drafter: {path: /models/D, push: local-d}\n"
+    GOOD.replace("  port: 8100\n", "  port: 8100\n  python: /opt/vllm/bin/python\n")
+    + "models:\n  target: {path: /models/T, manifest: t.sha256}\n  drafter: {path: /models/D, push: local-d}\n"
 )
 
 
@@ -149,3 +150,15 @@ def test_a_drafter_model_needs_the_config_its_release_serves(tmp_path: Path) -> 
     text += "models:\n  drafter: {path: /models/D}\n"
     with pytest.raises(InputError, match=r"models\.drafter: a drafter model needs drafter\.config"):
         load_playbook(setup(tmp_path, text))
+
+
+def test_a_server_target_without_its_python_is_refused_at_load(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=r"serving\.target: a server needs serving\.python too"):
+        load_playbook(setup(tmp_path, GOOD.replace("  port: 8100\n", "  port: 8100\n  target: /models/T\n")))
+
+
+def test_models_without_a_server_serve_nothing(tmp_path: Path) -> None:
+    (tmp_path / "local-d").mkdir()
+    text = GOOD.replace("serving:\n  port: 8100\n  extra_args: [--enforce-eager]\n", "")
+    pb = load_playbook(setup(tmp_path, text + "models:\n  target: {path: /models/T}\n"))
+    assert pb.serving.target is None  # files and models only: nothing is launched
