@@ -565,9 +565,9 @@ def op_model_files(req):
             continue
         seen[path] = digest
         files.append({"path": name, "size": os.stat(path).st_size, "sha256": digest, "verified": verified})
-    # pins: the digests the current release was proven with for this directory (None: it kept none).
-    out = {"path": source, "files": files, "missing": missing, "pins": pins if recorded else None,
-           "release_id": current}
+    # pins: the digests the current release was proven with from this directory (None: it served
+    # nothing from here: another directory, or a release from before models were recorded).
+    out = {"path": source, "files": files, "missing": missing, "pins": pins or None, "release_id": current}
     if req.get("config"):
         out["config"] = _read_small(os.path.join(source, "config.json"))
     if req.get("headers"):

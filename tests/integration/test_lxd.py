@@ -203,6 +203,8 @@ def test_real_vllm_in_a_container_becomes_ready_with_its_measured_tau(lxd_sandbo
             "containers",
             "connect",
             "files",
+            "models",  # the demo serves its tiny models from model directories (models:)
+            "weights",
             "loader",
             "build",
             "health",

@@ -201,3 +201,18 @@ def test_push_uploads_once_keeps_what_is_there_and_resumes_a_cut_upload(box: Box
     repaired = host(deploy(box, playbook), "solo")
     assert repaired.ready and (dest / "big.bin").read_bytes() == newer
     assert next(m for m in repaired.models if m["name"] == "drafter")["pushed"]["bytes_sent"] == 3 << 20
+
+
+def test_another_model_directory_is_pinned_afresh_not_drift(box: Box) -> None:
+    """Pins belong to a directory: serving a drafter from another directory (another drafter, or a
+    new download) records its digests; only a change inside a pinned directory is drift."""
+    model_dirs(box)
+    assert deploy(box, with_models(box)).ok
+    other = box.dir / "models" / "drafter-v2"
+    safetensors(other / "model.safetensors", drafter_shapes())
+    (other / "README.md").write_text("a newer upload\n")
+    run = deploy(box, with_models(box, drafter={"path": str(other)}))
+    solo = host(run, "solo")
+    assert run.ok, solo.gates
+    assert f"drafter {other}: 2 files" in solo.gates["models"].detail and "recorded now" in solo.gates["models"].detail
+    assert "pinned by release" in solo.gates["models"].detail  # the target's pins carried over
