@@ -29,7 +29,8 @@ from pathlib import Path
 from orchestrator.sandbox.sshhosts import SshSandbox
 
 REPO = Path(__file__).resolve().parents[1]
-DRAFTER = REPO / "playbooks" / "files" / "qwen36-27b-dflash" / "config.json"
+TINY = Path("/opt/dflash-orchestrator/tiny-models/drafter-good")  # made by scripts/vllm-venv
+DRAFTER = TINY / "config.json"
 WORK = Path("/var/lib/dflash-orchestrator/bench-models")
 
 
@@ -63,6 +64,7 @@ def playbook(path: Path, models: dict[str, object] | None) -> Path:
         "targets": ["all"],
         "deploy_root": "/srv/bench-models",
         "drafter": {"config": str(DRAFTER)},
+        "serving": {"num_speculative_tokens": 7},  # the tiny drafter's block of 8
     }
     if models:
         book["models"] = models
@@ -74,6 +76,7 @@ def push(box: SshSandbox, names: list[str], gib: float) -> None:
     size = int(gib * (1 << 30))
     local = WORK / "push"
     big_file(local / "big.bin", size)
+    shutil.copy(TINY / "model.safetensors", local / "model.safetensors")  # the weights gate reads it
     for name in names:  # each run starts from hosts without the file
         shutil.rmtree(Path(box.dir / "hosts" / name / "srv" / "models"), ignore_errors=True)
     pb = playbook(WORK / "push.json", {"drafter": {"path": "/srv/models/pushed", "push": str(local)}})
@@ -106,6 +109,7 @@ def verify(box: SshSandbox, names: list[str], gib: float) -> None:
     shared = WORK / "shared-model"
     for i in range(4):  # four shards, like a real checkpoint
         big_file(shared / f"model-{i:05d}-of-00004.safetensors", size // 4)
+    shutil.copy(TINY.parent / "target" / "config.json", shared / "config.json")  # read where the server reads it
     with_models = playbook(WORK / "with.json", {"target": {"path": str(shared)}})
     without = playbook(WORK / "without.json", None)
     limits = [a for n in names for a in ("--limit", n)]

