@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from orchestrator.sandbox.sshhosts import SshSandbox
 
 DEFAULT_INVENTORY = "inventory/inventory.yaml"
+RELEASE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
 def _say(message: str) -> None:
@@ -73,9 +76,20 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds, got {text!r}")
     if value < 0:
         raise argparse.ArgumentTypeError("must not be negative")
     return value
+
+
+def _release_id(text: str) -> str:
+    """A release's name: a directory under releases/ on every host, so refused here, not there."""
+    if not RELEASE_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a release id is 1 to 128 of letters, digits, '.', '_' and '-', not starting with '.'"
+        )
+    return text
 
 
 def _inventory_option(p: argparse.ArgumentParser) -> None:
@@ -129,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = run_parser("deploy", "push the playbook's release to every target and gate it")
     d.add_argument("--dry-run", action="store_true", help="show what would change, with diffs; write nothing")
-    d.add_argument("--release-id", default=None, help="name of the new release (default: UTC time + random)")
+    d.add_argument(
+        "--release-id", type=_release_id, default=None, help="name of the new release (default: UTC time + random)"
+    )
     v = run_parser("verify", "re-read what every target serves and report drift; never writes")
     v.add_argument("--probe", action="store_true", help="also re-run the acceptance probe on live traffic")
     v.add_argument(
@@ -143,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         "switch every target back to its previous release (or --to RELEASE); with a server in the"
         " playbook, start it on that release and prove it (health, acceptance) like a deploy",
     )
-    r.add_argument("--to", dest="to_release", default=None, metavar="RELEASE", help="release id to switch to")
+    r.add_argument(
+        "--to", dest="to_release", type=_release_id, default=None, metavar="RELEASE", help="release id to switch to"
+    )
 
     lint = sub.add_parser("lint", help="check a DFlash drafter config against its target, a reference and a vLLM build")
     lint.add_argument("drafter", type=Path, help="the drafter's config.json")

@@ -10,12 +10,35 @@ from orchestrator.errors import InputError
 from orchestrator.yamlsource import load_file, read_text
 
 
+class _Refused(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # A config.json with a key twice loads as the last one in Python and as either in other
+    # readers: a stale dflash_config first and a right one after must not lint clean.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Refused(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise _Refused(f"{name} is not a JSON number")
+
+
 def read_json(path: Path) -> dict[str, Any]:
     text = read_text(path)
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise InputError(f"invalid JSON at column {exc.colno}: {exc.msg}", file=str(path), line=exc.lineno) from exc
+    except _Refused as exc:
+        raise InputError(f"invalid JSON: {exc}", file=str(path)) from None
+    except RecursionError:
+        raise InputError("invalid JSON: nested too deeply", file=str(path)) from None
     if not isinstance(data, dict):
         raise InputError("expected a JSON object", file=str(path), line=1)
     return data

@@ -79,7 +79,38 @@ def default_layer_ids(num_target_layers: int, count: int) -> list[int]:
 
 def layer_kinds(drafter: dict[str, Any]) -> set[str]:
     types = drafter.get("layer_types")
-    return set(types) if isinstance(types, list) else set()
+    return {t for t in types if isinstance(t, str)} if isinstance(types, list) else set()
+
+
+# Read as integers by transformers and vLLM: "16", true or 5120.0 in their place is not one.
+INTEGER_FIELDS = (
+    "block_size",
+    "num_hidden_layers",
+    "num_target_layers",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "sliding_window",
+)
+INTEGER_DFLASH_FIELDS = ("block_size",)  # mask_token_id has a rule of its own
+
+
+def _integer_problems(drafter: dict[str, Any], dflash: dict[str, Any]) -> list[Problem]:
+    out = []
+    for scope, names, prefix in ((drafter, INTEGER_FIELDS, ""), (dflash, INTEGER_DFLASH_FIELDS, "dflash_config.")):
+        for name in names:
+            value = scope.get(name)
+            if value is not None and _int(value) is None:
+                out.append(
+                    Problem(
+                        f"{prefix}{name}", "error", "must be an integer (transformers and vLLM read one)", actual=value
+                    )
+                )
+    return out
 
 
 def lint(
@@ -96,6 +127,7 @@ def lint(
     dflash = dflash if isinstance(dflash, dict) else {}
     tgt = Target.from_config(target) if target is not None else None
 
+    problems.extend(_integer_problems(drafter, dflash))
     archs = drafter.get("architectures")
     if archs != [ARCHITECTURE]:
         add(
@@ -155,11 +187,19 @@ def lint(
                 ))  # fmt: skip
 
     if tgt is not None:
-        for name, want in (
-            ("num_target_layers", tgt.num_hidden_layers),
-            ("hidden_size", tgt.hidden_size),
-            ("vocab_size", tgt.vocab_size),
-        ):
+        dimensions = (
+            ("num_target_layers", "num_hidden_layers", tgt.num_hidden_layers),
+            ("hidden_size", "hidden_size", tgt.hidden_size),
+            ("vocab_size", "vocab_size", tgt.vocab_size),
+        )
+        unknown = [target_name for _, target_name, want in dimensions if want is None]
+        if unknown:
+            add(Problem(
+                "target", "error",
+                f"the target's config.json has no {', '.join(unknown)} (an integer, at the top or under text_config): "
+                "the drafter cannot be checked against it",
+            ))  # fmt: skip
+        for name, _, want in dimensions:
             have = drafter.get(name)
             if want is not None and have != want:
                 add(Problem(name, "error", "must equal the target's", want, have))
@@ -177,7 +217,7 @@ def lint(
                     f"{len(types)} entries",
                 )
             )
-        unknown = sorted({t for t in types if t not in (SLIDING, FULL)}, key=str)
+        unknown = sorted({t if isinstance(t, str) else repr(t) for t in types if t not in (SLIDING, FULL)})
         if unknown:
             add(Problem("layer_types", "error", f"unknown layer types {unknown}", [SLIDING, FULL], types))
     if SLIDING in layer_kinds(drafter):

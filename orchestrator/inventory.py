@@ -260,6 +260,7 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
                 raise cfield["gpus"].error("expected a list of distinct GPU indices (integers >= 0)")
             groups = cfield["groups"].str_list(())
             for g in groups:
+                _check_name(cfield["groups"], g)
                 if g == "all" or g in hosts or g == hname:
                     raise cfield["groups"].error(f"group name '{g}' is reserved or names a GPU host")
             containers.append(
@@ -282,6 +283,7 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
         if hname in seen:
             raise hfield.error(f"GPU host name already used by a container on '{seen[hname]}'")
         hosts[hname] = GpuHost(hname, address, host_ssh, tuple(containers), _vars(hfield["vars"]), lxd)
+    _check_distinct(top, hosts, group_vars)
     return Inventory(
         file=path,
         known_hosts=known_hosts,
@@ -289,6 +291,33 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
         group_vars=group_vars,
         default_vars=_vars(defaults_field["vars"]),
     )
+
+
+def _check_distinct(top: Field, hosts: dict[str, GpuHost], group_vars: dict[str, dict[str, Any]]) -> None:
+    """No name means two things, and no two entries are one place: two containers at the same
+    address, port and jump host (or two local ones on the same deploy root) would make one host
+    deployed twice and reported READY twice while the other is never touched."""
+    containers = {c.name: (h, c) for h in hosts.values() for c in h.containers}
+    for gname in group_vars:
+        if gname in containers or gname in hosts or gname == "all":
+            raise top["groups"][gname].error(f"group name '{gname}' is already a container, a GPU host, or reserved")
+    for h, c in containers.values():
+        for g in c.groups:
+            if g in containers:
+                raise top["hosts"][h.name]["containers"][c.name]["groups"].error(f"group name '{g}' is a container")
+    places: dict[tuple[Any, ...], str] = {}
+    for h, c in containers.values():
+        if c.connection == LOCAL:
+            place: tuple[Any, ...] = (LOCAL, c.deploy_root)
+        elif c.address is not None:
+            place = (SSH, c.address, c.ssh.port, h.name if c.jump else None)
+        else:
+            continue  # discovered through LXD: one container, one address
+        if place in places:
+            where = top["hosts"][h.name]["containers"][c.name]
+            what = "the same deploy root on this machine" if c.connection == LOCAL else "the same address and port"
+            raise where.error(f"{what} as container '{places[place]}': one place cannot be two containers")
+        places[place] = c.name
 
 
 def _ssh(f: Field, base_settings: SshSettings, base: Path) -> SshSettings:

@@ -236,6 +236,15 @@ def load_playbook(path: Path | str) -> Playbook:
         if "target_config" in d:
             target = read_json(_local(d["target_config"], d["target_config"].str(), base))
         drafter = Drafter(config, read_json(config.src), reference, target)
+    every = {spec.dest: item["dest"] for spec, item in zip(files, top["files"].sequence(), strict=True)}
+    if drafter is not None:
+        every[DRAFTER_CONFIG_DEST] = top["drafter"]["config"]
+    for dest, item in every.items():
+        parent = posixpath.dirname(dest)
+        while parent:
+            if parent in every:
+                raise item.error(f"'{dest}' needs '{parent}' to be a directory, but the release also has a file there")
+            parent = posixpath.dirname(parent)
     if models.drafter is not None and drafter is None:
         raise top["models"]["drafter"].error("a drafter model needs drafter.config: the config its release serves")
 
@@ -272,7 +281,9 @@ def _file_spec(f: Field, src: str, dest: str, base: Path, src_key: str = "src") 
     path = _local(src_field, src, base)
     dest_field = f["dest"] if src_key == "src" else f  # the drafter config has a fixed dest
     norm = posixpath.normpath(dest)
-    if dest.startswith("/") or norm != dest or norm.startswith("../") or norm == "..":
+    if "\x00" in dest:
+        raise dest_field.error(f"{dest!r} holds a NUL byte")
+    if dest.startswith("/") or norm != dest or norm.startswith("../") or norm in ("..", "."):
         raise dest_field.error(f"'{dest}' must be a relative path inside the release, with no '..' or '.' parts")
     if dest == ".manifest.sha256":
         raise dest_field.error("'.manifest.sha256' is reserved for the release manifest")

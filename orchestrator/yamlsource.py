@@ -9,6 +9,7 @@ A ``Field`` walks the data with its path and turns each wrong type into one ``In
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,9 @@ def load_text(text: str, file: str) -> Document:
     try:
         node = loader.get_single_node()
         lines: dict[KeyPath, int] = {}
-        data = _build(loader, node, (), lines, file) if node is not None else None
+        data = _build(loader, node, (), lines, file, set()) if node is not None else None
+    except RecursionError:
+        raise InputError("invalid YAML: nested too deeply", file=file) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else None
@@ -72,7 +75,21 @@ def load_text(text: str, file: str) -> Document:
     return Document(file, data, lines)
 
 
-def _build(loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int], file: str) -> Any:
+def _build(
+    loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int], file: str, seen: set[int]
+) -> Any:
+    # An alias is the anchored node again: refused, as are merge keys (made of aliases). A value
+    # used twice is written twice; a 600-byte alias bomb would otherwise expand to gigabytes,
+    # and a self-referencing alias never end.
+    if id(node) in seen and isinstance(node, (yaml.MappingNode, yaml.SequenceNode, yaml.ScalarNode)):
+        raise InputError(
+            f"YAML aliases are not supported (this one repeats the value anchored at line {node.start_mark.line + 1}):"
+            " write the value out",
+            file=file,
+            line=node.start_mark.line + 1,
+            key=_dotted(path) or None,
+        )
+    seen.add(id(node))
     lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
         loader.flatten_mapping(node)
@@ -93,10 +110,10 @@ def _build(loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, lines: dict[
                     key=_dotted(child),
                 )
             lines[child] = key_node.start_mark.line + 1
-            out[key] = _build(loader, value_node, child, lines, file)
+            out[key] = _build(loader, value_node, child, lines, file, seen)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_build(loader, item, (*path, i), lines, file) for i, item in enumerate(node.value)]
+        return [_build(loader, item, (*path, i), lines, file, seen) for i, item in enumerate(node.value)]
     return loader.construct_object(node, deep=True)
 
 
@@ -195,6 +212,8 @@ class Field:
             return self._default(default)
         if not isinstance(self.value, (int, float)) or isinstance(self.value, bool):
             raise self.error(f"expected a number, got {_kind(self.value)}")
+        if not math.isfinite(self.value):
+            raise self.error(f"expected a finite number, got {self.value}")
         if minimum is not None and self.value < minimum:
             raise self.error(f"must be at least {minimum}, got {self.value}")
         return float(self.value)

@@ -1,0 +1,241 @@
+"""Bad input of every kind stops before any host is touched: exit 2 (or, for a drafter config's
+content, the lint gate), one line naming the file, the line and the key, and no traceback.
+
+The inventory's one container is a local one whose deploy root is under the test's directory:
+had anything reached it, that directory would exist.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cli
+
+DRAFTER = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "block_size": 8,
+    "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1]},
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "vocab_size": 64,
+    "num_target_layers": 2,
+    "layer_types": ["full_attention"],
+}
+TARGET = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": 64,
+}
+PLAYBOOK = """\
+name: hostile
+targets: [me]
+deploy_root: /unused
+files:
+  - {src: a.txt, dest: a.txt}
+drafter: {config: drafter.json, target_config: target.json}
+serving: {num_speculative_tokens: 7}
+"""
+
+
+def setup(tmp_path: Path, playbook: str = PLAYBOOK, inventory: str | None = None) -> list[str]:
+    (tmp_path / "a.txt").write_text("a\n")
+    (tmp_path / "drafter.json").write_text(json.dumps(DRAFTER))
+    (tmp_path / "target.json").write_text(json.dumps(TARGET))
+    (tmp_path / "pb.yaml").write_text(playbook)
+    root = tmp_path / "root"
+    (tmp_path / "inv.yaml").write_text(
+        inventory or f"hosts:\n  box:\n    containers:\n      me: {{connection: local, deploy_root: {root}}}\n"
+    )
+    return [str(tmp_path / "pb.yaml"), "-i", str(tmp_path / "inv.yaml"), "--state-dir", str(tmp_path / "state")]
+
+
+def refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int = 2) -> str:
+    try:
+        got = cli.main(argv)
+    except SystemExit as exc:  # argparse's own refusals exit 2 from the parser
+        got = exc.code  # type: ignore[assignment]
+    assert got == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert not (tmp_path / "root").exists()  # no host was touched
+    return err
+
+
+BOMB = "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9) if prev else 'lol'}]\n"
+    for prev, name in zip(["", "a", "b", "c", "d", "e", "f", "g", "h"], "abcdefghi", strict=True)
+)
+PLAYBOOK_CASES = {
+    "NaN threshold (would pass tau 1.00)": (
+        PLAYBOOK + "gates: {acceptance: {min_mean_acceptance_length: .nan}}\n",
+        "pb.yaml:8 gates.acceptance.min_mean_acceptance_length: expected a finite number, got nan",
+    ),
+    "infinite start budget": (
+        PLAYBOOK.replace("{num_speculative_tokens: 7}", "{num_speculative_tokens: 7, startup_timeout: .inf}"),
+        "serving.startup_timeout: expected a finite number, got inf",
+    ),
+    "an alias bomb": (PLAYBOOK + BOMB, "YAML aliases are not supported"),
+    "a self-referencing alias": (PLAYBOOK + "x: &x [*x]\n", "x[0]: YAML aliases are not supported"),
+    "a merge key": (
+        PLAYBOOK.replace(
+            "serving: {num_speculative_tokens: 7}", "base: &b {num_speculative_tokens: 7}\nserving: {<<: *b}"
+        ),
+        "YAML aliases are not supported",
+    ),
+    "nested a hundred thousand deep": (PLAYBOOK + "x: " + "[" * 100_000, "invalid YAML"),
+    "dest '.'": (PLAYBOOK.replace("dest: a.txt", "dest: ."), "pb.yaml:5 files[0].dest: '.' must be a relative path"),
+    "a NUL in dest": (PLAYBOOK.replace("dest: a.txt", 'dest: "a\\0b"'), "files[0].dest: 'a\\x00b' holds a NUL byte"),
+    "a file where a directory must be": (
+        PLAYBOOK.replace("  - {src: a.txt, dest: a.txt}\n", "  - {src: a.txt, dest: a}\n  - {src: a.txt, dest: a/b}\n"),
+        "pb.yaml:6 files[1].dest: 'a/b' needs 'a' to be a directory",
+    ),
+    "the drafter's directory taken by a file": (
+        PLAYBOOK.replace("dest: a.txt", "dest: drafter"),
+        "'drafter/config.json' needs 'drafter' to be a directory",
+    ),
+    "a server with no python": (
+        PLAYBOOK.replace("{num_speculative_tokens: 7}", "{num_speculative_tokens: 7, target: /models/t}"),
+        "serving.target: a server needs serving.python too",
+    ),
+    "a key twice": (PLAYBOOK + "name: again\n", "pb.yaml:8 name: duplicate key (first at line 1)"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAYBOOK_CASES))
+def test_a_hostile_playbook_is_refused_before_any_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    text, expected = PLAYBOOK_CASES[case]
+    err = refused(tmp_path, capsys, ["deploy", *setup(tmp_path, text)])
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+
+
+ARGUMENT_CASES = {
+    "--lock-timeout nan": (["--lock-timeout", "nan"], "argument --lock-timeout: expected a finite number of seconds"),
+    "--lock-timeout inf": (["--lock-timeout", "inf"], "expected a finite number of seconds, got 'inf'"),
+    "--lock-timeout -1": (["--lock-timeout", "-1"], "must not be negative"),
+    "--forks 0": (["--forks", "0"], "argument -f/--forks: must be at least 1"),
+    "--release-id ../x": (["--release-id", "../x"], "'../x': a release id is 1 to 128 of letters"),
+    "--release-id .hidden": (["--release-id", ".hidden"], "not starting with '.'"),
+    "--release-id empty": (["--release-id", ""], "a release id is 1 to 128"),
+    "--release-id too long": (["--release-id", "r" * 129], "a release id is 1 to 128"),
+}
+
+
+@pytest.mark.parametrize("case", list(ARGUMENT_CASES))
+def test_hostile_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    extra, expected = ARGUMENT_CASES[case]
+    err = refused(tmp_path, capsys, ["deploy", *setup(tmp_path), *extra])
+    assert expected in err
+
+
+def test_rollback_to_a_path_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(tmp_path, capsys, ["rollback", *setup(tmp_path), "--to", "../../etc"])
+    assert "argument --to: '../../etc': a release id" in err
+
+
+DRAFTER_CASES = {
+    "a key twice (a stale dflash_config first)": (
+        '{"dflash_config": {"mask_token_id": 6}, "dflash_config": {"mask_token_id": 5}}',
+        "drafter.json: invalid JSON: the key 'dflash_config' appears twice in one object",
+    ),
+    "NaN": ('{"hidden_size": NaN}', "drafter.json: invalid JSON: NaN is not a JSON number"),
+    "Infinity": ('{"hidden_size": Infinity}', "drafter.json: invalid JSON: Infinity is not a JSON number"),
+    "nested a hundred thousand deep": ("[" * 100_000 + "]" * 100_000, "drafter.json: invalid JSON: nested too deeply"),
+    "not an object": ("[1, 2]", "drafter.json:1: expected a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", list(DRAFTER_CASES))
+def test_an_unreadable_drafter_config_is_refused_at_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    text, expected = DRAFTER_CASES[case]
+    argv = setup(tmp_path)
+    (tmp_path / "drafter.json").write_text(text)
+    assert expected in refused(tmp_path, capsys, ["deploy", *argv])
+
+
+LINT_CASES = {
+    "block_size as a string": ({"block_size": "16"}, "error: block_size: must be an integer"),
+    "a boolean layer count": ({"num_hidden_layers": True}, "error: num_hidden_layers: must be an integer"),
+    "a float hidden size": ({"hidden_size": 64.0}, "error: hidden_size: must be an integer"),
+    "dflash_config.block_size as a string": (
+        {"dflash_config": {"mask_token_id": 5, "target_layer_ids": [1], "block_size": "8"}},
+        "error: dflash_config.block_size: must be an integer",
+    ),
+    "a list inside layer_types": (
+        {"layer_types": [["full_attention"]]},
+        "unknown layer types [\"['full_attention']\"]",
+    ),
+    "a mask token as a string": (
+        {"dflash_config": {"mask_token_id": "5", "target_layer_ids": [1]}},
+        "dflash_config.mask_token_id: must be a non-negative integer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LINT_CASES))
+def test_drafter_values_of_the_wrong_type_fail_lint_not_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    change, expected = LINT_CASES[case]
+    argv = setup(tmp_path)
+    (tmp_path / "drafter.json").write_text(json.dumps({**DRAFTER, **change}))
+    err = capsys.readouterr().err
+    assert cli.main(["lint", str(tmp_path / "drafter.json"), "--target", str(tmp_path / "target.json")]) == 1
+    out = capsys.readouterr()
+    assert expected in out.out and "Traceback" not in out.err + err
+    refused(tmp_path, capsys, ["deploy", *argv], code=1)  # the lint gate: nothing is touched
+
+
+def test_a_target_config_with_no_dimensions_is_an_error_not_a_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = setup(tmp_path)
+    (tmp_path / "target.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    refused(tmp_path, capsys, ["deploy", *argv], code=1)
+    assert cli.main(["lint", str(tmp_path / "drafter.json"), "--target", str(tmp_path / "target.json")]) == 1
+    assert "the target's config.json has no num_hidden_layers, hidden_size, vocab_size" in capsys.readouterr().out
+
+
+INVENTORY_CASES = {
+    "two containers at one address": (
+        "hosts:\n  a:\n    containers:\n      me: {address: 127.0.0.1}\n  b:\n    containers:\n"
+        "      other: {address: 127.0.0.1}\n",
+        "inv.yaml:7 hosts.b.containers.other: the same address and port as container 'me'",
+    ),
+    "two local containers on one deploy root": (
+        "hosts:\n  a:\n    containers:\n      me: {connection: local}\n      other: {connection: local}\n",
+        "hosts.a.containers.other: the same deploy root on this machine as container 'me'",
+    ),
+    "a group named like a container": (
+        "groups: {me: {}}\nhosts:\n  a:\n    containers:\n      me: {connection: local}\n",
+        "inv.yaml:1 groups.me: group name 'me' is already a container",
+    ),
+    "a container's group named like a container": (
+        "hosts:\n  a:\n    containers:\n      me: {connection: local, groups: [other]}\n"
+        "      other: {connection: local, deploy_root: /x}\n",
+        "hosts.a.containers.me.groups: group name 'other' is a container",
+    ),
+    "a group name with a slash": (
+        "hosts:\n  a:\n    containers:\n      me: {connection: local, groups: [a/b]}\n",
+        "hosts.a.containers.me.groups: names may hold letters, digits",
+    ),
+    "an alias bomb": ("x: &x [*x]\nhosts: {}\n", "inv.yaml:1 x[0]: YAML aliases are not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(INVENTORY_CASES))
+def test_a_hostile_inventory_is_refused_before_any_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    text, expected = INVENTORY_CASES[case]
+    err = refused(tmp_path, capsys, ["deploy", *setup(tmp_path, inventory=text)])
+    assert expected in err, err
