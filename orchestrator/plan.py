@@ -257,7 +257,13 @@ def read_applied(playbook: Playbook, applied: protocol.Applied, report: HostRepo
         detail = f"{changed} of {len(report.files)} files changed, verified by read-back; release {report.release_id} is current"
     else:
         detail = f"no change: release {report.release_id} already holds all {len(report.files)} files"
-    report.gates[GATE_FILES] = Gate(True, detail)
+    report.gates[GATE_FILES] = Gate(True, detail + _foreign_note(applied.foreign))
+
+
+def _foreign_note(foreign: tuple[str, ...]) -> str:
+    if not foreign:
+        return ""
+    return f" (releases/ also holds {', '.join(foreign)}: not made by this tool, left alone)"
 
 
 def _states(
@@ -310,7 +316,7 @@ def read_inspected(playbook: Playbook, served: protocol.Served, report: HostRepo
         state = FileState(f.path, f.remote_path, f.sha256, spec.sha256, changed=f.sha256 != spec.sha256)
         report.files.append(state)
         if state.changed:
-            report.diffs.append(file_diff(spec, f.remote_path, f.content, f.sha256))
+            report.diffs.append(file_diff(spec, f.remote_path, f.content, f.sha256, f.private))
     report.changed = any(f.changed for f in report.files)
     n = sum(f.changed for f in report.files)
     report.gates[GATE_FILES] = Gate(
@@ -318,13 +324,18 @@ def read_inspected(playbook: Playbook, served: protocol.Served, report: HostRepo
     )
 
 
-def file_diff(spec: FileSpec, remote_path: str, old: bytes | None, old_sha: str | None) -> str:
+def file_diff(
+    spec: FileSpec, remote_path: str, old: bytes | None, old_sha: str | None, old_private: bool = False
+) -> str:
+    """A unified diff of a text file; only digests (and the new size) for a binary, large or
+    private file: a token rotated in a 0600 file never reaches the terminal, old or new."""
+    header = f"--- {remote_path}\n+++ {spec.src}\n"
+    if spec.private or old_private:
+        return f"{header}not shown (secret or not world-readable): sha256 {old_sha or 'missing'} -> {spec.sha256}, {len(spec.content)} bytes\n"
     new_text = _text(spec.content)
     old_text = _text(old) if old is not None else ("" if old_sha is None else None)
     if new_text is None or old_text is None:
-        return (
-            f"--- {remote_path}\n+++ {spec.src}\nbinary or large file: sha256 {old_sha or 'missing'} -> {spec.sha256}\n"
-        )
+        return f"{header}binary or large file: sha256 {old_sha or 'missing'} -> {spec.sha256}\n"
     return "".join(
         difflib.unified_diff(
             old_text.splitlines(keepends=True),
@@ -356,7 +367,8 @@ def read_made_current(playbook: Playbook, switched: protocol.Switched, report: H
     changed = sum(f.changed for f in report.files)
     report.gates[GATE_FILES] = Gate(
         True,
-        f"{changed} of {len(report.files)} files changed, verified by read-back; release {report.release_id} is current",
+        f"{changed} of {len(report.files)} files changed, verified by read-back; release {report.release_id} is current"
+        + _foreign_note(switched.foreign),
     )
 
 

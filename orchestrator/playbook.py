@@ -44,10 +44,16 @@ class FileSpec:
     dest: str
     mode: str
     content: bytes = field(repr=False)
+    secret: bool = False  # never shown (dry-run diffs): sizes and digests only
 
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.content).hexdigest()
+
+    @property
+    def private(self) -> bool:
+        """Its content is not for every eye: marked secret, or not world-readable where it lands."""
+        return self.secret or not int(self.mode, 8) & 0o004
 
 
 @dataclass(frozen=True)
@@ -213,8 +219,8 @@ def load_playbook(path: Path | str) -> Playbook:
     files: list[FileSpec] = []
     dests: dict[str, str] = {}
     for item in top["files"].sequence():
-        item.mapping({"src", "dest", "mode"}, required=frozenset({"src", "dest"}))
-        spec = _file_spec(item, item["src"].str(), item["dest"].str(), base)
+        item.mapping({"src", "dest", "mode", "secret"}, required=frozenset({"src", "dest"}))
+        spec = replace(_file_spec(item, item["src"].str(), item["dest"].str(), base), secret=item["secret"].bool(False))
         if spec.dest in dests:
             raise item["dest"].error(f"destination already used by {dests[spec.dest]}")
         dests[spec.dest] = item.key

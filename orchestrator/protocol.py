@@ -80,6 +80,7 @@ class ServedFile:
     link: str | None = None  # an overlay link: where it points now (``remote_path``: where it should)
     verified: str | None = None  # an overlay link's digest: "cached" or "hashed" on the host
     pinned: str | None = None  # an overlay link's digest as the release that was current recorded it
+    private: bool = False  # release_inspect: not world-readable on the host (its content is not sent)
 
     @classmethod
     def read(cls, value: dict[str, Any]) -> ServedFile:
@@ -105,6 +106,7 @@ class ServedFile:
             link=_field(value, "link", str, optional=True),
             verified=verified,
             pinned=_sha256(value, "pinned"),
+            private=bool(_field(value, "private", bool, optional=True)),
         )
 
 
@@ -126,6 +128,7 @@ class Applied:
     changed: bool
     switched: bool  # False: staged only, the switch comes after the gates
     files: tuple[ServedFile, ...]
+    foreign: tuple[str, ...] = ()  # under releases/ but not made by the tool: reported, never removed
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class Switched:
     release_id: str
     previous: str | None
     files: tuple[ServedFile, ...]
+    foreign: tuple[str, ...] = ()  # under releases/ but not made by the tool: reported, never removed
 
 
 @dataclass(frozen=True)
@@ -311,7 +315,15 @@ def _applied(v: dict[str, Any]) -> Applied:
         changed=_field(v, "changed", bool),
         switched=_field(v, "switched", bool, optional=True) is not False,
         files=_files(v),
+        foreign=_names_of(v, "foreign"),
     )
+
+
+def _names_of(v: dict[str, Any], key: str) -> tuple[str, ...]:
+    names = _field(v, key, list, optional=True) or []
+    if not all(isinstance(n, str) for n in names):
+        raise AnswerError(f"'{key}' is not a list of names")
+    return tuple(names)
 
 
 @dataclass(frozen=True)
@@ -466,6 +478,7 @@ def _switched(v: dict[str, Any]) -> Switched:
         release_id=_field(v, "release_id", str),
         previous=_field(v, "previous", str, optional=True),
         files=_files(v),
+        foreign=_names_of(v, "foreign"),
     )
 
 

@@ -762,16 +762,31 @@ def _clean_staging(releases):
             _rmtree(os.path.join(releases, name), ignore_errors=True)
 
 
+def _ours(releases, name):
+    """A release this tool made: a release id's name, a real directory, its manifest readable.
+    Anything else under releases/ (an operator's backup-2024/) is never removed."""
+    try:
+        _check_release_id(name)
+    except OpError:
+        return False
+    path = os.path.join(releases, name)
+    return not os.path.islink(path) and os.path.isdir(path) and _read_manifest(path) is not None
+
+
+def _foreign(releases):
+    """What releases/ holds that the tool did not make (reported, left alone)."""
+    return sorted(n for n in os.listdir(releases) if not n.startswith(".") and not _ours(releases, n))
+
+
 def _prune(root_real, releases, keep):
     protected = set(
         x for x in (_link_target(root_real, "current"), _link_target(root_real, "previous")) if x
     )
     candidates = []
     for name in os.listdir(releases):
-        path = os.path.join(releases, name)
-        if name.startswith(".") or name in protected or not os.path.isdir(path):
+        if name.startswith(".") or name in protected or not _ours(releases, name):
             continue
-        candidates.append((os.stat(path).st_mtime, name))
+        candidates.append((os.lstat(os.path.join(releases, name)).st_mtime, name))
     candidates.sort()
     excess = len(candidates) + len(protected) - keep
     pruned = []
@@ -930,6 +945,7 @@ def op_release_apply(req):
         "previous": previous,
         "files": out,
         "pruned": _prune(root, releases, keep),
+        "foreign": _foreign(releases),
     }
 
 
@@ -972,7 +988,12 @@ def op_release_inspect(req):
     current, served = _served_files(root, req.get("files") or [])
     for f in served:
         f["content_b64"] = None
-        if f["sha256"] is not None and os.path.getsize(f["remote_path"]) <= limit:
+        if f["sha256"] is None:
+            continue
+        st = os.stat(f["remote_path"])
+        # A file not everyone may read never leaves the host: dry-run shows digests for it.
+        f["private"] = not st.st_mode & 0o004
+        if not f["private"] and st.st_size <= limit:
             with open(f["remote_path"], "rb") as fh:
                 f["content_b64"] = _b64(fh.read())
     return {"current": current, "files": served}
@@ -984,7 +1005,7 @@ def op_release_list(req):
     items = []
     for name in sorted(os.listdir(releases)):
         path = os.path.join(releases, name)
-        if not name.startswith(".") and os.path.isdir(path):
+        if not name.startswith(".") and _ours(releases, name):
             items.append({"release_id": name, "mtime": os.stat(path).st_mtime})
     items.sort(key=lambda r: r["mtime"])
     return {
@@ -1020,8 +1041,10 @@ def op_release_switch(req):
     for f in served:
         if f["sha256"] != wanted[f["path"]]:
             raise OpError("drift", "after the switch, sha256 %s differs" % f["sha256"], f["remote_path"])
-    pruned = _prune(root, _releases_dir(root), int(req["keep"])) if req.get("keep") else []
-    return {"release_id": current, "previous": previous, "files": served, "pruned": pruned}
+    releases = _releases_dir(root)
+    pruned = _prune(root, releases, int(req["keep"])) if req.get("keep") else []
+    return {"release_id": current, "previous": previous, "files": served, "pruned": pruned,
+            "foreign": _foreign(releases)}
 
 
 # --- single files and facts -------------------------------------------------------------

@@ -301,3 +301,26 @@ def test_manifest_is_sha256sum_format_and_strictly_read(tmp_path: Path) -> None:
 def test_release_paths_with_newlines_are_refused(tmp_path: Path) -> None:
     res = apply(tmp_path, "r1", **{"a\nb": b"1"})
     assert res["error"]["code"] == "bad_request" and not (tmp_path / "current").exists()
+
+
+def test_pruning_removes_only_releases_the_tool_made(tmp_path: Path) -> None:
+    """An operator's backup, a directory named like a release but without a manifest, and a link
+    under releases/ are reported as foreign and never removed, however old."""
+    apply(tmp_path, "r1", keep=2, a=b"1")
+    releases = tmp_path / "releases"
+    (releases / "backup-2024").mkdir()
+    (releases / "backup-2024" / "weights.bin").write_bytes(b"precious")
+    (releases / "20200101T000000Z-abcdef").mkdir()  # a release's name, no manifest
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (releases / "r0").symlink_to(elsewhere)
+    for name in ("backup-2024", "20200101T000000Z-abcdef"):
+        os.utime(releases / name, (0, 0))  # older than every release
+    apply(tmp_path, "r2", keep=2, a=b"2")
+    third = apply(tmp_path, "r3", keep=2, a=b"3")["result"]
+    assert third["pruned"] == ["r1"]
+    assert third["foreign"] == ["20200101T000000Z-abcdef", "backup-2024", "r0"]
+    assert (releases / "backup-2024" / "weights.bin").read_bytes() == b"precious"
+    assert (releases / "r0").is_symlink() and elsewhere.is_dir()
+    listed = run([{"op": "release_list", "root": str(tmp_path)}])[0]["result"]["releases"]
+    assert [r["release_id"] for r in listed] == ["r2", "r3"]

@@ -322,3 +322,31 @@ def test_files_only_one_exec_a_host_then_dry_run_diff_and_rollback(box: Box) -> 
     assert back.ok and all(h.release_id == first.release_id for h in back.hosts)
     assert (box.root("solo") / "current" / "a.txt").read_text() == "first\n"
     assert not verify(box, playbook).ok  # the playbook says "second"
+
+
+def test_a_dry_run_never_shows_a_secret_old_or_new(box: Box) -> None:
+    """Files not world-readable (on the host or as the playbook writes them), or marked secret,
+    are diffed by digest only; a plain file still gets its diff."""
+    for name, text in (("token.env", "TOKEN=old-s3cr3t\n"), ("key.pem", "KEY=old-key\n"), ("notes.txt", "old notes\n")):
+        (box.dir / name).write_text(text)
+    book = {
+        "name": "secrets",
+        "targets": ["solo"],
+        "deploy_root": "/unused",
+        "files": [
+            {"src": "token.env", "dest": "token.env", "mode": "0600"},
+            {"src": "key.pem", "dest": "key.pem", "secret": True},
+            {"src": "notes.txt", "dest": "notes.txt"},
+        ],
+    }
+    (box.dir / "secrets.yaml").write_text(yaml.safe_dump(book))
+    assert deploy(box, load_playbook(box.dir / "secrets.yaml")).ok
+    for name, text in (("token.env", "TOKEN=new-s3cr3t\n"), ("key.pem", "KEY=new-key\n"), ("notes.txt", "new notes\n")):
+        (box.dir / name).write_text(text)
+    playbook = load_playbook(box.dir / "secrets.yaml")
+    inv = box.inventory
+    looked = runs.dry_run(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet)
+    shown = json.dumps(looked.to_json())
+    assert "s3cr3t" not in shown and "-key" not in shown
+    assert "-old notes\\n+new notes" in shown
+    assert shown.count("not shown (secret or not world-readable)") == 2
