@@ -6,14 +6,17 @@ Exit codes: 0 all hosts ready / in sync, 1 some host is not (or a run failed), 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,10 +33,11 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orchestrate":
 
 from orchestrator import dflash, runs
 from orchestrator.configs import read_json, read_mapping
-from orchestrator.errors import EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
 from orchestrator.inventory import Inventory, Target, inventory_view, load_inventory, show_one
 from orchestrator.playbook import Playbook, load_playbook
 from orchestrator.report import ProgressPrinter, render_json, render_table
+from orchestrator.results import RunReport
 from orchestrator.runner import RunOptions
 from orchestrator.sandbox import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
 from orchestrator.state import StateDB
@@ -273,16 +277,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     kind = "dry-run" if getattr(args, "dry_run", False) else args.command
     progress = ProgressPrinter(kind, len(targets))
     _say(f"{kind} {playbook.name}: {len(targets)} hosts, forks {args.forks}")
-    if kind == "dry-run":
-        run = runs.dry_run(playbook, inventory, targets, options, progress)
-    elif kind == "deploy":
-        run = runs.deploy(playbook, inventory, targets, options, progress, _say)
-    elif kind == "stop":
-        run = runs.stop(playbook, inventory, targets, options, progress, _say)
-    elif kind == "verify":
-        run = runs.verify(playbook, inventory, targets, options, progress, args.probe, _say, args.rehash)
-    else:
-        run = runs.rollback(playbook, inventory, targets, options, progress, args.to_release, _say)
+    with _first_interrupt_finishes(options.interrupt):
+        run = _run(kind, args, playbook, inventory, targets, options, progress)
+    run.interrupted = options.interrupt.is_set()
     for key in run.accepted_host_keys:
         _say(f"accepted new host key: {key}")
     db = StateDB(args.state_dir)
@@ -294,7 +291,50 @@ def _cmd_run(args: argparse.Namespace) -> int:
         render_json(run.to_json())
     else:
         render_table(run)
+    if run.interrupted:
+        return EXIT_INTERRUPTED
     return EXIT_OK if run.ok else EXIT_NOT_READY
+
+
+@contextlib.contextmanager
+def _first_interrupt_finishes(interrupt: threading.Event) -> Iterator[None]:
+    """The first Ctrl-C starts nothing new and lets the hosts in flight finish (their own deadlines
+    bound them), then the table and the record of what happened; a second one aborts."""
+
+    def handle(signum: int, frame: object) -> None:
+        if interrupt.is_set():
+            raise KeyboardInterrupt
+        interrupt.set()
+        _say("interrupted: starting no new host; the hosts in flight finish (Ctrl-C again to abort)")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # a library caller's thread: signals are not ours to take
+        return
+    previous = signal.signal(signal.SIGINT, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _run(
+    kind: str,
+    args: argparse.Namespace,
+    playbook: Playbook,
+    inventory: Inventory,
+    targets: list[Target],
+    options: RunOptions,
+    progress: ProgressPrinter,
+) -> RunReport:
+    if kind == "dry-run":
+        return runs.dry_run(playbook, inventory, targets, options, progress)
+    if kind == "deploy":
+        return runs.deploy(playbook, inventory, targets, options, progress, _say)
+    if kind == "stop":
+        return runs.stop(playbook, inventory, targets, options, progress, _say)
+    if kind == "verify":
+        return runs.verify(playbook, inventory, targets, options, progress, args.probe, _say, args.rehash)
+    return runs.rollback(playbook, inventory, targets, options, progress, args.to_release, _say)
 
 
 def _cmd_lint(args: argparse.Namespace) -> int:
@@ -459,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         _say("interrupted")
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         return EXIT_NOT_READY
 

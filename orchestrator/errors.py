@@ -26,6 +26,7 @@ from typing import Any
 EXIT_OK = 0
 EXIT_NOT_READY = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 class OrchestratorError(Exception):

@@ -27,6 +27,7 @@ GATE_GROUP = "group"  # multi-node: what the other nodes of the group did
 GATE_RAY = "ray"
 GATE_ROLLOUT = "rollout"
 GATE_STOPPED = "stopped"
+GATE_INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class RunReport:
     finished: float = 0.0
     accepted_host_keys: list[str] = field(default_factory=list)
     lint: list[dflash.Problem] | None = None
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -141,6 +143,8 @@ class RunReport:
             "duration_s": round(self.finished - self.started, 3),
             "accepted_host_keys": self.accepted_host_keys,
         }
+        if self.interrupted:
+            out["interrupted"] = True
         if self.lint is not None:
             out["lint"] = {
                 "ok": not any(p.severity == "error" for p in self.lint),

@@ -32,6 +32,7 @@ from orchestrator.results import (
     GATE_CONTAINERS,
     GATE_FILES,
     GATE_GROUP,
+    GATE_INTERRUPTED,
     GATE_ROLLOUT,
     Gate,
     HostReport,
@@ -54,6 +55,9 @@ class RunOptions:
     lock_timeout: float = 60.0
     release_id: str | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # Set (by a first Ctrl-C): start nothing new; what is in flight finishes, bounded by its own
+    # deadlines, and the run reports what happened.
+    interrupt: threading.Event = field(default_factory=threading.Event, compare=False)
 
 
 class Node:
@@ -299,6 +303,11 @@ def execute(
         )
 
         def one(unit: Unit) -> None:
+            if options.interrupt.is_set():
+                for node in unit.nodes:
+                    node.report.gates[GATE_INTERRUPTED] = Gate(False, "not started: the run was interrupted")
+                    progress(node.report, "done")
+                return
             started = time.monotonic()
             for node in unit.nodes:
                 progress(node.report, "start")

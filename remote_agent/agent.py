@@ -75,14 +75,17 @@ def _os_error(code, exc, path):
 # --- paths -----------------------------------------------------------------------------
 
 
-def _root(req):
+def _root(req, create=True):
+    """The deploy root, made when missing unless the op only reads (verify and the dry run never
+    write, not even the directory)."""
     root = req.get("root")
     if not isinstance(root, str) or not os.path.isabs(root):
         raise OpError("bad_request", "root must be an absolute path", root)
-    try:
-        os.makedirs(root, mode=0o755, exist_ok=True)
-    except OSError as exc:
-        raise _os_error("io", exc, root)
+    if create:
+        try:
+            os.makedirs(root, mode=0o755, exist_ok=True)
+        except OSError as exc:
+            raise _os_error("io", exc, root)
     return os.path.realpath(root)
 
 
@@ -551,7 +554,7 @@ def op_model_files(req):
     """The files of a model directory with their digests (the cache's, or hashed now), and on
     request its config.json as text and its safetensors headers. Reads only: the cache is
     written when ``record`` (under the lock, by a deploy)."""
-    root = _root(req)
+    root = _root(req, create=bool(req.get("record")))
     source = _model_path(req.get("path"))
     skip = set(req.get("skip") or [])
     names = [n for n in _model_names(source, req.get("files")) if n not in skip]
@@ -608,7 +611,7 @@ def _prefix_sha256(path, size):
 def op_upload_status(req):
     """For each file to push: already there (its digest matches), or how much of it an upload
     cut short left behind, with the digest of that prefix (so the upload can resume after it)."""
-    root = _root(req)
+    root = _root(req, create=False)
     digests = _digests(root)
     out = []
     for spec in req.get("files") or []:
@@ -965,7 +968,7 @@ def _with_link(record, links, verified, pinned, current_links):
 def op_release_verify(req):
     """Read-only: the digests of the files the server reads, through ``current``, and every link of
     its overlay (where it points, and its target's digest: the cache's unless ``rehash``)."""
-    root = _root(req)
+    root = _root(req, create=False)
     rehash = bool(req.get("rehash"))
     current, served = _served_files(root, req.get("files") or [], rehash)
     manifest, links = None, []
@@ -983,7 +986,7 @@ def op_release_verify(req):
 
 def op_release_inspect(req):
     """What ``current`` holds, with small text contents, for dry-run diffs."""
-    root = _root(req)
+    root = _root(req, create=False)
     limit = int(req.get("max_bytes", 256 * 1024))
     current, served = _served_files(root, req.get("files") or [])
     for f in served:
@@ -1000,10 +1003,14 @@ def op_release_inspect(req):
 
 
 def op_release_list(req):
-    root = _root(req)
-    releases = _releases_dir(root)
+    root = _root(req, create=False)
+    releases = os.path.join(root, "releases")
+    names = []
+    if os.path.isdir(releases):
+        _inside(root, "releases")
+        names = sorted(os.listdir(releases))
     items = []
-    for name in sorted(os.listdir(releases)):
+    for name in names:
         path = os.path.join(releases, name)
         if not name.startswith(".") and _ours(releases, name):
             items.append({"release_id": name, "mtime": os.stat(path).st_mtime})
@@ -1156,7 +1163,7 @@ def op_loader_view(req):
     """The drafter config as the serving environment's transformers loads it."""
     import json
 
-    root = _root(req)
+    root = _root(req, create=False)
     release = req.get("release_id")
     if release == "@applied":
         release = _batch.get("applied")
@@ -1435,7 +1442,7 @@ def op_wait_health(req):
     """Poll /health and /v1/models until healthy; fail at once when the process dies, or at the deadline."""
     import json
 
-    root = _root(req)
+    root = _root(req, create=False)
     name = req.get("name", "dflash-serve")
     port = int(req.get("port", 8000))
     deadline = time.monotonic() + float(req.get("timeout", 900))
@@ -1475,7 +1482,7 @@ def op_serving_status(req):
     """Read-only: the server we started (alive?), its health, and the READY record."""
     import json
 
-    root = _root(req)
+    root = _root(req, create=False)
     name = req.get("name", "dflash-serve")
     record = _server(root, name)
     health = None

@@ -13,7 +13,10 @@ import fcntl
 import json
 import os
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -350,3 +353,63 @@ def test_a_dry_run_never_shows_a_secret_old_or_new(box: Box) -> None:
     assert "s3cr3t" not in shown and "-key" not in shown
     assert "-old notes\\n+new notes" in shown
     assert shown.count("not shown (secret or not world-readable)") == 2
+
+
+def test_a_first_ctrl_c_finishes_the_host_in_flight_then_reports_and_records(
+    box: Box, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """SIGINT to `orchestrate deploy`: no new host starts, the one in flight finishes (here: its
+    lock wait runs out), the table and the history row say what happened, exit 130."""
+    (box.dir / "a.txt").write_text("a\n")
+    book = {
+        "name": "ctrl-c",
+        "targets": ["solo", "n0", "n1"],
+        "deploy_root": "/unused",
+        "files": [{"src": "a.txt", "dest": "a.txt"}],
+    }
+    (box.dir / "ctrl-c.yaml").write_text(yaml.safe_dump(book))
+    box.root("n0").mkdir(parents=True)  # the first host, in inventory order
+    state = box.dir / "state"
+    argv = [sys.executable, "-m", "orchestrator", "deploy", str(box.dir / "ctrl-c.yaml"), "-i", str(box.inventory_path)]
+    argv += ["--forks", "1", "--lock-timeout", "3", "--state-dir", str(state)]
+    with open(box.root("n0") / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        def agent_waiting() -> bool:
+            """The run's first agent (a child of this orchestrate process) is up, waiting on the lock."""
+            for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+                try:
+                    stat = Path(f"/proc/{pid}/stat").read_text()
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == proc.pid and b"dflash-agent" in cmdline:
+                    return True
+            return False
+
+        deadline = time.monotonic() + 30
+        while not agent_waiting():
+            assert time.monotonic() < deadline, "the first host's agent never started"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted: starting no new host" in err and "Traceback" not in err
+    assert "n0" in out and "locked by another run" in out
+    assert out.count("not started: the run was interrupted") == 2
+    assert not (box.root("n1") / "current").exists() and not (box.root("solo") / "current").exists()
+    capfd.readouterr()
+    assert cli.main(["history", "--state-dir", str(state), "--json"]) == 0
+    (recorded,) = json.loads(capfd.readouterr().out)["runs"]
+    assert recorded["kind"] == "deploy" and not recorded["ok"] and recorded["hosts_total"] == 3
+
+
+def test_verify_and_the_dry_run_never_write_not_even_the_deploy_root(box: Box) -> None:
+    playbook = box.playbook()
+    assert not verify(box, playbook).ok
+    inv = box.inventory
+    looked = runs.dry_run(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet)
+    assert looked.ok and host(looked, "solo").gates["files"].detail == "dry run: 2 of 2 files would change"
+    assert not rollback(box, playbook).ok  # nothing to go back to; and nothing made
+    assert not box.root("solo").exists()
