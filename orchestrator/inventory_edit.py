@@ -9,11 +9,13 @@ file's mode.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import fcntl
 import io
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,10 +54,46 @@ def _yaml(text: str) -> tuple[YAML, Any]:
 
 
 def edit_inventory(path: Path, edit: Edit, dry_run: bool = False) -> EditResult:
+    """Apply one edit: serialised with every other edit of the file (a lock beside it, the file
+    read again under it), through a link to the file it names, keeping its owner and mode."""
+    real = Path(os.path.realpath(path))
+    with _locked(real):
+        return _edit(real, edit, dry_run)
+
+
+@contextlib.contextmanager
+def _locked(real: Path) -> Iterator[None]:
+    """An exclusive lock on the file itself. An edit replaces the file (a rename), so a lock won
+    on the file it replaced is no lock: try again until the locked file is the one at the path."""
+    while True:
+        try:
+            fd = os.open(real, os.O_RDONLY)
+        except FileNotFoundError:
+            raise InputError("file not found", file=str(real)) from None
+        except OSError as exc:
+            raise InputError(f"cannot open for editing: {exc.strerror or exc}", file=str(real)) from exc
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            st = os.stat(real)
+        except FileNotFoundError:
+            st = None
+        held = os.fstat(fd)
+        if st is not None and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _edit(path: Path, edit: Edit, dry_run: bool) -> EditResult:
     try:
         before = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError("file not found", file=str(path)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read: {exc}", file=str(path)) from exc
     yaml, data = _yaml(before)
     if not isinstance(data, CommentedMap):
         raise InputError("the inventory must be a mapping", file=str(path), line=1)
@@ -80,15 +118,23 @@ def validate_text(text: str, path: Path) -> Inventory:
 
 
 def _atomic_replace(path: Path, text: str) -> None:
-    mode = path.stat().st_mode & 0o7777
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    st = path.stat()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise InputError(f"cannot write beside it: {exc.strerror or exc}", file=str(path)) from exc
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, st.st_mode & 0o7777)
+        if (st.st_uid, st.st_gid) != (os.getuid(), os.getgid()):
+            os.chown(tmp, st.st_uid, st.st_gid)  # an edit as root keeps the file its owner's
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise InputError(f"cannot write: {exc.strerror or exc} (the file is unchanged)", file=str(path)) from exc
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -150,7 +196,7 @@ def remove_host(name: str) -> Edit:
         hosts = _hosts(doc)
         if name not in hosts:
             raise InputError(f"no GPU host '{name}'", key=f"hosts.{name}")
-        del hosts[name]
+        _delete(hosts, name)
         return f"removed GPU host {name}"
 
     return edit
@@ -185,16 +231,54 @@ def add_container(
 def remove_container(host: str, name: str) -> Edit:
     def edit(doc: CommentedMap) -> str:
         containers = (_hosts(doc).get(host) or {}).get("containers") or {}
-        if name not in containers:
+        if not isinstance(containers, CommentedMap) or name not in containers:
             raise InputError(f"no container '{name}' on GPU host '{host}'", key=f"hosts.{host}.containers.{name}")
-        del containers[name]
+        _delete(containers, name)
         return f"removed container {name} from {host}"
 
     return edit
 
 
+def _last_slot(mapping: CommentedMap, key: str) -> tuple[CommentedMap, str]:
+    """Where ruamel keeps the comment lines that follow an entry: on its deepest last key."""
+    value = mapping[key]
+    while isinstance(value, CommentedMap) and len(value) and not value.fa.flow_style():
+        mapping, key = value, next(reversed(value))
+        value = mapping[key]
+    return mapping, key
+
+
+def _delete(mapping: CommentedMap, key: str) -> None:
+    """Remove an entry but not the comment lines after it: they head what follows (the next GPU
+    host's comment, say), so they move to the entry before it, or to the start of its mapping."""
+    owner, last = _last_slot(mapping, key)
+    slots = owner.ca.items.get(last)
+    token = slots[2] if slots and len(slots) > 2 else None
+    carried = token.value[token.value.index("\n") + 1 :] if token is not None and "\n" in token.value else ""
+    keys = list(mapping)
+    before = keys[keys.index(key) - 1] if keys.index(key) > 0 else None
+    del mapping[key]
+    if token is None or not carried.strip():
+        return
+    if before is not None:
+        owner, last = _last_slot(mapping, before)
+        slots = owner.ca.items.setdefault(last, [None, None, None, None])
+        while len(slots) < 4:
+            slots.append(None)
+        if slots[2] is None:
+            slots[2] = CommentToken("\n" + carried, token.start_mark, None)
+        else:
+            slots[2].value = slots[2].value.rstrip("\n") + "\n" + carried
+    else:
+        lines = [line.strip() for line in carried.splitlines() if line.strip()]
+        indent = len(carried.splitlines()[0]) - len(carried.splitlines()[0].lstrip()) if carried.strip() else 0
+        mapping.yaml_set_start_comment("\n".join(line.lstrip("#").lstrip() for line in lines), indent=indent)
+
+
 def parse_value(text: str) -> Any:
-    """A YAML scalar or flow collection, as typed on the command line: ``'[0,1]'``, ``true``, ``8000``."""
+    """A YAML scalar or flow collection, as typed on the command line: ``'[0,1]'``, ``true``, ``8000``.
+    Plain values only: a tag (``!!python/object/apply:...``) would make the file unsafe to read."""
+    load_text(text, "the value")  # refuses tags, aliases and non-finite numbers with the safe loader
     try:
         value = YAML().load(text)
     except YAMLError as exc:

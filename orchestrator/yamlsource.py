@@ -90,6 +90,13 @@ def _build(
             key=_dotted(path) or None,
         )
     seen.add(id(node))
+    if node.tag not in _PLAIN_TAGS:
+        raise InputError(
+            f"YAML tags are not supported ({node.tag}): plain values only",
+            file=file,
+            line=node.start_mark.line + 1,
+            key=_dotted(path) or None,
+        )
     lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
         loader.flatten_mapping(node)
@@ -115,6 +122,12 @@ def _build(
     if isinstance(node, yaml.SequenceNode):
         return [_build(loader, item, (*path, i), lines, file, seen) for i, item in enumerate(node.value)]
     return loader.construct_object(node, deep=True)
+
+
+# What plain YAML resolves to by itself; anything else was tagged by hand (``!!python/...``).
+_PLAIN_TAGS = frozenset(
+    f"tag:yaml.org,2002:{name}" for name in ("map", "seq", "str", "int", "float", "bool", "null", "timestamp")
+)
 
 
 def _dotted(path: KeyPath) -> str:

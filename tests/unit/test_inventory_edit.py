@@ -109,3 +109,101 @@ def test_list_show_and_the_default_inventory_from_the_environment(inv: Path) -> 
     data = json.loads(show.stdout)
     assert data["host"] == "gpu-a" and data["gpus"] == [0, 1, 2, 3] and data["vars"] == {"tier": "canary"}
     assert cli("show", "nope", "-i", inv).returncode == 2
+
+
+def test_concurrent_edits_all_land(inv: Path) -> None:
+    """Eight `add-container` at once: each edit reads the file under the lock, so none is lost."""
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator",
+                "inventory",
+                "add-container",
+                "gpu-a",
+                f"extra-{i}",
+                "--address",
+                f"10.10.9.{i}",
+                "-i",
+                str(inv),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(8)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    text = inv.read_text()
+    assert all(f"extra-{i}:" in text for i in range(8))
+    assert sorted(os.listdir(inv.parent)) == ["inventory.yaml"]
+
+
+def test_an_edit_goes_through_a_link_and_keeps_owner_and_mode(inv: Path, tmp_path: Path) -> None:
+    link = tmp_path / "link.yaml"
+    link.symlink_to(inv)
+    if os.geteuid() == 0:
+        os.chown(inv, 65534, 65534)  # nobody: an edit as root must not make it root's
+    result = cli("add-container", "gpu-a", "via-link", "--address", "10.10.9.9", "-i", link)
+    assert result.returncode == 0, result.stderr
+    assert link.is_symlink() and "via-link:" in inv.read_text()
+    st = inv.stat()
+    assert oct(st.st_mode & 0o777) == "0o640"
+    if os.geteuid() == 0:
+        assert (st.st_uid, st.st_gid) == (65534, 65534)
+
+
+TIGHT = """\
+hosts:
+  gpu-a:
+    address: 192.0.2.10
+    containers:
+      serve-0:
+        address: 10.10.0.2
+      # serve-1 is the canary
+      serve-1:
+        address: 10.10.0.3
+  # --- rack 4 ---
+  gpu-b:
+    address: 192.0.2.11
+    containers:
+      serve-2: {address: 10.10.1.2}
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "kept"),
+    [
+        (["remove-container", "gpu-a", "serve-1"], "  # --- rack 4 ---\n  gpu-b:"),
+        (["remove-container", "gpu-a", "serve-0"], "      # serve-1 is the canary\n      serve-1:"),
+        (["remove-host", "gpu-a"], "  # --- rack 4 ---\n  gpu-b:"),
+    ],
+)
+def test_removing_an_entry_keeps_the_comment_that_heads_the_next(tmp_path: Path, args: list[str], kept: str) -> None:
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(TIGHT)
+    result = cli(*args, "-i", inv)
+    assert result.returncode == 0, result.stderr
+    assert kept in inv.read_text(), inv.read_text()
+
+
+@pytest.mark.parametrize("value", ['!!python/object/apply:os.system ["id"]', "!custom 1", "&a [*a]"])
+def test_set_writes_plain_values_only(inv: Path, value: str) -> None:
+    before = inv.read_bytes()
+    result = cli("set", "defaults.vars.x", value, "-i", inv)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "not supported" in result.stderr and inv.read_bytes() == before
+
+
+def test_a_file_that_cannot_be_replaced_is_one_clear_error(inv: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root replaces a file in a read-only directory")
+    inv.parent.chmod(0o500)
+    try:
+        result = cli("add-container", "gpu-a", "x", "--address", "10.10.9.8", "-i", inv)
+    finally:
+        inv.parent.chmod(0o700)
+    assert result.returncode == 2 and "cannot write" in result.stderr and "Traceback" not in result.stderr
