@@ -131,7 +131,7 @@ def test_concurrent_edits_all_land(inv: Path) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for i in range(8)
     ]
     for p in procs:
