@@ -291,9 +291,20 @@ def read_verified(playbook: Playbook, served: protocol.Served, report: HostRepor
     if report.release_id is None:
         report.gates[GATE_FILES] = Gate(False, f"nothing deployed: {playbook.deploy_root}/current does not exist")
         return
-    drifted = [f for f in report.files if f.drift]
-    if drifted:
-        report.gates[GATE_FILES] = Gate(False, "drift: " + "; ".join(_drift_text(f) for f in drifted))
+    # The release is exactly its files with their modes: nothing else served beside them.
+    problems = [_drift_text(f) for f in report.files if f.drift]
+    modes = {spec.dest: spec.mode for spec in playbook.release_files}
+    problems += [
+        f"{f.remote_path} has mode {f.mode}, the playbook says {modes[f.path]}"
+        for f in served.files
+        if f.sha256 is not None and f.mode is not None and f.mode != modes[f.path]
+    ]
+    linked = {link.path for link in served.links}
+    left = sorted(set(served.manifest or {}) - set(modes) - linked)
+    problems += [f"{path} is served but no longer in the playbook" for path in left]
+    problems += [f"{path} is served but not part of release {served.current}" for path in served.extra]
+    if problems:
+        report.gates[GATE_FILES] = Gate(False, "drift: " + "; ".join(problems))
     else:
         report.gates[GATE_FILES] = Gate(True, f"in sync: {len(report.files)} files of release {report.release_id}")
 

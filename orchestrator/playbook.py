@@ -219,8 +219,13 @@ def load_playbook(path: Path | str) -> Playbook:
     files: list[FileSpec] = []
     dests: dict[str, str] = {}
     for item in top["files"].sequence():
-        item.mapping({"src", "dest", "mode", "secret"}, required=frozenset({"src", "dest"}))
+        item.mapping({"src", "dest", "mode", "secret", "unsafe_mode"}, required=frozenset({"src", "dest"}))
         spec = replace(_file_spec(item, item["src"].str(), item["dest"].str(), base), secret=item["secret"].bool(False))
+        if int(spec.mode, 8) & 0o7002 and not item["unsafe_mode"].bool(False):
+            raise item["mode"].error(
+                f"mode {spec.mode} is setuid, setgid, sticky or world-writable: refused unless the file says "
+                "unsafe_mode: true"
+            )
         if spec.dest in dests:
             raise item["dest"].error(f"destination already used by {dests[spec.dest]}")
         dests[spec.dest] = item.key

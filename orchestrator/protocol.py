@@ -81,6 +81,7 @@ class ServedFile:
     verified: str | None = None  # an overlay link's digest: "cached" or "hashed" on the host
     pinned: str | None = None  # an overlay link's digest as the release that was current recorded it
     private: bool = False  # release_inspect: not world-readable on the host (its content is not sent)
+    mode: str | None = None  # the file's permission bits, octal ("0644"), when it is the release's own
 
     @classmethod
     def read(cls, value: dict[str, Any]) -> ServedFile:
@@ -107,6 +108,7 @@ class ServedFile:
             verified=verified,
             pinned=_sha256(value, "pinned"),
             private=bool(_field(value, "private", bool, optional=True)),
+            mode=_field(value, "mode", str, optional=True),
         )
 
 
@@ -151,6 +153,7 @@ class Served:
     links: tuple[ServedFile, ...] = ()  # release_verify: every link of current's overlay
     manifest: dict[str, str] | None = None  # release_verify: current's own record of its digests
     models: dict[str, str] = field(default_factory=dict)  # release_verify: model file -> digest it was proven with
+    extra: tuple[str, ...] = ()  # release_verify: files in the release that it does not record
 
 
 @dataclass(frozen=True)
@@ -446,6 +449,7 @@ def _served(v: dict[str, Any]) -> Served:
         links=tuple(ServedFile.read(f) for f in _items(v, "links")) if "links" in v else (),
         manifest=manifest,
         models=models,
+        extra=_names_of(v, "extra"),
     )
 
 

@@ -107,6 +107,55 @@ def _inside(root_real, path):
     return joined
 
 
+def _own_dir(root_real, name):
+    """A directory of the tool's own under the deploy root (releases, run, logs), made when
+    missing. A link in its place was not made by us and is not followed: it is removed (the link
+    only) and the directory made; anything else in its place is left alone and refused."""
+    path = os.path.join(root_real, name)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    try:
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            os.unlink(path)
+            st = None
+        if st is None:
+            os.mkdir(path, 0o755)
+        elif not stat.S_ISDIR(st.st_mode):
+            raise OpError("not_a_directory", "%s is not a directory (not ours: left alone)" % path, path)
+    except FileExistsError:
+        pass  # made meanwhile by another agent of ours
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+    return path
+
+
+def _open_own(path, flags, mode=0o600):
+    """Open a file of the tool's own without following a link: a link in its place is removed
+    (the link only) and the file made afresh."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise _os_error("io", exc, path)
+    try:
+        os.unlink(path)
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+
+
+def _read_own(path):
+    """A file of the tool's own, or None: a link in its place is not read through."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
 def _rel(root_real, path):
     return os.path.relpath(path, root_real)
 
@@ -277,17 +326,13 @@ def _mode(spec):
 
 
 def _releases_dir(root_real):
-    path = os.path.join(root_real, "releases")
-    try:
-        os.makedirs(path, mode=0o755, exist_ok=True)
-    except OSError as exc:
-        raise _os_error("io", exc, path)
-    _inside(root_real, "releases")
-    return path
+    return _own_dir(root_real, "releases")
 
 
-def _link_target(root_real, name):
-    """Release id a ``current``/``previous`` link points at, or None."""
+def _link_target(root_real, name, strict=True):
+    """Release id a ``current``/``previous`` link points at, or None. A link of that name that
+    points anywhere else (absolute, out of releases/) is reported, or with ``strict=False`` taken
+    as no release: it is ours by its name, and the next switch replaces it."""
     link = os.path.join(root_real, name)
     try:
         target = os.readlink(link)
@@ -295,11 +340,13 @@ def _link_target(root_real, name):
         return None
     except OSError as exc:
         if exc.errno == errno.EINVAL:
-            raise OpError("not_a_link", "%s exists and is not a symlink" % name, link)
+            raise OpError("not_a_link", "%s exists and is not a symlink (not ours: left alone)" % name, link)
         raise _os_error("io", exc, link)
     parent, release_id = os.path.split(os.path.normpath(target))
-    if parent != "releases":
-        raise OpError("bad_link", "%s points at %s, outside releases/" % (name, target), link)
+    if parent != "releases" or release_id.startswith(".") or not release_id:
+        if not strict:
+            return None
+        raise OpError("bad_link", "%s points at %s, not at a release under releases/" % (name, target), link)
     return release_id
 
 
@@ -381,8 +428,9 @@ def _set_link(root_real, name, release_id):
 
 
 def _switch(root_real, release_id):
-    """Make ``release_id`` current, keeping the old current as ``previous``."""
-    old = _link_target(root_real, "current")
+    """Make ``release_id`` current, keeping the old current as ``previous`` (a damaged link of
+    either name, ours by its name, is replaced)."""
+    old = _link_target(root_real, "current", strict=False)
     if old == release_id:
         return old
     if old is not None:
@@ -391,20 +439,48 @@ def _switch(root_real, release_id):
     return old
 
 
-def _served_files(root_real, files, rehash=False):
+def _served_files(root_real, files, rehash=False, strict=True):
     """Digests through ``current``, resolved: the path the server reads. A link of the release's
-    overlay must still point where the release recorded; its digest is the digest cache's."""
-    current = _link_target(root_real, "current")
+    overlay must still point where the release recorded; its digest is the digest cache's. Any
+    other file must be the release's own file, not a link (to a copy elsewhere in the root, or out
+    of it): such a file reads as missing, with where it leads. ``strict=False``: a damaged
+    ``current`` link is no release (a deploy replaces it)."""
+    current = _link_target(root_real, "current", strict)
     links = _read_links(os.path.join(root_real, "releases", current)) if current else {}
     out = []
     for spec in files:
         if spec["path"] in links:
             out.append(_served_link(root_real, "current", spec["path"], links[spec["path"]], rehash))
             continue
-        served = _inside(root_real, os.path.join("current", spec["path"]))
-        real = os.path.realpath(served)
-        out.append({"path": spec["path"], "remote_path": real, "sha256": _sha256_or_none(real)})
+        joined = os.path.normpath(os.path.join(root_real, "current", spec["path"]))
+        if not joined.startswith(root_real + os.sep):
+            raise OpError("outside_root", "path is outside the deploy root %s" % root_real, spec["path"])
+        real = os.path.realpath(joined)
+        own = os.path.join(root_real, "releases", current, spec["path"]) if current else None
+        record = {"path": spec["path"], "remote_path": real, "sha256": None}
+        if current is None or real == own:
+            record["sha256"] = _sha256_or_none(real)
+            if record["sha256"] is not None:
+                record["mode"] = "%04o" % stat.S_IMODE(os.stat(real).st_mode)
+        elif os.path.lexists(joined):
+            record["remote_path"] = "%s (a link to %s, not the release's own file)" % (joined, real)
+        out.append(record)
     return current, out
+
+
+def _extra_files(root_real, current, manifest, links):
+    """Files in the served release that it does not record: planted (a generation_config.json
+    that transformers and vLLM would read), or left from by hand."""
+    release_dir = os.path.join(root_real, "releases", current)
+    known = set(manifest or {}) | set(links) | {MANIFEST, LINKS, MODELS}
+    extra = []
+    for dirpath, dirnames, filenames in os.walk(release_dir):
+        rel_dir = os.path.relpath(dirpath, release_dir)
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            rel = name if rel_dir == "." else os.path.join(rel_dir, name)
+            if rel not in known:
+                extra.append(rel)
+    return sorted(extra)
 
 
 def _served_link(root_real, base, path, target, rehash=False):
@@ -783,7 +859,7 @@ def _foreign(releases):
 
 def _prune(root_real, releases, keep):
     protected = set(
-        x for x in (_link_target(root_real, "current"), _link_target(root_real, "previous")) if x
+        x for x in (_link_target(root_real, "current", False), _link_target(root_real, "previous", False)) if x
     )
     candidates = []
     for name in os.listdir(releases):
@@ -847,9 +923,9 @@ def op_release_apply(req):
     files = req.get("files") or []
     keep = int(req.get("keep", 5))
     switch = req.get("switch", True)
+    releases = _releases_dir(root)  # a link in its place is replaced before any path is resolved
     for spec in files:
         _inside(root, os.path.join("releases", release_id, spec.get("path", "")))
-    releases = _releases_dir(root)
     _clean_staging(releases)
 
     wanted = dict((f["path"], f["sha256"]) for f in files)
@@ -861,8 +937,11 @@ def op_release_apply(req):
         wanted[path], verified[path] = digests.digest(links[path], bool(req.get("rehash")))
         if wanted[path] is None:
             raise OpError("missing_model_file", "%s is missing or not a readable file" % links[path], links[path])
-    current, served = _served_files(root, files + [{"path": p} for p in sorted(links)])
+    current, served = _served_files(root, files + [{"path": p} for p in sorted(links)], strict=False)
     before = dict((f["path"], f["sha256"]) for f in served)
+    # A release is its files with their modes: a mode changed in the playbook or on the host is a
+    # new release (chmod 0666 by hand is repaired by the next deploy).
+    same_modes = all(f.get("mode") == "%04o" % _mode(spec) for f, spec in zip(served, files))
     current_dir = os.path.join(releases, current) if current else None
     current_links = _read_links(current_dir) if current_dir else {}
     pinned = _read_manifest(current_dir) if current_dir else None
@@ -871,14 +950,14 @@ def op_release_apply(req):
     same_models = (_read_models(current_dir) if current_dir else {}) == models
     # reuse=False: a new release even when current holds these files (a multi-node group must
     # share one release id, and a node that was repaired alone holds another).
-    if current is not None and req.get("reuse", True) and same_models:
+    if current is not None and req.get("reuse", True) and same_models and same_modes:
         if pinned == wanted and current_links == links and all(before[p] == wanted[p] for p in wanted):
             _batch["applied"] = current
             digests.save()
             return {
                 "changed": False,
                 "release_id": current,
-                "previous": _link_target(root, "previous"),
+                "previous": _link_target(root, "previous", strict=False),
                 "files": [_with_link(dict(f, changed=False), links, verified, pinned, current_links) for f in served],
                 "pruned": [],
             }
@@ -923,7 +1002,7 @@ def op_release_apply(req):
                 record.update(_stat_record(where))
             out.append(_with_link(record, links, verified, pinned, current_links))
         return {"changed": True, "switched": False, "release_id": release_id,
-                "previous": _link_target(root, "current"), "files": out, "pruned": []}
+                "previous": _link_target(root, "current", strict=False), "files": out, "pruned": []}
 
     previous = _switch(root, release_id)
     current, served = _served_files(root, files + [{"path": p} for p in sorted(links)])
@@ -978,10 +1057,11 @@ def op_release_verify(req):
         recorded = _read_links(release_dir)
         links = [_served_link(root, "current", p, recorded[p], rehash) for p in sorted(recorded)]
         models = _read_models(release_dir)
+        extra = _extra_files(root, current, manifest, recorded)
     else:
-        models = {}
-    return {"current": current, "previous": _link_target(root, "previous"), "files": served, "manifest": manifest,
-            "links": links, "models": models}
+        models, extra = {}, []
+    return {"current": current, "previous": _link_target(root, "previous", strict=False), "files": served,
+            "manifest": manifest, "links": links, "models": models, "extra": extra}
 
 
 def op_release_inspect(req):
@@ -1058,9 +1138,15 @@ def op_release_switch(req):
 
 
 def op_put(req):
-    """Atomic write of one file under the root (steps 1-8 of the protocol)."""
+    """Atomic write of one file under the root (steps 1-8 of the protocol). A link where the file
+    goes is replaced by the file (the rename), never written through."""
     root = _root(req)
-    final = _inside(root, req.get("path"))
+    path = req.get("path")
+    if not isinstance(path, str) or not path:
+        raise OpError("bad_path", "path must be a non-empty string", path)
+    final = os.path.join(_inside(root, os.path.dirname(path) or "."), os.path.basename(path))
+    if os.path.islink(final):
+        os.unlink(final)
     data, expected = _decode_content(req)
     before = _sha256_or_none(final)
     if before == expected:
@@ -1078,10 +1164,7 @@ def op_lock(req):
     root = _root(req)
     timeout = float(req.get("timeout", 60))
     path = os.path.join(root, ".lock")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as exc:
-        raise _os_error("io", exc, path)
+    fd = _open_own(path, os.O_RDWR | os.O_CREAT)
     started = time.monotonic()
     delay = 0.01
     while True:
@@ -1208,9 +1291,10 @@ def _server(root, name):
     import json
 
     try:
-        with open(_pidfile(root, name)) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
+        record = json.loads(_read_own(_pidfile(root, name)) or b"null")
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
         return None
     if _proc_start(record.get("pid", 0)) != record.get("start"):
         record["alive"] = False
@@ -1331,9 +1415,9 @@ def op_launch(req):
         return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}
     stopped = _stop(root, name, float(req.get("stop_timeout", 30)))
     for sub in ("run", "logs"):
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
+        _own_dir(root, sub)
     log_path = os.path.join(root, "logs", "%s.log" % name)
-    with open(log_path, "ab") as log:
+    with os.fdopen(_open_own(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab") as log:
         log.write(("\n=== %s launch %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), req.get("release_id"))).encode())
     supervisor = req.get("supervisor", "auto")
     if supervisor == "auto":
@@ -1361,7 +1445,7 @@ def _launch_process(root, argv, extra_env, log_path):
     import subprocess
     env = dict(os.environ)
     env.update(extra_env)
-    with open(log_path, "ab") as log:
+    with os.fdopen(_open_own(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab") as log:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                     cwd=root, start_new_session=True, close_fds=True)
@@ -1490,9 +1574,8 @@ def op_serving_status(req):
         health, _ = _http(int(record.get("port") or req.get("port", 8000)), "GET", "/health", timeout=5)
     ready = None
     try:
-        with open(os.path.join(root, "ready.json")) as f:
-            ready = json.load(f)
-    except (OSError, ValueError):
+        ready = json.loads(_read_own(os.path.join(root, "ready.json")) or b"null")  # a link: no record
+    except ValueError:
         pass
     if record:
         record.pop("argv", None)

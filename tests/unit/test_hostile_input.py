@@ -239,3 +239,12 @@ def test_a_hostile_inventory_is_refused_before_any_host(
     text, expected = INVENTORY_CASES[case]
     err = refused(tmp_path, capsys, ["deploy", *setup(tmp_path, inventory=text)])
     assert expected in err, err
+
+
+@pytest.mark.parametrize("mode", ["4755", "2755", "1755", "0666", "0777"])
+def test_a_dangerous_mode_needs_saying_so(tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str) -> None:
+    text = PLAYBOOK.replace("dest: a.txt}", f'dest: a.txt, mode: "{mode}"}}')
+    err = refused(tmp_path, capsys, ["deploy", *setup(tmp_path, text)])
+    assert f"files[0].mode: mode {mode} is setuid, setgid, sticky or world-writable" in err
+    allowed = text.replace(f'mode: "{mode}"', f'mode: "{mode}", unsafe_mode: true')
+    assert cli.main(["deploy", *setup(tmp_path, allowed)]) == 0  # said so: deployed (locally)

@@ -1,0 +1,131 @@
+"""A hostile or damaged deploy root, through whole local runs and the real agent: nothing outside
+what the tool made is followed, written or removed; what is its own is repaired by a deploy; verify
+says exactly what differs from the release (extra files, links, modes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+from orchestrator.playbook import Playbook, load_playbook
+from tests.unit.localbox import Box, deploy, host, verify
+
+
+def files_book(box: Box, mode: str = "0644", notes: bool = True) -> Playbook:
+    (box.dir / "a.txt").write_text("a\n")
+    (box.dir / "b.txt").write_text("b\n")
+    files = [{"src": "a.txt", "dest": "a.txt", "mode": mode}]
+    if notes:
+        files.append({"src": "b.txt", "dest": "sub/b.txt"})
+    book = {"name": "files", "targets": ["solo"], "deploy_root": "/unused", "files": files}
+    (box.dir / "files.yaml").write_text(yaml.safe_dump(book))
+    return load_playbook(box.dir / "files.yaml")
+
+
+def outside(box: Box, name: str = "precious") -> Path:
+    path = box.dir / "elsewhere" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("not the tool's\n")
+    return path
+
+
+def test_links_in_place_of_the_tools_own_files_are_replaced_not_followed(box: Box) -> None:
+    root = box.root("solo")
+    root.mkdir(parents=True)
+    victim = outside(box)
+    (root / ".lock").symlink_to(victim)
+    (root / "releases").symlink_to(victim.parent)
+    run = deploy(box, box.playbook())  # with a server: run/, logs/ and ready.json too
+    assert run.ok, host(run, "solo").gates
+    assert victim.read_text() == "not the tool's\n" and sorted(os.listdir(victim.parent)) == ["precious"]
+    assert not (root / ".lock").is_symlink() and not (root / "releases").is_symlink()
+
+    for name in ("ready.json", "logs/dflash-serve.log", "run"):
+        target = root / name
+        if target.is_dir() and not target.is_symlink():
+            os.rename(target, root / "run.old")
+        else:
+            target.unlink()
+        target.symlink_to(outside(box, name.replace("/", "-")) if name != "run" else victim.parent)
+    (box.dir / "notes.txt").write_text("a new release\n")
+    again = deploy(box, box.playbook())
+    assert again.ok, host(again, "solo").gates
+    for name in ("ready.json", "logs-dflash-serve.log"):
+        assert (victim.parent / name).read_text() == "not the tool's\n", name
+    assert sorted(os.listdir(victim.parent)) == ["logs-dflash-serve.log", "precious", "ready.json"]
+    assert not (root / "ready.json").is_symlink() and not (root / "run").is_symlink()
+
+
+def test_a_damaged_current_is_repaired_when_it_is_ours_and_refused_when_it_is_not(box: Box) -> None:
+    playbook = files_book(box)
+    first = deploy(box, playbook)
+    assert first.ok
+    root = box.root("solo")
+    release = root / "releases" / str(first.release_id)
+    for damage in (str(release), str(outside(box).parent)):  # absolute to the right release; out of the root
+        (root / "current").unlink()
+        (root / "current").symlink_to(damage)
+        checked = host(verify(box, playbook), "solo")
+        assert not checked.ready and "not at a release under releases/" in checked.gates["files"].detail
+        repaired = deploy(box, playbook)
+        assert repaired.ok, host(repaired, "solo").gates
+        assert os.readlink(root / "current").startswith("releases/")
+        assert verify(box, playbook).ok
+    (root / "current").unlink()
+    (root / "current").mkdir()  # not a link: not ours to remove
+    (root / "current" / "kept.txt").write_text("someone's\n")
+    refused = host(deploy(box, playbook), "solo")
+    assert (
+        not refused.ready
+        and "current exists and is not a symlink (not ours: left alone)" in refused.gates["files"].detail
+    )
+    assert (root / "current" / "kept.txt").read_text() == "someone's\n"
+
+
+def test_a_release_file_replaced_by_a_link_is_drift_and_repaired(box: Box) -> None:
+    playbook = files_book(box)
+    first = deploy(box, playbook)
+    root = box.root("solo")
+    served = root / "releases" / str(first.release_id) / "a.txt"
+    copy = root / "copy-of-a.txt"
+    copy.write_text("a\n")  # identical bytes elsewhere in the root
+    served.unlink()
+    served.symlink_to(copy)
+    checked = host(verify(box, playbook), "solo")
+    assert not checked.ready and f"(a link to {copy}, not the release's own file)" in checked.gates["files"].detail
+    served.unlink()
+    served.symlink_to(outside(box))  # out of the root
+    assert "not the release's own file" in host(verify(box, playbook), "solo").gates["files"].detail
+    repaired = deploy(box, playbook)
+    assert repaired.ok and repaired.release_id != first.release_id
+    assert verify(box, playbook).ok and outside(box).read_text() == "not the tool's\n"
+
+
+def test_the_served_tree_is_exactly_the_release(box: Box) -> None:
+    """A planted file, a file the playbook dropped, and a mode changed by hand are drift; a mode
+    changed in the playbook is a new release."""
+    playbook = files_book(box)
+    first = deploy(box, playbook)
+    release = box.root("solo") / "releases" / str(first.release_id)
+    (release / "sub" / "generation_config.json").write_text("{}")
+    planted = host(verify(box, playbook), "solo").gates["files"].detail
+    assert f"sub/generation_config.json is served but not part of release {first.release_id}" in planted
+    (release / "sub" / "generation_config.json").unlink()
+
+    os.chmod(release / "a.txt", 0o666)
+    chmodded = host(verify(box, playbook), "solo").gates["files"].detail
+    assert f"{release / 'a.txt'} has mode 0666, the playbook says 0644" in chmodded
+    repaired = deploy(box, playbook)
+    assert repaired.ok and repaired.release_id != first.release_id and verify(box, playbook).ok
+
+    private = files_book(box, mode="0600")
+    tighter = deploy(box, private)
+    assert tighter.ok and tighter.release_id != repaired.release_id
+    assert oct((box.root("solo") / "current" / "a.txt").stat().st_mode & 0o777) == "0o600"
+
+    dropped = files_book(box, mode="0600", notes=False)
+    assert (
+        "sub/b.txt is served but no longer in the playbook" in host(verify(box, dropped), "solo").gates["files"].detail
+    )
