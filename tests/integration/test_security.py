@@ -120,7 +120,9 @@ def test_agent_refuses_paths_outside_the_deploy_root_over_ssh(sandbox: Sandbox, 
     assert not Path("/etc/orchestrate-escape").exists()
 
 
-def test_symlink_escaping_the_deploy_root_is_refused(sandbox: Sandbox, cli, tmp_path: Path, root_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_link_out_of_the_deploy_root_is_never_followed(sandbox: Sandbox, cli, tmp_path: Path, root_name: str) -> None:  # type: ignore[no-untyped-def]
+    """A link in place of the tool's own releases/ is replaced (the link only), never written
+    through: the directory it pointed at stays as it was."""
     victim = sandbox.names[1]
     base = sandbox.srv(victim) / Path(root_name).name
     outside = sandbox.srv(victim) / "outside"
@@ -129,11 +131,9 @@ def test_symlink_escaping_the_deploy_root_is_refused(sandbox: Sandbox, cli, tmp_
     os.symlink("/srv/outside", base / "releases")  # resolves outside the root on the host
     pb = write_playbook(tmp_path, root_name)
     run = cli("deploy", pb, "-i", sandbox.inventory, "--json")
-    assert run.code == 1
-    detail = run.host(victim)["gates"]["files"]["detail"]
-    assert "outside the deploy root" in detail and "symlink" in detail
+    assert run.code == 0, run.host(victim)["gates"]
     assert list(outside.iterdir()) == []
-    assert all(h["ready"] for h in run.json["hosts"] if h["name"] != victim)
+    assert (base / "releases").is_dir() and not (base / "releases").is_symlink()
 
 
 def test_bad_input_exits_2_with_file_line_and_key(sandbox: Sandbox, cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -156,14 +156,22 @@ def test_paths_outside_the_root_are_refused(tmp_path: Path, path: str) -> None:
     assert not (tmp_path / "escape").exists()
 
 
-def test_symlink_escaping_the_root_is_refused(tmp_path: Path) -> None:
+def test_a_link_in_place_of_releases_is_replaced_never_followed(tmp_path: Path) -> None:
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
     (root / "releases").symlink_to(outside)
     res = apply(root, "r1", a=b"x")
+    assert res["ok"] and (root / "releases").is_dir() and not (root / "releases").is_symlink()
+    assert list(outside.iterdir()) == []  # nothing written through the link
+    # A path the release would resolve through a link out of the root is still refused.
+    (root / "releases" / "r1" / "a").unlink()
+    (root / "current").unlink()
+    (root / "current").symlink_to(outside)
+    res = run([{"op": "loader_view", "root": str(root), "release_id": None, "python": sys.executable, "subdir": "x"}])[
+        0
+    ]
     assert res["error"]["code"] == "symlink_escape" and "outside the deploy root" in res["error"]["message"]
-    assert list(outside.iterdir()) == []
 
 
 def test_lock_times_out_naming_the_holder(tmp_path: Path) -> None:
