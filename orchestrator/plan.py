@@ -249,7 +249,12 @@ def read_applied(playbook: Playbook, applied: protocol.Applied, report: HostRepo
         report.gates[GATE_FILES] = Gate(False, "read-back differs: " + "; ".join(_drift_text(f) for f in drifted))
         return
     changed = sum(f.changed for f in report.files)
-    if report.changed and not applied.switched:
+    if applied.retried:
+        detail = (
+            f"release {report.release_id} is current, made by this run: a retry found it in place "
+            f"(the connection was cut after it was written), all {len(report.files)} files verified by read-back"
+        )
+    elif report.changed and not applied.switched:
         detail = (
             f"{changed} of {len(report.files)} files changed, verified by read-back; release {report.release_id} staged"
         )

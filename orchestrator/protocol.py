@@ -131,6 +131,7 @@ class Applied:
     switched: bool  # False: staged only, the switch comes after the gates
     files: tuple[ServedFile, ...]
     foreign: tuple[str, ...] = ()  # under releases/ but not made by the tool: reported, never removed
+    retried: bool = False  # this run's own release, found in place by a retry (its first answer was lost)
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,7 @@ def _applied(v: dict[str, Any]) -> Applied:
         switched=_field(v, "switched", bool, optional=True) is not False,
         files=_files(v),
         foreign=_names_of(v, "foreign"),
+        retried=bool(_field(v, "retried", bool, optional=True)),
     )
 
 

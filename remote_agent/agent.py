@@ -954,8 +954,13 @@ def op_release_apply(req):
         if pinned == wanted and current_links == links and all(before[p] == wanted[p] for p in wanted):
             _batch["applied"] = current
             digests.save()
+            # This very release: a retried batch after a cut connection (the first attempt
+            # finished, its answer was lost). It was made by this run: not "no change".
+            made_now = current == release_id
             return {
-                "changed": False,
+                "changed": made_now,
+                "switched": True,
+                "retried": made_now,
                 "release_id": current,
                 "previous": _link_target(root, "previous", strict=False),
                 "files": [_with_link(dict(f, changed=False), links, verified, pinned, current_links) for f in served],
@@ -1159,6 +1164,21 @@ def op_put(req):
     return record
 
 
+def _holder(text):
+    """Who the lock file says holds it. The record is the last holder's: when its pid is gone, the
+    lock is held by something else (a process that inherited the descriptor), and that is said."""
+    import json
+
+    try:
+        record = json.loads(text)
+        pid = int(record.get("pid"))
+    except (ValueError, TypeError, AttributeError):
+        return text or "unknown holder"
+    if _proc_start(pid) is None:
+        return "%s; its pid %d is no longer running: another process holds the lock" % (record.get("owner") or "?", pid)
+    return "%s, pid %d" % (record.get("owner") or "?", pid)
+
+
 def op_lock(req):
     """Exclusive flock on the deploy root, held until this batch ends."""
     root = _root(req)
@@ -1177,7 +1197,7 @@ def op_lock(req):
                 os.close(fd)
                 raise OpError(
                     "locked",
-                    "deploy root is locked by another run (%s); waited %.1f s" % (holder or "unknown holder", timeout),
+                    "deploy root is locked by another run (%s); waited %.1f s" % (_holder(holder), timeout),
                     path,
                 )
             time.sleep(delay)

@@ -193,6 +193,7 @@ def cut_during_transfer(sandbox: Sandbox, host: SandboxHost, blob: bytes, tmp_pa
     assert proc.returncode == 0, err.decode()
     report = json.loads(out)["hosts"][0]
     assert report["ready"] and report["ssh"]["retries"] >= 1 and report["ssh"]["connects"] >= 2
+    assert report["changed"]  # this run changed the host, wherever the cut fell
     base = sandbox.srv(host.name) / Path(root_name).name
     assert (base / "current" / "weights" / "blob.bin").read_bytes() == blob
     assert_no_partial_files(base)

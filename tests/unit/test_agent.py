@@ -332,3 +332,22 @@ def test_pruning_removes_only_releases_the_tool_made(tmp_path: Path) -> None:
     assert (releases / "r0").is_symlink() and elsewhere.is_dir()
     listed = run([{"op": "release_list", "root": str(tmp_path)}])[0]["result"]["releases"]
     assert [r["release_id"] for r in listed] == ["r2", "r3"]
+
+
+def test_a_retried_apply_of_the_same_release_says_it_changed(tmp_path: Path) -> None:
+    """The first attempt finished but its answer was lost: the retry (same release id) finds its
+    own release current and says so; another run with the same files finds no change."""
+    first = apply(tmp_path, "r1", a=b"1")["result"]
+    retried = apply(tmp_path, "r1", a=b"1")["result"]
+    assert first["changed"] and retried["changed"] and retried["retried"] and retried["release_id"] == "r1"
+    later = apply(tmp_path, "r2", a=b"1")["result"]
+    assert not later["changed"] and not later["retried"] and later["release_id"] == "r1"
+
+
+def test_a_lock_whose_recorded_holder_is_gone_says_so(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / ".lock").write_text(json.dumps({"owner": "bob@old", "pid": int(dead.stdout), "since": 0}))
+    with open(tmp_path / ".lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # held by this process, not the recorded one
+        err = run([{"op": "lock", "root": str(tmp_path), "timeout": 0.2}])[0]["error"]
+    assert err["code"] == "locked" and f"bob@old; its pid {int(dead.stdout)} is no longer running" in err["message"]
