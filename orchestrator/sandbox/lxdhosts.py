@@ -37,6 +37,7 @@ LOGS = Path("/var/log/dflash-orchestrator")
 NETWORK = "dfolxd0"
 BRIDGE_ADDRESS = "10.231.0.1"
 POOL = "dfo-pool"
+READY_TIMEOUT_S = 300  # a busy 2-core machine has taken over a minute to start LXD
 PROFILE = "dfo-sandbox"
 PACKAGES = ("lxd", "lxd-client", "lxcfs", "dnsmasq-base", "debootstrap", "nftables", "squashfs-tools")
 PRESEED = f"""\
@@ -68,7 +69,8 @@ class Node:
 
 
 def _lxd_ready(timeout: float = 1.0) -> bool:
-    return run(["lxd", "waitready", f"--timeout={max(1, int(timeout))}"], check=False).returncode == 0
+    wait = max(1, int(timeout))
+    return run(["lxd", "waitready", f"--timeout={wait}"], check=False, timeout=wait + 30).returncode == 0
 
 
 def ensure_lxd(say: Say) -> None:
@@ -126,8 +128,8 @@ def _start_daemon(say: Say) -> None:
         )
     started["lxd"] = [lxd.pid, proc_start(lxd.pid)]
     write_file(DAEMON_STATE, json.dumps(started), 0o644)
-    if not _lxd_ready(60):
-        raise SandboxError(f"LXD did not become ready; see {LOGS / 'lxd.log'}")
+    if not _lxd_ready(READY_TIMEOUT_S):
+        raise SandboxError(f"LXD did not become ready within {READY_TIMEOUT_S} s; see {LOGS / 'lxd.log'}")
     say("lxd: daemon started")
 
 

@@ -15,11 +15,13 @@ from orchestrator.errors import SandboxError
 SSHD = "/usr/sbin/sshd"
 
 
-def run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+def run(argv: list[str], check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError as exc:
         raise SandboxError(f"{argv[0]} is not installed (apt-get install openssh-server iproute2)") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise SandboxError(f"{' '.join(argv)} did not finish within {timeout:.0f} s (is the machine very busy?)") from exc
     if check and proc.returncode != 0:
         raise SandboxError(f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc

@@ -248,3 +248,11 @@ def test_a_dangerous_mode_needs_saying_so(tmp_path: Path, capsys: pytest.Capture
     assert f"files[0].mode: mode {mode} is setuid, setgid, sticky or world-writable" in err
     allowed = text.replace(f'mode: "{mode}"', f'mode: "{mode}", unsafe_mode: true')
     assert cli.main(["deploy", *setup(tmp_path, allowed)]) == 0  # said so: deployed (locally)
+
+
+def test_a_sandbox_command_that_hangs_is_one_clear_error() -> None:
+    from orchestrator.errors import SandboxError
+    from orchestrator.sandbox.processes import run
+
+    with pytest.raises(SandboxError, match=r"sleep 5 did not finish within 0 s \(is the machine very busy\?\)"):
+        run(["sleep", "5"], timeout=0.2)
