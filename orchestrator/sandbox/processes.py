@@ -21,7 +21,9 @@ def run(argv: list[str], check: bool = True, timeout: float = 60) -> subprocess.
     except FileNotFoundError as exc:
         raise SandboxError(f"{argv[0]} is not installed (apt-get install openssh-server iproute2)") from exc
     except subprocess.TimeoutExpired as exc:
-        raise SandboxError(f"{' '.join(argv)} did not finish within {timeout:.0f} s (is the machine very busy?)") from exc
+        raise SandboxError(
+            f"{' '.join(argv)} did not finish within {timeout:.0f} s (is the machine very busy?)"
+        ) from exc
     if check and proc.returncode != 0:
         raise SandboxError(f"{' '.join(argv)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc
