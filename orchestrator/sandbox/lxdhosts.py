@@ -34,6 +34,7 @@ STATE = Path("/var/lib/dflash-orchestrator")
 MODELS = STATE / "models"  # the GPU host's model directory that playbooks/sandbox.yaml mounts
 DAEMON_STATE = STATE / "lxd-daemon.json"
 LOGS = Path("/var/log/dflash-orchestrator")
+LXCFS = Path("/var/lib/lxcfs")
 NETWORK = "dfolxd0"
 BRIDGE_ADDRESS = "10.231.0.1"
 POOL = "dfo-pool"
@@ -107,9 +108,9 @@ def ensure_lxd(say: Say) -> None:
 def _start_daemon(say: Say) -> None:
     LOGS.mkdir(parents=True, exist_ok=True)
     STATE.mkdir(parents=True, exist_ok=True)
-    Path("/var/lib/lxcfs").mkdir(parents=True, exist_ok=True)
     started: dict[str, Any] = {}
     if run(["pgrep", "-x", "lxcfs"], check=False).returncode != 0:
+        clear_dead_mount(LXCFS, say)
         with open(LOGS / "lxcfs.log", "ab") as log:
             lxcfs = subprocess.Popen(
                 ["lxcfs", "/var/lib/lxcfs"], stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
@@ -131,6 +132,32 @@ def _start_daemon(say: Say) -> None:
     if not _lxd_ready(READY_TIMEOUT_S):
         raise SandboxError(f"LXD did not become ready within {READY_TIMEOUT_S} s; see {LOGS / 'lxd.log'}")
     say("lxd: daemon started")
+
+
+def clear_dead_mount(path: Path, say: Say) -> None:
+    """Unmount lxcfs's FUSE mount at `path` when the daemon that served it is gone.
+
+    A machine whose processes were all killed (a session's end, an OOM kill) leaves the mount
+    behind with nothing serving it: every access then fails with ENOTCONN (a stat may still be
+    answered from the kernel's attribute cache for a moment), and LXD cannot start containers.
+    Only call this when no lxcfs runs: a lxcfs mount is then certainly dead.
+    """
+    if _fuse_mounted(path):
+        # Lazy: a process that still has a file open there must not keep the new daemon out.
+        proc = run(["umount", "--lazy", str(path)], check=False)
+        if proc.returncode != 0:
+            raise SandboxError(f"{path} is a dead lxcfs mount and umount failed: {proc.stderr.strip()}")
+        say(f"lxd: removed the dead lxcfs mount at {path}")
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _fuse_mounted(path: Path) -> bool:
+    # /proc/self/mounts escapes spaces and the like as octal (\040); the paths here have none.
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[1] == str(path) and fields[2].startswith("fuse"):
+            return True
+    return False
 
 
 def stop_lxd_if_ours(say: Say) -> None:

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
+from orchestrator.sandbox.lxdhosts import clear_dead_mount
 from orchestrator.sandbox.processes import alive
 from orchestrator.sandbox.sshhosts import SshSandbox
 from tests.integration.conftest import Sandbox
@@ -86,3 +94,45 @@ def test_down_ends_what_runs_in_a_host_even_when_it_left_sshd(tmp_path: Path) ->
                 stray.wait()
     finally:
         box.down()
+
+
+def test_a_dead_lxcfs_mount_left_by_a_killed_machine_is_cleared(tmp_path: Path) -> None:
+    """Every process killed (a session's end) leaves lxcfs's FUSE mount with nothing serving it.
+
+    Real lxcfs on a directory of its own, killed by its PID: the mount is then dead (ENOTCONN),
+    as /var/lib/lxcfs was on a machine where the LXD tests then could not start LXD at all.
+    """
+    lxcfs = shutil.which("lxcfs")
+    if lxcfs is None:
+        pytest.fail("lxcfs is not installed (.ci/run installs it)")
+    mount = tmp_path / "lxcfs"
+    mount.mkdir()
+    proc = subprocess.Popen(
+        [lxcfs, "--foreground", "--pidfile", str(tmp_path / "lxcfs.pid"), str(mount)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mount):
+            assert proc.poll() is None, "lxcfs exited before mounting"
+            assert time.monotonic() < deadline, "lxcfs did not mount within 30 s"
+            time.sleep(0.05)
+        assert (mount / "proc" / "uptime").read_text()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        with pytest.raises(OSError) as dead:
+            (mount / "proc" / "uptime").read_text()
+        assert dead.value.errno == errno.ENOTCONN
+
+        said: list[str] = []
+        clear_dead_mount(mount, said.append)
+        assert mount.is_dir() and not os.path.ismount(mount)
+        assert said == [f"lxd: removed the dead lxcfs mount at {mount}"]
+        clear_dead_mount(mount, said.append)  # a plain directory is left alone
+        assert len(said) == 1
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        if os.path.ismount(mount) or not os.access(mount, os.F_OK):
+            subprocess.run(["umount", "--lazy", str(mount)], check=False)
