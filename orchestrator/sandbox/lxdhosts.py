@@ -255,6 +255,14 @@ class LxdSandbox:
         names = [f"{self.prefix}-node-{i:02d}" for i in range(1, count + 1)]
         for extra in (n for n in self.nodes() if n.name not in names):
             host.delete(extra.name)
+        # Containers with our names that our state does not record were left by a sandbox whose
+        # directory is gone (a `down` while LXD was not running, on a machine whose processes were
+        # all killed): they trust a client key that no longer exists. Made afresh, not kept.
+        known = {n.name for n in self.nodes()}
+        for name in host.names(f"{self.prefix}-node-"):
+            if name not in known:
+                say(f"sandbox: removing {name}, left by a sandbox whose state is gone")
+                host.delete(name)
         specs = [
             ContainerSpec(name, lxdimage.image_alias(), (PROFILE,), {"user.ssh_authorized_keys": pubkey})
             for name in names

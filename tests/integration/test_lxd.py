@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from orchestrator.inventory import LxdEndpoint
 from orchestrator.lxd import LxdHost
 from orchestrator.sandbox.lxdhosts import LxdSandbox
+from orchestrator.sandbox.processes import stop_process
 from tests.integration.conftest import REPO, host, in_container, inventory, run
 
 SANDBOX_PLAYBOOK = REPO / "playbooks" / "sandbox-files.yaml"
@@ -232,3 +234,23 @@ def test_real_vllm_in_a_container_becomes_ready_with_its_measured_tau(lxd_sandbo
     assert gone.stdout.strip() in ("inactive", "failed")
     leftover = in_container(lxd_sandbox, name, "pgrep", "-f", "vllm[.]entrypoints")
     assert leftover.returncode == 1, leftover  # every engine worker of the unit is gone (1: none matched)
+
+
+def test_up_after_the_sandbox_state_was_lost_makes_the_leftover_containers_afresh(lxd_sandbox: LxdSandbox) -> None:
+    """A machine whose processes were all killed: `down` found LXD not running, so it removed the
+    sandbox's directory (client key, state) and left its containers, which trust a key that is
+    gone. The next `up` must not keep them: every node must take the new key."""
+    box = lxd_sandbox
+    before = {n.name: n.address for n in box.nodes()}
+    jump = json.loads(box.state_file.read_text())["jump"]
+    stop_process(jump["pid"], jump["pid_start"])
+    shutil.rmtree(box.dir)
+    said: list[str] = []
+    box.up(2, said.append)
+    assert sorted(m for m in said if "left by a sandbox" in m) == [
+        f"sandbox: removing {name}, left by a sandbox whose state is gone" for name in sorted(before)
+    ]
+    for name in before:
+        answer = in_container(box, name, "cat", "/root/.ssh/authorized_keys")
+        assert answer.returncode == 0, answer.stderr
+        assert box.client_key.with_suffix(".pub").read_text().split()[1] in answer.stdout
