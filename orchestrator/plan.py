@@ -307,7 +307,10 @@ def read_verified(playbook: Playbook, served: protocol.Served, report: HostRepor
     linked = {link.path for link in served.links}
     left = sorted(set(served.manifest or {}) - set(modes) - linked)
     problems += [f"{path} is served but no longer in the playbook" for path in left]
-    problems += [f"{path} is served but not part of release {served.current}" for path in served.extra]
+    if served.manifest is None:  # every file would look planted: say what is really wrong
+        problems.append(f"release {served.current} has no readable manifest (.manifest.sha256)")
+    else:
+        problems += [f"{path} is served but not part of release {served.current}" for path in served.extra]
     if problems:
         report.gates[GATE_FILES] = Gate(False, "drift: " + "; ".join(problems))
     else:

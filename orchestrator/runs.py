@@ -312,15 +312,12 @@ def rollback(
     back, started and proven again, and the hosts are reported not ready.
     """
 
-    def switch_only(run: Run, node: Node) -> None:
-        if run.locate(node):
-            switch = protocol.release_switch(node.root, to_release)
-            plan.read_switched(run.batch(node, [run.lock(node), switch])[switch], node.report)
+    def switch_only(run: Run, node: Node, back: str) -> None:
+        switch = protocol.release_switch(node.root, back)
+        plan.read_switched(run.batch(node, [run.lock(node), switch])[switch], node.report)
 
     def work(run: Run, unit: Unit) -> None:
-        if playbook.serving.target is None:
-            unit.each(lambda node: switch_only(run, node), GATE_FILES)
-            return
+        # A first look that writes nothing: with nothing to go back to, nothing is touched.
         listings: dict[str, protocol.Releases] = {}
 
         def look(node: Node) -> None:
@@ -335,7 +332,9 @@ def rollback(
             for node in unit.nodes:
                 if node.name in problems:
                     node.report.gates[GATE_FILES] = Gate(False, problems[node.name])
-        if back is not None:
+        if back is not None and playbook.serving.target is None:
+            unit.each(lambda node: switch_only(run, node, back), GATE_FILES)
+        elif back is not None:
             for node in unit.nodes:
                 current = listings[node.name].current
                 node.report.release_id, node.report.previous = back, current

@@ -132,27 +132,53 @@ def _own_dir(root_real, name):
 
 
 def _open_own(path, flags, mode=0o600):
-    """Open a file of the tool's own without following a link: a link in its place is removed
-    (the link only) and the file made afresh."""
-    try:
-        return os.open(path, flags | os.O_NOFOLLOW, mode)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
+    """Open a file of the tool's own without following a link: a link, FIFO, socket or device
+    node in its place is removed (the node only: it holds no data) and the file made afresh.
+    O_NONBLOCK: opening a FIFO to write would wait for a reader for ever."""
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK
+    for _ in range(2):
+        try:
+            fd = os.open(path, flags, mode)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENXIO):  # ENXIO: a FIFO with no reader
+                raise _os_error("io", exc, path)
+        else:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+                return fd
+            os.close(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise OpError("not_a_file", "%s is a directory (not ours: left alone)" % path, path)
+        try:
+            os.unlink(path)
+        except OSError as exc:
             raise _os_error("io", exc, path)
+    raise OpError("io", "%s keeps being replaced by something that is not a file" % path, path)
+
+
+def _open_file(path, follow=True):
+    """A regular file, opened for reading. What a host may have put in its place instead (a FIFO,
+    whose open and read would block this agent for ever; a device, a link to /dev/zero, endless)
+    is refused with EINVAL: O_NONBLOCK makes the open return at once, fstat says what it is."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
     try:
-        os.unlink(path)
-        return os.open(path, flags | os.O_NOFOLLOW, mode)
-    except OSError as exc:
-        raise _os_error("io", exc, path)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _read_own(path):
-    """A file of the tool's own, or None: a link in its place is not read through."""
+    """A file of the tool's own, or None: a link or anything but a regular file in its place is
+    not read through."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        f = _open_file(path, follow=False)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
+    with f:
         return f.read()
 
 
@@ -168,7 +194,7 @@ def _sha256(data):
 
 
 def _sha256_file(path):
-    with open(path, "rb") as f:
+    with _open_file(path) as f:
         if os.fstat(f.fileno()).st_size > CHUNK:
             import hashlib  # OpenSSL's sha256 is several times faster on big files
 
@@ -186,10 +212,12 @@ def _sha256_file(path):
 def _sha256_or_none(path):
     try:
         return _sha256_file(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    except NotADirectoryError:
-        return None
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.ENXIO):  # not a regular file (a FIFO, a socket): not the file meant
+            return None
+        raise
 
 
 def _fsync_dir(path):
@@ -365,7 +393,7 @@ def _manifest_bytes(wanted):
 def _read_manifest(release_dir):
     """{path: sha256} of a release, or None when it has no readable, well-formed manifest."""
     try:
-        with open(os.path.join(release_dir, MANIFEST), "rb") as f:
+        with _open_file(os.path.join(release_dir, MANIFEST)) as f:
             lines = f.read().decode("utf-8").split("\n")
     except (OSError, ValueError):
         return None
@@ -383,7 +411,7 @@ def _read_manifest(release_dir):
 def _read_models(release_dir):
     """{absolute path: sha256} of the model files a release was proven with ({} when none)."""
     try:
-        with open(os.path.join(release_dir, MODELS), "rb") as f:
+        with _open_file(os.path.join(release_dir, MODELS)) as f:
             lines = f.read().decode("utf-8", "surrogateescape").split("\n")
     except FileNotFoundError:
         return {}
@@ -399,7 +427,7 @@ def _links_bytes(links):
 def _read_links(release_dir):
     """{path: target} of a release's overlay links ({} when it has none)."""
     try:
-        with open(os.path.join(release_dir, LINKS), "rb") as f:
+        with _open_file(os.path.join(release_dir, LINKS)) as f:
             lines = f.read().decode("utf-8", "surrogateescape").split("\n")
     except FileNotFoundError:
         return {}
@@ -516,7 +544,7 @@ class _Digests:
         """Take the entries of another cache file (a pushed model directory keeps its own): each
         is still checked against the file's stat before it is used."""
         try:
-            with open(path, "rb") as f:
+            with _open_file(path) as f:
                 text = f.read().decode("utf-8", "replace")
         except OSError:
             text = ""
@@ -608,7 +636,7 @@ def _safetensors_header(path):
     """Tensor names, dtypes and shapes from a safetensors file's JSON header (never the tensors)."""
     import json
 
-    with open(path, "rb") as f:
+    with _open_file(path) as f:
         raw = f.read(8)
         size = int.from_bytes(raw, "little") if len(raw) == 8 else -1
         if size <= 1 or size > 100 * CHUNK:
@@ -673,7 +701,7 @@ def _partial(path, digest):
 
 def _prefix_sha256(path, size):
     h = _builtin_sha256() if size <= CHUNK else __import__("hashlib").sha256()
-    with open(path, "rb") as f:
+    with _open_file(path) as f:
         left = size
         while left:
             block = f.read(min(CHUNK, left))
@@ -772,7 +800,7 @@ def op_upload(req):
     # second time would double the host's work for nothing more; any other answer is hashed whole.
     digests = _digests(root)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
         finally:
@@ -795,7 +823,7 @@ def op_upload(req):
 def _read_small(path, limit=CHUNK):
     """A small text file's content (a model's config.json), or None when there is none."""
     try:
-        with open(path, "rb") as f:
+        with _open_file(path) as f:
             data = f.read(limit + 1)
     except FileNotFoundError:
         return None
@@ -1082,7 +1110,7 @@ def op_release_inspect(req):
         # A file not everyone may read never leaves the host: dry-run shows digests for it.
         f["private"] = not st.st_mode & 0o004
         if not f["private"] and st.st_size <= limit:
-            with open(f["remote_path"], "rb") as fh:
+            with _open_file(f["remote_path"]) as fh:
                 f["content_b64"] = _b64(fh.read())
     return {"current": current, "files": served}
 
@@ -1325,7 +1353,7 @@ def _server(root, name):
 
 def _log_tail(path, lines=30):
     try:
-        with open(path, "rb") as f:
+        with _open_file(path) as f:
             f.seek(0, 2)
             size = f.tell()
             f.seek(max(0, size - 64 * 1024))
@@ -1434,6 +1462,12 @@ def op_launch(req):
     if req.get("keep_if_running") and current and current["alive"] and current.get("command_sha256") == spec:
         return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}
     stopped = _stop(root, name, float(req.get("stop_timeout", 30)))
+    if req.get("port") is not None and _port_answers(int(req["port"])):
+        # Health and the probe would be answered by whatever holds it, and our server, unable to
+        # bind, would look ready for as long as it takes to die.
+        raise OpError("port_in_use", "port %d already answers, and not from a server this deploy root "
+                      "records (an orphan whose record was lost, or another service): stop it or change "
+                      "serving.port" % int(req["port"]))
     for sub in ("run", "logs"):
         _own_dir(root, sub)
     log_path = os.path.join(root, "logs", "%s.log" % name)
@@ -1453,6 +1487,16 @@ def op_launch(req):
     body = _dumps(record).encode("utf-8")
     _atomic_write(_pidfile(root, name), body, _sha256(body), 0o644)
     return {"pid": pid, "log": log_path, "stopped": stopped, "kept": False, "supervisor": supervisor, "unit": unit}
+
+
+def _port_answers(port):
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def _systemd_is_init():

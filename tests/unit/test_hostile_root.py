@@ -5,12 +5,15 @@ says exactly what differs from the release (extra files, links, modes)."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from orchestrator.playbook import Playbook, load_playbook
-from tests.unit.localbox import Box, deploy, host, verify
+from tests.unit.localbox import Box, alive, deploy, host, stop, verify
 
 
 def files_book(box: Box, mode: str = "0644", notes: bool = True) -> Playbook:
@@ -42,6 +45,7 @@ def test_links_in_place_of_the_tools_own_files_are_replaced_not_followed(box: Bo
     assert victim.read_text() == "not the tool's\n" and sorted(os.listdir(victim.parent)) == ["precious"]
     assert not (root / ".lock").is_symlink() and not (root / "releases").is_symlink()
 
+    assert stop(box, box.playbook()).ok  # its record is about to be damaged: end it as ours first
     for name in ("ready.json", "logs/dflash-serve.log", "run"):
         target = root / name
         if target.is_dir() and not target.is_symlink():
@@ -129,3 +133,66 @@ def test_the_served_tree_is_exactly_the_release(box: Box) -> None:
     assert (
         "sub/b.txt is served but no longer in the playbook" in host(verify(box, dropped), "solo").gates["files"].detail
     )
+
+
+def plant(path: Path, kind: str) -> None:
+    """A FIFO (an open or read of it waits for ever) or a link to an endless device, in place of
+    a file."""
+    if path.is_symlink() or path.exists():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+@pytest.mark.parametrize("name", ["a.txt", ".manifest.sha256"])
+def test_a_fifo_or_device_in_the_release_is_drift_not_a_hang(box: Box, name: str, kind: str) -> None:
+    playbook = files_book(box)
+    first = deploy(box, playbook)
+    release = box.root("solo") / "releases" / str(first.release_id)
+    plant(release / name, kind)
+    checked = host(verify(box, playbook), "solo")
+    said = checked.gates["files"].detail
+    assert not checked.ready
+    if name == "a.txt":
+        assert said.startswith(f"drift: {release if kind == 'fifo' else box.root('solo') / 'current'}/a.txt")
+    else:
+        assert said == f"drift: release {first.release_id} has no readable manifest (.manifest.sha256)"
+    repaired = deploy(box, playbook)
+    assert repaired.ok and repaired.release_id != first.release_id, host(repaired, "solo").gates
+    assert verify(box, playbook).ok
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+@pytest.mark.parametrize("name", [".lock", "ready.json", "run/dflash-serve.json", "logs/dflash-serve.log", ".digests"])
+def test_a_fifo_or_device_in_place_of_the_tools_own_file_is_replaced(box: Box, name: str, kind: str) -> None:
+    playbook = box.playbook()
+    first = deploy(box, playbook)
+    assert first.ok
+    root, server = box.root("solo"), box.pid("solo")
+    plant(root / name, kind)
+    (box.dir / "notes.txt").write_text("a new release: the server is started again\n")
+    if name.startswith("run/"):
+        # The record of the running server is gone: it cannot be stopped as ours, and whatever
+        # answers on the port is not a server this root started. No READY on its word.
+        orphaned = host(deploy(box, box.playbook("again")), "solo")
+        try:
+            assert not orphaned.ready and not orphaned.gates["health"].ok
+            assert f"port {box.port} already answers" in orphaned.gates["health"].detail
+        finally:
+            os.kill(server, signal.SIGTERM)
+        wait_gone(server)
+    again = deploy(box, box.playbook("again"))
+    assert again.ok, host(again, "solo").gates
+    assert verify(box, box.playbook("again")).ok
+    if name != ".digests":  # the cache is only written when it has something to keep
+        assert (root / name).is_file() and not (root / name).is_symlink()
+
+
+def wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while alive(pid):
+        assert time.monotonic() < deadline, f"pid {pid} still alive"
+        time.sleep(0.02)

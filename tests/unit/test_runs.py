@@ -412,4 +412,14 @@ def test_verify_and_the_dry_run_never_write_not_even_the_deploy_root(box: Box) -
     looked = runs.dry_run(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet)
     assert looked.ok and host(looked, "solo").gates["files"].detail == "dry run: 2 of 2 files would change"
     assert not rollback(box, playbook).ok  # nothing to go back to; and nothing made
+    (box.dir / "a.txt").write_text("a\n")
+    files = {
+        "name": "files",
+        "targets": ["solo"],
+        "deploy_root": "/unused",
+        "files": [{"src": "a.txt", "dest": "a.txt"}],
+    }
+    (box.dir / "files.yaml").write_text(yaml.safe_dump(files))
+    refused = rollback(box, load_playbook(box.dir / "files.yaml"))  # files only: the same first look
+    assert host(refused, "solo").gates["files"].detail == "there is no previous release to go back to"
     assert not box.root("solo").exists()
