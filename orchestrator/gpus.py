@@ -20,7 +20,7 @@ from orchestrator.playbook import Playbook
 # table 1: 13.x >= 580, 12.x >= 525, 11.x >= 450) and the CUDA Toolkit release notes' driver table
 # for the exact Linux builds (11.x >= 450.80.02, 12.0 GA 525.60.13, 13.0 GA 580.65.06). Below it,
 # torch.cuda.is_available() is False and vLLM fails at its first CUDA call.
-MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580, 65, 6)}
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization when not given
 
 
@@ -197,10 +197,9 @@ def judge(
         floor = MIN_DRIVER.get(major[0]) if major else None
         drivers = {g.driver for g in used}
         for driver in sorted(drivers):
-            if floor is not None and _version(driver) < floor:
+            if floor is not None and _version(driver) < _version(floor):
                 problems.append(
-                    f"driver {driver} is older than the serving torch's CUDA {torch_cuda} needs "
-                    f"(>= {'.'.join(map(str, floor))})"
+                    f"driver {driver} is older than the serving torch's CUDA {torch_cuda} needs (>= {floor})"
                 )
     return problems
 

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from orchestrator import dflash, gpus, placement, probe, protocol
+from orchestrator import dflash, gpus, placement, probe, protocol, serving
 from orchestrator.inventory import Container
 from orchestrator.playbook import DRAFTER_CONFIG, DRAFTER_DIR, FileSpec, Model, Playbook
 from orchestrator.results import (
@@ -160,8 +160,9 @@ class GpuChecks:
         self.facts = protocol.gpus(root, s.python)
         count = gpus.ranks_here(playbook, container, nodes)
         if count > 1 and s.python is not None:
-            visible = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in container.gpus)}
-            self.nccl = protocol.nccl(root, s.python, count, visible, playbook.gates.nccl.timeout_s)
+            # The server's own GPU environment: what the preflight proves is what the server gets.
+            env = {**serving.gpu_env(container), **s.env}
+            self.nccl = protocol.nccl(root, s.python, count, env, playbook.gates.nccl.timeout_s)
         self.ops = [op for op in (self.facts, self.nccl) if op is not None]
 
     def read(self, answers: protocol.Answers, failed: Gate | None, report: HostReport) -> None:

@@ -1786,10 +1786,16 @@ def op_nccl(req):
                           "and the IOMMU; NCCL_P2P_DISABLE=1 tells)" % (world, "" if world == 1 else "s", timeout))
     out, err = stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace")
     lines = out.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+    result = None
+    if proc.returncode == 0 and lines:
+        try:
+            result = json.loads(lines[-1])
+        except ValueError:
+            pass
+    if not isinstance(result, dict):
         raise OpError("nccl", "the all-reduce over %d GPU%s failed (exit %d): %s" % (
             world, "" if world == 1 else "s", proc.returncode, nccl_said(out + "\n" + err)))
-    return json.loads(lines[-1])
+    return result
 
 
 def nccl_said(text):
@@ -1801,8 +1807,8 @@ def nccl_said(text):
             said = line.split(" NCCL WARN ", 1)[1].strip()
             if said not in warnings:
                 warnings.append(said)
-        elif "Error" in line or "error" in line:
-            errors.append(line.strip())
+        elif ("Error" in line or "error" in line) and not line.rstrip().endswith(":"):
+            errors.append(line.strip())  # not "Last error:", whose words are NCCL's WARN above
     said = warnings[-3:] + errors[-2:]
     return " / ".join(said)[:1200] if said else text.strip()[-400:]
 
