@@ -11,12 +11,14 @@ import os
 import time
 from typing import Any
 
-from orchestrator import dflash, placement, probe, protocol
+from orchestrator import dflash, gpus, placement, probe, protocol, serving
+from orchestrator.inventory import Container
 from orchestrator.playbook import DRAFTER_CONFIG, DRAFTER_DIR, FileSpec, Model, Playbook
 from orchestrator.results import (
     GATE_ACCEPTANCE,
     GATE_BUILD,
     GATE_FILES,
+    GATE_GPUS,
     GATE_HEALTH,
     GATE_LOADER,
     GATE_READY,
@@ -140,6 +142,81 @@ def pins(playbook: Playbook, pushed: Pins) -> Pins:
 
 def _names(pins: Pins, model: Model) -> tuple[str, ...] | None:
     return tuple(sorted(pins[model.role])) if model.role in pins else None
+
+
+class GpuChecks:
+    """The gpus gate's questions for one node the inventory gives GPUs (none where it gives none:
+    a CPU deployment): nvidia-smi's view, and with more than one GPU and a serving Python, the
+    NCCL preflight. A files-only playbook is checked too: its files are for a server on them."""
+
+    def __init__(self, playbook: Playbook, root: str, container: Container, nodes: int = 1) -> None:
+        self.playbook, self.container, self.nodes = playbook, container, nodes
+        self.facts: protocol.Op[protocol.GpuFacts] | None = None
+        self.nccl: protocol.Op[protocol.AllReduce] | None = None
+        s = playbook.serving
+        if not container.gpus:
+            self.ops: list[protocol.Op[Any]] = []
+            return
+        self.facts = protocol.gpus(root, s.python)
+        count = gpus.ranks_here(playbook, container, nodes)
+        if count > 1 and s.python is not None:
+            # The server's own GPU environment: what the preflight proves is what the server gets.
+            env = {**serving.gpu_env(container), **s.env}
+            self.nccl = protocol.nccl(root, s.python, count, env, playbook.gates.nccl.timeout_s)
+        self.ops = [op for op in (self.facts, self.nccl) if op is not None]
+
+    def read(self, answers: protocol.Answers, failed: Gate | None, report: HostReport) -> None:
+        """The gate from what came back; ``failed``: this gate's op that failed (nvidia-smi, or
+        the preflight after it: then nvidia-smi's facts are still reported)."""
+        if self.facts is None:
+            return
+        if self.facts not in answers:
+            if failed is not None:
+                report.gates[GATE_GPUS] = failed
+            return
+        nccl = answers.get(self.nccl)
+        read_gpus(self.playbook, self.container, answers[self.facts], nccl, report, self.nodes, failed)
+
+
+def read_gpus(
+    playbook: Playbook,
+    container: Container,
+    facts: protocol.GpuFacts,
+    all_reduce: protocol.AllReduce | None,
+    report: HostReport,
+    nodes: int = 1,
+    nccl_failed: Gate | None = None,
+) -> None:
+    """The gpus gate from nvidia-smi's answers and the NCCL preflight's (or its failure)."""
+    if facts.missing:
+        report.gates[GATE_GPUS] = Gate(
+            False, f"no nvidia-smi in the container, but the inventory gives it GPUs {list(container.gpus)}"
+        )
+        return
+    try:
+        seen, apps = gpus.parse_gpus(facts.gpus), gpus.parse_apps(facts.apps)
+    except gpus.FactsError as exc:
+        report.gates[GATE_GPUS] = Gate(False, f"nvidia-smi's answer could not be read: {exc}")
+        return
+    report.gpus = [g.to_json() for g in seen]
+    problems = gpus.judge(playbook, container, seen, apps, set(facts.ours), facts.torch_cuda, nodes)
+    data: dict[str, Any] = {}
+    detail = gpus.describe(seen, facts.torch_cuda)
+    if problems:
+        pass  # the preflight's answer says no more: these GPUs are not the server's to begin with
+    elif nccl_failed is not None:
+        problems.append(nccl_failed.detail)
+    elif all_reduce is not None and all_reduce.skipped:
+        detail += f"; NCCL preflight skipped: {all_reduce.skipped}"
+    elif all_reduce is not None:
+        data = {"busbw_gbps": round(all_reduce.busbw_gbps, 1), "nccl": all_reduce.nccl}
+        floor = playbook.gates.nccl.min_busbw_gbps
+        if not all_reduce.right:
+            problems.append(f"the all-reduce over {all_reduce.gpus} GPUs gave a wrong sum")
+        elif floor is not None and all_reduce.busbw_gbps < floor:
+            problems.append(f"the all-reduce reached {all_reduce.busbw_gbps:.1f} GB/s bus bandwidth, below {floor:g}")
+        detail += f"; NCCL {all_reduce.nccl} all-reduce over {all_reduce.gpus} GPUs: {all_reduce.busbw_gbps:.1f} GB/s bus bandwidth"
+    report.gates[GATE_GPUS] = Gate(not problems, "; ".join(problems) if problems else detail, data)
 
 
 class Stage:

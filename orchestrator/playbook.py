@@ -140,8 +140,15 @@ class AcceptanceGate:
 
 
 @dataclass(frozen=True)
+class NcclGate:
+    min_busbw_gbps: float | None = None  # the preflight's all-reduce must reach this bus bandwidth
+    timeout_s: float = 180.0  # longer is a hang (NCCL's init over many GPUs takes tens of seconds)
+
+
+@dataclass(frozen=True)
 class Gates:
     acceptance: AcceptanceGate = AcceptanceGate()
+    nccl: NcclGate = NcclGate()
 
 
 @dataclass(frozen=True)
@@ -447,7 +454,8 @@ def _multi_node(f: Field) -> MultiNode:
 
 
 def _gates(f: Field) -> Gates:
-    f.mapping({"acceptance"})
+    f.mapping({"acceptance", "nccl"})
+    nccl = f["nccl"].mapping({"min_busbw_gbps", "timeout_s"})
     a = f["acceptance"].mapping(
         {"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts", "prompts", "max_tokens"}
     )
@@ -461,7 +469,11 @@ def _gates(f: Field) -> Gates:
             min_drafts=a["min_drafts"].int(50, minimum=1),
             prompts=a["prompts"].str_list(()),
             max_tokens=a["max_tokens"].int(128, minimum=1, maximum=4096),
-        )
+        ),
+        nccl=NcclGate(
+            min_busbw_gbps=nccl["min_busbw_gbps"].number(None, minimum=0),
+            timeout_s=nccl["timeout_s"].number(180.0, minimum=1),
+        ),
     )
 
 

@@ -299,6 +299,10 @@ class Answers:
     def __contains__(self, op: Op[Any]) -> bool:
         return op.key in self._values
 
+    def __or__(self, other: Answers) -> Answers:
+        """Two batches' answers as one."""
+        return Answers({**self._values, **other._values})
+
 
 def batch_timeout(ops: Iterable[Op[Any]], base: float) -> float:
     """The one place a batch's deadline is computed: the target's command timeout, plus what each
@@ -674,9 +678,71 @@ def upload(root: str, path: str, size: int, sha256: str, offset: int = 0, mode: 
     return Op(request, reader, budget_s=60.0 + (size - offset) / SLOWEST_UPLOAD_BYTES_PER_S)
 
 
+@dataclass(frozen=True)
+class GpuFacts:
+    """nvidia-smi's answers (CSV, parsed by ``gpus``), our server's processes, the serving CUDA."""
+
+    missing: bool  # no nvidia-smi
+    gpus: str = ""
+    apps: str = ""
+    ours: tuple[int, ...] = ()
+    torch_cuda: str | None = None
+
+
+def _gpu_facts(v: dict[str, Any]) -> GpuFacts:
+    if _field(v, "missing", bool):
+        return GpuFacts(True)
+    ours = _field(v, "ours", list)
+    if not all(isinstance(p, int) and not isinstance(p, bool) for p in ours):
+        raise AnswerError("'ours' is not a list of pids")
+    return GpuFacts(
+        False, _field(v, "gpus", str), _field(v, "apps", str), tuple(ours), _field(v, "torch_cuda", str, optional=True)
+    )
+
+
+def gpus(root: str, python: str | None) -> Op[GpuFacts]:
+    """The GPUs this container sees and the processes on them (read only)."""
+    return Op({"op": "gpus", "root": root, "python": python}, _gpu_facts, budget_s=150.0)
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    skipped: str | None  # why it did not run (our server holds the GPUs: it proves the all-reduce)
+    gpus: int = 0
+    busbw_gbps: float = 0.0
+    algbw_gbps: float = 0.0
+    seconds: float = 0.0
+    right: bool = False  # the sum came out right
+    nccl: str = ""
+
+
+def _all_reduce(v: dict[str, Any]) -> AllReduce:
+    skipped = _field(v, "skipped", str, optional=True)
+    if skipped is not None:
+        return AllReduce(skipped)
+    return AllReduce(
+        None,
+        _field(v, "gpus", int),
+        _field(v, "busbw_gbps", float),
+        _field(v, "algbw_gbps", float),
+        _field(v, "seconds", float),
+        _field(v, "right", bool),
+        _field(v, "nccl", str, optional=True) or "",
+    )
+
+
+def nccl(root: str, python: str, count: int, env: dict[str, str], timeout: float = 180.0) -> Op[AllReduce]:
+    """The NCCL preflight: an all-reduce over ``count`` GPUs with the serving Python, stopped as a
+    hang after ``timeout`` (skipped while the server we started holds the GPUs)."""
+    request = {"op": "nccl", "root": root, "python": python, "gpus": count, "env": dict(env), "timeout": timeout}
+    return Op(request, _all_reduce, budget_s=timeout + 10.0)
+
+
 # Every operation the controller builds, by the name the agent knows it by.
 OPERATIONS: dict[str, Callable[..., Op[Any]]] = {
     "lock": lock,
+    "gpus": gpus,
+    "nccl": nccl,
     "model_files": model_files,
     "upload_status": upload_status,
     "upload": upload,

@@ -15,6 +15,7 @@ from orchestrator import dflash
 GATE_LINT = "lint"
 GATE_CONTAINERS = "containers"
 GATE_CONNECT = "connect"
+GATE_GPUS = "gpus"
 GATE_FILES = "files"
 GATE_MODELS = "models"
 GATE_WEIGHTS = "weights"
@@ -73,6 +74,7 @@ class HostReport:
     duration_s: float = 0.0
     ssh: dict[str, int] = field(default_factory=dict)
     models: list[dict[str, Any]] = field(default_factory=list)  # per model directory: files, bytes, drift
+    gpus: list[dict[str, Any]] = field(default_factory=list)  # what nvidia-smi said of each GPU
 
     @property
     def ready(self) -> bool:
@@ -108,6 +110,8 @@ class HostReport:
             out["in_sync"] = self.ready
         if self.models:
             out["models"] = self.models
+        if self.gpus:
+            out["gpus"] = self.gpus
         if self.container is not None:
             out["container"] = self.container
         if self.diagnosis:

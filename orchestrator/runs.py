@@ -21,6 +21,7 @@ from orchestrator.results import (
     GATE_BUILD,
     GATE_CONNECT,
     GATE_FILES,
+    GATE_GPUS,
     GATE_GROUP,
     GATE_HEALTH,
     GATE_LINT,
@@ -79,7 +80,7 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
 
     def stage(reuse: bool) -> Callable[[Node], None]:
         def on(node: Node) -> None:
-            if not run.locate(node):
+            if not run.locate(node) or not _gpus(run, unit, node):
                 return
             pushed = _push_models(run, node)
             if pushed is None:
@@ -121,6 +122,25 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
         run.note(unit, f"the nodes hold different releases: staging {release_id} on {', '.join(n.name for n in apart)}")
         unit.each(stage(reuse=False), GATE_FILES, apart)
     return _alike(unit, builds)
+
+
+def _gpus(run: Run, unit: Unit, node: Node) -> bool:
+    """The gpus gate, once a node, before anything is pushed or staged: the GPUs the server
+    will get are there, free, driven recent enough, and (more than one) can all-reduce."""
+    if GATE_GPUS in node.report.gates:
+        return node.report.gates[GATE_GPUS].ok
+    checks = plan.GpuChecks(run.playbook, node.root, node.target.container, len(unit.nodes))
+    if not checks.ops:
+        return True
+    started = time.monotonic()
+    answers, failed = _read_only(run, node, checks.ops[:1])
+    checks.read(answers, failed[1] if failed else None, node.report)
+    if checks.nccl is not None and node.report.gates[GATE_GPUS].ok:
+        # Only on GPUs that passed: an all-reduce over the wrong ones would only add noise.
+        more, failed = _read_only(run, node, [checks.nccl])
+        checks.read(answers | more, failed[1] if failed else None, node.report)
+    node.report.gates[GATE_GPUS].data["seconds"] = round(time.monotonic() - started, 2)
+    return node.report.gates[GATE_GPUS].ok
 
 
 def _push_models(run: Run, node: Node) -> dict[str, push.Pushed] | None:
@@ -170,6 +190,8 @@ def _switch_staged(run: Run, node: Node) -> None:
 # The gate a failed read-only check belongs to (a stale drafter config that transformers cannot
 # load is the loader's failure; the files' drift read before it must still be reported).
 _CHECK_GATES = {
+    "gpus": GATE_GPUS,
+    "nccl": GATE_GPUS,
     "model_files": GATE_MODELS,
     "loader_view": GATE_LOADER,
     "vllm_build": GATE_BUILD,
@@ -213,7 +235,8 @@ def verify(
         checks = plan.Checks(playbook, node.root, None) if plan.Checks.wanted(playbook) else None
         # The drafter's files are checked through the overlay's links (release_verify).
         model = plan.ModelChecks(playbook, node.root, record=False, rehash=rehash, drafter=False)
-        ops: list[protocol.Op[Any]] = [served, *model.ops, *(checks.ops if checks else [])]
+        gpu = plan.GpuChecks(playbook, node.root, node.target.container, len(unit.nodes))
+        ops: list[protocol.Op[Any]] = [served, *model.ops, *(checks.ops if checks else []), *gpu.ops]
         status = None
         if playbook.serving.target is not None:
             port = playbook.serving.port if node.rank == 0 else None
@@ -230,6 +253,11 @@ def verify(
             models.read_models(playbook, answers.get(model.target), None, report, found.links, found.manifest)
         if checks is not None:
             plan.read_checks(playbook, answers.get(checks.loader), answers.get(checks.build), report)
+        if failed is not None and failed[0] == GATE_GPUS:
+            gpu.read(answers, failed[1], report)
+            failed = None
+        else:
+            gpu.read(answers, None, report)
         if status is not None and status in answers and report.release_id is not None:
             role = None if node.rank == 0 else unit.role(node)
             plan.read_serving_status(answers[status], report, role)

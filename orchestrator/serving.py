@@ -74,7 +74,7 @@ def command(playbook: Playbook, container: Container, release_id: str) -> Server
         str(s.port),
     ]
     argv += _speculative_args(playbook, container, release_id) + list(s.extra_args)
-    env = {"HF_HUB_OFFLINE": "1", **_gpu_env(container)}
+    env = {"HF_HUB_OFFLINE": "1", **gpu_env(container)}
     env.update(s.env)
     return ServerCommand(tuple(argv), env)
 
@@ -91,7 +91,7 @@ def _speculative_args(playbook: Playbook, container: Container, release_id: str)
     return ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
 
 
-def _gpu_env(container: Container) -> dict[str, str]:
+def gpu_env(container: Container) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in container.gpus)} if container.gpus else {}
 
 
@@ -113,7 +113,7 @@ def _node_env(playbook: Playbook, placement: Placement, rank: int) -> dict[str, 
         "VLLM_HOST_IP": node_ip(placement, rank),
         "GLOO_SOCKET_IFNAME": iface,
         "NCCL_SOCKET_IFNAME": iface,
-        **_gpu_env(placement.nodes[rank].container),
+        **gpu_env(placement.nodes[rank].container),
     }
 
 

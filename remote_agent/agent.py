@@ -1674,7 +1674,192 @@ def op_probe(req):
     return {"before": before, "after": after, "completions": completions, "seconds": round(time.monotonic() - started, 2)}
 
 
+# --- GPUs -------------------------------------------------------------------------------
+
+GPU_QUERY = "index,uuid,name,pci.bus_id,memory.total,memory.used,memory.free,driver_version,compute_mode"
+APP_QUERY = "pid,gpu_uuid,used_memory,process_name"
+# torch.version.cuda read from torch/version.py without importing torch (seconds on a GPU box):
+# a version, "None" for a CPU build, nothing when there is no torch.
+TORCH_CUDA = r"""
+import importlib.util, os, re
+spec = importlib.util.find_spec("torch")
+if spec is not None and spec.submodule_search_locations:
+    with open(os.path.join(list(spec.submodule_search_locations)[0], "version.py")) as f:
+        found = re.search(r"^cuda\s*(?::[^=]*)?=\s*(?:'([^']*)'|\"([^\"]*)\"|None)", f.read(), re.M)
+    print((found.group(1) or found.group(2) or "None") if found else "unknown")
+"""
+
+
+def _our_process(root, pid):
+    """A GPU process of the server (or Ray) we started: its session is the one we gave it, or it
+    runs in the systemd unit we wrote."""
+    for name in ("dflash-serve", "dflash-ray"):
+        record = _server(root, name)
+        if not record or not record.get("alive"):
+            continue
+        try:
+            if pid == record["pid"] or os.getsid(pid) == record["pid"]:
+                return True
+        except (OSError, KeyError, TypeError):
+            pass
+        unit = record.get("unit")
+        if unit:
+            try:
+                with open("/proc/%d/cgroup" % pid) as f:
+                    if unit in f.read():
+                        return True
+            except OSError:
+                pass
+    return False
+
+
+def op_gpus(req):
+    """What nvidia-smi says of the GPUs this container sees and of the processes on them (its CSV,
+    read by the controller), which of those processes are the server we started, and the CUDA
+    version of the serving torch. Reads only."""
+    import shutil
+    import subprocess
+
+    root = _root(req, create=False)
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"missing": True}
+    out = {"missing": False}
+    for key, query in (("gpus", "--query-gpu=" + GPU_QUERY), ("apps", "--query-compute-apps=" + APP_QUERY)):
+        try:
+            proc = subprocess.run([smi, query, "--format=csv,noheader,nounits"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, timeout=30)
+        except subprocess.TimeoutExpired:
+            raise OpError("timeout", "nvidia-smi did not answer in 30 s", smi)
+        if proc.returncode != 0:
+            raise OpError("nvidia_smi", "nvidia-smi failed (exit %d): %s" % (
+                proc.returncode, proc.stderr.decode("utf-8", "replace").strip()[-300:]), smi)
+        out[key] = proc.stdout.decode("utf-8", "replace")
+    pids = []
+    for line in out["apps"].splitlines():
+        first = line.split(",")[0].strip()
+        if first.isdigit():
+            pids.append(int(first))
+    out["ours"] = sorted(set(p for p in pids if _our_process(root, p)))
+    python = req.get("python")
+    # "13.0"; "None": a CPU build of torch; "": no torch; absent: no serving python asked about.
+    out["torch_cuda"] = None
+    if python:
+        try:
+            proc = subprocess.run([python, "-c", TORCH_CUDA], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise OpError("python", "the serving python %s did not run: %s" % (python, exc))
+        lines = proc.stdout.decode("utf-8", "replace").strip().splitlines()
+        out["torch_cuda"] = lines[-1].strip() if proc.returncode == 0 and lines else ""
+    return out
+
+
+NCCL_SCRIPT = r"""
+import json, os, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def worker(rank, world, port, size, iters, queue):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    x = torch.ones(size // 4, dtype=torch.float32, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    right = bool((x == world).all().item())
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    if rank == 0:
+        queue.put({"right": right, "seconds": seconds})
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    world, size, iters = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    import socket
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.start_processes(worker, args=(world, port, size, iters, queue), nprocs=world, start_method="spawn")
+    r = queue.get(timeout=5)
+    algbw = size * iters / r["seconds"] / 1e9
+    print(json.dumps({"gpus": world, "bytes": size, "iterations": iters, "seconds": r["seconds"], "right": r["right"],
+                      "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world - 1) / world,
+                      "nccl": ".".join(map(str, torch.cuda.nccl.version())), "torch": torch.__version__}))
+"""
+
+
+def op_nccl(req):
+    """A short all-reduce over this container's GPUs (one process a GPU, NCCL, a local rendezvous)
+    with the serving Python: it works, and at what bus bandwidth. A hang is stopped at the
+    deadline; NCCL's own words come back on failure. NVLink multicast stays off."""
+    import json
+    import signal
+    import subprocess
+    import tempfile
+
+    python = req.get("python")
+    world = int(req.get("gpus", 0))
+    if not isinstance(python, str) or world < 1:
+        raise OpError("bad_request", "nccl needs the serving python and a GPU count")
+    if req.get("root"):
+        root = _root(req, create=False)
+        for name in ("dflash-serve", "dflash-ray"):
+            record = _server(root, name)
+            if record and record.get("alive"):
+                return {"skipped": "the server we started holds these GPUs (its own all-reduce works)"}
+    timeout = float(req.get("timeout", 120))
+    env = dict(os.environ, NCCL_DEBUG="WARN")  # NCCL's reason for a failure, not only its error class
+    env.update(req.get("env") or {})
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    # A file, not ``-c``: the spawned workers import the script's __main__ again.
+    with tempfile.TemporaryDirectory(prefix="dflash-nccl-") as tmp:
+        script = os.path.join(tmp, "allreduce.py")
+        with open(script, "w") as f:
+            f.write(NCCL_SCRIPT)
+        argv = [python, script, str(world), str(int(req.get("bytes", 256 << 20))), str(int(req.get("iterations", 20)))]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise OpError("nccl_hang", "the all-reduce over %d GPU%s did not finish in %g s: a hang (check P2P "
+                          "and the IOMMU; NCCL_P2P_DISABLE=1 tells)" % (world, "" if world == 1 else "s", timeout))
+    out, err = stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace")
+    lines = out.strip().splitlines()
+    result = None
+    if proc.returncode == 0 and lines:
+        try:
+            result = json.loads(lines[-1])
+        except ValueError:
+            pass
+    if not isinstance(result, dict):
+        raise OpError("nccl", "the all-reduce over %d GPU%s failed (exit %d): %s" % (
+            world, "" if world == 1 else "s", proc.returncode, nccl_said(out + "\n" + err)))
+    return result
+
+
+def nccl_said(text):
+    """NCCL's own words in a failed run's output: its warnings (``host:pid:tid [rank] NCCL WARN
+    ...``, once each) and the error the worker raised."""
+    warnings, errors = [], []
+    for line in text.splitlines():
+        if " NCCL WARN " in line:
+            said = line.split(" NCCL WARN ", 1)[1].strip()
+            if said not in warnings:
+                warnings.append(said)
+        elif ("Error" in line or "error" in line) and not line.rstrip().endswith(":"):
+            errors.append(line.strip())  # not "Last error:", whose words are NCCL's WARN above
+    said = warnings[-3:] + errors[-2:]
+    return " / ".join(said)[:1200] if said else text.strip()[-400:]
+
+
 OPS = {
+    "gpus": op_gpus,
+    "nccl": op_nccl,
     "model_files": op_model_files,
     "upload_status": op_upload_status,
     "upload": op_upload,

@@ -13,6 +13,13 @@ exact commands the agent runs (``serving.python`` points at it):
   and vLLM's ``vllm:spec_decode_*`` counters on ``/metrics``; with ``--headless``, a rank that
   only lives until it is stopped.
 
+- ``-c <torch CUDA script>``: torch's CUDA version, ``$STANDIN_TORCH_CUDA`` (default ``13.0``;
+  ``absent``: no torch);
+- ``<dir>/allreduce.py WORLD BYTES ITERATIONS`` (the NCCL preflight): the answer one real H200
+  gave (tests/data/gpu/h200), for WORLD GPUs at ``$STANDIN_BUSBW`` GB/s; ``$STANDIN_NCCL=error``
+  fails with what NCCL printed there, ``hang`` never ends; ``$STANDIN_NCCL_ENV`` names a file to
+  record the environment it was given in.
+
 Acceptance depends on the drafter config the server was given, as it does for real: every draft is
 accepted when ``dflash_config.mask_token_id`` is ``$STANDIN_GOOD_MASK``, none otherwise.
 ``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load.
@@ -128,6 +135,33 @@ def serve(args: list[str]) -> None:
     server.serve_forever()
 
 
+H200 = Path(__file__).resolve().parent.parent / "data" / "gpu" / "h200"
+NCCL_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "NCCL_NVLS_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "NCCL_DEBUG",
+    "NCCL_P2P_DISABLE",
+)
+
+
+def allreduce(args: list[str]) -> None:
+    record = os.environ.get("STANDIN_NCCL_ENV")
+    if record:
+        Path(record).write_text(json.dumps({name: os.environ.get(name) for name in NCCL_ENV}))
+    how = os.environ.get("STANDIN_NCCL", "ok")
+    if how == "hang":
+        signal.pause()
+    if how == "error":
+        sys.stderr.write((H200 / "nccl-error.out").read_text())
+        sys.exit(1)
+    value = json.loads((H200 / "nccl.json").read_text())["value"]
+    value["gpus"] = int(args[0])
+    value["busbw_gbps"] = float(os.environ.get("STANDIN_BUSBW", value["busbw_gbps"]))
+    print("NCCL INFO comm 0x55d1 rank 0 nranks 2 - Init COMPLETE")
+    print(json.dumps(value))
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["-c"]:
         script, rest = argv[1], argv[2:]
@@ -137,10 +171,16 @@ def main(argv: list[str]) -> None:
             print(json.dumps({"class": "Qwen3Config", "transformers": "stand-in", "fields": fields}))
         elif "vllm.entrypoints.cli.main" in script and rest[:1] == ["serve"]:
             serve(rest[2:])
+        elif 'find_spec("torch")' in script:
+            cuda = os.environ.get("STANDIN_TORCH_CUDA", "13.0")
+            if cuda != "absent":
+                print(cuda)
         elif "metadata.version(dist)" in script:
             print(json.dumps({"dist": "vllm", "version": VERSION}))
         else:
             sys.exit(f"stand-in: unknown program {script[:60]!r}")
+    elif argv[:1] and argv[0].endswith("allreduce.py"):
+        allreduce(argv[1:])
     elif argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"]:
         serve(argv[2:])
     else:

@@ -54,6 +54,8 @@ def build(name: str) -> protocol.Op[Any]:
     command = ServerCommand(("python3", "-m", "x"), {"A": "1"})
     args: dict[str, tuple[Any, ...]] = {
         "lock": ("/r", "me", 5.0),
+        "gpus": ("/r", "/py"),
+        "nccl": ("/r", "/py", 2, {"CUDA_VISIBLE_DEVICES": "0,1"}),
         "model_files": ("/r", "drafter", "/models/d"),
         "upload_status": ("/r", [("/models/d/a", 3, "a" * 64)]),
         "upload": ("/r", "/models/d/a", 3, "a" * 64),
