@@ -1844,15 +1844,19 @@ def op_nccl(req):
 
 def nccl_said(text):
     """NCCL's own words in a failed run's output: its warnings (``host:pid:tid [rank] NCCL WARN
-    ...``, once each) and the error the worker raised."""
+    ...``, once each) and the exceptions the workers raised (``torch...DistBackendError: NCCL
+    error in: ...``), not the tracebacks' code lines or C++ frames around them."""
+    import re
+
+    raised = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): \S")
     warnings, errors = [], []
     for line in text.splitlines():
         if " NCCL WARN " in line:
             said = line.split(" NCCL WARN ", 1)[1].strip()
             if said not in warnings:
                 warnings.append(said)
-        elif ("Error" in line or "error" in line) and not line.rstrip().endswith(":"):
-            errors.append(line.strip())  # not "Last error:", whose words are NCCL's WARN above
+        elif raised.match(line.strip()) and line.strip() not in errors:
+            errors.append(line.strip())
     said = warnings[-3:] + errors[-2:]
     return " / ".join(said)[:1200] if said else text.strip()[-400:]
 

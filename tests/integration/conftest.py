@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -107,7 +108,8 @@ def cli(tmp_path: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture
 def root_name(request: pytest.FixtureRequest) -> str:
     """A deploy root per test, so tests never see each other's releases."""
-    return "/srv/t-" + request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:60]
+    # Only letters, digits and dashes: a parameter's id may hold YAML (": ", "&", "*").
+    return "/srv/t-" + re.sub(r"[^A-Za-z0-9]+", "-", request.node.name).strip("-")[:60]
 
 
 def write_playbook(

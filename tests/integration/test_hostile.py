@@ -153,6 +153,7 @@ def test_a_dry_run_never_shows_a_secret(sandbox: Sandbox, cli, tmp_path: Path, r
         ("gates: {acceptance: {min_mean_acceptance_length: .nan}}\n", "expected a finite number"),
         ("files: [{src: pb.yaml, dest: .}]\n", "must be a relative path inside the release"),
     ],
+    ids=["alias-bomb", "nan-threshold", "dest-dot"],
 )
 def test_bad_input_never_reaches_an_ssh_host(
     sandbox: Sandbox,

@@ -15,8 +15,8 @@ exact commands the agent runs (``serving.python`` points at it):
 
 - ``-c <torch CUDA script>``: torch's CUDA version, ``$STANDIN_TORCH_CUDA`` (default ``13.0``;
   ``absent``: no torch);
-- ``<dir>/allreduce.py WORLD BYTES ITERATIONS`` (the NCCL preflight): the answer one real H200
-  gave (tests/data/gpu/h200), for WORLD GPUs at ``$STANDIN_BUSBW`` GB/s; ``$STANDIN_NCCL=error``
+- ``<dir>/allreduce.py WORLD BYTES ITERATIONS`` (the NCCL preflight): the answer real H200s gave
+  (tests/data/gpu: one GPU, or two over NVLink), its bandwidth replaced by ``$STANDIN_BUSBW``; ``$STANDIN_NCCL=error``
   fails with what NCCL printed there, ``hang`` never ends; ``$STANDIN_NCCL_ENV`` names a file to
   record the environment it was given in.
 
@@ -150,13 +150,15 @@ def allreduce(args: list[str]) -> None:
     if record:
         Path(record).write_text(json.dumps({name: os.environ.get(name) for name in NCCL_ENV}))
     how = os.environ.get("STANDIN_NCCL", "ok")
+    world = int(args[0])
+    recorded = H200 if world == 1 else H200.with_name("h200x2")  # one GPU, or two over NVLink
     if how == "hang":
         signal.pause()
     if how == "error":
-        sys.stderr.write((H200 / "nccl-error.out").read_text())
+        sys.stderr.write((recorded / "nccl-error.out").read_text())
         sys.exit(1)
-    value = json.loads((H200 / "nccl.json").read_text())["value"]
-    value["gpus"] = int(args[0])
+    value = json.loads((recorded / "nccl.json").read_text())["value"]
+    value["gpus"] = world
     value["busbw_gbps"] = float(os.environ.get("STANDIN_BUSBW", value["busbw_gbps"]))
     print("NCCL INFO comm 0x55d1 rank 0 nranks 2 - Init COMPLETE")
     print(json.dumps(value))

@@ -1,8 +1,9 @@
 """The gpus gate's judgement on what real H200s said (tests/data/gpu, recorded by scripts/gpu-check).
 
-No GPU here: every input is nvidia-smi's or the NCCL preflight's recorded output from a real H200
-machine; where a case could not be produced there (an old driver, a second GPU, a PCI pin), the
-recorded text is changed in one named field and the test says which.
+No GPU here: every input is nvidia-smi's or the NCCL preflight's recorded output from real H200
+machines (one GPU, and two joined by NVLink); where a case could not be produced there (an old
+driver, a PCI pin elsewhere), the recorded text is changed in one named field and the test says
+which.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,10 @@ from orchestrator.results import GATE_GPUS, Gate, HostReport
 from remote_agent import agent
 
 H200 = Path(__file__).resolve().parent.parent / "data" / "gpu" / "h200"
+H200X2 = H200.with_name("h200x2")
+TWO = (H200X2 / "clean-gpus.csv").read_text()
+TWO_HOLDER = (H200X2 / "holder-gpus.csv").read_text()
+TWO_HOLDER_APPS = (H200X2 / "holder-apps.csv").read_text()
 CLEAN = (H200 / "clean-gpus.csv").read_text()
 HOLDER = (H200 / "holder-gpus.csv").read_text()
 HOLDER_APPS = (H200 / "holder-apps.csv").read_text()
@@ -44,12 +50,6 @@ def serving(pb: Playbook, tp: int | None = 1, args: tuple[str, ...] = ()) -> Pla
 
 def container(gpus_: tuple[int, ...] = (0,), lxd: ContainerLxd | None = None) -> Container:
     return Container("gpu0", "h200", "127.0.0.1", SshSettings(), gpus=gpus_, lxd=lxd)
-
-
-def second_gpu(csv: str) -> str:
-    """The recorded line again as GPU 1, with its own uuid and PCI address (one H200 was lent)."""
-    line = csv.strip().replace("0, GPU-d736", "1, GPU-e736", 1).replace("00:06.0", "00:07.0")
-    return csv.strip() + "\n" + line + "\n"
 
 
 def judge(pb: Playbook, c: Container, csv: str = CLEAN, apps: str = "", ours: set[int] | None = None,
@@ -113,7 +113,7 @@ def test_fewer_gpus_than_the_inventory_or_the_parallel_sizes_need(tmp_path: Path
     ]
     # TP 2 x PP 2 over two nodes: two GPUs a node
     two = replace(pb, serving=replace(pb.serving, pipeline_parallel_size=2))
-    assert judge(two, container((0, 1)), second_gpu(CLEAN), nodes=2) == []
+    assert judge(two, container((0, 1)), TWO, nodes=2) == []
     assert judge(two, container((0,)), nodes=2) == [
         "tensor x pipeline parallel needs 2 GPUs on this node, the inventory gives it 1"
     ]
@@ -180,25 +180,28 @@ def test_nvidia_smi_output_that_is_not_the_query_fails_the_gate_saying_so(tmp_pa
     assert not gate.ok and gate.detail.startswith("nvidia-smi's answer could not be read: unexpected")
 
 
-def recorded(name: str) -> dict[str, object]:
-    return json.loads((H200 / name).read_text())
+def recorded(name: str, machine: Path = H200) -> dict[str, Any]:
+    return json.loads((machine / name).read_text())
 
 
 def test_the_nccl_preflight_answer_is_read_and_judged_against_the_floor(tmp_path: Path) -> None:
-    """nccl.json is one H200's answer (a 1-rank all-reduce: bus bandwidth 0 by the formula);
-    the two-GPU bandwidth below is that answer with its gpus and busbw_gbps fields changed."""
-    answer = recorded("nccl.json")
-    one = protocol.nccl("/srv/dflash", "python3", 1, {}).read(answer["value"])
-    assert (one.gpus, one.right, one.nccl, one.busbw_gbps) == (1, True, "2.28.9", 0.0)
-    two = replace(one, gpus=2, busbw_gbps=352.4)
-    pb = serving(files_only(tmp_path, "gates:\n  nccl: {min_busbw_gbps: 300}\n"), tp=2)
-    facts = protocol.GpuFacts(False, second_gpu(CLEAN), "", (), "13.0")
-    report = report_of(pb, container((0, 1)), facts, two)
-    gate = report.gates[GATE_GPUS]
-    assert gate.ok and gate.data == {"busbw_gbps": 352.4, "nccl": "2.28.9"}
-    assert gate.detail.endswith("; NCCL 2.28.9 all-reduce over 2 GPUs: 352.4 GB/s bus bandwidth")
-    slow = report_of(pb, container((0, 1)), facts, replace(two, busbw_gbps=21.0)).gates[GATE_GPUS]
-    assert not slow.ok and slow.detail == "the all-reduce reached 21.0 GB/s bus bandwidth, below 300"
+    """Two H200s over NVLink: 297.4 GB/s; the same kept off peer-to-peer: 27.3 GB/s."""
+    one = protocol.nccl("/srv/dflash", "python3", 1, {}).read(recorded("nccl.json")["value"])
+    assert (one.gpus, one.right, one.nccl, one.busbw_gbps) == (1, True, "2.28.9", 0.0)  # one rank: no bus
+    two = protocol.nccl("/srv/dflash", "python3", 2, {}).read(recorded("nccl.json", H200X2)["value"])
+    p2p_off = protocol.nccl("/srv/dflash", "python3", 2, {}).read(recorded("nccl-p2p-off.json", H200X2)["value"])
+    assert (two.gpus, two.right, round(two.busbw_gbps, 1), round(p2p_off.busbw_gbps, 1)) == (2, True, 297.4, 27.3)
+    pb = serving(files_only(tmp_path, "gates:\n  nccl: {min_busbw_gbps: 100}\n"), tp=2)
+    facts = protocol.GpuFacts(False, TWO, "", (), "13.0")
+    gate = report_of(pb, container((0, 1)), facts, two).gates[GATE_GPUS]
+    assert gate.ok and gate.data == {"busbw_gbps": 297.4, "nccl": "2.28.9"}
+    assert gate.detail == (
+        "2 x NVIDIA H200 (driver 580.159.04, torch CUDA 13.0; 0: 143156 MiB free, 1: 143156 MiB free); "
+        "NCCL 2.28.9 all-reduce over 2 GPUs: 297.4 GB/s bus bandwidth"
+    )
+    slow = report_of(pb, container((0, 1)), facts, p2p_off).gates[GATE_GPUS]
+    assert not slow.ok and slow.detail == "the all-reduce reached 27.3 GB/s bus bandwidth, below 100"
+    assert report_of(serving(files_only(tmp_path), tp=2), container((0, 1)), facts, p2p_off).gates[GATE_GPUS].ok
     wrong = report_of(pb, container((0, 1)), facts, replace(two, right=False)).gates[GATE_GPUS]
     assert not wrong.ok and wrong.detail == "the all-reduce over 2 GPUs gave a wrong sum"
     skipped = report_of(pb, container((0, 1)), facts, protocol.AllReduce("our server holds the GPUs"))
@@ -210,23 +213,31 @@ def test_the_nccl_preflight_answer_is_read_and_judged_against_the_floor(tmp_path
 
 def test_an_nccl_error_or_hang_fails_the_gate_with_nccls_own_words(tmp_path: Path) -> None:
     pb = serving(files_only(tmp_path), tp=2)
-    facts = protocol.GpuFacts(False, second_gpu(CLEAN), "", (), "13.0")
+    facts = protocol.GpuFacts(False, TWO, "", (), "13.0")
     for name, words in (("nccl-error.json", "Bootstrap : no socket interface found"), ("nccl-timeout.json", "a hang")):
-        answer = recorded(name)
+        answer = recorded(name, H200X2)
         failed = Gate(False, str(answer["message"]))
         gate = report_of(pb, container((0, 1)), facts, None, failed).gates[GATE_GPUS]
         assert not gate.ok and words in gate.detail
     # problems with the GPUs themselves come first: the preflight's failure says nothing more then
-    busy = protocol.GpuFacts(False, second_gpu(HOLDER), HOLDER_APPS, (), "13.0")
+    busy = protocol.GpuFacts(False, TWO_HOLDER, TWO_HOLDER_APPS, (), "13.0")
     gate = report_of(pb, container((0, 1)), busy, None, Gate(False, "nccl: hang")).gates[GATE_GPUS]
-    assert "pid 749" in gate.detail and "hang" not in gate.detail
+    assert (
+        gate.detail
+        == "GPU 0 is used by another process: pid 897 (/opt/torch/.venv/bin/python3) holds 41570 MiB; "
+        + ("GPU 0 has 101578 MiB free of 143771; --gpu-memory-utilization 0.9 asks 129393")
+    )
 
 
-def test_nccls_words_are_found_in_a_failed_runs_output() -> None:
-    said = agent.nccl_said((H200 / "nccl-error.out").read_text())
-    assert said.startswith("Bootstrap : no socket interface found / ")
-    assert "DistBackendError: NCCL error in:" in said and "invalid usage" in said
-    assert "Last error:" not in said
+@pytest.mark.parametrize("machine", [H200, H200X2])
+def test_nccls_words_are_found_in_a_failed_runs_output(machine: Path) -> None:
+    """One rank's failure, and two ranks' (with a C++ stack of 20 frames from the other rank)."""
+    said = agent.nccl_said((machine / "nccl-error.out").read_text())
+    assert said == (
+        "Bootstrap : no socket interface found / torch.distributed.DistBackendError: NCCL error in: "
+        "/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3135, invalid usage "
+        "(run with NCCL_DEBUG=WARN for details), NCCL version 2.28.9"
+    )
     assert agent.nccl_said("Segmentation fault\n") == "Segmentation fault"
 
 
