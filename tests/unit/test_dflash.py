@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,8 @@ def test_target_dimensions_come_from_text_config_of_multimodal_wrappers() -> Non
 @pytest.mark.parametrize(
     ("changes", "field", "fragment"),
     [
-        ({"architectures": ["Qwen3ForCausalLM"]}, "architectures", "only this architecture"),
+        ({"architectures": ["Qwen3ForCausalLM"]}, "architectures", "only these architectures"),
+        ({"architectures": ["DFlashDraftModel", "DFlash2DraftModel"]}, "architectures", "only these architectures"),
         ({"model_type": "llama"}, "model_type", "Qwen3Config"),
         ({"dflash_config__mask_token_id": dflash}, "dflash_config.mask_token_id", "vLLM refuses to start"),
         ({"dflash_config__mask_token_id": 248320}, "dflash_config.mask_token_id", "outside the target vocabulary"),
@@ -88,11 +90,11 @@ def test_target_dimensions_come_from_text_config_of_multimodal_wrappers() -> Non
             "strictly increasing",
         ),
         ({"dflash_config__target_layer_ids": dflash}, "dflash_config.target_layer_ids", "missing"),
-        ({"num_target_layers": 48}, "num_target_layers", "must equal the target's"),
         ({"hidden_size": 4096}, "hidden_size", "must equal the target's"),
         ({"vocab_size": 151936}, "vocab_size", "must equal the target's"),
         ({"layer_types": ["sliding_attention"] * 4}, "layer_types", "one entry per drafter layer"),
         ({"sliding_window": None}, "sliding_window", "positive window"),
+        ({"dflash_config__swa_window_size": 0, "sliding_window": None}, "sliding_window", "positive window"),
         ({"use_sliding_window": dflash}, "use_sliding_window", "drops sliding_window to None"),
         ({"use_sliding_window": False}, "use_sliding_window", "drops sliding_window to None"),
     ],
@@ -122,37 +124,72 @@ def test_default_layer_spacing() -> None:
 MIXED = GOOD  # 4 sliding + 1 full
 SLIDING_ONLY = edited(layer_types=["sliding_attention"] * 5)
 FULL_ONLY = Q8_DRAFTER
+USE_SWA = {**Q8_DRAFTER, "dflash_config": {**Q8_DRAFTER["dflash_config"], "use_swa": True, "swa_window_size": 2048}}
+DFLASH2 = {**Q8_DRAFTER, "architectures": ["DFlash2DraftModel"]}
+
+
+def speculators(base: dict[str, Any], kind: str = "dflash") -> dict[str, Any]:
+    """``base`` in the speculators layout, as vLLM's speculators/algos.py (update_dflash) reads it:
+    the model's fields nested, the taps 1-based at the top."""
+    dflash = base["dflash_config"]
+    nested = {k: v for k, v in base.items() if k not in ("dflash_config", "architectures")}
+    return {
+        "speculators_model_type": kind,
+        "mask_token_id": dflash["mask_token_id"],
+        "aux_hidden_state_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
+        "transformer_layer_config": nested,
+    }
+
+
+SPECULATORS = speculators(Q8_DRAFTER)
+V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
 @pytest.mark.parametrize(
-    ("version", "drafter", "target", "env", "codes"),
+    ("version", "drafter", "target", "env", "found"),
     [
-        ("0.19.1", FULL_ONLY, Q8_TARGET, {}, ["no_dflash"]),
-        ("0.20.0", FULL_ONLY, Q8_TARGET, {}, ["layer_offset"]),
-        ("0.21.0", FULL_ONLY, Q8_TARGET, {}, ["layer_offset"]),
+        ("0.19.1", FULL_ONLY, Q8_TARGET, {}, [("no_dflash", "error")]),
+        ("0.20.0", FULL_ONLY, Q8_TARGET, {}, [("layer_offset", "warning")]),
+        ("0.21.0", FULL_ONLY, Q8_TARGET, {}, [("layer_offset", "warning")]),
         ("0.22.0", FULL_ONLY, Q8_TARGET, {}, []),
-        ("0.24.0", SLIDING_ONLY, Q8_TARGET, {}, ["swa_as_full"]),
+        ("0.24.0", SLIDING_ONLY, Q8_TARGET, {}, [("swa_as_full", "warning")]),
+        ("0.24.0", USE_SWA, Q8_TARGET, {}, [("swa_as_full", "warning")]),  # MiMo's use_swa, ignored then
         ("0.25.1", SLIDING_ONLY, Q8_TARGET, {}, []),
-        ("0.25.0", MIXED, Q8_TARGET, {}, ["mixed_swa_raises"]),
-        ("0.26.0", MIXED, Q8_TARGET, {}, ["mixed_needs_v2"]),
-        ("0.26.0", MIXED, Q8_TARGET, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, []),
-        ("0.32.0+cpu", MIXED, Q8_TARGET, {}, ["mixed_needs_v2"]),
+        ("0.25.0", MIXED, Q8_TARGET, {}, [("mixed_swa_raises", "error")]),
+        ("0.26.0", MIXED, Q8_TARGET, {}, []),  # V2 forced for mixed drafters when unset
+        ("0.26.0", MIXED, Q8_TARGET, V1, [("mixed_needs_v2", "error")]),
+        ("0.26.0", MIXED, Q8_TARGET, V2, []),
+        ("0.32.0+cpu", MIXED, Q8_TARGET, {}, [("mixed_needs_v2", "error")]),  # no Triton: V1
         ("0.33.0", MIXED, Q8_TARGET, {}, []),
-        ("0.25.2", FULL_ONLY, TARGET, {}, ["zero_lm_head"]),
-        ("0.26.0", FULL_ONLY, TARGET, {}, []),
-        ("0.21.0", MIXED, TARGET, {}, ["layer_offset", "swa_as_full", "zero_lm_head"]),
+        ("0.33.0", MIXED, Q8_TARGET, V1, [("mixed_needs_v2", "error")]),
+        ("0.23.0", FULL_ONLY, TARGET, V2, []),  # before the V2 DFlash path
+        ("0.24.0", FULL_ONLY, TARGET, V2, [("zero_lm_head", "error")]),
+        ("0.25.1", FULL_ONLY, TARGET, V2, [("zero_lm_head", "error")]),
+        ("0.25.1", FULL_ONLY, TARGET, {}, []),  # V1 by default there: the right head
+        ("0.26.0", FULL_ONLY, TARGET, V2, []),
+        ("0.21.0", MIXED, TARGET, {}, [("layer_offset", "warning"), ("swa_as_full", "warning")]),
+        ("0.27.0", DFLASH2, Q8_TARGET, {}, [("dflash2_unknown", "error")]),
+        ("0.28.0", DFLASH2, Q8_TARGET, {}, []),
+        ("0.25.1", SPECULATORS, Q8_TARGET, {}, [("speculators_format", "error")]),
+        ("0.26.0", SPECULATORS, Q8_TARGET, {}, []),
     ],
 )
 def test_build_table_rows(
-    version: str, drafter: dict[str, Any], target: dict[str, Any], env: dict[str, str], codes: list[str]
+    version: str, drafter: dict[str, Any], target: dict[str, Any], env: dict[str, str], found: list[tuple[str, str]]
 ) -> None:
-    found = dflash.check_build(version, drafter, dflash.Target.from_config(target), env)
-    assert [p.message.split("]")[0].lstrip("[") for p in found] == codes
-    assert all(p.severity == "error" and p.fix for p in found)
+    problems = dflash.check_build(version, drafter, dflash.Target.from_config(target), env)
+    assert [(p.message.split("]")[0].lstrip("["), p.severity) for p in problems] == found
+    assert all(p.fix and p.message.endswith(")") for p in problems)  # what it costs, in brackets
+
+
+def test_every_severity_matches_what_the_bug_costs() -> None:
+    for bug in dflash.BUILD_TABLE:
+        assert (bug.severity == "error") == (bug.cost in (dflash.REFUSES, dflash.NEAR_ZERO)), bug.code
 
 
 def test_every_build_row_names_its_source() -> None:
     assert all(bug.sources for bug in dflash.BUILD_TABLE)
+    assert all(re.search(r"vLLM (PR|issue|wheels?|\d+\.\d+\.\d+)", " ".join(b.sources)) for b in dflash.BUILD_TABLE)
 
 
 def test_loader_drops_name_the_quirk() -> None:
@@ -204,3 +241,64 @@ def test_lint_command_exit_codes_and_json(tmp_path: Path) -> None:
     unreadable = lint_cli(broken, "--target", target)
     assert unreadable.returncode == 2 and f"{broken}:3: invalid JSON at column" in unreadable.stderr
     assert lint_cli(broken, "--target", tmp_path / "missing.json").returncode == 2
+
+
+def warnings(problems: list[dflash.Problem]) -> dict[str, dflash.Problem]:
+    return {p.field: p for p in problems if p.severity == "warning"}
+
+
+def test_every_layout_vllm_reads_lints_clean() -> None:
+    """DFlash2 drafters, the speculators layout, the block inside dflash_config and the mask token
+    at the top level or in eagle_config are all read by vLLM (0.32.0: registry.py, speculators/
+    algos.py, qwen3_dflash.py): none of them is an error."""
+    top_mask = {k: v for k, v in Q8_DRAFTER.items() if k != "dflash_config"}
+    top_mask["mask_token_id"] = Q8_DRAFTER["dflash_config"]["mask_token_id"]
+    top_mask["dflash_config"] = {"target_layer_ids": Q8_DRAFTER["dflash_config"]["target_layer_ids"]}
+    eagle = {k: v for k, v in top_mask.items() if k != "mask_token_id"}
+    eagle["eagle_config"] = {"mask_token_id": top_mask["mask_token_id"]}
+    inner_block = {**Q8_DRAFTER, "dflash_config": {**Q8_DRAFTER["dflash_config"], "block_size": 16}}
+    del inner_block["block_size"]
+    no_depth = {k: v for k, v in Q8_DRAFTER.items() if k != "num_target_layers"}
+    for drafter in (DFLASH2, SPECULATORS, speculators(Q8_DRAFTER, "dflash2"), top_mask, eagle, inner_block, no_depth):
+        assert dflash.lint(drafter, Q8_TARGET, None, "0.33.0", 15) == [], drafter
+
+
+def test_speculators_problems_are_named_by_the_speculators_keys() -> None:
+    no_mask = {k: v for k, v in SPECULATORS.items() if k != "mask_token_id"}
+    assert "vLLM refuses to start" in errors(dflash.lint(no_mask, Q8_TARGET))["mask_token_id"].message
+    beyond = {**SPECULATORS, "aux_hidden_state_layer_ids": [2, 10, 18, 26, 37]}
+    found = errors(dflash.lint(beyond, Q8_TARGET))["aux_hidden_state_layer_ids"]
+    assert "layers [36] (tapped layers, their ids minus 1) are outside the target's 0..35" in found.message
+    bare = {"speculators_model_type": "dflash", "mask_token_id": 5, "aux_hidden_state_layer_ids": [2]}
+    assert "Must provide transformer_layer_config" in errors(dflash.lint(bare))["transformer_layer_config"].message
+    other = {**SPECULATORS, "speculators_model_type": "eagle3"}
+    assert "not a DFlash speculator" in errors(dflash.lint(other))["speculators_model_type"].message
+
+
+def test_a_block_inside_dflash_config_bounds_the_speculative_tokens() -> None:
+    inner = {**Q8_DRAFTER, "dflash_config": {**Q8_DRAFTER["dflash_config"], "block_size": 8}}
+    del inner["block_size"]
+    found = errors(dflash.lint(inner, Q8_TARGET, num_speculative_tokens=15))["num_speculative_tokens"]
+    assert (found.expected, found.actual) == (7, 15)
+
+
+def test_use_swa_makes_every_layer_sliding_and_needs_a_window() -> None:
+    no_window = {**Q8_DRAFTER, "dflash_config": {**Q8_DRAFTER["dflash_config"], "use_swa": True}}
+    assert dflash.layer_kinds(no_window) == {"sliding_attention"}
+    assert "positive window" in errors(dflash.lint(no_window, Q8_TARGET))["sliding_window"].message
+    assert dflash.lint(USE_SWA, Q8_TARGET, None, "0.33.0", 15) == []
+
+
+def test_without_a_reference_the_incidents_stale_file_is_not_clean() -> None:
+    """The seed incident's stale config tapped [1, 17, 33, 49, 63] of a 64-layer target: without a
+    pinned reference it used to lint clean of that; the recipe's spacing says [1, 16, 31, 46, 61]."""
+    found = warnings(dflash.lint(STALE, TARGET))["dflash_config.target_layer_ids"]
+    assert (found.expected, found.actual) == ([1, 16, 31, 46, 61], [1, 17, 33, 49, 63])
+    assert "training recipe's spacing for a 64-layer target" in found.message
+    assert "dflash_config.target_layer_ids" not in warnings(dflash.lint(GOOD, TARGET))
+
+
+def test_a_num_target_layers_of_another_target_is_a_warning_not_an_error() -> None:
+    found = dflash.lint(edited(num_target_layers=48), TARGET)
+    assert "num_target_layers" not in errors(found)
+    assert (warnings(found)["num_target_layers"].expected, warnings(found)["num_target_layers"].actual) == (64, 48)

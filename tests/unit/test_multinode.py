@@ -68,7 +68,7 @@ def test_mp_ranks_exact_argv_and_env() -> None:
         "GLOO_SOCKET_IFNAME": "eth0",
         "NCCL_SOCKET_IFNAME": "eth0",
         "CUDA_VISIBLE_DEVICES": gpus,
-        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "VLLM_ENGINE_READY_TIMEOUT_S": "1800",  # the playbook's startup_timeout, not vLLM's 600 s
     }
     assert other.env == dict(head.env, VLLM_HOST_IP="10.20.1.2")
 

@@ -35,20 +35,21 @@ def test_four_and_eight_gpu_containers(tmp_path: Path) -> None:
     )
     cmd = serving.command(pb, four, "R1")
     assert cmd.argv == (
-        "/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server",
-        "--model", "/models/Qwen3-8B", "--served-model-name", "dflash", "--tensor-parallel-size", "1",
+        "/opt/vllm/bin/python", "-c", serving.VLLM_CLI, "serve",
+        "/models/Qwen3-8B", "--served-model-name", "dflash", "--tensor-parallel-size", "1",
         "--host", "127.0.0.1", "--port", "8000", "--speculative-config", spec,
         "--attention-backend", "flash_attn", "--max-model-len", "32768",
     )  # fmt: skip
-    assert cmd.env == {"HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    # vLLM's own engine-start budget is the playbook's (900 s by default), not vLLM's 600 s
+    assert cmd.env == {"HF_HUB_OFFLINE": "1", "VLLM_ENGINE_READY_TIMEOUT_S": "900", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
 
-    big = load_playbook(REPO / "playbooks" / "qwen36-27b-dflash.yaml")  # tensor_parallel_size: 4, V2 runner env
+    big = load_playbook(REPO / "playbooks" / "qwen36-27b-dflash.yaml")  # tensor_parallel_size: 4
     cmd8 = serving.command(big, eight, "R2")
     assert cmd8.argv[cmd8.argv.index("--tensor-parallel-size") + 1] == "4"
     assert cmd8.env == {
         "HF_HUB_OFFLINE": "1",
+        "VLLM_ENGINE_READY_TIMEOUT_S": "900",
         "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
-        "VLLM_USE_V2_MODEL_RUNNER": "1",
     }
     assert (
         json.loads(cmd8.argv[cmd8.argv.index("--speculative-config") + 1])["model"] == "/srv/dflash/releases/R2/drafter"
