@@ -498,14 +498,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"error: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
-        _say("interrupted")
+        global _aborted
+        _aborted = True
+        _say("aborted: not waiting for the hosts in flight (each stops at its own deadline, and its steps are atomic)")
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return EXIT_NOT_READY
+
+
+# Set when a Ctrl-C aborted the run: the process then ends without joining the threads still
+# waiting on hosts (an interpreter exit would wait for each of them).
+_aborted = False
 
 
 def entry() -> None:
     if not gc.isenabled():  # paused above, in our own process only
         gc.freeze()
         gc.enable()
-    sys.exit(main())
+    code = main()
+    if _aborted:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -14,8 +14,8 @@ import getpass
 import socket
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,6 +277,21 @@ class Run:
 Work = Callable[[Run, Unit], None]
 
 
+# How often the main thread wakes while hosts are in flight. A Ctrl-C may be delivered to any
+# thread of the process; Python runs its handler only in the main thread, and only once that
+# thread executes again: blocked in a plain wait for a host, it would take the interrupt when the
+# host finished (minutes, on a lock or a model load).
+_WAKE_S = 0.2
+
+
+def _finish(submitted: Iterable[Future[None]]) -> None:
+    pending = set(submitted)
+    while pending:
+        done, pending = wait(pending, timeout=_WAKE_S, return_when=FIRST_EXCEPTION)
+        for future in done:
+            future.result()
+
+
 def execute(
     kind: str,
     playbook: Playbook,
@@ -323,7 +338,8 @@ def execute(
             plan.rollout_batches(list(by_name), rollout.canary, rollout.batch_size) if rollout else [list(by_name)]
         )
         failures = 0
-        with ThreadPoolExecutor(max_workers=max(1, options.forks)) as pool:
+        pool = ThreadPoolExecutor(max_workers=max(1, options.forks))
+        try:
             for index, batch in enumerate(batches):
                 if budget is not None and failures > budget:
                     for unit in (by_name[n] for b in batches[index:] for n in b):
@@ -333,8 +349,14 @@ def execute(
                                 f"not attempted: {failures} hosts failed, over the rollout's max_failures {budget}",
                             )
                     break
-                list(pool.map(one, [by_name[n] for n in batch]))
+                _finish(pool.submit(one, by_name[n]) for n in batch)
                 failures += sum(not n.report.ready for name in batch for n in by_name[name].nodes)
+        except BaseException:
+            # A second Ctrl-C: stop waiting. Hosts in flight end at their own deadlines, and each
+            # step on a host is atomic, so the next run finds every host consistent.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
         run_report.accepted_host_keys = connections.accepted_host_keys
     run_report.finished = time.time()
     return run_report

@@ -9,9 +9,11 @@ verifies, rollbacks and stops of single hosts and of a two-node group, with thei
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -355,65 +357,115 @@ def test_a_dry_run_never_shows_a_secret_old_or_new(box: Box) -> None:
     assert shown.count("not shown (secret or not world-readable)") == 2
 
 
+SYS_TGKILL = 234  # x86-64: a signal to one thread of a process
+
+
+class HeldDeploy:
+    """`orchestrate deploy` of three hosts, one at a time, whose first host (n0) waits on a lock
+    this test holds: nothing can start or finish before the test lets it."""
+
+    def __init__(self, box: Box) -> None:
+        (box.dir / "a.txt").write_text("a\n")
+        book = {
+            "name": "ctrl-c",
+            "targets": ["solo", "n0", "n1"],
+            "deploy_root": "/unused",
+            "files": [{"src": "a.txt", "dest": "a.txt"}],
+        }
+        (box.dir / "ctrl-c.yaml").write_text(yaml.safe_dump(book))
+        box.root("n0").mkdir(parents=True)  # the first host, in inventory order
+        self.state = box.dir / "state"
+        self.held = open(box.root("n0") / ".lock", "w")  # noqa: SIM115 (held across the test)
+        fcntl.flock(self.held, fcntl.LOCK_EX)
+        argv = [sys.executable, "-m", "orchestrator", "deploy", str(box.dir / "ctrl-c.yaml"), "-i"]
+        argv += [str(box.inventory_path), "--forks", "1", "--lock-timeout", "300", "--state-dir", str(self.state)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.said = ""
+        deadline = time.monotonic() + 60
+        while not self.agents():
+            assert time.monotonic() < deadline, "the first host's agent never started"
+            time.sleep(0.02)
+
+    def agents(self) -> list[int]:
+        """The run's agents (children of the orchestrate process)."""
+        found = []
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid and b"dflash-agent" in cmdline:
+                found.append(int(pid))
+        return found
+
+    def ctrl_c(self) -> None:
+        """SIGINT to a thread that is not the main one: a terminal's Ctrl-C may land on any thread,
+        and Python runs handlers only in the main one (once unheard until the host finished)."""
+        others = [int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task") if int(t) != self.proc.pid]
+        assert others, "the run has no thread but the main one"
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(SYS_TGKILL, self.proc.pid, others[-1], signal.SIGINT) == 0, os.strerror(ctypes.get_errno())
+
+    def wait_said(self, words: str) -> None:
+        assert self.proc.stderr is not None
+        deadline = time.monotonic() + 30
+        while words not in self.said:
+            assert time.monotonic() < deadline, f"not said within 30 s: {words!r}; said {self.said!r}"
+            if select.select([self.proc.stderr], [], [], 0.2)[0]:
+                line = self.proc.stderr.readline()
+                assert line, f"the run ended before saying {words!r}: {self.said}"
+                self.said += line
+
+
 def test_a_first_ctrl_c_finishes_the_host_in_flight_then_reports_and_records(
     box: Box, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """SIGINT to `orchestrate deploy`: no new host starts, the one in flight finishes, the table and
-    the history row say what happened, exit 130. The host in flight waits on a lock this test holds
-    until the run has said it took the interrupt: however slow the machine, nothing else can start
-    or finish before the signal lands."""
-    (box.dir / "a.txt").write_text("a\n")
-    book = {
-        "name": "ctrl-c",
-        "targets": ["solo", "n0", "n1"],
-        "deploy_root": "/unused",
-        "files": [{"src": "a.txt", "dest": "a.txt"}],
-    }
-    (box.dir / "ctrl-c.yaml").write_text(yaml.safe_dump(book))
-    box.root("n0").mkdir(parents=True)  # the first host, in inventory order
-    state = box.dir / "state"
-    argv = [sys.executable, "-m", "orchestrator", "deploy", str(box.dir / "ctrl-c.yaml"), "-i", str(box.inventory_path)]
-    argv += ["--forks", "1", "--lock-timeout", "300", "--state-dir", str(state)]
-    with open(box.root("n0") / ".lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-        def agent_waiting() -> bool:
-            """The run's first agent (a child of this orchestrate process) is up, waiting on the lock."""
-            for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-                try:
-                    stat = Path(f"/proc/{pid}/stat").read_text()
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == proc.pid and b"dflash-agent" in cmdline:
-                    return True
-            return False
-
-        deadline = time.monotonic() + 60
-        while not agent_waiting():
-            assert time.monotonic() < deadline, "the first host's agent never started"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)
-        assert proc.stderr is not None
-        said = ""
-        while "interrupted: starting no new host" not in said:
-            line = proc.stderr.readline()
-            assert line, f"the run ended without taking the interrupt: {said}"
-            said += line
-    # the lock is released: the host in flight goes on and finishes
-    out, err = proc.communicate(timeout=120)
-    err = said + err
-    assert proc.returncode == 130, err
+    the history row say what happened, exit 130. The host in flight is let go only once the run
+    has said it took the interrupt: however slow the machine, the order is forced, not timed."""
+    run = HeldDeploy(box)
+    run.ctrl_c()
+    run.wait_said("interrupted: starting no new host")
+    run.held.close()  # the lock is released: the host in flight goes on and finishes
+    out, err = run.proc.communicate(timeout=120)
+    err = run.said + err
+    assert run.proc.returncode == 130, err
     assert "Traceback" not in err
     assert out.count("not started: the run was interrupted") == 2, out
     assert "deploy: 1/3 hosts READY" in out
     assert os.readlink(box.root("n0") / "current").startswith("releases/")
     assert not (box.root("n1") / "current").exists() and not (box.root("solo") / "current").exists()
     capfd.readouterr()
-    assert cli.main(["history", "--state-dir", str(state), "--json"]) == 0
+    assert cli.main(["history", "--state-dir", str(run.state), "--json"]) == 0
     (recorded,) = json.loads(capfd.readouterr().out)["runs"]
     assert recorded["kind"] == "deploy" and not recorded["ok"] and recorded["hosts_total"] == 3
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_the_host_in_flight_stays_consistent(box: Box) -> None:
+    """The second Ctrl-C ends the run at once (it used to wait for the host in flight: here, a lock
+    held for up to 300 s); that host's agent finishes its atomic steps on its own."""
+    run = HeldDeploy(box)
+    agents = run.agents()
+    run.ctrl_c()
+    run.wait_said("interrupted: starting no new host")
+    started = time.monotonic()
+    run.ctrl_c()
+    try:
+        _out, err = run.proc.communicate(timeout=30)
+    finally:
+        run.held.close()
+    assert run.proc.returncode == 130 and time.monotonic() - started < 30
+    assert "aborted: not waiting for the hosts in flight" in err and "Traceback" not in err
+    deadline = time.monotonic() + 60
+    while any(alive(a) for a in agents):  # let go of the lock, the agent ends its batch
+        assert time.monotonic() < deadline, "the aborted run's agent did not end"
+        time.sleep(0.05)
+    current = box.root("n0") / "current"
+    if current.is_symlink():  # it may have finished its release, never half of one
+        assert (current / "a.txt").read_text() == "a\n"
+    assert not list(box.root("n0").glob("releases/.staging*"))
+    assert not (box.root("n1") / "current").exists() and not (box.root("solo") / "current").exists()
 
 
 def test_verify_and_the_dry_run_never_write_not_even_the_deploy_root(box: Box) -> None:
