@@ -15,6 +15,7 @@ import itertools
 import json
 import marshal
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,8 +23,8 @@ from functools import cache
 from typing import Any
 
 import remote_agent
-from orchestrator.connector import Command, Connector, Stdin
-from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError
+from orchestrator.connector import Command, Connector, Session, Stdin
+from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError, ConnectionLost, TransportError
 from orchestrator.inventory import Target
 from orchestrator.protocol import AnswerError, Answers, Op, batch_timeout
 
@@ -87,6 +88,11 @@ def decode_response(host: str, exit_status: int, stdout: bytes, stderr: bytes) -
         raise AgentProtocolError(
             host, f"the agent gave no readable answer{hint}", exit_status, stderr.decode("utf-8", "replace")
         ) from None
+    return results_of(host, data, exit_status)
+
+
+def results_of(host: str, data: Any, exit_status: int = 0) -> list[OpResult]:
+    """The op results of a parsed answer, each checked for shape (the host is not trusted)."""
     if not isinstance(data, dict) or data.get("v") != PROTOCOL_VERSION or not isinstance(data.get("results"), list):
         raise AgentProtocolError(host, f"unexpected agent answer: {str(data)[:200]}", exit_status, "")
     if data.get("error"):
@@ -128,22 +134,121 @@ class AgentClient:
         stdin: Stdin = itertools.chain((request,), stream) if stream != () else request
         result = self.connector.run(target, agent_command(target.container.ssh.python), stdin, timeout)
         results = decode_response(target.name, result.exit_status, result.stdout, result.stderr)
-        if len(results) != len(ops):
-            raise AgentProtocolError(
-                target.name, f"expected {len(ops)} results, got {len(results)}", result.exit_status, result.tail()
-            )
-        values: dict[str, Any] = {}
-        for op, r in zip(ops, results, strict=True):
-            if r.failure is not None:
-                raise AgentError(target.name, r.failure, Answers(values))
-            if r.op != op.name:
+        return read_answers(target.name, ops, results, result.exit_status, result.tail())
+
+
+def read_answers(host: str, ops: Sequence[Op[Any]], results: list[OpResult], exit_status: int, tail: str) -> Answers:
+    """Each op's answer read by its reader; ``AgentError`` for the first failed op."""
+    if len(results) != len(ops):
+        raise AgentProtocolError(host, f"expected {len(ops)} results, got {len(results)}", exit_status, tail)
+    values: dict[str, Any] = {}
+    for op, r in zip(ops, results, strict=True):
+        if r.failure is not None:
+            raise AgentError(host, r.failure, Answers(values))
+        if r.op != op.name:
+            raise AgentProtocolError(host, f"answer for {r.op!r} where {op.name!r} was asked", exit_status, "")
+        try:
+            values[op.key] = op.read(r.value)
+        except AnswerError as exc:
+            raise AgentProtocolError(host, f"{op.name} answered badly: {exc}", exit_status, "") from None
+    return Answers(values)
+
+
+# The largest answer a session accepts (a watch round's answers are a few KB).
+MAX_FRAME = 64 << 20
+
+
+class AgentSession:
+    """One agent process on a target, kept for many batches (``orchestrate watch``): the agent is
+    sent and started once, then each batch is a length-framed request and answer over the same
+    channel. Any failure closes the session: its stream may be out of step, and the next
+    ``open`` starts a fresh one."""
+
+    def __init__(self, connector: Connector, target: Target) -> None:
+        self.connector, self.target = connector, target
+        self._session: Session | None = None
+        self._buffer = bytearray()
+        self.pid: int | None = None  # the agent's process on the host
+
+    @property
+    def is_open(self) -> bool:
+        return self._session is not None
+
+    def open(self, timeout: float | None = None) -> None:
+        self.close()
+        limit = timeout if timeout is not None else self.target.container.ssh.command_timeout
+        session = self.connector.open(self.target, agent_command(self.target.container.ssh.python))
+        self._session = session
+        try:
+            request = marshal.dumps({"v": PROTOCOL_VERSION, "session": True, "ops": []}, MARSHAL_VERSION)
+            session.send(_packed_agent() + b"%d\n" % len(request) + request, time.monotonic() + limit)
+            hello = self._frame(time.monotonic() + limit)
+            if not isinstance(hello.get("session"), int):
                 raise AgentProtocolError(
-                    target.name, f"answer for {r.op!r} where {op.name!r} was asked", result.exit_status, ""
+                    self.target.name, f"the agent did not start a session: {str(hello)[:200]}", 0, ""
                 )
-            try:
-                values[op.key] = op.read(r.value)
-            except AnswerError as exc:
-                raise AgentProtocolError(
-                    target.name, f"{op.name} answered badly: {exc}", result.exit_status, ""
-                ) from None
-        return Answers(values)
+            self.pid = hello["session"]
+        except BaseException:
+            self.close()
+            raise
+
+    def batch(self, ops: Sequence[Op[Any]], timeout: float | None = None) -> Answers:
+        """Like ``AgentClient.batch``, over the open session."""
+        if self._session is None:
+            raise AgentProtocolError(self.target.name, "no agent session is open", -1, "")
+        if timeout is None:
+            timeout = batch_timeout(ops, self.target.container.ssh.command_timeout)
+        deadline = time.monotonic() + timeout
+        request = marshal.dumps({"v": PROTOCOL_VERSION, "ops": [op.request for op in ops]}, MARSHAL_VERSION)
+        try:
+            self._session.send(b"%d\n" % len(request) + request, deadline)
+            data = self._frame(deadline)
+            results = results_of(self.target.name, data)
+            return read_answers(self.target.name, ops, results, 0, "")
+        except (AgentProtocolError, TransportError):
+            self.close()
+            raise
+
+    def _frame(self, deadline: float) -> dict[str, Any]:
+        """One answer: ``<n>\\n`` and n bytes of JSON."""
+        assert self._session is not None
+        while b"\n" not in self._buffer[:24]:
+            if len(self._buffer) >= 24:
+                raise self._garbled(bytes(self._buffer[:24]))
+            self._more(deadline)
+        head, _, rest = bytes(self._buffer).partition(b"\n")
+        if not head.isdigit() or int(head) > MAX_FRAME:
+            raise self._garbled(head)
+        size = int(head)
+        self._buffer[:] = rest
+        while len(self._buffer) < size:
+            self._more(deadline)
+        body = bytes(self._buffer[:size])
+        del self._buffer[:size]
+        try:
+            data = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise self._garbled(body[:80]) from None
+        if not isinstance(data, dict):
+            raise self._garbled(body[:80])
+        if data.get("error"):
+            raise AgentProtocolError(self.target.name, f"the agent refused the request: {data['error']}", 0, "")
+        return data
+
+    def _more(self, deadline: float) -> None:
+        assert self._session is not None
+        chunk = self._session.recv(deadline)
+        if not chunk:
+            tail = self._session.stderr_tail()
+            raise ConnectionLost(self.target.name, "the agent ended its session" + (f": {tail}" if tail else ""))
+        self._buffer += chunk
+
+    def _garbled(self, seen: bytes) -> AgentProtocolError:
+        return AgentProtocolError(self.target.name, f"unreadable answer in the agent's session: {seen[:80]!r}", 0, "")
+
+    def close(self) -> None:
+        session, self._session = self._session, None
+        self._buffer.clear()
+        self.pid = None
+        if session is not None:
+            session.close()

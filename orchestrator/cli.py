@@ -43,6 +43,7 @@ from orchestrator.sandbox import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
 from orchestrator.state import StateDB
 
 if TYPE_CHECKING:
+    from orchestrator import watch
     from orchestrator.sandbox.lxdhosts import LxdSandbox
     from orchestrator.sandbox.sshhosts import SshSandbox
 
@@ -84,6 +85,20 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds, got {text!r}")
     if value < 0:
         raise argparse.ArgumentTypeError("must not be negative")
+    return value
+
+
+def _interval(text: str) -> float:
+    value = _seconds(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {value}")
     return value
 
 
@@ -167,6 +182,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--to", dest="to_release", type=_release_id, default=None, metavar="RELEASE", help="release id to switch to"
     )
 
+    w = run_parser(
+        "watch",
+        "keep proving every target: files, server, READY record and live acceptance from production"
+        " traffic, round after round; print each state change (READY, DEGRADED, DRIFT, DOWN)",
+    )
+    w.add_argument("--interval", type=_interval, default=30.0, help="seconds from one round to the next (default 30)")
+    w.add_argument("--once", action="store_true", help="one round, then exit 0 if every host is READY, else 1")
+    w.add_argument(
+        "--metrics-port", type=_port, default=None, metavar="PORT", help="serve Prometheus metrics on this port"
+    )
+    w.add_argument(
+        "--metrics-address", default="127.0.0.1", metavar="ADDR", help="address to serve them on (default 127.0.0.1)"
+    )
+    w.add_argument(
+        "--on-change",
+        default=None,
+        metavar="CMD",
+        help="run CMD (with /bin/sh -c) for each state change, the change as JSON on its stdin",
+    )
     lint = sub.add_parser("lint", help="check a DFlash drafter config against its target, a reference and a vLLM build")
     lint.add_argument("drafter", type=Path, help="the drafter's config.json")
     lint.add_argument("--target", type=Path, required=True, help="the target model's config.json")
@@ -337,6 +371,94 @@ def _run(
     return runs.rollback(playbook, inventory, targets, options, progress, args.to_release, _say)
 
 
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from orchestrator import watcher
+    from orchestrator.report import render_transition, render_watch_table
+    from orchestrator.watch import READY
+
+    playbook = load_playbook(args.playbook)
+    inventory = load_inventory(args.inventory)
+    targets = _targets(args, playbook, inventory)
+    options = RunOptions(
+        forks=args.forks, skip_containers=args.skip_containers, accept_new_host_keys=args.accept_new_host_keys
+    )
+    db = StateDB(args.state_dir)
+    stop = threading.Event()
+    interrupted = threading.Event()
+    collector = server = None
+    if args.metrics_port is not None:
+        from orchestrator import metrics
+
+        collector = metrics.WatchCollector()
+        try:
+            server = metrics.serve(collector, args.metrics_port, args.metrics_address)
+        except OSError as exc:
+            raise InputError(
+                f"--metrics-port {args.metrics_port}: cannot listen on {args.metrics_address}: {exc.strerror or exc}"
+            ) from None
+        _say(f"metrics on http://{args.metrics_address}:{args.metrics_port}/metrics")
+    on_change = watcher.OnChange(args.on_change, _say) if args.on_change else None
+    what = "one round" if args.once else f"every {args.interval:g} s"
+    _say(f"watch {playbook.name}: {len(targets)} hosts, {what}")
+
+    def on_round(number: int, rounds: list[watch.Round], transitions: list[watch.Transition]) -> None:
+        db.record_watch(transitions, rounds)
+        if collector is not None:
+            collector.update(rounds)
+        counts: dict[str, int] = {}
+        for r in rounds:
+            counts[r.state] = counts.get(r.state, 0) + 1
+        _say(f"round {number}: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
+        if args.json and not args.once:
+            data = {
+                "round": number,
+                "hosts": [r.to_json() for r in rounds],
+                "transitions": [t.to_json() for t in transitions],
+            }
+            sys.stdout.write(json.dumps(data) + "\n")
+            sys.stdout.flush()
+        elif not args.once:
+            for t in transitions:
+                render_transition(t)
+            sys.stdout.flush()
+        for t in transitions:
+            # A watch that starts does not page for hosts that are fine.
+            if on_change is not None and (t.before is not None or t.after != READY):
+                on_change(t)
+
+    def handle(signum: int, frame: object) -> None:
+        if signum == signal.SIGINT:
+            if interrupted.is_set():
+                raise KeyboardInterrupt
+            interrupted.set()
+            _say("interrupted: ending after this round (Ctrl-C again to abort)")
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    w = watcher.Watcher(playbook, inventory, targets, options)
+    aborted = False
+    try:
+        last = watcher.run_rounds(w, args.interval, args.once, on_round, stop)
+    except KeyboardInterrupt:
+        aborted = True  # a second Ctrl-C: not waiting for the hosts in flight
+        raise
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        w.close(wait=not aborted)
+        db.close()
+        if server is not None:
+            server.shutdown()
+    if args.once:
+        if args.json:
+            render_json({"hosts": [r.to_json() for r in last]})
+        else:
+            render_watch_table(last)
+    if interrupted.is_set():
+        return EXIT_INTERRUPTED
+    return EXIT_OK if all(r.state == READY for r in last) else EXIT_NOT_READY
+
+
 def _cmd_lint(args: argparse.Namespace) -> int:
     problems = dflash.lint(
         read_json(args.drafter),
@@ -485,6 +607,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in ("deploy", "verify", "rollback", "stop"):
             return _cmd_run(args)
+        if args.command == "watch":
+            return _cmd_watch(args)
         if args.command == "history":
             return _cmd_history(args)
         if args.command == "lint":

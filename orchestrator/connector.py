@@ -108,12 +108,55 @@ class RetryPolicy:
     max_wait: float = 5.0
 
 
+class Session(Protocol):
+    """A command kept running for a long conversation (the agent of ``orchestrate watch``): bytes
+    written to its stdin, its stdout read as it comes. Transport failures are ``TransportError``s;
+    a deadline passed is ``CommandTimeout`` (the session is then out of step: close it)."""
+
+    def send(self, data: bytes, deadline: float) -> None: ...
+
+    def recv(self, deadline: float) -> bytes:
+        """What stdout has now (waiting until ``deadline``, a ``time.monotonic()`` value, for some);
+        b"" once it has ended."""
+        ...
+
+    def stderr_tail(self) -> str:
+        """The last lines the command wrote to stderr (for the message when it ends early)."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class Connector(Protocol):
     def run(self, target: Target, command: Command, stdin: Stdin = b"", timeout: float | None = None) -> Result:
         """Run one command to completion: both streams whole, and its exit status."""
         ...
 
+    def open(self, target: Target, command: Command) -> Session:
+        """Start a command for a long conversation over one connection (``Session``)."""
+        ...
+
     def close(self) -> None: ...
+
+
+class StderrTail:
+    """The last few KB a command wrote to stderr: kept for messages, bounded whatever it writes."""
+
+    LIMIT = 8192
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+        self._lock = threading.Lock()
+
+    def add(self, chunk: bytes) -> None:
+        with self._lock:
+            self._data += chunk
+            del self._data[: max(0, len(self._data) - self.LIMIT)]
+
+    def text(self, lines: int = 10) -> str:
+        with self._lock:
+            data = bytes(self._data)
+        return "\n".join(data.decode("utf-8", "replace").rstrip().splitlines()[-lines:])
 
 
 @dataclass
@@ -148,6 +191,9 @@ class Connections:
 
     def run(self, target: Target, command: Command, stdin: Stdin = b"", timeout: float | None = None) -> Result:
         return self._for(target).run(target, command, stdin, timeout)
+
+    def open(self, target: Target, command: Command) -> Session:
+        return self._for(target).open(target, command)
 
     def counters(self, target: Target) -> Counters:
         """What reaching this target cost so far (connections, execs, retries)."""

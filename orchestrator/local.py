@@ -8,12 +8,14 @@ behind its ``python3 -c`` bootstrap), started from its argv with no shell, its r
 from __future__ import annotations
 
 import contextlib
+import os
+import select
 import subprocess
 import threading
 import time
 
-from orchestrator.connector import Command, Counters, Feed, Result, Stdin
-from orchestrator.errors import CommandTimeout
+from orchestrator.connector import Command, Counters, Feed, Result, StderrTail, Stdin
+from orchestrator.errors import CommandTimeout, ConnectionLost
 from orchestrator.inventory import Target
 
 
@@ -80,5 +82,71 @@ class LocalConnector:
             with contextlib.suppress(BrokenPipeError):
                 proc.stdin.close()
 
+    def open(self, target: Target, command: Command) -> LocalSession:
+        self.counters(target.name).execs += 1
+        try:
+            proc = subprocess.Popen(
+                list(command.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        except OSError as exc:
+            raise ConnectionLost(target.name, f"could not start {command.argv[0]}: {exc.strerror or exc}") from exc
+        return LocalSession(target.name, proc)
+
     def close(self) -> None:
-        """Nothing is held open between commands."""
+        """Nothing is held open between commands (a session is closed by its owner)."""
+
+
+class LocalSession:
+    """A local process kept running for a conversation (``connector.Session``)."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+        self._name, self._proc = name, proc
+        self._stderr = StderrTail()
+        assert proc.stderr is not None
+        self._reader = threading.Thread(target=self._drain, args=(proc.stderr,), daemon=True)
+        self._reader.start()
+
+    def _drain(self, stream: object) -> None:
+        fd = stream.fileno()  # type: ignore[attr-defined]
+        with contextlib.suppress(OSError):
+            while chunk := os.read(fd, 1 << 16):
+                self._stderr.add(chunk)
+
+    def send(self, data: bytes, deadline: float) -> None:
+        assert self._proc.stdin is not None
+        if time.monotonic() > deadline:
+            raise CommandTimeout(self._name, "could not send within the deadline")
+        try:
+            self._proc.stdin.write(data)
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError) as exc:
+            raise ConnectionLost(self._name, "the command ended while we were sending") from exc
+
+    def recv(self, deadline: float) -> bytes:
+        assert self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CommandTimeout(self._name, "no answer within the deadline")
+            readable, _, _ = select.select([fd], [], [], min(remaining, 1.0))
+            if readable:
+                return os.read(fd, 1 << 16)
+
+    def stderr_tail(self) -> str:
+        return self._stderr.text()
+
+    def close(self) -> None:
+        """stdin closed: the agent exits; one that does not within 5 s is killed (it is ours)."""
+        with contextlib.suppress(OSError, ValueError):
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(1)  # stderr ends with the process (unless a child of it still holds it)
+        for stream in (self._proc.stdout, self._proc.stderr):
+            if stream is not None:
+                stream.close()

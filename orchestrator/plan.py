@@ -508,7 +508,8 @@ def read_serving_status(status: protocol.Status, report: HostReport, role: str |
     elif server is None or not server.alive:
         report.gates[GATE_HEALTH] = Gate(False, "the server is not running")
     elif status.health != 200:
-        report.gates[GATE_HEALTH] = Gate(False, f"/health answers {status.health}")
+        said = f"answers {status.health}" if status.health is not None else "does not answer"
+        report.gates[GATE_HEALTH] = Gate(False, f"pid {server.pid} alive, but /health {said}")
     else:
         report.gates[GATE_HEALTH] = Gate(True, f"pid {server.pid} alive, /health 200")
     report.gates[GATE_READY] = _ready_gate(status, report)

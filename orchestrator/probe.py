@@ -65,29 +65,50 @@ class Acceptance:
     per_position: list[float]
 
 
-def measure(before_text: str, after_text: str) -> Acceptance:
-    before, after = parse(before_text), parse(after_text)
-    if before is None or after is None:
-        raise ProbeError("speculative decoding is not running: the server exposes no vllm:spec_decode_* counters")
-    deltas = {k: getattr(after, k) - getattr(before, k) for k in ("drafts", "draft_tokens", "accepted")}
-    pos = {p: after.per_pos.get(p, 0.0) - before.per_pos.get(p, 0.0) for p in after.per_pos}
-    if any(v < 0 for v in (*deltas.values(), *pos.values())):
-        raise ProbeError("a spec-decode counter went down during the probe: the server restarted")
-    drafts, tokens, accepted = (int(deltas[k]) for k in ("drafts", "draft_tokens", "accepted"))
+def deltas(before: Counters, after: Counters) -> Counters | None:
+    """What the counters gained from ``before`` to ``after``; None when one went down (the
+    server restarted in between: its counters began again at zero)."""
+    d = Counters(
+        drafts=after.drafts - before.drafts,
+        draft_tokens=after.draft_tokens - before.draft_tokens,
+        accepted=after.accepted - before.accepted,
+        per_pos={p: after.per_pos.get(p, 0.0) - before.per_pos.get(p, 0.0) for p in after.per_pos},
+    )
+    if any(v < 0 for v in (d.drafts, d.draft_tokens, d.accepted, *d.per_pos.values())):
+        return None
+    if any(p not in after.per_pos for p in before.per_pos):
+        return None
+    return d
+
+
+def acceptance(d: Counters) -> Acceptance | None:
+    """The statistics of counter deltas; None when they hold no drafts."""
+    drafts, tokens, accepted = int(d.drafts), int(d.draft_tokens), int(d.accepted)
     if drafts == 0 or tokens == 0:
-        raise ProbeError("the probe produced no drafts: speculative decoding is not running")
-    rate = accepted / tokens
+        return None
     k = tokens / drafts
-    low = 1 + k * wilson_low(accepted, tokens)
     return Acceptance(
         drafts=drafts,
         draft_tokens=tokens,
         accepted=accepted,
-        rate=rate,
+        rate=accepted / tokens,
         mean_acceptance_length=1 + accepted / drafts,
-        mean_acceptance_length_low=low,
-        per_position=[pos[p] / drafts for p in sorted(pos)],
+        mean_acceptance_length_low=1 + k * wilson_low(accepted, tokens),
+        per_position=[d.per_pos[p] / drafts for p in sorted(d.per_pos)],
     )
+
+
+def measure(before_text: str, after_text: str) -> Acceptance:
+    before, after = parse(before_text), parse(after_text)
+    if before is None or after is None:
+        raise ProbeError("speculative decoding is not running: the server exposes no vllm:spec_decode_* counters")
+    d = deltas(before, after)
+    if d is None:
+        raise ProbeError("a spec-decode counter went down during the probe: the server restarted")
+    a = acceptance(d)
+    if a is None:
+        raise ProbeError("the probe produced no drafts: speculative decoding is not running")
+    return a
 
 
 def wilson_low(successes: int, trials: int, z: float = 1.96) -> float:

@@ -631,6 +631,12 @@ def _scrapes(v: dict[str, Any]) -> Scrapes:
     return Scrapes(_field(v, "before", str), _field(v, "after", str), _field(v, "seconds", float, optional=True))
 
 
+def metrics(port: int, prefixes: Sequence[str], timeout: float = 10.0) -> Op[str]:
+    """The server's /metrics now, only the lines of the families named by ``prefixes``."""
+    request = {"op": "metrics", "port": port, "prefixes": list(prefixes), "timeout": timeout}
+    return Op(request, lambda v: str(_field(v, "text", str)), budget_s=timeout)
+
+
 @dataclass(frozen=True)
 class UploadState:
     path: str
@@ -760,4 +766,5 @@ OPERATIONS: dict[str, Callable[..., Op[Any]]] = {
     "serving_status": serving_status,
     "command": command,
     "probe": probe,
+    "metrics": metrics,
 }

@@ -6,9 +6,12 @@ import json
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from orchestrator.results import HostReport, RunReport
+
+if TYPE_CHECKING:
+    from orchestrator.watch import Round, Transition
 
 
 class ProgressPrinter:
@@ -86,3 +89,31 @@ def render_json(data: Any, stream: TextIO | None = None) -> None:
     stream = stream or sys.stdout
     json.dump(data, stream, indent=2, sort_keys=False)
     stream.write("\n")
+
+
+def _when(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+
+
+def render_transition(t: Transition, stream: TextIO | None = None) -> None:
+    """One line a state change: when, which host, from and to, and why."""
+    stream = stream or sys.stdout
+    why = "; ".join(t.round.reasons) or _live(t.round)
+    stream.write(f"{_when(t.at)}  {t.host}  {t.before or 'START'} -> {t.after}  {why}\n")
+
+
+def _live(r: Round) -> str:
+    if r.live is None:
+        return "no window judged yet" if r.window_drafts is None else f"window open: {r.window_drafts} drafts so far"
+    return f"live {r.live.detail}"
+
+
+def render_watch_table(rounds: list[Round], stream: TextIO | None = None) -> None:
+    stream = stream or sys.stdout
+    headers = ("HOST", "STATE", "RELEASE", "DETAIL")
+    rows = [(r.host, r.state, r.release_id or "-", "; ".join(r.reasons) or _live(r)) for r in rounds]
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(3)]
+    for row in [headers, *rows]:
+        stream.write("  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3] + "\n")
+    ready = sum(r.state == "READY" for r in rounds)
+    stream.write(f"\nwatch: {ready}/{len(rounds)} hosts READY\n")

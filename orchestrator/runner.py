@@ -284,7 +284,8 @@ Work = Callable[[Run, Unit], None]
 _WAKE_S = 0.2
 
 
-def _finish(submitted: Iterable[Future[None]]) -> None:
+def finish(submitted: Iterable[Future[Any]]) -> None:
+    """Wait for every future, waking every ``_WAKE_S`` so that a signal handler can run."""
     pending = set(submitted)
     while pending:
         done, pending = wait(pending, timeout=_WAKE_S, return_when=FIRST_EXCEPTION)
@@ -349,7 +350,7 @@ def execute(
                                 f"not attempted: {failures} hosts failed, over the rollout's max_failures {budget}",
                             )
                     break
-                _finish(pool.submit(one, by_name[n]) for n in batch)
+                finish(pool.submit(one, by_name[n]) for n in batch)
                 failures += sum(not n.report.ready for name in batch for n in by_name[name].nodes)
         except BaseException:
             # A second Ctrl-C: stop waiting. Hosts in flight end at their own deadlines, and each

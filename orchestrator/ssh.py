@@ -34,7 +34,7 @@ from pathlib import Path
 import paramiko
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from orchestrator.connector import Command, Counters, Feed, Result, RetryPolicy, Stdin
+from orchestrator.connector import Command, Counters, Feed, Result, RetryPolicy, StderrTail, Stdin
 from orchestrator.errors import (
     AuthenticationFailed,
     CommandTimeout,
@@ -229,6 +229,33 @@ class SshTransport:
             reraise=True,
         )
         return retrying(self._run_once, target, command, stdin, timeout)
+
+    def open(self, target: Target, command: Command) -> _SshSession:
+        """Start ``command`` for a long conversation (``connector.Session``), over the target's
+        pooled connection; connecting is retried like ``run``. Keepalives every 15 s find a
+        connection that died while the conversation was quiet."""
+        counters = self.counters(target.name)
+        retrying = Retrying(
+            retry=retry_if_exception(lambda exc: isinstance(exc, TransportError) and exc.transient),
+            stop=stop_after_attempt(self.retry.attempts),
+            wait=wait_exponential(multiplier=self.retry.initial_wait, max=self.retry.max_wait),
+            before_sleep=lambda _state: self._note_retry(target, counters),
+            reraise=True,
+        )
+        return retrying(self._open_once, target, command)
+
+    def _open_once(self, target: Target, command: Command) -> _SshSession:
+        name = target.name
+        t = self._connection(target)
+        t.set_keepalive(15)
+        try:
+            chan = t.open_session(timeout=target.container.ssh.connect_timeout)
+            chan.exec_command(command.render())
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            self._drop(name)
+            raise ConnectionLost(name, f"could not start {command.argv[0]}: {exc or type(exc).__name__}") from exc
+        self.counters(name).execs += 1
+        return _SshSession(self, name, chan)
 
     def counters(self, name: str) -> Counters:
         with self._guard:
@@ -494,3 +521,65 @@ class SshTransport:
             self._drop(name)
             raise ConnectionLost(name, "the connection closed before the command reported its exit status")
         return Result(name, command, status, bytes(out), bytes(err))
+
+
+class _SshSession:
+    """One command's channel, kept open (``connector.Session``)."""
+
+    def __init__(self, transport: SshTransport, name: str, chan: paramiko.Channel) -> None:
+        self._transport, self._name, self._chan = transport, name, chan
+        self._stderr = StderrTail()
+
+    def _lost(self, exc: BaseException | None, what: str) -> ConnectionLost:
+        self._transport._drop(self._name)
+        detail = f": {exc or type(exc).__name__}" if exc is not None else ""
+        return ConnectionLost(self._name, f"connection lost {what}{detail}")
+
+    def send(self, data: bytes, deadline: float) -> None:
+        chan = self._chan
+        view = memoryview(data)
+        try:
+            while view:
+                if chan.closed or chan.exit_status_ready():
+                    raise self._lost(None, "while sending (the command ended)")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommandTimeout(self._name, "could not send within the deadline")
+                if not chan.send_ready():
+                    time.sleep(min(remaining, _SEND_POLL))
+                    continue
+                sent = chan.send(bytes(view[:_SEND_CHUNK]))
+                if sent == 0:
+                    raise self._lost(None, "while sending (the channel closed)")
+                view = view[sent:]
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise self._lost(exc, "while sending") from exc
+
+    def recv(self, deadline: float) -> bytes:
+        chan = self._chan
+        try:
+            while True:
+                while chan.recv_stderr_ready():
+                    self._stderr.add(chan.recv_stderr(1 << 16))
+                if chan.recv_ready():
+                    return bytes(chan.recv(1 << 16))
+                if chan.eof_received or chan.closed:
+                    return b""
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommandTimeout(self._name, "no answer within the deadline")
+                select.select([chan], [], [], min(remaining, 1.0))
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise self._lost(exc, "while reading") from exc
+
+    def stderr_tail(self) -> str:
+        with contextlib.suppress(paramiko.SSHException, EOFError, OSError):
+            while self._chan.recv_stderr_ready():
+                self._stderr.add(self._chan.recv_stderr(1 << 16))
+        return self._stderr.text()
+
+    def close(self) -> None:
+        # The agent reads EOF on its stdin and exits; the connection stays pooled for the next one.
+        with contextlib.suppress(paramiko.SSHException, EOFError, OSError):
+            self._chan.shutdown_write()
+        self._chan.close()

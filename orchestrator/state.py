@@ -10,10 +10,13 @@ import json
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import StateError
-from orchestrator.results import RunReport
+from orchestrator.results import GATE_ACCEPTANCE, Gate, RunReport
+
+if TYPE_CHECKING:
+    from orchestrator.watch import Round, Transition
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -53,6 +56,26 @@ CREATE TABLE IF NOT EXISTS audit (
     detail TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS host_results_by_host ON host_results(host);
+CREATE TABLE IF NOT EXISTS watch_transitions (
+    at REAL NOT NULL,
+    host TEXT NOT NULL,
+    before TEXT,
+    after TEXT NOT NULL,
+    evidence TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS watch_transitions_by_host ON watch_transitions(host, at);
+-- Acceptance over time, whatever measured it: a deploy's or verify's probe, or a watch window.
+CREATE TABLE IF NOT EXISTS acceptance_samples (
+    at REAL NOT NULL,
+    host TEXT NOT NULL,
+    source TEXT NOT NULL,
+    release_id TEXT,
+    mean_acceptance_length REAL NOT NULL,
+    mean_acceptance_length_low REAL,
+    acceptance_rate REAL NOT NULL,
+    drafts INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS acceptance_samples_by_host ON acceptance_samples(host, at);
 """
 
 
@@ -122,12 +145,67 @@ class StateDB:
                     ],
                 )
                 self.db.executemany(
+                    "INSERT INTO acceptance_samples VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [
+                        (run.finished, h.name, run.kind, h.release_id, *numbers)
+                        for h in run.hosts
+                        if (numbers := _acceptance_numbers(h.gates.get(GATE_ACCEPTANCE))) is not None
+                    ],
+                )
+                self.db.executemany(
                     "INSERT INTO audit VALUES (?, ?, ?, ?)",
                     [(run_id, run.finished, "host_key_accepted", key) for key in run.accepted_host_keys],
                 )
         except sqlite3.Error as exc:
             raise StateError(f"state database {self.path}: {exc}") from exc
         return run_id
+
+    def record_watch(self, transitions: list[Transition], rounds: list[Round]) -> None:
+        """A watch round: its transitions with their evidence, and each window it judged."""
+        try:
+            with self.db:
+                self.db.executemany(
+                    "INSERT INTO watch_transitions VALUES (?, ?, ?, ?, ?)",
+                    [(t.at, t.host, t.before, t.after, json.dumps(t.to_json())) for t in transitions],
+                )
+                self.db.executemany(
+                    "INSERT INTO acceptance_samples VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [
+                        (
+                            r.at,
+                            r.host,
+                            "watch",
+                            r.release_id,
+                            r.live.mean_acceptance_length,
+                            r.live.mean_acceptance_length_low,
+                            r.live.rate,
+                            r.live.drafts,
+                        )
+                        for r in rounds
+                        if r.live is not None and r.live.until == r.at  # judged in this round
+                    ],
+                )
+        except sqlite3.Error as exc:
+            raise StateError(f"state database {self.path}: {exc}") from exc
+
+    def transitions(self, host: str | None = None) -> list[dict[str, Any]]:
+        query = "SELECT evidence FROM watch_transitions"
+        args: list[Any] = []
+        if host:
+            query += " WHERE host = ?"
+            args.append(host)
+        return [json.loads(row[0]) for row in self.db.execute(query + " ORDER BY at, rowid", args)]
+
+    def samples(self, host: str | None = None) -> list[dict[str, Any]]:
+        names: tuple[str, ...] = ("at", "host", "source", "release_id", "mean_acceptance_length")
+        names += ("mean_acceptance_length_low", "acceptance_rate", "drafts")
+        query = f"SELECT {', '.join(names)} FROM acceptance_samples"
+        args: list[Any] = []
+        if host:
+            query += " WHERE host = ?"
+            args.append(host)
+        rows = self.db.execute(query + " ORDER BY at, rowid", args).fetchall()
+        return [dict(zip(names, row, strict=True)) for row in rows]
 
     def history(self, limit: int = 20, host: str | None = None) -> list[dict[str, Any]]:
         query = "SELECT id, kind, playbook, release_id, started, finished, ok, hosts_total, hosts_ready FROM runs"
@@ -176,3 +254,17 @@ class StateDB:
             {"host": r[0], "remote_path": r[1], "sha256": r[2], "expected_sha256": r[3], "changed": bool(r[4])}
             for r in rows
         ]
+
+
+def _acceptance_numbers(gate: Gate | None) -> tuple[float, float | None, float, int] | None:
+    """tau, its bound, rate and drafts from a probe's acceptance gate (None: no probe ran)."""
+    data = gate.data if gate is not None else {}
+    try:
+        return (
+            float(data["mean_acceptance_length"]),
+            float(data["mean_acceptance_length_low"]) if data.get("mean_acceptance_length_low") is not None else None,
+            float(data["acceptance_rate"]),
+            int(data["drafts"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None

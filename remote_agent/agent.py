@@ -1346,9 +1346,28 @@ def _server(root, name):
         return None
     if _proc_start(record.get("pid", 0)) != record.get("start"):
         record["alive"] = False
+        unit = record.get("unit")
+        if isinstance(unit, str) and unit and _systemd_is_init():
+            # Restarted through systemd behind our back (systemctl restart): the unit we wrote is
+            # still the server, under a new pid. Named as such, never taken for the one we proved.
+            pid = _unit_main_pid(unit)
+            if pid and _proc_start(pid) is not None:
+                record.update({"restarted_from": record.get("pid"), "pid": pid, "alive": True})
     else:
         record["alive"] = True
     return record
+
+
+def _unit_main_pid(unit):
+    import subprocess
+
+    try:
+        shown = subprocess.run(["systemctl", "show", "-p", "MainPID", "--value", unit],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = shown.decode("ascii", "replace").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def _log_tail(path, lines=30):
@@ -1674,6 +1693,22 @@ def op_probe(req):
     return {"before": before, "after": after, "completions": completions, "seconds": round(time.monotonic() - started, 2)}
 
 
+def op_metrics(req):
+    """Read-only: the server's spec-decode counters as /metrics shows them now (only the lines of
+    the families asked for: a vLLM scrape is mostly histograms nobody here reads)."""
+    port = int(req.get("port", 8000))
+    status, text = _http(port, "GET", "/metrics", timeout=float(req.get("timeout", 10)))
+    if status != 200:
+        raise OpError("metrics", "GET /metrics failed: %s %s" % (status, text[:200]))
+    prefixes = tuple(req.get("prefixes") or ("",))
+    kept = []
+    for line in text.split("\n"):
+        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if name.startswith(prefixes):
+            kept.append(line)
+    return {"text": "\n".join(kept) + "\n"}
+
+
 # --- GPUs -------------------------------------------------------------------------------
 
 GPU_QUERY = "index,uuid,name,pci.bus_id,memory.total,memory.used,memory.free,driver_version,compute_mode"
@@ -1882,6 +1917,7 @@ OPS = {
     "serving_status": op_serving_status,
     "command": op_command,
     "probe": op_probe,
+    "metrics": op_metrics,
 }
 
 
@@ -1916,25 +1952,76 @@ def run(request):
     return {"v": PROTOCOL_VERSION, "results": results}
 
 
+def _read_request(stdin):
+    """One request: "<n>\\n" and n bytes of marshal data (what follows is for the ops that stream);
+    None at the end of the input."""
+    line = stdin.readline(32)
+    if not line:
+        return None
+    size = int(line)
+    raw = stdin.read(size)
+    if size < 0 or len(raw) != size:
+        raise EOFError("the request ends after %d of %d bytes" % (len(raw), size))
+    request = marshal.loads(raw)
+    if not isinstance(request, dict) or request.get("v") != PROTOCOL_VERSION:
+        raise ValueError("protocol version %r, agent speaks %d" % (getattr(request, "get", {}.get)("v"), PROTOCOL_VERSION))
+    return request
+
+
+def _answer(response, framed):
+    # Lone surrogates (undecodable file names) leave as \udcXX escapes: still valid JSON.
+    out = _dumps(response).encode("utf-8", "backslashreplace")
+    if framed:
+        out = b"%d\n" % len(out) + out
+    sys.stdout.buffer.write(out)
+    sys.stdout.buffer.flush()
+
+
+def _end_batch():
+    """What a batch held ends with it: its locks, and the facts its ops left for each other. The
+    digest caches stay (each entry is checked against its file's stat before it is used)."""
+    while _held_locks:
+        os.close(_held_locks.pop())
+    for key in list(_batch):
+        if not (isinstance(key, tuple) and key[0] == "digests"):
+            del _batch[key]
+
+
+def _session(stdin):
+    """A session (``orchestrate watch``): one process answers request after request, each answer
+    framed by its length, until the controller closes stdin. No interpreter start or handshake
+    per round."""
+    _answer({"v": PROTOCOL_VERSION, "session": os.getpid(), "results": []}, True)
+    while True:
+        try:
+            request = _read_request(stdin)
+        except (ValueError, EOFError, TypeError) as exc:
+            # The stream is out of step: say so once and end (the controller starts a new session).
+            _answer({"v": PROTOCOL_VERSION, "error": "bad request: %s" % exc, "results": []}, True)
+            return
+        if request is None:
+            return
+        try:
+            response = run(request)
+        finally:
+            _end_batch()
+        _answer(response, True)
+
+
 def main():
     stdin = sys.stdin.buffer
     try:
-        # "<n>\n" and n bytes of marshal data; what follows is for the ops that stream (upload).
-        size = int(stdin.readline(32))
-        raw = stdin.read(size)
-        if size < 0 or len(raw) != size:
-            raise EOFError("the request ends after %d of %d bytes" % (len(raw), size))
-        request = marshal.loads(raw)
-        if not isinstance(request, dict) or request.get("v") != PROTOCOL_VERSION:
-            raise ValueError("protocol version %r, agent speaks %d" % (getattr(request, "get", {}.get)("v"), PROTOCOL_VERSION))
+        request = _read_request(stdin)
+        if request is None:
+            raise EOFError("no request")
     except (ValueError, EOFError, TypeError) as exc:
         response = {"v": PROTOCOL_VERSION, "error": "bad request: %s" % exc, "results": []}
     else:
+        if request.get("session"):
+            _session(stdin)
+            return
         response = run(request)
-    # Lone surrogates (undecodable file names) leave as \udcXX escapes: still valid JSON.
-    out = _dumps(response).encode("utf-8", "backslashreplace")
-    sys.stdout.buffer.write(out)
-    sys.stdout.buffer.flush()
+    _answer(response, False)
 
 
 if __name__ == "__main__":

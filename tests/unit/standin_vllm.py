@@ -22,7 +22,10 @@ exact commands the agent runs (``serving.python`` points at it):
 
 Acceptance depends on the drafter config the server was given, as it does for real: every draft is
 accepted when ``dflash_config.mask_token_id`` is ``$STANDIN_GOOD_MASK``, none otherwise.
-``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load.
+``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load. SIGHUP
+stands in for a restart behind our back where the server runs as a plain process: the drafter
+config is read again and the counters start again at zero (the pid stays, so the pidfile still
+names it).
 """
 
 from __future__ import annotations
@@ -98,9 +101,17 @@ def serve(args: list[str]) -> None:
     model = values.get("served-model-name", "dflash")
     spec = json.loads(values.get("speculative-config", "{}"))
     k = int(spec.get("num_speculative_tokens", 15))
-    drafter = json.loads((Path(spec["model"]) / "config.json").read_text()) if spec else {}
-    mask = (drafter.get("dflash_config") or {}).get("mask_token_id")
-    counters = Counters(k, str(mask) == os.environ.get("STANDIN_GOOD_MASK"))
+
+    def load() -> Counters:
+        drafter = json.loads((Path(spec["model"]) / "config.json").read_text()) if spec else {}
+        mask = (drafter.get("dflash_config") or {}).get("mask_token_id")
+        return Counters(k, str(mask) == os.environ.get("STANDIN_GOOD_MASK"))
+
+    counters = load()
+
+    def reload(*_: object) -> None:
+        nonlocal counters
+        counters = load()
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, status: int, body: Any, kind: str = "application/json") -> None:
@@ -132,6 +143,7 @@ def serve(args: list[str]) -> None:
 
     server = ThreadingHTTPServer((values.get("host", "127.0.0.1"), int(values.get("port", "8000"))), Handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGHUP, reload)
     server.serve_forever()
 
 

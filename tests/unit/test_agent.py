@@ -14,6 +14,7 @@ import marshal
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 
 import remote_agent
 from orchestrator.agent import BOOTSTRAP, _packed_agent, decode_response, encode_request
+from orchestrator.errors import AgentError, ConnectionLost
 
 
 def run(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -351,3 +353,61 @@ def test_a_lock_whose_recorded_holder_is_gone_says_so(tmp_path: Path) -> None:
         fcntl.flock(held, fcntl.LOCK_EX)  # held by this process, not the recorded one
         err = run([{"op": "lock", "root": str(tmp_path), "timeout": 0.2}])[0]["error"]
     assert err["code"] == "locked" and f"bob@old; its pid {int(dead.stdout)} is no longer running" in err["message"]
+
+
+def local_target(tmp_path: Path) -> Any:
+    from orchestrator.inventory import load_inventory
+
+    inventory = tmp_path / "inventory.yaml"
+    container = {"connection": "local", "deploy_root": str(tmp_path / "root"), "python": sys.executable}
+    inventory.write_text(json.dumps({"hosts": {"box": {"containers": {"solo": container}}}}))
+    return load_inventory(inventory).resolve(["solo"])[0]
+
+
+def test_a_session_answers_request_after_request_and_holds_no_lock_between_them(tmp_path: Path) -> None:
+    """One agent process for many batches (``watch``): each answer framed, each batch's lock released
+    when its answer is sent, so a deploy is never kept waiting by a watch."""
+    from orchestrator import protocol
+    from orchestrator.agent import AgentClient, AgentSession
+    from orchestrator.local import LocalConnector
+
+    target = local_target(tmp_path)
+    root = str(tmp_path / "root")
+    session = AgentSession(LocalConnector(), target)
+    session.open()
+    try:
+        pid = session.pid
+        for round_ in range(3):
+            lock = protocol.lock(root, f"watch round {round_}", 5.0)
+            listing = protocol.release_list(root)
+            answers = session.batch([lock, listing])
+            assert answers[listing].current is None
+            # Another controller takes the lock at once: the session let it go with its answer.
+            other = protocol.lock(root, "a deploy", 0.5)
+            AgentClient(LocalConnector()).batch(target, [other])
+        assert session.pid == pid
+        with pytest.raises(AgentError) as failed:  # a failed op fails its batch, not the session
+            session.batch([protocol.release_switch(root, "missing")])
+        assert failed.value.failure.code == "no_release"
+        assert session.is_open and session.batch([protocol.release_list(root)])
+    finally:
+        session.close()
+    assert not session.is_open and pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # ended (and reaped) with the session
+
+
+def test_a_session_that_is_sent_garbage_says_so_and_ends(tmp_path: Path) -> None:
+    from orchestrator.agent import AgentSession
+    from orchestrator.errors import AgentProtocolError
+    from orchestrator.local import LocalConnector
+
+    session = AgentSession(LocalConnector(), local_target(tmp_path))
+    session.open()
+    assert session._session is not None
+    session._session.send(b"5\nnot m", time.monotonic() + 10)
+    with pytest.raises(AgentProtocolError, match="the agent refused the request: bad request"):
+        session._frame(time.monotonic() + 10)
+    with pytest.raises(ConnectionLost, match="the agent ended its session"):
+        session._frame(time.monotonic() + 10)
+    session.close()

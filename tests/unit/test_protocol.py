@@ -73,6 +73,7 @@ def build(name: str) -> protocol.Op[Any]:
         "serving_status": ("/r", "dflash-serve", 8000),
         "command": (["ray", "status"],),
         "probe": (8000, "m", ["p"], 16, 60.0),
+        "metrics": (8000, ["vllm:spec_decode_"]),
     }
     return protocol.OPERATIONS[name](*args[name])
 

@@ -1,0 +1,243 @@
+"""``orchestrate watch``: rounds over every node, each over a session kept for the watch's life.
+
+Each node keeps one connection and one agent process (``agent.AgentSession``): a round is one
+framed request and answer on that channel, with no SSH handshake or interpreter start. A session
+that fails is closed and opened again at the next round after a backoff (1, 2, 4 ... 60 s); until
+then the node is reported DOWN with why, never skipped. What the rounds mean is ``watch``'s.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from orchestrator import plan, probe, protocol
+from orchestrator.agent import AgentSession
+from orchestrator.connector import Connections
+from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, TransportError
+from orchestrator.inventory import Inventory, Target
+from orchestrator.playbook import Playbook
+from orchestrator.results import GATE_FILES, HostReport
+from orchestrator.runner import ContainerGate, Node, RunOptions, Unit, finish, units_for
+from orchestrator.watch import HostWatch, Round, Seen, Transition, changed_fields, step
+
+BACKOFF_MAX_S = 60.0
+ON_CHANGE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Watched:
+    node: Node
+    unit: Unit
+    session: AgentSession | None = None
+    host: HostWatch = field(init=False)
+    failures: int = 0
+    retry_at: float = 0.0
+    last_error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.host = HostWatch(self.node.name)
+
+
+class Watcher:
+    """Every node of a playbook, watched round after round. Not thread-safe: one caller."""
+
+    def __init__(self, playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions) -> None:
+        self.playbook, self.options = playbook, options
+        self.connections = Connections(inventory, options.accept_new_host_keys, options.retry)
+        self.containers = ContainerGate(inventory, playbook, ensure=False, skip=options.skip_containers)
+        self.watched = [_Watched(n, u) for u in units_for(playbook, inventory, targets) for n in u.nodes]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(options.forks, len(self.watched))))
+
+    def round(self) -> tuple[list[Round], list[Transition]]:
+        """One round over every node at once: each node's round, and the transitions it showed."""
+        futures = [self._pool.submit(self._observe, w) for w in self.watched]
+        finish(futures)  # wakes for signals: a Ctrl-C may land on any thread
+        seen = [f.result() for f in futures]
+        rounds, transitions = [], []
+        for w, s in zip(self.watched, seen, strict=True):
+            w.host, rnd, change = step(w.host, s, self.playbook.gates.acceptance)
+            rounds.append(rnd)
+            if change is not None:
+                transitions.append(change)
+        return rounds, transitions
+
+    def close(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        for w in self.watched:
+            if w.session is not None:
+                w.session.close()
+        self.connections.close()
+
+    # --- one node ------------------------------------------------------------------------
+
+    def _observe(self, w: _Watched) -> Seen:
+        now = time.time()
+        if w.session is None or not w.session.is_open:
+            if time.monotonic() < w.retry_at:
+                wait = w.retry_at - time.monotonic()
+                return Seen(now, error=f"{w.last_error} (trying again in {wait:.0f} s)")
+            try:
+                self._open(w)
+            except OrchestratorError as exc:
+                return self._failed(w, now, _message(exc))
+            fresh = True
+        else:
+            fresh = False
+        try:
+            return self._read(w, now)
+        except (TransportError, AgentProtocolError) as exc:
+            if fresh:
+                return self._failed(w, now, _message(exc))
+            lost = _message(exc)
+        # A session that answered before and failed now (a dropped connection, an agent that was
+        # killed): one fresh session at once, so that a blip costs no round; said either way.
+        try:
+            self._open(w)
+            return replace(self._read(w, now), notes=(f"reconnected ({lost})",))
+        except OrchestratorError as exc:
+            return self._failed(w, now, f"{_message(exc)} (after: {lost})")
+
+    def _open(self, w: _Watched) -> None:
+        node = w.node
+        if not node.located:
+            report = HostReport(node.name)
+            found = self.containers.locate(node.target, report)
+            if found is None:
+                failed = report.failed_gate
+                raise TransportError(node.name, report.gates[failed].detail if failed else "container not running")
+            node.target, node.located = found, True
+        w.session = AgentSession(self.connections, node.target)
+        w.session.open()
+        w.failures, w.retry_at = 0, 0.0
+
+    def _failed(self, w: _Watched, now: float, message: str) -> Seen:
+        if w.session is not None:
+            w.session.close()
+            w.session = None
+        w.failures += 1
+        w.last_error = message
+        w.retry_at = time.monotonic() + min(BACKOFF_MAX_S, 2.0 ** (w.failures - 1))
+        return Seen(now, error=message)
+
+    def _read(self, w: _Watched, now: float) -> Seen:
+        playbook, node, unit = self.playbook, w.node, w.unit
+        assert w.session is not None
+        served = protocol.release_verify(node.root, plan.paths(playbook))
+        ops: list[protocol.Op[Any]] = [served]
+        status = metrics = None
+        if playbook.serving.target is not None:
+            port = playbook.serving.port if node.rank == 0 else None
+            status = protocol.serving_status(node.root, unit.process(node), port)
+            ops.append(status)
+            if node.rank == 0:
+                metrics = protocol.metrics(playbook.serving.port, (probe.PREFIX,))
+                ops.append(metrics)  # last: a server that is down fails only this op
+        metrics_error = None
+        try:
+            answers = w.session.batch(ops)
+        except AgentError as exc:
+            if exc.failure.op != "metrics" or exc.done is None:
+                raise TransportError(node.name, exc.failure.describe()) from exc
+            answers, metrics_error = exc.done, exc.failure.message
+        report = HostReport(node.name)
+        plan.read_verified(playbook, answers[served], report)
+        pid = None
+        if status is not None and status in answers:
+            if report.release_id is not None:
+                plan.read_serving_status(answers[status], report, None if node.rank == 0 else unit.role(node))
+            server = answers[status].server
+            pid = server.pid if server is not None and server.alive else None
+        counters = probe.parse(answers[metrics]) if metrics is not None and metrics in answers else None
+        fields: tuple[str, ...] = ()
+        files = report.gates.get(GATE_FILES)
+        if files is not None and not files.ok:
+            fields = tuple(self._changed_fields(w, report))
+        return Seen(
+            now,
+            report=report,
+            head=node.rank == 0 and playbook.serving.target is not None,
+            counters=counters,
+            metrics_error=metrics_error,
+            server_pid=pid,
+            changed_fields=fields,
+        )
+
+    def _changed_fields(self, w: _Watched, report: HostReport) -> list[str]:
+        """Name what changed in drifted JSON files the host lets us read (never a private one)."""
+        specs = {f.dest: f for f in self.playbook.release_files}
+        drifted = [f.dest for f in report.files if f.drift and f.dest in specs and not specs[f.dest].private]
+        wanted = [p for p in drifted if p.endswith(".json")]
+        if not wanted or w.session is None:
+            return []
+        op = protocol.release_inspect(w.node.root, wanted)
+        try:
+            inspected = w.session.batch([op])[op]
+        except AgentError:
+            return []
+        out: list[str] = []
+        for f in inspected.files:
+            if f.path in specs and not f.private:
+                out += changed_fields(f.path, specs[f.path].content, f.content)
+        return out
+
+
+def _message(exc: OrchestratorError) -> str:
+    if isinstance(exc, AgentProtocolError):
+        return str(exc).split(": ", 1)[-1]
+    return getattr(exc, "message", None) or str(exc)
+
+
+@dataclass(frozen=True)
+class OnChange:
+    """``--on-change CMD``: run by ``/bin/sh -c`` (the operator's own command line) for each
+    transition, the transition as JSON on its stdin; never with anything of the hosts in argv."""
+
+    command: str
+    say: Callable[[str], None]
+
+    def __call__(self, transition: Transition) -> None:
+        import json
+
+        data = json.dumps(transition.to_json()).encode()
+        try:
+            done = subprocess.run(
+                ["/bin/sh", "-c", self.command],
+                input=data,
+                capture_output=True,
+                timeout=ON_CHANGE_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            self.say(f"--on-change for {transition.host}: did not finish within {ON_CHANGE_TIMEOUT_S:.0f} s")
+            return
+        except OSError as exc:
+            self.say(f"--on-change for {transition.host}: {exc.strerror or exc}")
+            return
+        if done.returncode != 0:
+            tail = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+            self.say(f"--on-change for {transition.host}: exit status {done.returncode} {tail[0]}".rstrip())
+
+
+def run_rounds(
+    watcher: Watcher,
+    interval: float,
+    once: bool,
+    on_round: Callable[[int, list[Round], list[Transition]], None],
+    stop: threading.Event,
+) -> list[Round]:
+    """Rounds every ``interval`` seconds (from the start of one to the start of the next) until
+    ``stop`` is set, or one with ``once``; the last round's results."""
+    number = 0
+    while True:
+        started = time.monotonic()
+        number += 1
+        rounds, transitions = watcher.round()
+        on_round(number, rounds, transitions)
+        if once or stop.wait(max(0.0, interval - (time.monotonic() - started))):
+            return rounds

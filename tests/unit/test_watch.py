@@ -1,0 +1,299 @@
+"""``orchestrate watch``: what a round decides (pure), and whole watches through the real agent.
+
+The whole watches run the real agent in a kept session over the ``local`` connector, against the
+stand-in server (``standin_vllm.py``: its acceptance follows the drafter config it loaded, and
+SIGHUP stands in for a restart behind our back). tests/integration/test_watch.py does it again
+over SSH against real vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator import cli, metrics, probe
+from orchestrator.playbook import AcceptanceGate, Playbook
+from orchestrator.results import GATE_FILES, GATE_HEALTH, GATE_READY, FileState, Gate, HostReport
+from orchestrator.watch import DEGRADED, DOWN, DRIFT, READY, HostWatch, Seen, changed_fields, step
+from orchestrator.watcher import Watcher
+from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, K, alive, deploy, free_port
+
+GATE = AcceptanceGate(min_mean_acceptance_length=3.0, min_drafts=50)
+
+# --- one round, pure ------------------------------------------------------------------------
+
+
+def report(files_ok: bool = True, healthy: bool = True, ready_ok: bool = True) -> HostReport:
+    r = HostReport("gpu-a")
+    r.release_id = "R1"
+    digest = "a" * 64
+    r.files = [
+        FileState("drafter/config.json", "/srv/current/drafter/config.json", digest if files_ok else "b" * 64, digest)
+    ]
+    r.gates[GATE_FILES] = Gate(files_ok, "in sync" if files_ok else "drift: drafter/config.json")
+    r.gates[GATE_HEALTH] = Gate(healthy, "pid 7 alive, /health 200" if healthy else "the server is not running")
+    r.gates[GATE_READY] = Gate(ready_ok, "READY record matches" if ready_ok else "restarted since READY")
+    return r
+
+
+def counters(drafts: float, accepted_per_draft: float, k: int = 7) -> probe.Counters:
+    return probe.Counters(drafts, drafts * k, drafts * accepted_per_draft)
+
+
+def seen(at: float, c: probe.Counters | None, pid: int = 7, **kw: Any) -> Seen:
+    return Seen(at, report=kw.pop("report", None) or report(), counters=c, server_pid=pid, **kw)
+
+
+def test_a_quiet_window_stays_open_across_rounds_until_it_holds_enough_drafts() -> None:
+    w = HostWatch("gpu-a")
+    w, r, t = step(w, seen(0, counters(100, 6)), GATE)
+    assert r.state == READY and r.live is None and r.window_drafts == 0
+    assert t is not None and t.before is None and t.after == READY
+    w, r, t = step(w, seen(30, counters(130, 6)), GATE)  # 30 drafts: not enough to judge
+    assert r.state == READY and r.live is None and r.window_drafts == 30 and t is None
+    w, r, _ = step(w, seen(60, counters(160, 6)), GATE)  # 60 drafts since the window opened
+    assert r.live is not None and r.live.ok and r.live.drafts == 60 and r.live.since == 0
+    assert r.live.mean_acceptance_length == pytest.approx(7.0)
+    w, r, _ = step(w, seen(90, counters(170, 6)), GATE)  # a new window: 10 drafts so far
+    assert r.window_drafts == 10 and r.live is not None and r.live.until == 60  # the last verdict stays
+
+
+def test_a_full_window_of_rejected_drafts_is_degraded_even_while_the_files_drift() -> None:
+    w, _, _ = step(HostWatch("gpu-a"), seen(0, counters(0, 0)), GATE)
+    drifting = report(files_ok=False)
+    w, r, t = step(w, seen(30, counters(40, 0.05), report=drifting), GATE)
+    assert r.state == DRIFT and t is not None and (t.before, t.after) == (READY, DRIFT)
+    w, r, t = step(w, seen(60, counters(200, 0.05), report=drifting), GATE)
+    assert r.state == DEGRADED and t is not None and (t.before, t.after) == (DRIFT, DEGRADED)
+    assert r.live is not None and r.live.mean_acceptance_length == pytest.approx(1.05)
+    assert any(reason.startswith("live traffic: mean acceptance length 1.05 < 3.0") for reason in r.reasons)
+    assert "drift: drafter/config.json" in r.reasons  # both said
+
+
+def test_a_counter_reset_is_a_restart_never_negative_acceptance() -> None:
+    w, _, _ = step(HostWatch("gpu-a"), seen(0, counters(1000, 6)), GATE)
+    w, r, _ = step(w, seen(30, counters(1100, 6)), GATE)
+    assert r.live is not None and r.live.ok
+    w, r, _ = step(w, seen(60, counters(20, 0.1)), GATE)  # went down: restarted, same pid
+    assert r.restarted == "the spec-decode counters went down: the server restarted"
+    assert r.live is None and r.window_drafts == 0 and r.state == READY  # the old verdict is dropped
+    w, r, _ = step(w, seen(90, counters(120, 0.1)), GATE)
+    assert r.state == DEGRADED and r.live is not None and r.live.drafts == 100 and r.restarted is None
+
+
+def test_a_new_server_pid_is_a_restart_even_when_the_counters_only_grew() -> None:
+    w, _, _ = step(HostWatch("gpu-a"), seen(0, counters(10, 6), pid=7), GATE)
+    w, r, _ = step(w, seen(30, counters(500, 6), pid=8), GATE)
+    assert r.restarted == "the server restarted (pid 7 -> 8)"
+    assert r.live is None and r.window_drafts == 0  # the window starts at the new server's counters
+
+
+def test_down_when_unreachable_or_unhealthy_and_no_counters_is_degraded() -> None:
+    w, r, t = step(HostWatch("gpu-a"), Seen(0, error="connect to 10.0.0.9:22 timed out"), GATE)
+    assert r.state == DOWN and r.reasons == ("connect to 10.0.0.9:22 timed out",) and t is not None
+    w, r, _ = step(w, seen(30, None, report=report(healthy=False)), GATE)
+    assert r.state == DOWN and r.reasons[0] == "the server is not running"
+    w, r, _ = step(w, seen(60, None), GATE)
+    assert r.state == DEGRADED and "no vllm:spec_decode_* counters" in r.reasons[0]
+    w, r, _ = step(w, seen(90, None, metrics_error="GET /metrics failed: 500"), GATE)
+    assert r.state == DEGRADED and r.reasons[0] == "acceptance cannot be read: GET /metrics failed: 500"
+
+
+def test_a_stale_ready_record_is_drift_and_a_rank_without_http_needs_no_counters() -> None:
+    _w, r, _ = step(HostWatch("gpu-a"), seen(0, counters(0, 0), report=report(ready_ok=False)), GATE)
+    assert r.state == DRIFT and r.reasons == ("restarted since READY",)
+    rank = Seen(0, report=report(), head=False, server_pid=9)
+    assert step(HostWatch("gpu-b"), rank, GATE)[1].state == READY
+
+
+def test_changed_fields_are_named_by_their_path() -> None:
+    want = {"dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17]}, "use_swa": True}
+    got = {"dflash_config": {"mask_token_id": 151643, "target_layer_ids": [1, 2]}, "extra": 1}
+    assert changed_fields("drafter/config.json", json.dumps(want).encode(), json.dumps(got).encode()) == [
+        "drafter/config.json: dflash_config.mask_token_id 151669 -> 151643",
+        "drafter/config.json: dflash_config.target_layer_ids [1, 9, 17] -> [1, 2]",
+        "drafter/config.json: extra added (1)",
+        "drafter/config.json: use_swa removed (was true)",
+    ]
+    assert changed_fields("a.json", b"{}", b"not json") == []
+    assert changed_fields("a.json", b'{"x": 1}', b'{"x": 1.0}') == ["a.json: x 1 -> 1.0"]
+
+
+def test_metrics_are_served_with_prometheus_names_and_values() -> None:
+    w, good, _ = step(HostWatch("gpu-a"), seen(0, counters(0, 0)), GATE)
+    w, good, _ = step(w, seen(30, counters(100, 6)), GATE)
+    v, bad, _ = step(HostWatch("gpu-b"), seen(0, counters(0, 0), report=report(files_ok=False)), GATE)
+    v, bad, _ = step(v, seen(30, counters(100, 0.5), report=report(files_ok=False)), GATE)
+    collector = metrics.WatchCollector()
+    collector.update([good, bad])
+    port = free_port()
+    server = metrics.serve(collector, port, "127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        server.shutdown()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    p = "dflash_orchestrator_"
+
+    def value(name: str, host: str, **labels: str) -> float:
+        return samples[(p + name, tuple(sorted({"host": host, **labels}.items())))]
+
+    assert value("host_state", "gpu-a", dflash_orchestrator_host_state="READY") == 1
+    assert value("host_state", "gpu-a", dflash_orchestrator_host_state="DEGRADED") == 0
+    assert value("host_state", "gpu-b", dflash_orchestrator_host_state="DEGRADED") == 1
+    assert value("mean_acceptance_length_tokens", "gpu-a") == pytest.approx(7.0)
+    assert value("mean_acceptance_length_tokens", "gpu-b") == pytest.approx(1.5)
+    assert value("acceptance_rate_ratio", "gpu-a") == pytest.approx(6 / 7)
+    assert value("window_drafts", "gpu-b") == 100
+    assert value("files_in_drift", "gpu-a") == 0 and value("files_in_drift", "gpu-b") == 1
+    assert (
+        value("last_good_round_age_seconds", "gpu-a") >= 0
+        and (p + "last_good_round_age_seconds", (("host", "gpu-b"),)) not in samples
+    )
+    assert value("release_info", "gpu-a", release_id="R1") == 1
+
+
+# --- whole watches through the real agent ------------------------------------------------------
+
+
+def complete(box: Box, requests: int = 4, tokens: int = 64) -> None:
+    """Production traffic, as a client sends it (not the probe's)."""
+    for _ in range(requests):
+        body = json.dumps({"model": "tiny", "prompt": "def f():", "max_tokens": tokens}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{box.port}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+
+
+def gone(pid: int, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while alive(pid):
+        assert time.monotonic() < deadline, f"pid {pid} still alive after {within} s"
+        time.sleep(0.02)
+
+
+def watcher(box: Box, playbook: Playbook) -> Watcher:
+    inv = box.inventory
+    return Watcher(playbook, inv, inv.resolve(playbook.targets), OPTIONS)
+
+
+def test_the_founding_incident_replayed_under_watch(box: Box) -> None:
+    playbook = box.playbook()
+    first = deploy(box, playbook)
+    assert first.ok
+    w = watcher(box, playbook)
+    try:
+        (r,), (t,) = w.round()
+        assert (t.before, t.after) == (None, READY) and r.window_drafts == 0
+        session_pid = w.watched[0].session.pid if w.watched[0].session else None
+        complete(box)
+        (r,), changes = w.round()
+        assert r.state == READY and not changes
+        assert r.live is not None and r.live.mean_acceptance_length == pytest.approx(K + 1)
+        # Out of band: a stale drafter config lands where the server reads it, and the server is
+        # restarted by hand (SIGHUP: it reads the file again, its counters start at zero).
+        served = box.root("solo") / "current" / "drafter" / "config.json"
+        served.write_text(served.read_text().replace(f'"mask_token_id": {GOOD_MASK}', '"mask_token_id": 9'))
+        os.kill(box.pid("solo"), signal.SIGHUP)
+        (r,), (t,) = w.round()
+        assert (t.before, t.after) == (READY, DRIFT)
+        assert "drafter/config.json: dflash_config.mask_token_id 5 -> 9" in r.reasons
+        assert r.restarted == "the spec-decode counters went down: the server restarted"
+        complete(box)
+        (r,), (t,) = w.round()
+        assert (t.before, t.after) == (DRIFT, DEGRADED)
+        assert r.live is not None and r.live.mean_acceptance_length == pytest.approx(1.0)
+        assert r.reasons[0].startswith("live traffic: mean acceptance length 1.00 < 4.0")
+        # Every round went over one session: one agent process, one exec.
+        assert w.watched[0].session is not None and w.watched[0].session.pid == session_pid
+        assert w.connections.counters(w.watched[0].node.target).execs == 1
+        server = box.pid("solo")
+        os.killpg(server, signal.SIGKILL)
+        gone(server)
+        (r,), (t,) = w.round()
+        assert (t.before, t.after) == (DEGRADED, DOWN) and r.reasons[0] == "the server is not running"
+    finally:
+        w.close()
+    assert session_pid is not None and not alive(session_pid)  # the agent ends with the watch
+
+
+def test_a_killed_agent_is_replaced_in_the_same_round_and_said(box: Box) -> None:
+    playbook = box.playbook()
+    assert deploy(box, playbook).ok
+    w = watcher(box, playbook)
+    try:
+        assert w.round()[0][0].state == READY
+        session = w.watched[0].session
+        assert session is not None and session.pid is not None
+        old = session.pid
+        os.kill(old, signal.SIGKILL)
+        (r,), changes = w.round()
+        assert r.state == READY and not changes
+        assert r.reasons[-1].startswith("reconnected (the agent ended its session")
+        fresh = w.watched[0].session
+        assert fresh is not None and fresh.pid not in (None, old)
+        assert w.connections.counters(w.watched[0].node.target).execs == 2
+    finally:
+        w.close()
+
+
+def test_an_unreachable_host_is_down_every_round_with_its_backoff_said(box: Box) -> None:
+    playbook = box.playbook()
+    inventory = yaml.safe_load(box.inventory_path.read_text())
+    inventory["hosts"]["this-box"]["containers"]["solo"]["python"] = "/nonexistent/python3"
+    box.inventory_path.write_text(yaml.safe_dump(inventory))
+    w = watcher(box, playbook)
+    try:
+        (r,), (_t,) = w.round()
+        assert r.state == DOWN and "/nonexistent/python3" in r.reasons[0]
+        (r,), changes = w.round()  # within the backoff: said, not tried again
+        assert r.state == DOWN and r.reasons[0].endswith("(trying again in 1 s)") and not changes
+    finally:
+        w.close()
+
+
+def test_watch_once_through_the_cli_runs_on_change_and_records(
+    box: Box, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    playbook = box.playbook()
+    assert deploy(box, playbook).ok
+    served = box.root("solo") / "current" / "notes.txt"
+    served.write_text("edited by hand\n")
+    changes = tmp_path / "changes.jsonl"
+    state = tmp_path / "state"
+    argv = ["watch", str(playbook.file), "-i", str(box.inventory_path), "--once", "--json", "--state-dir", str(state)]
+    code = cli.main([*argv, "--on-change", f"cat >> {changes}"])
+    assert code == 1
+    out = json.loads(capsys.readouterr().out)
+    (host,) = out["hosts"]
+    assert host["state"] == DRIFT and host["gates"]["files"]["ok"] is False
+    (change,) = [json.loads(line) for line in changes.read_text().splitlines()]
+    assert (change["host"], change["from"], change["to"]) == ("solo", None, DRIFT)
+    assert any("notes.txt" in reason for reason in change["reasons"])
+    from orchestrator.state import StateDB
+
+    db = StateDB(state)
+    try:
+        (recorded,) = db.transitions("solo")
+    finally:
+        db.close()
+    assert recorded == change
+    served.write_text("release notes\n")
+    assert cli.main(argv) == 0  # READY again: no change command for a host that starts fine
+    assert json.loads(capsys.readouterr().out)["hosts"][0]["state"] == READY
