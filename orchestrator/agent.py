@@ -17,7 +17,7 @@ import marshal
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -116,6 +116,69 @@ def results_of(host: str, data: Any, exit_status: int = 0) -> list[OpResult]:
     return results
 
 
+EVENT = b"@dflash-event "
+_EVENT_LINE_MAX = 4096
+
+
+@dataclass(frozen=True)
+class Event:
+    """One progress event of the agent, read warily (the host is not trusted)."""
+
+    op: str
+    elapsed_s: float | None = None
+    log: str | None = None  # the server log's last line, during a health wait
+    done: int | None = None  # the probe: prompts done, of ``of``
+    of: int | None = None
+
+
+def read_event(line: bytes) -> Event | None:
+    """An event line's event; None for anything else (a warning the host printed, garbage)."""
+    if not line.startswith(EVENT) or len(line) > _EVENT_LINE_MAX:
+        return None
+    try:
+        data = json.loads(line[len(EVENT) :].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("op"), str):
+        return None
+
+    def number(key: str, kind: type | tuple[type, ...]) -> Any:
+        value = data.get(key)
+        return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+    log = data.get("log")
+    return Event(
+        op=data["op"][:40],
+        elapsed_s=float(e) if (e := number("elapsed_s", (int, float))) is not None else None,
+        log=log[:200] if isinstance(log, str) else None,
+        done=number("done", int),
+        of=number("of", int),
+    )
+
+
+class EventReader:
+    """stderr chunks in, events out, line by line (a line may arrive in pieces)."""
+
+    def __init__(self, sink: Callable[[Event], None]) -> None:
+        self._sink = sink
+        self._partial = b""
+
+    def __call__(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()[-_EVENT_LINE_MAX:]
+        for line in lines:
+            event = read_event(line)
+            if event is not None:
+                self._sink(event)
+
+
+def without_events(stderr: bytes) -> bytes:
+    """stderr as the host wrote it, without the progress events (for error messages)."""
+    if EVENT not in stderr:
+        return stderr
+    return b"\n".join(line for line in stderr.split(b"\n") if not line.startswith(EVENT))
+
+
 class AgentClient:
     """Runs batches on targets through one connector."""
 
@@ -123,18 +186,29 @@ class AgentClient:
         self.connector = connector
 
     def batch(
-        self, target: Target, ops: Sequence[Op[Any]], timeout: float | None = None, stream: Iterable[bytes] = ()
+        self,
+        target: Target,
+        ops: Sequence[Op[Any]],
+        timeout: float | None = None,
+        stream: Iterable[bytes] = (),
+        events: Callable[[Event], None] | None = None,
     ) -> Answers:
         """Run ops in one round trip; raise ``AgentError`` for the first failed op (with the
         answers of the ops before it). The deadline is ``protocol.batch_timeout`` unless given.
-        ``stream``: bytes sent after the request, for the ops that read them (uploads)."""
+        ``stream``: bytes sent after the request, for the ops that read them (uploads).
+        ``events``: the agent's progress as it works (each op as it starts, a health wait's
+        seconds and the server log's last line, the probe's prompts)."""
         if timeout is None:
             timeout = batch_timeout(ops, target.container.ssh.command_timeout)
         request = encode_request([op.request for op in ops])
         stdin: Stdin = itertools.chain((request,), stream) if stream != () else request
-        result = self.connector.run(target, agent_command(target.container.ssh.python), stdin, timeout)
-        results = decode_response(target.name, result.exit_status, result.stdout, result.stderr)
-        return read_answers(target.name, ops, results, result.exit_status, result.tail())
+        command = agent_command(target.container.ssh.python)
+        on_stderr = EventReader(events) if events is not None else None
+        result = self.connector.run(target, command, stdin, timeout, on_stderr)
+        stderr = without_events(result.stderr)
+        results = decode_response(target.name, result.exit_status, result.stdout, stderr)
+        tail = "\n".join(stderr.decode("utf-8", "replace").rstrip().splitlines()[-10:])
+        return read_answers(target.name, ops, results, result.exit_status, tail)
 
 
 def read_answers(host: str, ops: Sequence[Op[Any]], results: list[OpResult], exit_status: int, tail: str) -> Answers:
@@ -239,7 +313,7 @@ class AgentSession:
         assert self._session is not None
         chunk = self._session.recv(deadline)
         if not chunk:
-            tail = self._session.stderr_tail()
+            tail = without_events(self._session.stderr_tail().encode()).decode()
             raise ConnectionLost(self.target.name, "the agent ended its session" + (f": {tail}" if tail else ""))
         self._buffer += chunk
 

@@ -301,18 +301,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     playbook = load_playbook(args.playbook)
     inventory = load_inventory(args.inventory)
     targets = _targets(args, playbook, inventory)
+    kind = "dry-run" if getattr(args, "dry_run", False) else args.command
+    progress = ProgressPrinter(kind, len(targets), mode="json" if args.json else "auto")
     options = RunOptions(
         forks=args.forks,
         skip_containers=args.skip_containers,
         accept_new_host_keys=args.accept_new_host_keys,
         lock_timeout=args.lock_timeout,
         release_id=getattr(args, "release_id", None),
+        steps=progress.step,
     )
-    kind = "dry-run" if getattr(args, "dry_run", False) else args.command
-    progress = ProgressPrinter(kind, len(targets))
     _say(f"{kind} {playbook.name}: {len(targets)} hosts, forks {args.forks}")
-    with _first_interrupt_finishes(options.interrupt):
-        run = _run(kind, args, playbook, inventory, targets, options, progress)
+    try:
+        with _first_interrupt_finishes(options.interrupt):
+            run = _run(kind, args, playbook, inventory, targets, options, progress)
+    finally:
+        progress.close()
     run.interrupted = options.interrupt.is_set()
     for key in run.accepted_host_keys:
         _say(f"accepted new host key: {key}")

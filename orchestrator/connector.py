@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shlex
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -61,6 +61,9 @@ class Counters:
     def to_json(self) -> dict[str, int]:
         return {"connects": self.connects, "execs": self.execs, "retries": self.retries}
 
+
+# Called with each chunk of a command's stderr as it arrives (the agent's progress events).
+OnStderr = Callable[[bytes], None]
 
 # What a command reads on stdin: bytes, or chunks of a stream (a file pushed from an offset), read
 # as they are sent so that memory stays flat whatever the size.
@@ -128,8 +131,16 @@ class Session(Protocol):
 
 
 class Connector(Protocol):
-    def run(self, target: Target, command: Command, stdin: Stdin = b"", timeout: float | None = None) -> Result:
-        """Run one command to completion: both streams whole, and its exit status."""
+    def run(
+        self,
+        target: Target,
+        command: Command,
+        stdin: Stdin = b"",
+        timeout: float | None = None,
+        on_stderr: OnStderr | None = None,
+    ) -> Result:
+        """Run one command to completion: both streams whole, and its exit status; ``on_stderr``
+        sees stderr's chunks as they arrive."""
         ...
 
     def open(self, target: Target, command: Command) -> Session:
@@ -189,8 +200,15 @@ class Connections:
                 )
             return self._ssh
 
-    def run(self, target: Target, command: Command, stdin: Stdin = b"", timeout: float | None = None) -> Result:
-        return self._for(target).run(target, command, stdin, timeout)
+    def run(
+        self,
+        target: Target,
+        command: Command,
+        stdin: Stdin = b"",
+        timeout: float | None = None,
+        on_stderr: OnStderr | None = None,
+    ) -> Result:
+        return self._for(target).run(target, command, stdin, timeout, on_stderr)
 
     def open(self, target: Target, command: Command) -> Session:
         return self._for(target).open(target, command)

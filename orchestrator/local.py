@@ -13,8 +13,9 @@ import select
 import subprocess
 import threading
 import time
+from typing import Any
 
-from orchestrator.connector import Command, Counters, Feed, Result, StderrTail, Stdin
+from orchestrator.connector import Command, Counters, Feed, OnStderr, Result, StderrTail, Stdin
 from orchestrator.errors import CommandTimeout, ConnectionLost
 from orchestrator.inventory import Target
 
@@ -28,7 +29,14 @@ class LocalConnector:
         with self._guard:
             return self._counters.setdefault(name, Counters())
 
-    def run(self, target: Target, command: Command, stdin: Stdin = b"", timeout: float | None = None) -> Result:
+    def run(
+        self,
+        target: Target,
+        command: Command,
+        stdin: Stdin = b"",
+        timeout: float | None = None,
+        on_stderr: OnStderr | None = None,
+    ) -> Result:
         limit = timeout if timeout is not None else target.container.ssh.command_timeout
         deadline = time.monotonic() + limit
         self.counters(target.name).execs += 1
@@ -43,8 +51,17 @@ class LocalConnector:
             return Result(target.name, command, status, b"", message)
         streams: dict[str, bytes] = {}
         failed: list[BaseException] = []
+
+        def read(key: str, f: Any) -> None:
+            chunks = []
+            while chunk := f.read1(1 << 16):
+                chunks.append(chunk)
+                if key == "err" and on_stderr is not None:
+                    on_stderr(chunk)
+            streams[key] = b"".join(chunks)
+
         threads = [
-            threading.Thread(target=lambda key, f: streams.__setitem__(key, f.read()), args=(key, f), daemon=True)
+            threading.Thread(target=read, args=(key, f), daemon=True)
             for key, f in (("out", proc.stdout), ("err", proc.stderr))
         ]
         threads.append(threading.Thread(target=self._feed, args=(proc, Feed(stdin), failed), daemon=True))

@@ -745,6 +745,31 @@ def nccl(root: str, python: str, count: int, env: dict[str, str], timeout: float
 
 
 # Every operation the controller builds, by the name the agent knows it by.
+# Each operation in the user's words, for progress ("gpu-a: waiting for health, 41 s").
+STEP_WORDS = {
+    "lock": "waiting for the deploy root's lock",
+    "gpus": "checking its GPUs",
+    "nccl": "all-reducing over its GPUs (NCCL)",
+    "model_files": "hashing the model files",
+    "upload_status": "checking what is already uploaded",
+    "upload": "uploading",
+    "release_apply": "staging the release",
+    "release_verify": "reading the served files back",
+    "release_inspect": "reading the served files",
+    "release_list": "listing its releases",
+    "release_switch": "switching current",
+    "put": "writing",
+    "loader_view": "loading the drafter config with transformers",
+    "vllm_build": "reading the vLLM build",
+    "launch": "launching the server",
+    "stop": "stopping the server",
+    "wait_health": "waiting for health",
+    "serving_status": "reading the server's status",
+    "command": "running a command",
+    "probe": "probing acceptance",
+    "metrics": "reading the server's metrics",
+}
+
 OPERATIONS: dict[str, Callable[..., Op[Any]]] = {
     "lock": lock,
     "gpus": gpus,

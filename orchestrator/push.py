@@ -27,6 +27,7 @@ from orchestrator.runner import Node, Run
 
 CHUNK = 1 << 20
 PROGRESS_EVERY_S = 5.0
+STEP_EVERY_S = 0.5  # the live display's step line (the log line above is every 5 s)
 
 
 @dataclass(frozen=True)
@@ -166,19 +167,22 @@ def _push(run: Run, where: Destination, files: list[LocalFile], by: str) -> Push
         if state.partial and state.partial_sha256 == _sha256(f.path, state.partial):
             offset, resumed = state.partial, resumed + 1
         upload = protocol.upload(root, state.path, f.size, f.sha256, offset)
-        report = _progress(run, where, f, offset)
+        report = _progress(run, where, f, offset, by)
         answers = run.client.batch(where.target, [upload], stream=_chunks(f, offset, report))
         sent += answers[upload].written
     digests = {f.rel: f.sha256 for f in files}
     return Pushed(where.label, by, len(files), sent, kept, resumed, time.monotonic() - started, digests)
 
 
-def _progress(run: Run, where: Destination, f: LocalFile, offset: int) -> Callable[[int], None]:
-    started = last = time.monotonic()
+def _progress(run: Run, where: Destination, f: LocalFile, offset: int, by: str) -> Callable[[int], None]:
+    started = last = shown = time.monotonic()
 
     def report(done: int) -> None:
-        nonlocal last
+        nonlocal last, shown
         now = time.monotonic()
+        if now - shown >= STEP_EVERY_S:
+            shown = now
+            run.step(by, f"pushing to {where.label}", f"{f.rel} {done / 1e9:.2f} of {f.size / 1e9:.2f} GB")
         if now - last >= PROGRESS_EVERY_S:
             last = now
             rate = (done - offset) / (now - started) / 1e6

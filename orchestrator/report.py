@@ -3,44 +3,162 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from orchestrator.results import HostReport, RunReport
+from orchestrator.runner import Step
 
 if TYPE_CHECKING:
     from orchestrator.watch import Round, Transition
 
 
 class ProgressPrinter:
-    """One line per host as it finishes, on stderr, safe to call from worker threads."""
+    """Progress on stderr, safe to call from worker threads: what each host is doing as it
+    changes, and one line per host as it finishes.
 
-    def __init__(self, kind: str, total: int, stream: TextIO | None = None) -> None:
+    ``mode``: ``live`` (a terminal: each host in flight with its step and how long it has been at
+    it, redrawn, and the finished lines above), ``lines`` (not a terminal: a timestamped line each
+    time a host's step changes, a long wait's line again every ``LINE_EVERY_S``), ``json`` (the
+    same as JSON lines, for ``--json``); ``auto`` picks live or lines by whether stderr is a
+    terminal."""
+
+    LINE_EVERY_S = 15.0
+    LINE_MIN_S = 2.0
+
+    def __init__(self, kind: str, total: int, stream: TextIO | None = None, mode: str = "auto") -> None:
         self.kind = kind
         self.total = total
         self.stream = stream or sys.stderr
         self.done = 0
         self.started = time.monotonic()
         self._lock = threading.Lock()
+        if mode == "auto":
+            term = os.environ.get("TERM", "")
+            mode = "live" if self.stream.isatty() and term not in ("", "dumb") else "lines"
+        self.mode = mode
+        self._steps: dict[str, tuple[Step, float]] = {}  # host -> its step, and since when
+        self._shown: dict[str, tuple[str, float, str]] = {}  # host -> step last printed, when, its detail
+        self._live: Any = None
+
+    # --- events ---------------------------------------------------------------------------
 
     def __call__(self, report: HostReport, event: str) -> None:
-        if event != "done":
-            return
         with self._lock:
+            if event == "start":
+                self._steps.setdefault(report.name, (Step(report.name, "starting"), time.monotonic()))
+                self._start_live()
+                return
+            if event != "done":
+                return
             self.done += 1
-            mark = "ok  " if report.ready else "FAIL"
-            gate = report.failed_gate
-            if gate is None and "acceptance" in report.gates:
-                gate = "acceptance"  # READY: show the measured tau
-            detail = report.gates[gate].detail if gate else _last_detail(report)
-            label = f"{gate}: " if gate else ""
-            self.stream.write(
-                f"[{self.done:>{len(str(self.total))}}/{self.total}] {mark} {report.name}  {label}{detail}"
-                f"  ({report.duration_s:.2f} s)\n"
-            )
+            self._steps.pop(report.name, None)
+            self._write_done(report)
+            if self.done >= self.total:
+                self._stop_live()
+
+    def step(self, step: Step) -> None:
+        with self._lock:
+            now = time.monotonic()
+            before = self._steps.get(step.host)
+            since = before[1] if before is not None and before[0].what == step.what else now
+            self._steps[step.host] = (step, since)
+            if self.mode == "live":
+                return  # drawn at the next refresh
+            shown = self._shown.get(step.host)
+            if shown is not None and shown[0] == step.what:
+                age = now - shown[1]
+                if age < self.LINE_EVERY_S and (shown[2] == step.detail or age < self.LINE_MIN_S):
+                    return  # the same step: a new detail at most every 2 s, the same one every 15 s
+            self._shown[step.host] = (step.what, now, step.detail)
+            if self.mode == "json":
+                data = {"at": time.time(), "host": step.host, "step": step.what, "detail": step.detail}
+                if step.elapsed_s is not None:
+                    data["elapsed_s"] = step.elapsed_s
+                self.stream.write(json.dumps(data) + "\n")
+            else:
+                said = step.describe()
+                self.stream.write(f"{_clock()} {step.host}  {step.what}{': ' + said if said else ''}\n")
             self.stream.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop_live()
+
+    # --- output -----------------------------------------------------------------------------
+
+    def _write_done(self, report: HostReport) -> None:
+        mark = "ok  " if report.ready else "FAIL"
+        gate = report.failed_gate
+        if gate is None and "acceptance" in report.gates:
+            gate = "acceptance"  # READY: show the measured tau
+        detail = report.gates[gate].detail if gate else _last_detail(report)
+        if self.mode == "json":
+            data = {
+                "at": time.time(),
+                "host": report.name,
+                "step": "done",
+                "ready": report.ready,
+                "gate": gate,
+                "detail": detail,
+                "seconds": round(report.duration_s, 2),
+            }
+            self.stream.write(json.dumps(data) + "\n")
+            self.stream.flush()
+            return
+        label = f"{gate}: " if gate else ""
+        line = (
+            f"[{self.done:>{len(str(self.total))}}/{self.total}] {mark} {report.name}  {label}{detail}"
+            f"  ({report.duration_s:.2f} s)"
+        )
+        if self._live is not None:
+            self._live.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def _start_live(self) -> None:
+        if self.mode != "live" or self._live is not None:
+            return
+        from rich.console import Console  # only on a terminal: ~70 ms of imports
+        from rich.live import Live
+
+        console = Console(file=self.stream)
+        self._live = Live(console=console, get_renderable=self._render, refresh_per_second=4, transient=True)
+        self._live.start()
+
+    def _stop_live(self) -> None:
+        if self._live is not None:
+            live, self._live = self._live, None
+            live.stop()
+
+    def _render(self) -> Any:
+        from rich.table import Table
+
+        # No lock here: Live's refresh thread holds its own lock while it calls this, and a worker
+        # thread may hold ours while it prints through Live. Copying a dict's values is atomic.
+        now = time.monotonic()
+        rows = sorted(list(self._steps.values()), key=lambda item: item[0].host)
+        done = self.done
+        table = Table(box=None, show_header=False, pad_edge=False, expand=False)
+        # Host, step and time keep their width; the detail (a log line) gets what is left.
+        host_w = max((len(step.host) for step, _ in rows), default=4)
+        step_w = max((len(step.what) for step, _ in rows), default=4)
+        table.add_column("host", style="bold", no_wrap=True, min_width=host_w)
+        table.add_column("step", no_wrap=True, min_width=step_w)
+        table.add_column("for", justify="right", no_wrap=True, min_width=6)
+        table.add_column("detail", overflow="ellipsis", no_wrap=True)
+        for step, since in rows:
+            table.add_row(step.host, step.what, f"{now - since:.0f} s", step.detail)
+        table.caption = f"{self.kind}: {done}/{self.total} done, {now - self.started:.0f} s"
+        return table
+
+
+def _clock() -> str:
+    return time.strftime("%H:%M:%S")
 
 
 def _last_detail(report: HostReport) -> str:

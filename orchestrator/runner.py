@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator import plan, protocol, serving
-from orchestrator.agent import AgentClient
+from orchestrator.agent import AgentClient, Event
 from orchestrator.connector import Connections, RetryPolicy
 from orchestrator.containers import spec_for
 from orchestrator.errors import AgentError, AgentProtocolError, LxdError, OrchestratorError, TransportError
@@ -43,8 +43,39 @@ Progress = Callable[[HostReport, str], None]
 Say = Callable[[str], None]
 
 
+@dataclass(frozen=True)
+class Step:
+    """What a host is doing now, for people watching a long run: "waiting for health", "41 s: ..."."""
+
+    host: str
+    what: str
+    detail: str = ""  # the server log's last line, "prompt 2 of 3", "1.20 of 4.00 GB"
+    elapsed_s: float | None = None  # the host's own count of a wait (the agent's)
+
+    def describe(self) -> str:
+        parts = [f"{self.elapsed_s:.0f} s" if self.elapsed_s is not None else "", self.detail]
+        return ": ".join(p for p in parts if p)
+
+
+Steps = Callable[[Step], None]
+
+
+def no_steps(_step: Step) -> None:
+    """``Steps`` that show nothing (library use)."""
+
+
 def quiet(_message: str) -> None:
     """A ``Say`` that says nothing (library use)."""
+
+
+def step_of(host: str, event: Event) -> Step:
+    """The agent's event in the user's words."""
+    what = protocol.STEP_WORDS.get(event.op, event.op)
+    if event.op == "wait_health" and event.elapsed_s is not None:
+        return Step(host, what, event.log or "", event.elapsed_s)
+    if event.op == "probe" and event.done is not None and event.of:
+        return Step(host, what, f"prompt {event.done + 1} of {event.of}")
+    return Step(host, what)
 
 
 @dataclass(frozen=True)
@@ -58,6 +89,8 @@ class RunOptions:
     # Set (by a first Ctrl-C): start nothing new; what is in flight finishes, bounded by its own
     # deadlines, and the run reports what happened.
     interrupt: threading.Event = field(default_factory=threading.Event, compare=False)
+    # What each host is doing, as it changes (the CLI's live progress).
+    steps: Steps = field(default=no_steps, compare=False)
 
 
 class Node:
@@ -244,6 +277,7 @@ class Run:
     client: AgentClient
     containers: ContainerGate
     say: Say
+    steps: Steps = no_steps
     owner: str = field(default_factory=lambda: f"{getpass.getuser()}@{socket.gethostname()}")
     # What several nodes share and is done once for all of them (a model pushed to a GPU host
     # whose containers mount it): key -> the outcome, under its own lock.
@@ -253,6 +287,8 @@ class Run:
     def locate(self, node: Node) -> bool:
         """The containers gate, once per node per run; False when the node cannot be reached."""
         if not node.located:
+            if node.target.container.lxd is not None and not self.containers.skip:
+                self.step(node, "checking its container")
             reachable = self.containers.locate(node.target, node.report)
             if reachable is None:
                 return False
@@ -261,9 +297,14 @@ class Run:
 
     def batch(self, node: Node, ops: list[protocol.Op[Any]]) -> protocol.Answers:
         """One round trip to a node; it answered, so it is connected."""
-        answers = self.client.batch(node.target, ops)
+        events = None if self.steps is no_steps else (lambda e: self.steps(step_of(node.name, e)))
+        answers = self.client.batch(node.target, ops, events=events)
         node.report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
         return answers
+
+    def step(self, node: Node | str, what: str, detail: str = "") -> None:
+        """Say what a node is doing now (the controller's own steps: the agent's come as events)."""
+        self.steps(Step(node if isinstance(node, str) else node.name, what, detail))
 
     def note(self, unit: Unit, message: str) -> None:
         """Progress of a group's steps (a single host's one line per host says enough)."""
@@ -316,6 +357,7 @@ def execute(
             AgentClient(connections),
             ContainerGate(inventory, playbook, ensure=kind == "deploy", skip=options.skip_containers),
             say,
+            options.steps,
         )
 
         def one(unit: Unit) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import paramiko
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from orchestrator.connector import Command, Counters, Feed, Result, RetryPolicy, StderrTail, Stdin
+from orchestrator.connector import Command, Counters, Feed, OnStderr, Result, RetryPolicy, StderrTail, Stdin
 from orchestrator.errors import (
     AuthenticationFailed,
     CommandTimeout,
@@ -217,9 +217,17 @@ class SshTransport:
 
     # --- public --------------------------------------------------------------------------
 
-    def run(self, target: Target, command: Command, stdin: Stdin = b"", timeout: float | None = None) -> Result:
+    def run(
+        self,
+        target: Target,
+        command: Command,
+        stdin: Stdin = b"",
+        timeout: float | None = None,
+        on_stderr: OnStderr | None = None,
+    ) -> Result:
         """Run one command, retrying transient failures with a fresh connection (not when stdin is
-        a stream: it cannot be sent again; its caller resumes instead)."""
+        a stream: it cannot be sent again; its caller resumes instead). ``on_stderr``: each chunk
+        of stderr as it arrives (progress), besides the whole stream in the result."""
         counters = self.counters(target.name)
         retrying = Retrying(
             retry=retry_if_exception(lambda exc: isinstance(exc, TransportError) and exc.transient),
@@ -228,7 +236,7 @@ class SshTransport:
             before_sleep=lambda _state: self._note_retry(target, counters),
             reraise=True,
         )
-        return retrying(self._run_once, target, command, stdin, timeout)
+        return retrying(self._run_once, target, command, stdin, timeout, on_stderr)
 
     def open(self, target: Target, command: Command) -> _SshSession:
         """Start ``command`` for a long conversation (``connector.Session``), over the target's
@@ -434,7 +442,9 @@ class SshTransport:
 
     # --- commands ----------------------------------------------------------------------
 
-    def _run_once(self, target: Target, command: Command, stdin: Stdin, timeout: float | None) -> Result:
+    def _run_once(
+        self, target: Target, command: Command, stdin: Stdin, timeout: float | None, on_stderr: OnStderr | None
+    ) -> Result:
         name = target.name
         t = self._connection(target)
         limit = timeout if timeout is not None else target.container.ssh.command_timeout
@@ -446,12 +456,19 @@ class SshTransport:
             raise ConnectionLost(name, f"could not open a session: {exc or type(exc).__name__}") from exc
         counters.execs += 1
         try:
-            return self._exchange(name, chan, command, stdin, limit, counters)
+            return self._exchange(name, chan, command, stdin, limit, counters, on_stderr)
         finally:
             chan.close()
 
     def _exchange(
-        self, name: str, chan: paramiko.Channel, command: Command, stdin: Stdin, limit: float, counters: Counters
+        self,
+        name: str,
+        chan: paramiko.Channel,
+        command: Command,
+        stdin: Stdin,
+        limit: float,
+        counters: Counters,
+        on_stderr: OnStderr | None = None,
     ) -> Result:
         """Send stdin while draining stdout/stderr, so a command that answers as it reads never stalls us.
 
@@ -493,7 +510,10 @@ class SshTransport:
                     out += chan.recv(1 << 16)
                     progressed = True
                 while chan.recv_stderr_ready():
-                    err += chan.recv_stderr(1 << 16)
+                    chunk = chan.recv_stderr(1 << 16)
+                    err += chunk
+                    if on_stderr is not None:
+                        on_stderr(chunk)
                     progressed = True
                 # EOF is set only after every data packet before it was buffered (one transport
                 # thread, in order), so once it is in and the buffers are empty, nothing is missing.

@@ -56,6 +56,22 @@ _held_locks = []
 _batch = {}
 
 
+EVENT = b"@dflash-event "
+_events = [True]  # off in a session: nobody is waiting on its rounds' progress
+
+
+def _event(fields):
+    """A progress event for the controller, on stderr as one line (stdout carries the answer
+    alone). Best effort: a closed stderr only loses the progress."""
+    if not _events[0]:
+        return
+    try:
+        sys.stderr.buffer.write(EVENT + _dumps(fields).encode("utf-8", "backslashreplace") + b"\n")
+        sys.stderr.buffer.flush()
+    except (OSError, ValueError):
+        pass
+
+
 class OpError(Exception):
     """A failure to report to the controller as data."""
 
@@ -1638,6 +1654,8 @@ def op_wait_health(req):
         else:
             # connection refused while the process lives: the engine is still loading
             last = "/health: %s" % (text[:200] if status is None else status)
+        _event({"op": "wait_health", "elapsed_s": round(time.monotonic() - started, 1),
+                "log": _log_tail(record["log"], 1)[-200:]})
         if time.monotonic() > deadline:
             raise OpError("unhealthy", "not healthy after %.0f s (%s); last lines of %s:\n%s"
                           % (time.monotonic() - started, last, record["log"], _log_tail(record["log"], 15)), record["log"])
@@ -1676,7 +1694,9 @@ def op_probe(req):
         raise OpError("probe", "GET /metrics failed: %s %s" % (before_status, before[:200]))
     completions = []
     started = time.monotonic()
-    for prompt in req.get("prompts") or []:
+    prompts = req.get("prompts") or []
+    for i, prompt in enumerate(prompts):
+        _event({"op": "probe", "done": i, "of": len(prompts)})
         body = {"model": req.get("model"), "prompt": prompt, "max_tokens": int(req.get("max_tokens", 64)),
                 "temperature": 0, "ignore_eos": True}
         status, text = _http(port, "POST", "/v1/completions", body, timeout=timeout)
@@ -1930,6 +1950,8 @@ def run(request):
             results.append({"op": name, "ok": False, "skipped": True})
             continue
         handler = OPS.get(name)
+        if handler is not None:
+            _event({"op": name})
         try:
             if handler is None:
                 raise OpError("unknown_op", "unknown operation %r" % (name,))
@@ -1991,6 +2013,7 @@ def _session(stdin):
     """A session (``orchestrate watch``): one process answers request after request, each answer
     framed by its length, until the controller closes stdin. No interpreter start or handshake
     per round."""
+    _events[0] = False
     _answer({"v": PROTOCOL_VERSION, "session": os.getpid(), "results": []}, True)
     while True:
         try:

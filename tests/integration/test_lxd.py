@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
+import signal
+import socket
 import subprocess
+import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.inventory import LxdEndpoint
 from orchestrator.lxd import LxdHost
@@ -254,3 +262,134 @@ def test_up_after_the_sandbox_state_was_lost_makes_the_leftover_containers_afres
         answer = in_container(box, name, "cat", "/root/.ssh/authorized_keys")
         assert answer.returncode == 0, answer.stderr
         assert box.client_key.with_suffix(".pub").read_text().split()[1] in answer.stdout
+
+
+class Watch:
+    """``orchestrate watch --json`` running as a user runs it, its rounds read as they come."""
+
+    def __init__(self, *args: str | Path, tmp_path: Path) -> None:
+        env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(tmp_path / "state"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "watch", *map(str, args), "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.rounds: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.rounds.put(json.loads(line))
+
+    def until(self, what: str, check: Any, within: float = 600) -> dict[str, Any]:
+        """The first round from now on whose only host passes ``check``."""
+        deadline = time.monotonic() + within
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no round showed {what} within {within:.0f} s; last: {self.seen[-1:]}"
+            try:
+                rnd = self.rounds.get(timeout=min(left, 5))
+            except queue.Empty:
+                assert self.proc.poll() is None, self.proc.stderr.read() if self.proc.stderr else ""
+                continue
+            self.seen.append(rnd)
+            (h,) = rnd["hosts"]
+            if check(h):
+                return h
+
+    def end(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+
+def traffic(box: LxdSandbox, name: str, requests: int = 6) -> None:
+    """A bounded load loop of completions from inside the container (the server listens on its loopback)."""
+    script = (
+        "import json, urllib.request\n"
+        f"for i in range({requests}):\n"
+        "    body = json.dumps({'model': 'tiny', 'prompt': 'def f%d():' % i, 'max_tokens': 64}).encode()\n"
+        "    req = urllib.request.Request('http://127.0.0.1:8000/v1/completions', body,"
+        " {'Content-Type': 'application/json'})\n"
+        "    assert urllib.request.urlopen(req, timeout=120).status == 200\n"
+    )
+    sent = in_container(box, name, "python3", "-c", script)
+    assert sent.returncode == 0, sent.stderr
+
+
+def scrape(port: int) -> dict[tuple[str, str], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, s.labels.get("dflash_orchestrator_host_state", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_watch_sees_the_founding_incident_replayed_on_real_vllm(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
+    """READY with a live tau near K + 1 from production traffic; then, out of band, the stale drafter
+    config lands (DRIFT, the changed field named), the server is restarted by hand with it (a
+    restart, not negative acceptance) and traffic shows tau near 1 (DEGRADED, --on-change told);
+    then the server killed (DOWN). Prometheus metrics scraped at READY and at DEGRADED."""
+    name = lxd_sandbox.nodes()[0].name
+    demo = REPO / "playbooks" / "sandbox.yaml"
+    inv = inventory(lxd_sandbox, tmp_path)
+    code, report, err = run("deploy", demo, "-i", inv, "--limit", name, tmp_path=tmp_path)
+    changes = tmp_path / "changes.jsonl"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    watch = None
+    try:
+        assert code == 0, (err, report and host(report, name)["gates"])
+        watch = Watch(
+            demo,
+            *("-i", inv, "--limit", name, "--interval", "2", "--metrics-port", str(port)),
+            *("--on-change", f"cat >> {changes}"),
+            tmp_path=tmp_path,
+        )
+        watch.until("READY", lambda h: h["state"] == "READY")
+        traffic(lxd_sandbox, name)
+        live = watch.until("a judged window", lambda h: h["live"] is not None)
+        assert live["state"] == "READY" and live["live"]["mean_acceptance_length"] > 7, live  # K = 7
+        metrics = scrape(port)
+        assert metrics[("dflash_orchestrator_host_state", "READY")] == 1
+        assert metrics[("dflash_orchestrator_mean_acceptance_length_tokens", "")] > 7
+
+        stale = "/opt/dflash-orchestrator/tiny-models/drafter-wrong-mask/config.json"
+        copied = in_container(lxd_sandbox, name, "cp", stale, "/srv/dflash/current/drafter/config.json")
+        assert copied.returncode == 0, copied.stderr
+        drift = watch.until("DRIFT", lambda h: h["state"] == "DRIFT")
+        assert "drafter/config.json: dflash_config.mask_token_id 5 -> 6" in drift["reasons"], drift
+
+        record = json.loads(in_container(lxd_sandbox, name, "cat", "/srv/dflash/run/dflash-serve.json").stdout)
+        restart = in_container(lxd_sandbox, name, "systemctl", "restart", record["unit"])
+        assert restart.returncode == 0, restart.stderr
+        back = watch.until("the restarted server healthy", lambda h: h["gates"].get("health", {}).get("ok"))
+        said = [h["restarted"] for r in watch.seen for h in r["hosts"] if h["restarted"]]
+        assert said and said[0].startswith("the server restarted (pid "), said
+        assert back["state"] == "DRIFT" and "restarted since READY" in back["gates"]["ready"]["detail"]
+        traffic(lxd_sandbox, name)
+        degraded = watch.until("DEGRADED", lambda h: h["state"] == "DEGRADED")
+        assert degraded["live"]["mean_acceptance_length"] < 1.5, degraded
+        metrics = scrape(port)
+        assert metrics[("dflash_orchestrator_host_state", "DEGRADED")] == 1
+        assert metrics[("dflash_orchestrator_mean_acceptance_length_tokens", "")] < 1.5
+        assert metrics[("dflash_orchestrator_files_in_drift", "")] == 1
+
+        killed = in_container(lxd_sandbox, name, "systemctl", "kill", "--signal=KILL", record["unit"])
+        assert killed.returncode == 0, killed.stderr
+        down = watch.until("DOWN", lambda h: h["state"] == "DOWN", within=120)
+        assert down["reasons"][0] == "the server is not running", down
+        told = [json.loads(line) for line in changes.read_text().splitlines()]
+        assert [(c["from"], c["to"]) for c in told][:1] == [("READY", "DRIFT")]
+        assert ("DRIFT", "DEGRADED") in [(c["from"], c["to"]) for c in told]
+        assert told[-1]["to"] == "DOWN" and told[-1]["evidence"]["host"] == name
+    finally:
+        if watch is not None:
+            assert watch.end() in (0, 1)
+        run("stop", demo, "-i", inv, "--limit", name, tmp_path=tmp_path)

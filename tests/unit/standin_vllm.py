@@ -22,7 +22,8 @@ exact commands the agent runs (``serving.python`` points at it):
 
 Acceptance depends on the drafter config the server was given, as it does for real: every draft is
 accepted when ``dflash_config.mask_token_id`` is ``$STANDIN_GOOD_MASK``, none otherwise.
-``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load. SIGHUP
+``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load;
+``$STANDIN_START_DELAY`` seconds pass before it listens, as a model loads. SIGHUP
 stands in for a restart behind our back where the server runs as a plain process: the drafter
 config is read again and the counters start again at zero (the pid stays, so the pidfile still
 names it).
@@ -36,6 +37,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -98,6 +100,10 @@ def serve(args: list[str]) -> None:
         return
     if os.environ.get("STANDIN_FAIL_START"):
         sys.exit("RuntimeError: Engine core initialization failed (stand-in told to fail)")
+    if os.environ.get("STANDIN_START_DELAY"):
+        # The model loading, as vLLM logs it, before the port is bound.
+        print("INFO Loading weights took 0.01 seconds (stand-in)", flush=True)
+        time.sleep(float(os.environ["STANDIN_START_DELAY"]))
     model = values.get("served-model-name", "dflash")
     spec = json.loads(values.get("speculative-config", "{}"))
     k = int(spec.get("num_speculative_tokens", 15))

@@ -12,7 +12,7 @@ import pytest
 import remote_agent
 from orchestrator import protocol
 from orchestrator.agent import AgentClient
-from orchestrator.connector import Command, Result
+from orchestrator.connector import Command, OnStderr, Result, Session
 from orchestrator.errors import AgentError, AgentProtocolError
 from orchestrator.inventory import Container, SshSettings, Target
 from orchestrator.serving import ServerCommand
@@ -127,8 +127,18 @@ class Scripted:
     def __init__(self, stdout: bytes) -> None:
         self.stdout = stdout
 
-    def run(self, target: Target, command: Command, stdin: bytes = b"", timeout: float | None = None) -> Result:
+    def run(
+        self,
+        target: Target,
+        command: Command,
+        stdin: bytes = b"",
+        timeout: float | None = None,
+        on_stderr: OnStderr | None = None,
+    ) -> Result:
         return Result(target.name, command, 0, self.stdout, b"")
+
+    def open(self, target: Target, command: Command) -> Session:
+        raise NotImplementedError("a scripted host answers single batches only")
 
     def close(self) -> None:
         pass
@@ -171,3 +181,7 @@ def test_a_failed_op_carries_the_answers_before_it() -> None:
 def test_a_malformed_batch_answer_is_a_protocol_error(stdout: bytes, why: str) -> None:
     with pytest.raises(AgentProtocolError, match=why):
         AgentClient(Scripted(stdout)).batch(TARGET, [protocol.lock("/r", "me", 1.0)])
+
+
+def test_every_operation_has_words_for_progress() -> None:
+    assert set(protocol.STEP_WORDS) == set(protocol.OPERATIONS)

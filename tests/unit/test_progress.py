@@ -1,0 +1,105 @@
+"""Progress people can watch: each host's current step while a deploy works, on a terminal (live,
+redrawn), as timestamped lines, or as JSON lines; through the CLI, the real agent's events and the
+stand-in server (its start delayed, as a model loads)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+from orchestrator.agent import Event, EventReader, read_event, without_events
+from tests.unit.localbox import Box
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def orchestrate(box: Box, *args: str) -> list[str]:
+    env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(box.dir / "state"), PYTHONPATH=str(REPO))
+    return [sys.executable, "-m", "orchestrator", *args], env  # type: ignore[return-value]
+
+
+def slow_playbook(box: Box) -> Path:
+    playbook = box.playbook(env={"STANDIN_GOOD_MASK": "5", "STANDIN_START_DELAY": "6"})
+    return playbook.file
+
+
+def test_a_deploy_on_a_terminal_shows_each_hosts_live_step_before_it_finishes(box: Box) -> None:
+    argv, env = orchestrate(box, "deploy", str(slow_playbook(box)), "-i", str(box.inventory_path))
+    env["TERM"] = "xterm-256color"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 columns
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    seen = b""
+    live_while_running = False
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the child closed its side
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+                if b"waiting for health" in seen and proc.poll() is None:
+                    live_while_running = True
+            elif proc.poll() is not None:
+                break
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    text = seen.decode("utf-8", "replace")
+    assert live_while_running, text[-2000:]
+    assert "\x1b[" in text  # drawn and redrawn on the terminal, not printed line by line
+    assert "solo" in text and "Loading weights" in text  # the server log's last line, while it loads
+    assert proc.returncode == 0 and b"READY" in out
+
+
+def test_without_a_terminal_steps_are_timestamped_lines_and_with_json_json_lines(box: Box) -> None:
+    argv, env = orchestrate(box, "deploy", str(slow_playbook(box)), "-i", str(box.inventory_path))
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    steps = [line.split("  ", 1)[1] for line in lines if line[:8].count(":") == 2 and " solo  " in line]
+    order = [s.split(":")[0] for s in steps]
+    for expected in ("staging the release", "launching the server", "waiting for health", "probing acceptance"):
+        assert expected in order, lines
+    assert order.index("launching the server") < order.index("waiting for health") < order.index("probing acceptance")
+    waits = [s for s in steps if s.startswith("waiting for health: ")]
+    assert any(s.split(": ", 2)[2].startswith("INFO Loading weights") for s in waits), done.stderr
+
+    argv, env = orchestrate(box, "verify", str(slow_playbook(box)), "-i", str(box.inventory_path), "--json")
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert {"reading the served files back", "done"} <= {e["step"] for e in events}
+    assert all(e["host"] == "solo" and isinstance(e["at"], float) for e in events)
+    assert events[-1]["step"] == "done" and events[-1]["ready"] is True
+    assert json.loads(done.stdout)["hosts"][0]["name"] == "solo"  # stdout: the result alone
+
+
+def test_event_lines_are_read_warily_and_kept_out_of_error_messages() -> None:
+    got: list[Event] = []
+    reader = EventReader(got.append)
+    for chunk in (b'@dflash-event {"op": "wait_', b'health", "elapsed_s": 4.5, "log": "x"}\nwarn', b"ing\n"):
+        reader(chunk)
+    assert got == [Event("wait_health", 4.5, "x")]
+    assert read_event(b'@dflash-event {"op": 3}') is None
+    assert read_event(b'@dflash-event {"op": "probe", "done": true, "of": "2"}') == Event("probe")
+    assert read_event(b"@dflash-event " + b"x" * 5000) is None
+    assert read_event(b"Traceback (most recent call last):") is None
+    assert without_events(b'@dflash-event {"op": "lock"}\nSyntaxError: bad\n') == b"SyntaxError: bad\n"
