@@ -249,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     for p in inv_parsers:
         _inventory_option(p)
 
+    rep = sub.add_parser(
+        "report", help="per host: releases, runs with their gates and times, tau over time (an HTML page with --html)"
+    )
+    rep.add_argument("--html", type=Path, default=None, metavar="FILE", help="write a self-contained HTML page")
+    rep.add_argument("--host", default=None, help="only this host")
+    rep.add_argument("--json", action="store_true")
+    rep.add_argument("--state-dir", type=Path, default=None)
     h = sub.add_parser("history", help="past runs from the state database")
     h.add_argument("--limit", type=_positive_int, default=20)
     h.add_argument("--host", default=None, help="only runs that touched this host")
@@ -463,6 +470,41 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.state == READY for r in last) else EXIT_NOT_READY
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from orchestrator import fleetreport
+
+    db = StateDB(args.state_dir)
+    try:
+        hosts = fleetreport.collect(
+            db.history(limit=1_000_000, host=args.host), db.samples(args.host), db.transitions(args.host)
+        )
+    finally:
+        db.close()
+    if args.host:
+        hosts = [h for h in hosts if h.name == args.host]
+    now = time.time()
+    if args.html is not None:
+        page = fleetreport.render_html(hosts, now).encode("utf-8")
+        tmp = args.html.with_name(f".{args.html.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_bytes(page)
+            os.replace(tmp, args.html)  # a reader never sees half a page
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise InputError(f"--html {args.html}: {exc.strerror or exc}") from None
+        _say(f"report: {len(hosts)} hosts in {args.html}")
+    if args.json:
+        render_json(fleetreport.to_json(hosts, now))
+    elif args.html is None:
+        for h in hosts:
+            last = h.samples[-1] if h.samples else None
+            tau = f"tau {last['mean_acceptance_length']:.2f} ({last['source']})" if last else "no tau yet"
+            run = h.runs[0] if h.runs else None
+            said = f"last run {run['kind']} {'ready' if run['host']['ready'] else 'not ready'}" if run else "no run"
+            print(f"{h.name:<20} {h.state or '-':<9} {tau:<24} {len(h.releases())} releases, {said}")
+    return EXIT_OK
+
+
 def _cmd_lint(args: argparse.Namespace) -> int:
     problems = dflash.lint(
         read_json(args.drafter),
@@ -615,6 +657,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_watch(args)
         if args.command == "history":
             return _cmd_history(args)
+        if args.command == "report":
+            return _cmd_report(args)
         if args.command == "lint":
             return _cmd_lint(args)
         if args.command == "inventory":

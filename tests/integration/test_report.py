@@ -1,0 +1,137 @@
+"""``orchestrate report --html``: the page opened in headless Chromium (Debian's package), from a
+state database filled by real runs (a deploy, a verify with its probe, watch rounds through the
+founding incident) on this machine's ``connection: local`` containers with the stand-in server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cli, fleetreport
+from orchestrator.state import StateDB
+from orchestrator.watcher import Watcher
+from tests.unit.localbox import OPTIONS, Box, make_box
+from tests.unit.test_watch import complete
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture
+def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Box]:
+    yield from make_box(tmp_path, monkeypatch)
+
+
+def chromium(*args: str) -> subprocess.CompletedProcess[bytes]:
+    """Headless, with the flags that keep it off the network (this machine's is closed)."""
+    if not CHROMIUM.exists():
+        pytest.fail("Debian's chromium is not installed: run scripts/bootstrap")
+    with tempfile.TemporaryDirectory() as profile:
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
+        flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+        return subprocess.run(
+            [str(CHROMIUM), *flags, f"--user-data-dir={profile}", *args], capture_output=True, timeout=120
+        )
+
+
+class Elements(HTMLParser):
+    """Every element of a page with its attributes, as the browser's DOM serialised them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, dict[str, str]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.found.append((tag, {k: v or "" for k, v in attrs}))
+
+    def having(self, tag: str, cls: str) -> list[dict[str, str]]:
+        return [a for t, a in self.found if t == tag and cls in a.get("class", "").split()]
+
+
+def test_the_report_renders_each_hosts_tau_over_time_with_its_bad_periods_shaded(box: Box, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    playbook = box.playbook()
+    common = ["-i", str(box.inventory_path), "--state-dir", str(state)]
+    assert cli.main(["deploy", str(playbook.file), *common]) == 0
+    assert cli.main(["verify", str(playbook.file), *common, "--probe"]) == 0
+    inv = box.inventory
+    w = Watcher(playbook, inv, inv.resolve(playbook.targets), OPTIONS)
+    db = StateDB(state)
+    try:
+        db.record_watch(*reversed(w.round()))  # READY
+        complete(box)
+        db.record_watch(*reversed(w.round()))  # READY, a window judged: tau 8
+        served = box.root("solo") / "current" / "drafter" / "config.json"
+        served.write_text(served.read_text().replace('"mask_token_id": 5', '"mask_token_id": 9'))
+        os.kill(box.pid("solo"), signal.SIGHUP)
+        db.record_watch(*reversed(w.round()))  # DRIFT
+        complete(box)
+        db.record_watch(*reversed(w.round()))  # DEGRADED: tau 1
+    finally:
+        w.close()
+        db.close()
+    page = tmp_path / "report.html"
+    assert cli.main(["report", "--html", str(page), "--state-dir", str(state)]) == 0
+
+    dumped = chromium("--dump-dom", page.as_uri())
+    assert dumped.returncode == 0, dumped.stderr.decode()[-2000:]
+    dom = Elements()
+    dom.feed(dumped.stdout.decode())
+    (section,) = dom.having("section", "host")
+    assert section["id"] == "host-solo"
+    (svg,) = dom.having("svg", "tau-chart")
+    assert svg["data-host"] == "solo"
+    sources = sorted(c["data-source"] for c in dom.having("circle", "sample"))
+    assert sources == ["deploy", "verify", "watch", "watch"]
+    assert dom.having("rect", "period-drift") and dom.having("rect", "period-degraded")
+    assert dom.having("polyline", "tau") and dom.having("table", "runs") and dom.having("table", "releases")
+
+    shot = tmp_path / "report.png"
+    taken = chromium(f"--screenshot={shot}", "--window-size=1000,900", page.as_uri())
+    assert taken.returncode == 0 and shot.exists(), taken.stderr.decode()[-2000:]
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1000
+    artifacts = os.environ.get("ORCHESTRATE_TEST_ARTIFACTS")
+    if artifacts:  # kept where CI or a person can look at it
+        Path(artifacts).mkdir(parents=True, exist_ok=True)
+        (Path(artifacts) / "report.png").write_bytes(png)
+
+    assert cli.main(["report", "--json", "--state-dir", str(state)]) == 0
+
+
+def test_nothing_a_host_said_becomes_markup() -> None:
+    hostile = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+    run = {
+        "id": 1,
+        "kind": "deploy",
+        "playbook": "p",
+        "release_id": hostile,
+        "started": 1.0,
+        "finished": 2.0,
+        "ok": False,
+        "hosts_total": 1,
+        "hosts_ready": 0,
+        "hosts": [
+            {
+                "name": "gpu-a",
+                "ready": False,
+                "release_id": hostile,
+                "changed": True,
+                "gates": {"files": {"ok": False, "detail": hostile}},
+                "duration_s": 1.0,
+            }
+        ],
+    }
+    sample = {"at": 2.0, "host": "gpu-a", "source": hostile, "release_id": hostile}
+    sample |= {"mean_acceptance_length": 1.0, "mean_acceptance_length_low": 1.0, "acceptance_rate": 0.0, "drafts": 9}
+    page = fleetreport.render_html(fleetreport.collect([run], [sample], []), 3.0)
+    assert "<script" not in page and "<img" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert json.dumps(fleetreport.to_json(fleetreport.collect([run], [sample], []), 3.0))
