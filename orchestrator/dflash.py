@@ -26,7 +26,7 @@ SPECULATORS = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 @dataclass(frozen=True)
 class Problem:
     field: str
-    severity: str  # "error" | "warning"
+    severity: str  # "error" | "warning" | "info" (said, costs nothing)
     message: str
     expected: Any = None
     actual: Any = None
@@ -174,6 +174,45 @@ def normalise(drafter: dict[str, Any]) -> Layout:
         block_field="block_size",
         problems=tuple(problems),
     )
+
+
+def mask_token_id(drafter: dict[str, Any]) -> int | None:
+    """The mask token id vLLM will use, wherever the layout keeps it (None: none, or not an id)."""
+    mask = normalise(drafter).config.get("dflash_config", {}).get("mask_token_id")
+    return mask if _int(mask) is not None and mask >= 0 else None
+
+
+# Roles a tokenizer gives tokens that appear in the target's own sequences.
+_SEQUENCE_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def mask_token_note(mask: int, field: str, token: Any) -> Problem:
+    """What the target's tokenizer says ``mask_token_id`` is (``token``: protocol.TokenFacts).
+
+    DFlash drafters fill the block they predict with the mask token's embedding, so it must be an
+    id the target never produces or reads in a real sequence: z-lab's Qwen3 drafters use 151669,
+    the first id past Qwen3's added tokens (a row of the embeddings no token has); the founding
+    incident's stale config pointed at another id. A token of the vocabulary, a non-special added
+    token, or the tokenizer's eos/bos/pad/unk token is a warning; an unused id or a dedicated
+    special token is named (info).
+    """
+    if token.kind == "none":
+        return Problem(field, "info", "no token of the target's tokenizer has this id (an unused row of its "
+                       "embeddings, as DFlash drafters are trained with)", actual=mask)  # fmt: skip
+    text = repr(token.content)
+    if token.kind == "vocab":
+        return Problem(field, "warning", f"is {text}, an ordinary token of the target's vocabulary: the target "
+                       "reads and writes it in normal text, and a drafter trained with another mask id accepts "
+                       "almost nothing", actual=mask,
+                       fix="the mask id of the drafter's training (an id no token has)")  # fmt: skip
+    roles = [r for r in token.roles if r in _SEQUENCE_ROLES]
+    if roles:
+        return Problem(field, "warning", f"is {text}, the tokenizer's {' and '.join(roles)}: it appears in "
+                       "the target's own sequences", actual=mask, fix="the mask id of the drafter's training")  # fmt: skip
+    if not token.special:
+        return Problem(field, "warning", f"is {text}, an added token that is not special: the target can "
+                       "read and write it in text", actual=mask, fix="the mask id of the drafter's training")  # fmt: skip
+    return Problem(field, "info", f"is {text}, a special token of the target's tokenizer", actual=mask)
 
 
 # Read as integers by transformers and vLLM: "16", true or 5120.0 in their place is not one.

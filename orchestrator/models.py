@@ -157,11 +157,30 @@ def read_models(
             problems.append(f"{link.remote_path} (served as {link.path}) has sha256 {link.sha256}, pinned {want}")
     config, target_problems = host_target_config(playbook, target)
     problems += target_problems
+    notes = mask_token_notes(playbook, target)
+    warnings = [f"{n.field}: {n.message}" for n in notes if n.severity == "warning"]
+    said = [
+        f"{n.field} {n.actual} {n.message}" if n.message.startswith("is ") else f"{n.field} {n.actual}: {n.message}"
+        for n in notes
+    ]
     if problems:
-        report.gates[GATE_MODELS] = Gate(False, "; ".join(problems))
+        report.gates[GATE_MODELS] = Gate(False, "; ".join(problems + said))
     else:
-        report.gates[GATE_MODELS] = Gate(True, "; ".join(parts) + (f"; {len(links)} links in sync" if links else ""))
+        detail = "; ".join(parts) + (f"; {len(links)} links in sync" if links else "")
+        report.gates[GATE_MODELS] = Gate(True, "; ".join([detail, *said]), {"warnings": warnings} if warnings else {})
     return config
+
+
+def mask_token_notes(playbook: Playbook, target: protocol.ModelFiles | None) -> list[dflash.Problem]:
+    """The drafter's mask token as the target's tokenizer on the host names it (nothing when the
+    target has no tokenizer files there, or was not read)."""
+    if target is None or not target.tokens or playbook.drafter is None:
+        return []
+    mask = dflash.mask_token_id(playbook.drafter.values)
+    token = target.tokens.get(mask) if mask is not None else None
+    if mask is None or token is None:
+        return []
+    return [dflash.mask_token_note(mask, dflash.normalise(playbook.drafter.values).mask_field, token)]
 
 
 def read_weights(

@@ -111,8 +111,16 @@ class ModelChecks:
         self.target = self.drafter = None
         if models.target is not None:
             m = models.target
+            mask = dflash.mask_token_id(playbook.drafter.values) if playbook.drafter is not None else None
             self.target = protocol.model_files(
-                root, m.role, m.path, _names(pins, m), config=True, rehash=rehash, record=record
+                root,
+                m.role,
+                m.path,
+                _names(pins, m),
+                config=True,
+                rehash=rehash,
+                record=record,
+                tokens=[mask] if mask is not None else (),
             )
         if models.drafter is not None and drafter:
             m = models.drafter

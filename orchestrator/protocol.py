@@ -176,6 +176,34 @@ class ModelFiles:
     release_id: str | None = None  # that release
     config: str | None = None  # config.json's text, when asked (None: the directory has none)
     headers: dict[str, dict[str, Any]] = field(default_factory=dict)  # safetensors file -> tensor -> dtype, shape
+    tokens: dict[int, TokenFacts] | None = None  # the ids asked, in its tokenizer (None: no tokenizer files)
+
+
+@dataclass(frozen=True)
+class TokenFacts:
+    """A token id as the model's tokenizer files know it."""
+
+    kind: str  # "added" (an added token), "vocab" (a token of the vocabulary), "none" (no token)
+    content: str | None = None
+    special: bool = False
+    roles: tuple[str, ...] = ()  # eos_token, pad_token ... when the tokenizer gives it one
+    vocab_size: int | None = None  # the vocabulary's size, for "none"
+
+
+def _token_facts(v: dict[str, Any]) -> TokenFacts:
+    kind = _field(v, "kind", str)
+    if kind not in ("added", "vocab", "none"):
+        raise AnswerError(f"'kind' is {kind!r}")
+    roles = _field(v, "roles", list, optional=True) or []
+    if not all(isinstance(r, str) for r in roles):
+        raise AnswerError("'roles' is not a list of names")
+    return TokenFacts(
+        kind,
+        _field(v, "content", str, optional=True),
+        bool(_field(v, "special", bool, optional=True)),
+        tuple(roles),
+        _field(v, "vocab_size", int, optional=True),
+    )
 
 
 @dataclass(frozen=True)
@@ -396,6 +424,9 @@ def _model_files(v: dict[str, Any]) -> ModelFiles:
     pins = _field(v, "pins", dict, optional=True)
     if pins is not None and not all(isinstance(k, str) and isinstance(d, str) for k, d in pins.items()):
         raise AnswerError("'pins' is not a mapping of paths to digests")
+    tokens = _field(v, "tokens", dict, optional=True)
+    if tokens is not None and not all(isinstance(k, str) and k.isdigit() for k in tokens):
+        raise AnswerError("'tokens' is not a mapping of token ids")
     return ModelFiles(
         _field(v, "path", str),
         tuple(files),
@@ -404,6 +435,7 @@ def _model_files(v: dict[str, Any]) -> ModelFiles:
         _field(v, "release_id", str, optional=True),
         _field(v, "config", str, optional=True),
         headers,
+        {int(k): _token_facts(_mapping(t, f"token {k}")) for k, t in tokens.items()} if tokens is not None else None,
     )
 
 
@@ -421,11 +453,13 @@ def model_files(
     rehash: bool = False,
     record: bool = False,
     skip: Sequence[str] = (),
+    tokens: Sequence[int] = (),
 ) -> Op[ModelFiles]:
     """A model directory's files (all, or those named) with their digests from the deploy root's
     digest cache or hashed now; its config.json (``config``); its safetensors headers
     (``headers``). ``record``: keep new digests in the cache (a deploy, under the lock). ``skip``:
-    files the release replaces (the drafter's config.json)."""
+    files the release replaces (the drafter's config.json). ``tokens``: ids to look up in its
+    tokenizer files (the drafter's mask token, in the target's)."""
     request = {
         "op": "model_files",
         "name": role,
@@ -437,6 +471,7 @@ def model_files(
         "rehash": rehash,
         "record": record,
         "skip": list(skip),
+        "tokens": list(tokens),
     }
     return Op(request, _model_files, budget_s=MODEL_HASH_TIMEOUT)
 

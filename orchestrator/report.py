@@ -201,6 +201,9 @@ def render_table(run: RunReport, stream: TextIO | None = None) -> None:
             stream.write(f"\n# {h.name}\n{diff}")
         for line in h.diagnosis:
             stream.write(f"{h.name}: diagnosis: {line}\n")
+        for gate_name, found in h.gates.items():
+            for warning in found.data.get("warnings") or []:
+                stream.write(f"{h.name}: warning ({gate_name}): {warning}\n")
 
 
 def render_json(data: Any, stream: TextIO | None = None) -> None:

@@ -699,6 +699,8 @@ def op_model_files(req):
     out = {"path": source, "files": files, "missing": missing, "pins": pins or None, "release_id": current}
     if req.get("config"):
         out["config"] = _read_small(os.path.join(source, "config.json"))
+    if req.get("tokens"):
+        out["tokens"] = _name_tokens(source, [t for t in req["tokens"] if isinstance(t, int)])
     if req.get("headers"):
         out["headers"] = dict(
             (f["path"], _safetensors_header(os.path.join(source, f["path"])))
@@ -707,6 +709,67 @@ def op_model_files(req):
         )
     if req.get("record"):
         digests.save()
+    return out
+
+
+TOKENIZER_LIMIT = 64 * CHUNK  # tokenizer.json of a 250k vocabulary is ~20 MB
+
+
+def _json_file(path, limit):
+    import json
+
+    text = _read_small(path, limit)
+    if text is None:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _name_tokens(source, ids):
+    """What each token id is in the model's tokenizer files: an added token (its text, special or
+    not, and the roles tokenizer_config.json gives it: eos_token ...), a token of the vocabulary,
+    or none at all; None when the directory has no tokenizer files."""
+    config = _json_file(os.path.join(source, "tokenizer_config.json"), 16 * CHUNK)
+    tokenizer = _json_file(os.path.join(source, "tokenizer.json"), TOKENIZER_LIMIT)
+    if config is None and tokenizer is None:
+        return None
+    added = {}
+    for item in (tokenizer or {}).get("added_tokens") or []:
+        if isinstance(item, dict) and isinstance(item.get("id"), int):
+            added[item["id"]] = (str(item.get("content")), bool(item.get("special")))
+    decoder = (config or {}).get("added_tokens_decoder")
+    for key, item in (decoder if isinstance(decoder, dict) else {}).items():
+        if isinstance(item, dict) and str(key).isdigit():
+            added.setdefault(int(key), (str(item.get("content")), bool(item.get("special"))))
+    roles = {}
+    for role in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = (config or {}).get(role)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            roles.setdefault(value, []).append(role)
+    vocab = ((tokenizer or {}).get("model") or {}).get("vocab")
+    by_id = None
+    out = {}
+    for token_id in ids:
+        if token_id in added:
+            content, special = added[token_id]
+            out[str(token_id)] = {"kind": "added", "content": content[:100], "special": special,
+                                  "roles": roles.get(content, [])}
+            continue
+        if by_id is None:
+            by_id = {}
+            if isinstance(vocab, dict):  # BPE and WordPiece: token -> id
+                wanted = set(ids)
+                by_id = dict((v, k) for k, v in vocab.items() if v in wanted)
+            elif isinstance(vocab, list):  # Unigram: [[token, score], ...]
+                by_id = dict((i, e[0]) for i, e in enumerate(vocab) if i in ids and isinstance(e, list) and e)
+        if token_id in by_id:
+            out[str(token_id)] = {"kind": "vocab", "content": str(by_id[token_id])[:100]}
+        else:
+            out[str(token_id)] = {"kind": "none", "vocab_size": len(vocab) if isinstance(vocab, (dict, list)) else None}
     return out
 
 

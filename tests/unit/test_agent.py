@@ -411,3 +411,34 @@ def test_a_session_that_is_sent_garbage_says_so_and_ends(tmp_path: Path) -> None
     with pytest.raises(ConnectionLost, match="the agent ended its session"):
         session._frame(time.monotonic() + 10)
     session.close()
+
+
+def test_token_ids_are_named_from_the_tokenizer_files_whatever_their_model(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    op = {"op": "model_files", "root": str(tmp_path / "root"), "path": str(model), "tokens": [0, 2, 9, 11]}
+    assert run([op])[0]["result"]["tokens"] is None  # no tokenizer files: nothing to name
+    unigram = {
+        "added_tokens": [{"id": 9, "content": "<mask>", "special": True}],
+        "model": {"type": "Unigram", "vocab": [["<unk>", 0.0], ["a", -1.0], ["b", -2.0]]},
+    }
+    (model / "tokenizer.json").write_text(json.dumps(unigram))
+    (model / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "unk_token": "<unk>",
+                "added_tokens_decoder": {"11": {"content": "<eos>", "special": True}},
+                "eos_token": {"content": "<eos>"},
+            }
+        )
+    )
+    tokens = run([op])[0]["result"]["tokens"]
+    assert tokens == {
+        "0": {"kind": "vocab", "content": "<unk>"},
+        "2": {"kind": "vocab", "content": "b"},
+        "9": {"kind": "added", "content": "<mask>", "special": True, "roles": []},
+        "11": {"kind": "added", "content": "<eos>", "special": True, "roles": ["eos_token"]},
+    }
+    (model / "tokenizer.json").write_text("{not json")
+    assert run([op])[0]["result"]["tokens"]["0"] == {"kind": "none", "vocab_size": None}

@@ -302,3 +302,11 @@ def test_a_num_target_layers_of_another_target_is_a_warning_not_an_error() -> No
     found = dflash.lint(edited(num_target_layers=48), TARGET)
     assert "num_target_layers" not in errors(found)
     assert (warnings(found)["num_target_layers"].expected, warnings(found)["num_target_layers"].actual) == (64, 48)
+
+
+def test_mask_token_id_is_found_in_every_layout() -> None:
+    assert dflash.mask_token_id({"dflash_config": {"mask_token_id": 151669}}) == 151669
+    assert dflash.mask_token_id({"eagle_config": {"mask_token_id": 7}}) == 7
+    assert dflash.mask_token_id({"speculators_model_type": "dflash", "mask_token_id": 9}) == 9
+    assert dflash.mask_token_id({"dflash_config": {"mask_token_id": "151669"}}) is None
+    assert dflash.mask_token_id({}) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +217,49 @@ def test_another_model_directory_is_pinned_afresh_not_drift(box: Box) -> None:
     assert run.ok, solo.gates
     assert f"drafter {other}: 2 files" in solo.gates["models"].detail and "recorded now" in solo.gates["models"].detail
     assert "pinned by release" in solo.gates["models"].detail  # the target's pins carried over
+
+
+def tokenizer_files(target: Path, added: list[dict[str, Any]], vocab: dict[str, int], **config: Any) -> None:
+    """A target's tokenizer as Hugging Face writes it: tokenizer.json (added tokens and the BPE
+    vocabulary) and tokenizer_config.json (the roles)."""
+    (target / "tokenizer.json").write_text(
+        json.dumps({"added_tokens": added, "model": {"type": "BPE", "vocab": vocab}})
+    )
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_the_mask_token_is_named_from_the_targets_tokenizer_on_the_host(box: Box) -> None:
+    """The seed incident's other half: nothing said which token mask_token_id was. On the host, the
+    target's tokenizer names it; an ordinary token, or one the target's sequences hold, is a warning
+    (the gate passes: the numbers decide, but the user is told where to look)."""
+    base, _ = model_dirs(box)
+    vocab = {f"tok{i}": i for i in range(5)}  # the localbox drafter's mask is 5
+    eos = {"id": 7, "content": "<|endoftext|>", "special": True}
+
+    def models_gate(name: str, added: list[dict[str, Any]], words: dict[str, int], **config: Any) -> Any:
+        target = base.with_name(f"target-{name}")  # a directory of its own: pinned afresh
+        shutil.copytree(base, target)
+        tokenizer_files(target, added, words, **config)
+        report = host(deploy(box, with_models(box, target={"path": str(target)})), "solo")
+        assert report.ready, report.gates
+        return report.gates["models"]
+
+    gate = models_gate("unused", [eos], vocab, eos_token="<|endoftext|>")
+    assert "dflash_config.mask_token_id 5: no token of the target's tokenizer has this id" in gate.detail
+    assert "warnings" not in gate.data
+
+    gate = models_gate("ordinary", [eos], {**vocab, "the": 5})
+    assert "dflash_config.mask_token_id 5 is 'the', an ordinary token" in gate.detail
+    assert gate.data["warnings"] == [
+        "dflash_config.mask_token_id: is 'the', an ordinary token of the target's vocabulary: the target reads and"
+        " writes it in normal text, and a drafter trained with another mask id accepts almost nothing"
+    ]
+    gate = models_gate("pad", [{**eos, "id": 5}], vocab, pad_token={"content": "<|endoftext|>"})
+    assert "is '<|endoftext|>', the tokenizer's pad_token" in gate.data["warnings"][0]
+    gate = models_gate("plain-added", [{"id": 5, "content": "<think>", "special": False}], vocab)
+    assert "is '<think>', an added token that is not special" in gate.data["warnings"][0]
+    gate = models_gate("special", [{"id": 5, "content": "<|mask|>", "special": True}], vocab)
+    assert "dflash_config.mask_token_id 5 is '<|mask|>', a special token" in gate.detail and not gate.data
+
+    silent = host(deploy(box, with_models(box, target={"path": str(base)})), "solo").gates["models"]
+    assert "mask_token_id" not in silent.detail  # no tokenizer files: nothing to say

@@ -97,9 +97,14 @@ GOOD = {
     },
     "stop": {"stopped": None, "gone": True},
     "serving_status": {"server": {"pid": 7, "alive": True, "release_id": "R1"}, "health": 200, "ready": None},
+    "model_files": {"path": "/m", "files": [], "missing": [], "tokens": {"5": {"kind": "none", "vocab_size": 9}}},
 }
+MODEL_DIR = GOOD["model_files"]
 BAD = [
     ("lock", {}, "'waited_s' is missing"),
+    ("model_files", {**MODEL_DIR, "tokens": {"x": {"kind": "none"}}}, "'tokens' is not a mapping of token ids"),
+    ("model_files", {**MODEL_DIR, "tokens": {"5": {"kind": "evil"}}}, "'kind' is 'evil'"),
+    ("model_files", {**MODEL_DIR, "tokens": {"5": {"kind": "added", "roles": [1]}}}, "'roles' is not a list"),
     ("lock", {"waited_s": "soon"}, "'waited_s' is str, expected float"),
     ("stop", {"stopped": True, "gone": True}, "'stopped' is bool, expected int"),
     (
