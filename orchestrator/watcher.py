@@ -204,7 +204,7 @@ class OnChange:
     def __call__(self, transition: Transition) -> None:
         import json
 
-        data = json.dumps(transition.to_json()).encode()
+        data = (json.dumps(transition.to_json()) + "\n").encode()  # one JSON line: appends make JSON Lines
         try:
             done = subprocess.run(
                 ["/bin/sh", "-c", self.command],

@@ -278,7 +278,8 @@ def test_watch_once_through_the_cli_runs_on_change_and_records(
     changes = tmp_path / "changes.jsonl"
     state = tmp_path / "state"
     argv = ["watch", str(playbook.file), "-i", str(box.inventory_path), "--once", "--json", "--state-dir", str(state)]
-    code = cli.main([*argv, "--on-change", f"cat >> {changes}"])
+    argv += ["--on-change", f"cat >> {changes}"]
+    code = cli.main(argv)
     assert code == 1
     out = json.loads(capsys.readouterr().out)
     (host,) = out["hosts"]
@@ -297,3 +298,8 @@ def test_watch_once_through_the_cli_runs_on_change_and_records(
     served.write_text("release notes\n")
     assert cli.main(argv) == 0  # READY again: no change command for a host that starts fine
     assert json.loads(capsys.readouterr().out)["hosts"][0]["state"] == READY
+    assert changes.read_text().count("\n") == 1
+    assert cli.main([a for a in argv if a != "--json"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["HOST", "STATE", "RELEASE", "DETAIL"] and table[1].split()[:2] == ["solo", READY]
+    assert table[-1] == "watch: 1/1 hosts READY"
