@@ -149,6 +149,9 @@ class NcclGate:
 class Gates:
     acceptance: AcceptanceGate = AcceptanceGate()
     nccl: NcclGate = NcclGate()
+    # watch's judgement of production traffic: the acceptance gate's thresholds unless set apart
+    # (traffic sampled at temperature > 0 accepts fewer drafted tokens than the greedy probe).
+    live: AcceptanceGate = AcceptanceGate()
 
 
 @dataclass(frozen=True)
@@ -453,22 +456,35 @@ def _multi_node(f: Field) -> MultiNode:
     )
 
 
+def _rate(f: Field, default: float | None) -> float | None:
+    rate: float | None = f.number(default, minimum=0)
+    if rate is not None and rate > 1:
+        raise f.error("a rate between 0 and 1")
+    return rate
+
+
 def _gates(f: Field) -> Gates:
-    f.mapping({"acceptance", "nccl"})
+    f.mapping({"acceptance", "nccl", "live"})
     nccl = f["nccl"].mapping({"min_busbw_gbps", "timeout_s"})
     a = f["acceptance"].mapping(
         {"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts", "prompts", "max_tokens"}
     )
-    rate = a["min_acceptance_rate"].number(None, minimum=0)
-    if rate is not None and rate > 1:
-        raise a["min_acceptance_rate"].error("a rate between 0 and 1")
+    acceptance = AcceptanceGate(
+        min_mean_acceptance_length=a["min_mean_acceptance_length"].number(3.0, minimum=1),
+        min_acceptance_rate=_rate(a["min_acceptance_rate"], None),
+        min_drafts=a["min_drafts"].int(50, minimum=1),
+        prompts=a["prompts"].str_list(()),
+        max_tokens=a["max_tokens"].int(128, minimum=1, maximum=4096),
+    )
+    live = f["live"].mapping({"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts"})
     return Gates(
-        acceptance=AcceptanceGate(
-            min_mean_acceptance_length=a["min_mean_acceptance_length"].number(3.0, minimum=1),
-            min_acceptance_rate=rate,
-            min_drafts=a["min_drafts"].int(50, minimum=1),
-            prompts=a["prompts"].str_list(()),
-            max_tokens=a["max_tokens"].int(128, minimum=1, maximum=4096),
+        acceptance=acceptance,
+        live=AcceptanceGate(
+            min_mean_acceptance_length=live["min_mean_acceptance_length"].number(
+                acceptance.min_mean_acceptance_length, minimum=1
+            ),
+            min_acceptance_rate=_rate(live["min_acceptance_rate"], acceptance.min_acceptance_rate),
+            min_drafts=live["min_drafts"].int(acceptance.min_drafts, minimum=1),
         ),
         nccl=NcclGate(
             min_busbw_gbps=nccl["min_busbw_gbps"].number(None, minimum=0),

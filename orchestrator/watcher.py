@@ -61,7 +61,7 @@ class Watcher:
         seen = [f.result() for f in futures]
         rounds, transitions = [], []
         for w, s in zip(self.watched, seen, strict=True):
-            w.host, rnd, change = step(w.host, s, self.playbook.gates.acceptance)
+            w.host, rnd, change = step(w.host, s, self.playbook.gates.live)
             rounds.append(rnd)
             if change is not None:
                 transitions.append(change)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from orchestrator import cli, fleetreport
 from orchestrator.state import StateDB
 from orchestrator.watcher import Watcher
 from tests.unit.localbox import OPTIONS, Box, make_box
-from tests.unit.test_watch import complete
+from tests.unit.test_watch import complete, restart_by_hand
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -70,7 +69,7 @@ def test_the_report_renders_each_hosts_tau_over_time_with_its_bad_periods_shaded
         db.record_watch(*reversed(w.round()))  # READY, a window judged: tau 8
         served = box.root("solo") / "current" / "drafter" / "config.json"
         served.write_text(served.read_text().replace('"mask_token_id": 5', '"mask_token_id": 9'))
-        os.kill(box.pid("solo"), signal.SIGHUP)
+        restart_by_hand(box)
         db.record_watch(*reversed(w.round()))  # DRIFT
         complete(box)
         db.record_watch(*reversed(w.round()))  # DEGRADED: tau 1

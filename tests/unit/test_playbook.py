@@ -162,3 +162,25 @@ def test_models_without_a_server_serve_nothing(tmp_path: Path) -> None:
     text = GOOD.replace("serving:\n  port: 8100\n  extra_args: [--enforce-eager]\n", "")
     pb = load_playbook(setup(tmp_path, text + "models:\n  target: {path: /models/T}\n"))
     assert pb.serving.target is None  # files and models only: nothing is launched
+
+
+def test_the_live_gate_defaults_to_the_acceptance_gate_and_can_be_set_apart(tmp_path: Path) -> None:
+    (tmp_path / "c.json").write_text("{}")
+    base = "name: x\ntargets: [a]\ndeploy_root: /srv/x\nfiles: [{src: c.json, dest: c.json}]\n"
+    path = tmp_path / "p.yaml"
+    path.write_text(base + "gates: {acceptance: {min_mean_acceptance_length: 5, min_drafts: 20}}\n")
+    gates = load_playbook(path).gates
+    assert (gates.live.min_mean_acceptance_length, gates.live.min_drafts) == (5.0, 20)
+    path.write_text(
+        base
+        + "gates:\n  acceptance: {min_drafts: 20}\n  live: {min_mean_acceptance_length: 2.5, min_acceptance_rate: 0.3}\n"
+    )
+    gates = load_playbook(path).gates
+    assert (gates.live.min_mean_acceptance_length, gates.live.min_acceptance_rate, gates.live.min_drafts) == (
+        2.5,
+        0.3,
+        20,
+    )
+    path.write_text(base + "gates:\n  live: {min_acceptance_rate: 1.5}\n")
+    with pytest.raises(InputError, match=r"p.yaml:6 gates.live.min_acceptance_rate: a rate between 0 and 1"):
+        load_playbook(path)
