@@ -51,7 +51,13 @@ DEFAULT_INVENTORY = "inventory/inventory.yaml"
 RELEASE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
+# With --json, everything on stderr is a JSON line (progress events, and these messages).
+_json_stderr = False
+
+
 def _say(message: str) -> None:
+    if _json_stderr:
+        message = json.dumps({"at": time.time(), "message": message})
     sys.stderr.write(message + "\n")
     sys.stderr.flush()
 
@@ -648,8 +654,16 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global _json_stderr
     parser = build_parser()
     args = parser.parse_args(argv)
+    _json_stderr = bool(getattr(args, "json", False)) and args.command in (
+        "deploy",
+        "verify",
+        "rollback",
+        "stop",
+        "watch",
+    )
     try:
         if args.command in ("deploy", "verify", "rollback", "stop"):
             return _cmd_run(args)

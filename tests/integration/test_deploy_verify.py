@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -34,8 +35,11 @@ def test_deploy_then_verify_clean(sandbox: Sandbox, cli, tmp_path: Path, root_na
         assert on_disk.read_bytes() == GOOD_DRAFTER.read_bytes()
         current = sandbox.srv(h["name"]) / Path(root_name).name / "current"
         assert os.readlink(current) == f"releases/{release}"
-    # each host shows its progress line on stderr
-    assert deployed.stderr.count(" ok   node-") == len(sandbox.names)
+    # each host's progress on stderr, as JSON lines with --json: its steps, then its end
+    events = [json.loads(line) for line in deployed.stderr.splitlines()]
+    done = sorted(e["host"] for e in events if e.get("step") == "done" and e["ready"])
+    assert done == sorted(sandbox.names), deployed.stderr
+    assert {e["host"] for e in events if e.get("step") == "staging the release"} == set(sandbox.names)
 
     verified = cli("verify", pb, "-i", sandbox.inventory, "--json")
     assert verified.code == 0, verified.stderr

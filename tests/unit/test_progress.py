@@ -85,7 +85,9 @@ def test_without_a_terminal_steps_are_timestamped_lines_and_with_json_json_lines
     argv, env = orchestrate(box, "verify", str(slow_playbook(box)), "-i", str(box.inventory_path), "--json")
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in done.stderr.splitlines()]  # every line of stderr is JSON
+    assert lines[0]["message"] == "verify pb: 1 hosts, forks 16"
+    events = [e for e in lines if "step" in e]
     assert {"reading the served files back", "done"} <= {e["step"] for e in events}
     assert all(e["host"] == "solo" and isinstance(e["at"], float) for e in events)
     assert events[-1]["step"] == "done" and events[-1]["ready"] is True
