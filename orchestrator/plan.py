@@ -106,7 +106,10 @@ class ModelChecks:
         rehash: bool = False,
         drafter: bool = True,
         pins: Pins | None = None,
+        tokens: bool = True,
     ) -> None:
+        """``tokens``: name the drafter's mask token in the target's tokenizer (not every watch
+        round: the tokenizer's files are megabytes)."""
         models, pins = playbook.models, pins if pins is not None else manifests(playbook)
         self.target = self.drafter = None
         if models.target is not None:
@@ -120,7 +123,7 @@ class ModelChecks:
                 config=True,
                 rehash=rehash,
                 record=record,
-                tokens=[mask] if mask is not None else (),
+                tokens=[mask] if mask is not None and tokens else (),
             )
         if models.drafter is not None and drafter:
             m = models.drafter

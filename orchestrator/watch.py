@@ -13,7 +13,8 @@ A host's state, most urgent first:
     DOWN      the host or its server cannot be reached, is not running, or is unhealthy
     DEGRADED  live traffic is not accepting the drafter's tokens (the gate fails on a full window),
               or speculation is not running at all
-    DRIFT     the files served, or the READY record, no longer match the release we proved
+    DRIFT     the files served, the model files, or the READY record no longer match the release
+              we proved
     READY     none of the above; acceptance proven on live traffic, or not yet refuted
 
 DEGRADED outranks DRIFT: the founding incident was both (a stale drafter config), and what it
@@ -28,7 +29,7 @@ from typing import Any
 
 from orchestrator import probe
 from orchestrator.playbook import AcceptanceGate
-from orchestrator.results import GATE_FILES, GATE_HEALTH, GATE_READY, HostReport
+from orchestrator.results import GATE_FILES, GATE_HEALTH, GATE_MODELS, GATE_READY, HostReport
 
 READY, DEGRADED, DRIFT, DOWN = "READY", "DEGRADED", "DRIFT", "DOWN"
 STATES = (READY, DEGRADED, DRIFT, DOWN)
@@ -207,7 +208,7 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
         reasons.append(restarted)
     drifted = False
     if report is not None and not down:
-        for name in (GATE_FILES, GATE_READY):
+        for name in (GATE_FILES, GATE_MODELS, GATE_READY):
             g = report.gates.get(name)
             if g is not None and not g.ok:
                 drifted = True

@@ -319,3 +319,28 @@ def test_watch_once_through_the_cli_runs_on_change_and_records(
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["HOST", "STATE", "RELEASE", "DETAIL"] and table[1].split()[:2] == ["solo", READY]
     assert table[-1] == "watch: 1/1 hosts READY"
+
+
+def test_the_target_model_files_are_watched_and_a_missing_one_is_drift_not_down(box: Box) -> None:
+    from tests.unit.test_models import model_dirs, with_models
+
+    target, _ = model_dirs(box)
+    playbook = with_models(box)
+    assert deploy(box, playbook).ok
+    w = watcher(box, playbook)
+    try:
+        (r,), _ = w.round()
+        assert r.state == READY and r.gates["models"]["ok"], r.gates
+        weights = target / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 1
+        weights.write_bytes(bytes(data))
+        (r,), (t,) = w.round()
+        assert (t.before, t.after) == (READY, DRIFT) and "model.safetensors has sha256" in r.gates["models"]["detail"]
+        target.rename(target.with_name("target.moved"))  # the directory gone: its op fails on the host
+        (r,), _ = w.round()
+        assert r.state == DRIFT and not r.gates["models"]["ok"] and r.gates["health"]["ok"], r.gates
+        assert r.gates["models"]["detail"].startswith("model_files"), r.gates["models"]
+        assert r.live is not None or r.window_drafts is not None  # the ops after it were still read
+    finally:
+        w.close()
