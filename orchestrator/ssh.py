@@ -551,7 +551,11 @@ class _SshSession:
         self._stderr = StderrTail()
 
     def _lost(self, exc: BaseException | None, what: str) -> ConnectionLost:
-        self._transport._drop(self._name)
+        """The session is over. The pooled connection goes too only when it failed (a command
+        that ended leaves it as good as it was)."""
+        pooled = self._chan.get_transport()
+        if exc is not None or pooled is None or not pooled.is_active():
+            self._transport._drop(self._name)
         detail = f": {exc or type(exc).__name__}" if exc is not None else ""
         return ConnectionLost(self._name, f"connection lost {what}{detail}")
 
@@ -561,7 +565,7 @@ class _SshSession:
         try:
             while view:
                 if chan.closed or chan.exit_status_ready():
-                    raise self._lost(None, "while sending (the command ended)")
+                    raise ConnectionLost(self._name, "the command ended while we were sending")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CommandTimeout(self._name, "could not send within the deadline")
@@ -570,7 +574,7 @@ class _SshSession:
                     continue
                 sent = chan.send(bytes(view[:_SEND_CHUNK]))
                 if sent == 0:
-                    raise self._lost(None, "while sending (the channel closed)")
+                    raise ConnectionLost(self._name, "the command ended while we were sending")
                 view = view[sent:]
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise self._lost(exc, "while sending") from exc

@@ -388,7 +388,11 @@ def test_watch_sees_the_founding_incident_replayed_on_real_vllm(lxd_sandbox: Lxd
         assert killed.returncode == 0, killed.stderr
         down = watch.until("DOWN", lambda h: h["state"] == "DOWN", within=120)
         assert down["reasons"][0] == "the server is not running", down
-        told = [json.loads(line) for line in changes.read_text().splitlines()]
+        # --on-change runs once the round is printed: wait for the DOWN it is given.
+        deadline = time.monotonic() + 60
+        while not (told := [json.loads(line) for line in changes.read_text().splitlines()]) or told[-1]["to"] != "DOWN":
+            assert time.monotonic() < deadline, told
+            time.sleep(0.2)
         assert [(c["from"], c["to"]) for c in told][:1] == [("READY", "DRIFT")]
         assert ("DRIFT", "DEGRADED") in [(c["from"], c["to"]) for c in told]
         assert told[-1]["to"] == "DOWN" and told[-1]["evidence"]["host"] == name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.errors import AuthenticationFailed, CommandTimeout, ConnectFailed
+from orchestrator.errors import AuthenticationFailed, CommandTimeout, ConnectFailed, ConnectionLost
 from orchestrator.inventory import Target, load_inventory
 from orchestrator.ssh import Command, KnownHosts, RetryPolicy, SshTransport, _PromptAckSocket
 from tests.integration.conftest import Sandbox
@@ -177,3 +178,35 @@ def test_bulk_streams_use_aes_gcm_with_sshd(sandbox: Sandbox) -> None:
         assert transport.run(t, Command(("true",))).ok
         connection = transport._connections[t.name]
         assert connection.local_cipher == connection.remote_cipher == "aes128-gcm@openssh.com"
+
+
+def test_a_kept_session_carries_exchange_after_exchange_and_says_when_its_command_ends(sandbox: Sandbox) -> None:
+    """The channel watch keeps open (``SshTransport.open``): bytes go both ways as often as asked
+    over one exec, every byte compared; a command that ends says so (b"" and its stderr), never a
+    hang; closing the session ends the command on the host."""
+    t, kh = target(sandbox)
+    with SshTransport(kh) as transport:
+        session = transport.open(t, Command(("cat",)))
+        try:
+            for size in (1, 4095, 32768, 1 << 20):
+                data = os.urandom(size)
+                deadline = time.monotonic() + 30
+                session.send(data, deadline)
+                got = bytearray()
+                while len(got) < size:
+                    got += session.recv(deadline)
+                assert bytes(got) == data
+        finally:
+            session.close()
+        ended = transport.open(t, Command(("sh", "-c", "echo gone >&2; exit 3")))
+        deadline = time.monotonic() + 30
+        assert ended.recv(deadline) == b"" and ended.stderr_tail() == "gone"
+        with pytest.raises(ConnectionLost):
+            ended.send(b"x" * 100, deadline)
+        ended.close()
+        quiet = transport.open(t, Command(("sleep", "30")))
+        with pytest.raises(CommandTimeout):
+            quiet.recv(time.monotonic() + 0.3)
+        quiet.close()
+    counters = transport.counters(t.name)
+    assert counters.connects == 1 and counters.execs == 3
