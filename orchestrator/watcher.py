@@ -42,6 +42,7 @@ class _Watched:
 
     def __post_init__(self) -> None:
         self.host = HostWatch(self.node.name)
+        self.inventory_target = self.node.target  # as the inventory gives it (the address found later)
 
 
 class Watcher:
@@ -107,7 +108,7 @@ class Watcher:
         node = w.node
         if not node.located:
             report = HostReport(node.name)
-            found = self.containers.locate(node.target, report)
+            found = self.containers.locate(w.inventory_target, report)
             if found is None:
                 failed = report.failed_gate
                 raise TransportError(node.name, report.gates[failed].detail if failed else "container not running")
@@ -122,6 +123,8 @@ class Watcher:
             w.session = None
         w.failures += 1
         w.last_error = message
+        # Found again through LXD next time: a container that restarted may have a new address.
+        w.node.located = w.node.target.container.lxd is None
         w.retry_at = time.monotonic() + min(BACKOFF_MAX_S, 2.0 ** (w.failures - 1))
         return Seen(now, error=message)
 
