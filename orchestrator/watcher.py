@@ -36,6 +36,7 @@ class _Watched:
     unit: Unit
     session: AgentSession | None = None
     host: HostWatch = field(init=False)
+    inventory_target: Target = field(init=False)
     failures: int = 0
     retry_at: float = 0.0
     last_error: str | None = None
