@@ -49,6 +49,15 @@ class Seen:
     server_pid: int | None = None
     changed_fields: tuple[str, ...] = ()  # in drifted JSON files, named: "config.json: a.b 1 -> 2"
     notes: tuple[str, ...] = ()  # said with the round, whatever the state (a reconnect)
+    group_down: tuple[str, ...] = ()  # the other nodes of its multi-node group that are down
+
+    @property
+    def down(self) -> bool:
+        """Unreachable, or its server (rank) not running or unhealthy."""
+        if self.error is not None or self.report is None:
+            return True
+        health = self.report.gates.get(GATE_HEALTH)
+        return health is not None and not health.ok
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,10 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
             restarted = f"the server restarted (pid {pid} -> {seen.server_pid})"
         pid = seen.server_pid if seen.server_pid is not None else pid
         drift_count = sum(1 for f in report.files if f.drift)
+        if seen.group_down:
+            # One group serves through its head: a rank down is the whole group down.
+            down = True
+            reasons.append(f"its group is down: {', '.join(seen.group_down)} not running or unreachable")
     counters = seen.counters
     window_drafts = None
     blind = False  # a serving head whose acceptance cannot be measured at all

@@ -61,6 +61,12 @@ class Watcher:
         futures = [self._pool.submit(self._observe, w) for w in self.watched]
         finish(futures)  # wakes for signals: a Ctrl-C may land on any thread
         seen = [f.result() for f in futures]
+        down = {w.node.name for w, s in zip(self.watched, seen, strict=True) if s.down}
+        for i, w in enumerate(self.watched):
+            if not w.unit.single:
+                others = tuple(n.name for n in w.unit.nodes if n.name in down and n.name != w.node.name)
+                if others:
+                    seen[i] = replace(seen[i], group_down=others)
         rounds, transitions = [], []
         for w, s in zip(self.watched, seen, strict=True):
             w.host, rnd, change = step(w.host, s, self.playbook.gates.live)

@@ -344,3 +344,22 @@ def test_the_target_model_files_are_watched_and_a_missing_one_is_drift_not_down(
         assert r.live is not None or r.window_drafts is not None  # the ops after it were still read
     finally:
         w.close()
+
+
+def test_a_group_is_watched_node_by_node_and_a_dead_rank_takes_the_group_down(box: Box) -> None:
+    playbook = box.group()
+    assert deploy(box, playbook).ok
+    w = watcher(box, playbook)
+    try:
+        rounds, _ = w.round()
+        assert [(r.host, r.state) for r in rounds] == [("n0", READY), ("n1", READY)]
+        assert rounds[0].window_drafts == 0 and rounds[1].window_drafts is None  # counters: the head's
+        os.kill(box.pid("n1"), signal.SIGKILL)
+        gone(box.pid("n1"))
+        rounds, changes = w.round()
+        assert [(r.host, r.state) for r in rounds] == [("n0", DOWN), ("n1", DOWN)]
+        assert rounds[1].reasons[0] == "headless rank is not running"
+        assert rounds[0].reasons == ("its group is down: n1 not running or unreachable",)
+        assert [(t.host, t.before, t.after) for t in changes] == [("n0", READY, DOWN), ("n1", READY, DOWN)]
+    finally:
+        w.close()
