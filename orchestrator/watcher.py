@@ -168,7 +168,12 @@ class Watcher:
                 plan.read_serving_status(answers[status], report, None if node.rank == 0 else unit.role(node))
             server = answers[status].server
             pid = server.pid if server is not None and server.alive else None
-        counters = probe.parse(answers[metrics]) if metrics is not None and metrics in answers else None
+        counters = None
+        if metrics is not None and metrics in answers:
+            try:
+                counters = probe.parse(answers[metrics])
+            except probe.ProbeError as exc:
+                metrics_error = str(exc)
         fields: tuple[str, ...] = ()
         files = report.gates.get(GATE_FILES)
         if files is not None and not files.ok:

@@ -55,3 +55,65 @@ def test_judge() -> None:
     ok, detail = probe.judge(bad, 4.0, None, 20)
     assert not ok and detail.startswith("mean acceptance length 1.00 < 4.0")
     assert not probe.judge(good, 1.0, 1.01, 1)[0]  # rate gate
+
+
+def reference(text: str) -> probe.Counters | None:
+    """The same counters read by prometheus_client's own parser (what probe.parse must agree with)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out, seen = probe.Counters(), False
+    for family in text_string_to_metric_families(text):
+        key = probe.NAMES.get(family.name) or probe.NAMES.get(family.name.removesuffix("_total"))
+        for sample in family.samples if key else ():
+            if sample.name.endswith("_total"):
+                seen = True
+                if key == "per_pos":
+                    pos = int(sample.labels["position"])
+                    out.per_pos[pos] = out.per_pos.get(pos, 0.0) + sample.value
+                else:
+                    setattr(out, key, getattr(out, key) + sample.value)
+    return out if seen else None
+
+
+ODD = (
+    "# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.\n"
+    "# TYPE vllm:spec_decode_num_drafts counter\n"
+    'vllm:spec_decode_num_drafts_total{engine="0",model_name="/models/a \\"b\\" {c}, d=e"} 1.5e+03\n'
+    'vllm:spec_decode_num_drafts_total{model_name="m", engine="1",} 12 1700000000000\n'
+    "vllm:spec_decode_num_drafts_created 1.7e9\n"
+    "vllm:spec_decode_num_draft_tokens_total 10500\n"
+    "vllm:spec_decode_num_accepted_tokens_total{} 0.0\n"
+    'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="3",engine="0"} 7\n'
+    "vllm:num_requests_running 2\n"
+)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        metrics(10, 70, 20, [8, 7, 5, 0, 0, 0, 0], engines=2),
+        metrics(0, 0, 0, [0] * 15),
+        ODD,
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n",
+        "",
+    ],
+)
+def test_the_fast_reader_agrees_with_prometheus_clients_parser(text: str) -> None:
+    assert probe.parse(text) == reference(text)
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("vllm:spec_decode_num_drafts_total NaN", "is NaN"),
+        ("vllm:spec_decode_num_drafts_total +Inf", "is \\+Inf"),
+        ("vllm:spec_decode_num_drafts_total -3", "is -3"),
+        ("vllm:spec_decode_num_drafts_total lots", "unreadable metrics value"),
+        ('vllm:spec_decode_num_drafts_total{engine="0} 3', "unreadable"),
+        ("vllm:spec_decode_num_drafts_total", "unreadable metrics line"),
+        ('vllm:spec_decode_num_accepted_tokens_per_pos_total{position="x"} 3', "position is not a number"),
+    ],
+)
+def test_a_hostile_scrape_is_an_error_never_a_number(line: str, why: str) -> None:
+    with pytest.raises(probe.ProbeError, match=why):
+        probe.parse(line + "\n")
