@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -363,3 +366,60 @@ def test_a_group_is_watched_node_by_node_and_a_dead_rank_takes_the_group_down(bo
         assert [(t.host, t.before, t.after) for t in changes] == [("n0", READY, DOWN), ("n1", READY, DOWN)]
     finally:
         w.close()
+
+
+def test_a_running_watch_prints_rounds_ends_on_sigterm_and_leaves_no_agent(box: Box, tmp_path: Path) -> None:
+    playbook = box.playbook()
+    assert deploy(box, playbook).ok
+    env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(tmp_path / "state"))
+    argv = [sys.executable, "-m", "orchestrator", "watch", str(playbook.file), "-i", str(box.inventory_path)]
+    proc = subprocess.Popen(
+        [*argv, "--interval", "1", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    assert proc.stdout is not None
+    try:
+        rounds = [json.loads(proc.stdout.readline()) for _ in range(2)]  # one JSON line a round
+        assert [r["round"] for r in rounds] == [1, 2]
+        assert rounds[0]["transitions"][0]["to"] == READY and rounds[1]["transitions"] == []
+        agents = [p for p in children(proc.pid) if "dflash-agent" in cmdline(p)]
+        assert len(agents) == 1  # one agent for the whole watch, not one a round
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        gone(agents[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert b"Traceback" not in proc.stderr.read() if proc.stderr else True
+
+
+def test_a_metrics_port_in_use_is_bad_input_before_any_round(box: Box, capsys: pytest.CaptureFixture[str]) -> None:
+    playbook = box.playbook()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main(
+            ["watch", str(playbook.file), "-i", str(box.inventory_path), "--once", "--metrics-port", str(port)]
+        )
+    assert code == 2
+    assert f"--metrics-port {port}: cannot listen on 127.0.0.1: Address already in use" in capsys.readouterr().err
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
