@@ -225,7 +225,9 @@ def render_transition(t: Transition, stream: TextIO | None = None) -> None:
 
 def _live(r: Round) -> str:
     if r.live is None:
-        return "no window judged yet" if r.window_drafts is None else f"window open: {r.window_drafts} drafts so far"
+        if r.window_drafts is None:
+            return "no acceptance read"
+        return f"no window judged yet: {r.window_drafts} of the {r.window_needed} drafts needed"
     return f"live {r.live.detail}"
 
 

@@ -114,6 +114,7 @@ class Round:
     release_id: str | None
     live: Live | None
     window_drafts: int | None  # drafts in the open window so far (None: no counters)
+    window_needed: int  # drafts a window needs to be judged (gates.live.min_drafts)
     files_in_drift: int
     restarted: str | None
     last_good: float | None
@@ -128,6 +129,7 @@ class Round:
             "release_id": self.release_id,
             "live": self.live.to_json() if self.live else None,
             "window_drafts": self.window_drafts,
+            "window_needed": self.window_needed,
             "files_in_drift": self.files_in_drift,
             "restarted": self.restarted,
             "last_good": self.last_good,
@@ -214,6 +216,7 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
                     seen.at,
                 )
                 base, base_at = counters, seen.at
+                window_drafts = 0  # judged: the next window opens now
             if live is not None and not live.ok:
                 reasons.append(f"live traffic: {live.detail}")
         last = counters
@@ -247,6 +250,7 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
         release_id=release_id,
         live=live,
         window_drafts=window_drafts,
+        window_needed=gate.min_drafts,
         files_in_drift=drift_count,
         restarted=restarted,
         last_good=last_good,

@@ -321,6 +321,7 @@ def test_watch_once_through_the_cli_runs_on_change_and_records(
     assert cli.main([a for a in argv if a != "--json"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["HOST", "STATE", "RELEASE", "DETAIL"] and table[1].split()[:2] == ["solo", READY]
+    assert table[1].endswith("no window judged yet: 0 of the 10 drafts needed")  # a window says what it lacks
     assert table[-1] == "watch: 1/1 hosts READY"
 
 
