@@ -36,7 +36,7 @@ from orchestrator.configs import read_json, read_mapping
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
 from orchestrator.inventory import Inventory, Target, inventory_view, load_inventory, show_one
 from orchestrator.playbook import Playbook, load_playbook
-from orchestrator.report import ProgressPrinter, render_json, render_table
+from orchestrator.report import ProgressPrinter, plain, render_json, render_table
 from orchestrator.results import RunReport
 from orchestrator.runner import RunOptions
 from orchestrator.sandbox import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
@@ -58,7 +58,7 @@ _json_stderr = False
 def _say(message: str) -> None:
     if _json_stderr:
         message = json.dumps({"at": time.time(), "message": message})
-    sys.stderr.write(message + "\n")
+    sys.stderr.write(plain(message) + "\n")  # what hosts said, without terminal control codes
     sys.stderr.flush()
 
 

@@ -15,6 +15,28 @@ from orchestrator.runner import Step
 if TYPE_CHECKING:
     from orchestrator.watch import Round, Transition
 
+# Control characters (ESC and the rest of C0 but tab and newline, DEL, C1) removed from what is
+# printed for people: gate details, log lines and diffs come from hosts, and a hostile one must
+# not be able to move the cursor, retitle or rewrite the user's terminal. JSON escapes them itself.
+_CONTROL = dict.fromkeys([*range(0, 9), *range(11, 32), 127, *range(128, 160)])
+
+
+def plain(text: str) -> str:
+    return text.translate(_CONTROL)
+
+
+class _Plain:
+    """A text stream that writes ``plain`` text."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(plain(text))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
 
 class ProgressPrinter:
     """Progress on stderr, safe to call from worker threads: what each host is doing as it
@@ -81,7 +103,7 @@ class ProgressPrinter:
                 self.stream.write(json.dumps(data) + "\n")
             else:
                 said = step.describe()
-                self.stream.write(f"{_clock()} {step.host}  {step.what}{': ' + said if said else ''}\n")
+                self.stream.write(plain(f"{_clock()} {step.host}  {step.what}{': ' + said if said else ''}\n"))
             self.stream.flush()
 
     def close(self) -> None:
@@ -115,9 +137,9 @@ class ProgressPrinter:
             f"  ({report.duration_s:.2f} s)"
         )
         if self._live is not None:
-            self._live.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            self._live.console.print(plain(line), markup=False, highlight=False, soft_wrap=True)
         else:
-            self.stream.write(line + "\n")
+            self.stream.write(plain(line) + "\n")
             self.stream.flush()
 
     def _start_live(self) -> None:
@@ -152,7 +174,7 @@ class ProgressPrinter:
         table.add_column("for", justify="right", no_wrap=True, min_width=6)
         table.add_column("detail", overflow="ellipsis", no_wrap=True)
         for step, since in rows:
-            table.add_row(step.host, step.what, f"{now - since:.0f} s", step.detail)
+            table.add_row(step.host, plain(step.what), f"{now - since:.0f} s", plain(step.detail))
         table.caption = f"{self.kind}: {done}/{self.total} done, {now - self.started:.0f} s"
         return table
 
@@ -179,10 +201,10 @@ _STATUS = {
 
 def render_table(run: RunReport, stream: TextIO | None = None) -> None:
     # sys.stdout as it is at the call, not at import: callers (and tests) may have replaced it.
-    stream = stream or sys.stdout
+    out = _Plain(stream or sys.stdout)
     good, bad = _STATUS[run.kind]
     for problem in run.lint or []:
-        stream.write(f"lint {problem.line()}\n")
+        out.write(f"lint {problem.line()}\n")
     headers = ("HOST", "STATUS", "RELEASE", "GATE", "DETAIL")
     rows = []
     for h in run.hosts:
@@ -193,17 +215,17 @@ def render_table(run: RunReport, stream: TextIO | None = None) -> None:
         rows.append((h.name, good if h.ready else bad, h.release_id or "-", gate, detail))
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(4)]
     for row in [headers, *rows]:
-        stream.write("  ".join(str(c).ljust(w) for c, w in zip(row[:4], widths, strict=True)) + "  " + row[4] + "\n")
+        out.write("  ".join(str(c).ljust(w) for c, w in zip(row[:4], widths, strict=True)) + "  " + row[4] + "\n")
     ready = sum(h.ready for h in run.hosts)
-    stream.write(f"\n{run.kind}: {ready}/{len(run.hosts)} hosts {good} in {run.finished - run.started:.2f} s\n")
+    out.write(f"\n{run.kind}: {ready}/{len(run.hosts)} hosts {good} in {run.finished - run.started:.2f} s\n")
     for h in run.hosts:
         for diff in h.diffs:
-            stream.write(f"\n# {h.name}\n{diff}")
+            out.write(f"\n# {h.name}\n{diff}")
         for line in h.diagnosis:
-            stream.write(f"{h.name}: diagnosis: {line}\n")
+            out.write(f"{h.name}: diagnosis: {line}\n")
         for gate_name, found in h.gates.items():
             for warning in found.data.get("warnings") or []:
-                stream.write(f"{h.name}: warning ({gate_name}): {warning}\n")
+                out.write(f"{h.name}: warning ({gate_name}): {warning}\n")
 
 
 def render_json(data: Any, stream: TextIO | None = None) -> None:
@@ -218,9 +240,9 @@ def _when(at: float) -> str:
 
 def render_transition(t: Transition, stream: TextIO | None = None) -> None:
     """One line a state change: when, which host, from and to, and why."""
-    stream = stream or sys.stdout
+    out = _Plain(stream or sys.stdout)
     why = "; ".join(t.round.reasons) or _live(t.round)
-    stream.write(f"{_when(t.at)}  {t.host}  {t.before or 'START'} -> {t.after}  {why}\n")
+    out.write(f"{_when(t.at)}  {t.host}  {t.before or 'START'} -> {t.after}  {why}\n")
 
 
 def _live(r: Round) -> str:
@@ -232,11 +254,11 @@ def _live(r: Round) -> str:
 
 
 def render_watch_table(rounds: list[Round], stream: TextIO | None = None) -> None:
-    stream = stream or sys.stdout
+    out = _Plain(stream or sys.stdout)
     headers = ("HOST", "STATE", "RELEASE", "DETAIL")
     rows = [(r.host, r.state, r.release_id or "-", "; ".join(r.reasons) or _live(r)) for r in rounds]
     widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(3)]
     for row in [headers, *rows]:
-        stream.write("  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3] + "\n")
+        out.write("  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3] + "\n")
     ready = sum(r.state == "READY" for r in rounds)
-    stream.write(f"\nwatch: {ready}/{len(rounds)} hosts READY\n")
+    out.write(f"\nwatch: {ready}/{len(rounds)} hosts READY\n")

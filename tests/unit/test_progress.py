@@ -105,3 +105,26 @@ def test_event_lines_are_read_warily_and_kept_out_of_error_messages() -> None:
     assert read_event(b"@dflash-event " + b"x" * 5000) is None
     assert read_event(b"Traceback (most recent call last):") is None
     assert without_events(b'@dflash-event {"op": "lock"}\nSyntaxError: bad\n') == b"SyntaxError: bad\n"
+
+
+def test_nothing_a_host_says_reaches_the_terminal_as_control_codes() -> None:
+    """Gate details and log lines come from hosts: a hostile one must not clear, retitle or
+    rewrite the user's terminal through them."""
+    import io
+
+    from orchestrator.report import ProgressPrinter, render_table
+    from orchestrator.results import Gate, HostReport, RunReport
+    from orchestrator.runner import Step
+
+    evil = "\x1b[2J\x1b]0;owned\x07\r\x9bplain words\ttab"
+    host = HostReport("gpu-a")
+    host.gates["files"] = Gate(False, evil)
+    out = io.StringIO()
+    render_table(RunReport("verify", "p.yaml", "i.yaml", None, [host], 0.0, 1.0), out)
+    lines = io.StringIO()
+    printer = ProgressPrinter("deploy", 1, lines, mode="lines")
+    printer.step(Step("gpu-a", "waiting for health", evil, 3.0))
+    printer(host, "done")
+    for text in (out.getvalue(), lines.getvalue()):
+        assert not any(c in text for c in "\x1b\x07\r\x9b"), repr(text)
+        assert "[2J]0;ownedplain words\ttab" in text
