@@ -716,9 +716,14 @@ TOKENIZER_LIMIT = 64 * CHUNK  # tokenizer.json of a 250k vocabulary is ~20 MB
 
 
 def _json_file(path, limit):
+    """A JSON object from a file, or None (missing, too large, unreadable: naming a token is worth
+    no failure of the op that asked)."""
     import json
 
-    text = _read_small(path, limit)
+    try:
+        text = _read_small(path, limit)
+    except OpError:
+        return None
     if text is None:
         return None
     try:
