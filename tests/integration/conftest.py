@@ -59,11 +59,20 @@ class Sandbox:
         )
 
 
+# The sandboxes' names, so that a second suite can run beside the first on one machine:
+# ORCHESTRATE_TEST_SANDBOX="dfy 10.84 2224" gives prefix, /16 and the LXD jump port.
+PREFIX, SUBNET, JUMP_PORT = "dft", "10.78", 2223
+if os.environ.get("ORCHESTRATE_TEST_SANDBOX"):
+    _prefix, _subnet, _port = os.environ["ORCHESTRATE_TEST_SANDBOX"].split()
+    PREFIX, SUBNET, JUMP_PORT = _prefix, _subnet, int(_port)
+SUFFIX = "" if PREFIX == "dft" else f"-{PREFIX}"
+
+
 @pytest.fixture(scope="session")
 def sandbox() -> Iterator[Sandbox]:
     if os.geteuid() != 0:
         pytest.fail("integration tests need root: they create network namespaces and run sshd")
-    box = SshSandbox(Path("/var/lib/dflash-orchestrator/test-sandbox"), prefix="dft", subnet="10.78")
+    box = SshSandbox(Path(f"/var/lib/dflash-orchestrator/test-sandbox{SUFFIX}"), prefix=PREFIX, subnet=SUBNET)
     box.down()
     box.up(HOSTS)
     try:
@@ -143,7 +152,7 @@ def write_playbook(
 def lxd_sandbox() -> Iterator[LxdSandbox]:
     if os.geteuid() != 0:
         pytest.fail("LXD tests need root")
-    box = LxdSandbox(Path("/var/lib/dflash-orchestrator/test-lxd-sandbox"), prefix="dft", jump_port=2223)
+    box = LxdSandbox(Path(f"/var/lib/dflash-orchestrator/test-lxd-sandbox{SUFFIX}"), prefix=PREFIX, jump_port=JUMP_PORT)
     box.down()
     box.up(2)
     try:
