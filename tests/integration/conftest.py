@@ -60,7 +60,7 @@ class Sandbox:
 
 
 # The sandboxes' names, so that a second suite can run beside the first on one machine:
-# ORCHESTRATE_TEST_SANDBOX="dfy 10.84 2224" gives prefix, /16 and the LXD jump port.
+# ORCHESTRATE_TEST_SANDBOX="dfy 10.85 2224" gives prefix, /16 and the LXD jump port.
 PREFIX, SUBNET, JUMP_PORT = "dft", "10.78", 2223
 if os.environ.get("ORCHESTRATE_TEST_SANDBOX"):
     _prefix, _subnet, _port = os.environ["ORCHESTRATE_TEST_SANDBOX"].split()
