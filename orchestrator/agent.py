@@ -59,10 +59,13 @@ def agent_command(python: str) -> Command:
     return Command((python, "-I", "-S", "-c", BOOTSTRAP))
 
 
-def encode_request(ops: Sequence[dict[str, Any]]) -> bytes:
+def encode_request(ops: Sequence[dict[str, Any]], events: bool = False) -> bytes:
     """The agent (for its loader), then the request framed by its length: a stream an op reads
-    (an upload's bytes) may follow it."""
-    request = marshal.dumps({"v": PROTOCOL_VERSION, "ops": ops}, MARSHAL_VERSION)
+    (an upload's bytes) may follow it. ``events``: ask for progress events on stderr."""
+    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "ops": ops}
+    if events:
+        body["events"] = True
+    request = marshal.dumps(body, MARSHAL_VERSION)
     return _packed_agent() + b"%d\n" % len(request) + request
 
 
@@ -200,7 +203,7 @@ class AgentClient:
         seconds and the server log's last line, the probe's prompts)."""
         if timeout is None:
             timeout = batch_timeout(ops, target.container.ssh.command_timeout)
-        request = encode_request([op.request for op in ops])
+        request = encode_request([op.request for op in ops], events=events is not None)
         stdin: Stdin = itertools.chain((request,), stream) if stream != () else request
         command = agent_command(target.container.ssh.python)
         on_stderr = EventReader(events) if events is not None else None

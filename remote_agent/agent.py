@@ -57,7 +57,7 @@ _batch = {}
 
 
 EVENT = b"@dflash-event "
-_events = [True]  # off in a session: nobody is waiting on its rounds' progress
+_events = [False]  # on when the request asks (a person is watching the run)
 
 
 def _event(fields):
@@ -2081,7 +2081,6 @@ def _session(stdin):
     """A session (``orchestrate watch``): one process answers request after request, each answer
     framed by its length, until the controller closes stdin. No interpreter start or handshake
     per round."""
-    _events[0] = False
     _answer({"v": PROTOCOL_VERSION, "session": os.getpid(), "results": []}, True)
     while True:
         try:
@@ -2111,6 +2110,7 @@ def main():
         if request.get("session"):
             _session(stdin)
             return
+        _events[0] = bool(request.get("events"))
         response = run(request)
     _answer(response, False)
 

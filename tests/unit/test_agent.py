@@ -442,3 +442,12 @@ def test_token_ids_are_named_from_the_tokenizer_files_whatever_their_model(tmp_p
     }
     (model / "tokenizer.json").write_text("{not json")
     assert run([op])[0]["result"]["tokens"]["0"] == {"kind": "none", "vocab_size": None}
+
+
+def test_progress_events_only_when_asked(tmp_path: Path) -> None:
+    ops = [{"op": "release_list", "root": str(tmp_path)}]
+    for events, expected in ((False, b""), (True, b'@dflash-event {"op":"release_list"}\n')):
+        proc = subprocess.run(
+            [sys.executable, "-c", BOOTSTRAP], input=encode_request(ops, events), capture_output=True, timeout=60
+        )
+        assert proc.returncode == 0 and proc.stderr.replace(b" ", b"") == expected.replace(b" ", b"")
