@@ -382,11 +382,14 @@ class SshTransport:
                 options.key_types = [preferred] + [k for k in options.key_types if k != preferred]
             try:
                 t.start_client(timeout=endpoint.ssh.connect_timeout)
+                # The server may drop the connection right after the key exchange (sshd's
+                # MaxStartups under a burst of connections): paramiko then says "No existing
+                # session" here, which is the same transient failure as one in the exchange.
+                key = t.get_remote_server_key()
             except (paramiko.SSHException, EOFError, OSError) as exc:
                 raise ConnectFailed(
                     endpoint.name, f"SSH handshake with {name} failed: {exc or type(exc).__name__}"
                 ) from exc
-            key = t.get_remote_server_key()
             self.known_hosts.check(endpoint.name, name, key, self.accept_new)
             self._authenticate(t, endpoint)
             self.counters(endpoint.name).connects += 1
