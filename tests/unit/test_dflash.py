@@ -138,6 +138,10 @@ def speculators(base: dict[str, Any], kind: str = "dflash") -> dict[str, Any]:
         "mask_token_id": dflash["mask_token_id"],
         "aux_hidden_state_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
         "transformer_layer_config": nested,
+        "speculators_config": {
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 15}],
+            "verifier": {"name_or_path": "Qwen/Qwen3-8B"},
+        },
     }
 
 
@@ -170,6 +174,8 @@ V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
         ("0.21.0", MIXED, TARGET, {}, [("layer_offset", "warning"), ("swa_as_full", "warning")]),
         ("0.27.0", DFLASH2, Q8_TARGET, {}, [("dflash2_unknown", "error")]),
         ("0.28.0", DFLASH2, Q8_TARGET, {}, []),
+        ("0.28.0+cpu", DFLASH2, Q8_TARGET, {}, [("dflash2_needs_v2", "error")]),  # no Triton: V1
+        ("0.33.0", DFLASH2, Q8_TARGET, V1, [("dflash2_needs_v2", "error")]),
         ("0.25.1", SPECULATORS, Q8_TARGET, {}, [("speculators_format", "error")]),
         ("0.26.0", SPECULATORS, Q8_TARGET, {}, []),
     ],
@@ -271,6 +277,9 @@ def test_speculators_problems_are_named_by_the_speculators_keys() -> None:
     assert "layers [36] (tapped layers, their ids minus 1) are outside the target's 0..35" in found.message
     bare = {"speculators_model_type": "dflash", "mask_token_id": 5, "aux_hidden_state_layer_ids": [2]}
     assert "Must provide transformer_layer_config" in errors(dflash.lint(bare))["transformer_layer_config"].message
+    unmarked = {k: v for k, v in SPECULATORS.items() if k != "speculators_config"}
+    found = errors(dflash.lint(unmarked, Q8_TARGET))["speculators_config"]
+    assert "does not recognise the speculator" in found.message and found.vllm == dflash.REFUSES_TO_START
     other = {**SPECULATORS, "speculators_model_type": "eagle3"}
     assert "not a DFlash speculator" in errors(dflash.lint(other))["speculators_model_type"].message
 

