@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from orchestrator.sandbox.processes import run_measured
 from orchestrator.sandbox.sshhosts import SshSandbox
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,13 +37,9 @@ WORK = Path("/var/lib/dflash-orchestrator/bench-models")
 def orchestrate(*args: str | Path, state: Path) -> tuple[float, int, dict[str, object]]:
     """(wall seconds, peak RSS KiB of this child, its JSON report)."""
     env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(state))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator", *map(str, args), "--json"], capture_output=True, env=env
-    )
+    proc, peak = run_measured([sys.executable, "-m", "orchestrator", *map(str, args), "--json"], env)
     wall = time.monotonic() - started
-    peak = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before)
     if proc.returncode != 0:
         raise SystemExit(f"orchestrate {args[0]} failed: {proc.stderr.decode()[-2000:]}")
     return wall, peak, json.loads(proc.stdout)

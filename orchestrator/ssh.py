@@ -567,7 +567,9 @@ class _SshSession:
         view = memoryview(data)
         try:
             while view:
-                if chan.closed or chan.exit_status_ready():
+                # Its stdout at an end is the command ended, as recv says (b""): the exit status can
+                # still be on its way, and sshd takes bytes for a channel whose command is gone.
+                if chan.closed or chan.eof_received or chan.exit_status_ready():
                     raise ConnectionLost(self._name, "the command ended while we were sending")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

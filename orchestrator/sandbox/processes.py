@@ -29,6 +29,33 @@ def run(argv: list[str], check: bool = True, timeout: float = 60) -> subprocess.
     return proc
 
 
+def run_measured(
+    argv: list[str], env: dict[str, str] | None = None, timeout: float = 1800
+) -> tuple[subprocess.CompletedProcess[bytes], int]:
+    """Run a command; its own peak resident memory (KiB), from the kernel's accounting of that one
+    child (wait4). RUSAGE_CHILDREN's ru_maxrss is the largest of every child the caller ever waited
+    for, which says nothing about this one once a bigger one has run."""
+    import select
+    import tempfile
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+            if pid == child.pid:
+                break
+            if time.monotonic() > deadline:
+                child.kill()
+                pid, status, usage = os.wait4(child.pid, 0)
+                break
+            select.select([], [], [], 0.1)  # wait4 has no timeout: look again shortly
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, child.returncode, out.read(), err.read()), usage.ru_maxrss
+
+
 def proc_start(pid: int) -> str:
     """The process's start time: with the PID it identifies a process we started."""
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -17,7 +16,7 @@ from typing import Any
 import yaml
 
 from orchestrator.sandbox.lxdhosts import LxdSandbox
-from orchestrator.sandbox.processes import descendants
+from orchestrator.sandbox.processes import descendants, run_measured
 from tests.integration.conftest import REPO, Sandbox, inventory, run
 from tests.integration.test_faults import wait_for
 from tests.integration.test_serving import MODELS, VLLM, K, stop_server
@@ -205,14 +204,6 @@ def artifact(tmp_path: Path, size: int) -> Path:
     return local
 
 
-def run_measured(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess[bytes], int]:
-    """Run a command; its peak resident memory (KiB) from the kernel's accounting of children."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(args, capture_output=True, env=env, timeout=1200)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return proc, peak if peak > before else before
-
-
 def test_a_2_gib_artifact_reaches_several_hosts_with_the_controllers_memory_flat(
     sandbox: Sandbox, tmp_path: Path, root_name: str
 ) -> None:
@@ -232,7 +223,8 @@ def test_a_2_gib_artifact_reaches_several_hosts_with_the_controllers_memory_flat
         assert remote.stat().st_size == 2 << 30
     assert (sandbox.srv(hosts[0]) / "models" / "pushed" / "big.bin").read_bytes() == (local / "big.bin").read_bytes()
     # Streamed in chunks: the controller never holds the file (6 GiB went out in all).
-    assert peak_kib < 400 * 1024, f"controller peak RSS {peak_kib} KiB"
+    # (about 55 MiB measured; a file held in memory would be 2 GiB)
+    assert peak_kib < 256 * 1024, f"controller peak RSS {peak_kib} KiB"
     again, _ = run_measured(args, env)
     assert all(h["models"][0]["pushed"]["bytes_sent"] == 0 for h in json.loads(again.stdout)["hosts"])
 
