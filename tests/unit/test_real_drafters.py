@@ -76,6 +76,8 @@ def test_the_incident_config_serves_and_only_the_reference_or_the_recipe_spacing
     assert all(v[case.name]["verdict"] == dflash.STARTS for v in VERDICTS.values())  # healthy, as in the incident
     plain = dflash.lint(case.drafter, case.target)
     assert [p.field for p in plain if p.severity != "info"] == ["dflash_config.target_layer_ids"]
-    reference = yaml.safe_load((Path(__file__).resolve().parents[2] / "playbooks/files/qwen36-27b-dflash/reference.yaml").read_text())
+    reference = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "playbooks/files/qwen36-27b-dflash/reference.yaml").read_text()
+    )
     pinned = {p.field for p in dflash.lint(case.drafter, case.target, reference=reference) if p.severity == "error"}
     assert {"dflash_config.mask_token_id", "dflash_config.target_layer_ids", "layer_types"} <= pinned
