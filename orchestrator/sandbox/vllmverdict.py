@@ -10,9 +10,9 @@ Each case runs in a process of its own; prints one JSON object: case name -> {"v
 Published models are gigabytes; their configs are what lint judges. So the pair is shrunk before
 vLLM sees it: each distinct hidden width becomes a narrow one (64, 96, ... in the same order, so
 widths that agree still agree and widths that differ still differ), intermediate and head sizes
-become small, while everything a DFlash rule reads is kept
-as published: depths, vocabulary, mask id, tapped layers, layer types, windows, block size,
-architectures and the file layout (z-lab, speculators, DFlash2). Weights are small random tensors
+become small, while everything a DFlash rule reads is kept as published: depths, vocabulary, mask
+id, tapped layers, layer types, windows, block size, architectures and the file layout (z-lab,
+speculators, DFlash2). Weights are small random tensors
 under the published checkpoints' names (vLLM's dummy weights skip the DFlash loader's own steps):
 a verdict says whether vLLM starts and serves, not how well the drafter drafts.
 
@@ -150,7 +150,7 @@ def target_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def drafter_shapes(drafter: dict[str, Any], k: int) -> dict[str, tuple[int, ...]]:
+def drafter_shapes(drafter: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The drafter checkpoint's tensors as z-lab ships them: Qwen3 layers without the ``model.``
     prefix, ``fc`` over the tapped layers, ``hidden_norm``; no embeddings or LM head (vLLM shares
     the target's); DFlash2's convolutions and candidate selector."""
@@ -231,7 +231,7 @@ def judge(pair: Path, k: int) -> dict[str, Any]:
     (work / "target" / "config.json").write_text(json.dumps(target_run))
     (work / "drafter" / "config.json").write_text(json.dumps(drafter_run))
     write_weights(work / "target" / "model.safetensors", target_shapes(target_run))
-    write_weights(work / "drafter" / "model.safetensors", drafter_shapes(shrink_drafter(published, narrow), k))
+    write_weights(work / "drafter" / "model.safetensors", drafter_shapes(shrink_drafter(published, narrow)))
     result: dict[str, Any] = {"vllm": vllm.__version__, "target_stand_in": stand_in}
     stage = "start"
     try:
