@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from orchestrator import dflash
+from orchestrator.sandbox import vllmverdict
 from orchestrator.sandbox.vllmverdict import Case, load_cases
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "real-drafters"
@@ -83,3 +84,22 @@ def test_the_incident_config_serves_and_only_the_reference_or_the_recipe_spacing
     )
     pinned = {p.field for p in dflash.lint(case.drafter, case.target, reference=reference) if p.severity == "error"}
     assert {"dflash_config.mask_token_id", "dflash_config.target_layer_ids", "layer_types"} <= pinned
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_shrinking_a_pair_to_cpu_size_keeps_everything_lint_reads(case: Case) -> None:
+    """vLLM judges the pairs shrunk (vllmverdict.py): the shrink must keep every fact a rule reads,
+    so that the verdict on the small pair is the verdict on the published one."""
+    narrow = vllmverdict.widths(case.drafter, case.published, case.target)
+    drafter = vllmverdict.shrink_drafter(case.drafter, narrow)
+    target, _ = vllmverdict.stand_in_target(case.target, narrow)
+    for version in VERDICTS:
+        big = lint(case, version)
+        small = dflash.lint(drafter, target, vllm_version=f"{version}+cpu", num_speculative_tokens=case.k)
+        assert dflash.predicted_start(small) == dflash.predicted_start(big), version
+        assert [(p.field, p.severity) for p in small] == [(p.field, p.severity) for p in big], version
+
+
+def test_widths_keep_order_and_equality() -> None:
+    narrow = vllmverdict.widths({"hidden_size": 5120}, {"text_config": {"hidden_size": 4096}}, {"hidden_size": 5120})
+    assert narrow == {4096: 64, 5120: 96}
