@@ -95,8 +95,16 @@ DRAFT_GAIN = 10.0
 def tokenizer(out: Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # The mask tokens are special added tokens, as a real target's reserved ids are: never in a
+    # sequence the target reads or writes. As ordinary vocabulary, the models gate would rightly
+    # warn that the good drafter's mask is a token of normal text.
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="<eos>", model_max_length=512
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        eos_token="<eos>",
+        additional_special_tokens=["<mask>", "<mask-wrong>"],
+        model_max_length=512,
     )
     fast.save_pretrained(out)
 

@@ -222,6 +222,10 @@ def test_real_vllm_in_a_container_becomes_ready_with_its_measured_tau(lxd_sandbo
             "ready",
         ]
         assert gates["acceptance"]["mean_acceptance_length"] > 7  # K = 7: every drafted token accepted
+        # The demo is what a user sees first: its good drafter draws no warning, and the mask token
+        # is named as the target's tokenizer has it (a reserved special token).
+        assert "dflash_config.mask_token_id 5 is '<mask>', a special token" in gates["models"]["detail"], gates
+        assert not [g for g, v in gates.items() if v.get("warnings")], gates
         code, report, err = run(
             "verify", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path
         )
