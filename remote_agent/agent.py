@@ -622,6 +622,39 @@ def _digests(root_real):
     return _batch[key]
 
 
+def _replaced_mount(path):
+    """The mount point at or above ``path`` whose source the kernel shows deleted, or None.
+
+    A bind mount (an LXD disk device) holds the directory it was made of: when the host replaces
+    that directory (a new model or venv renamed into place), the container keeps seeing the old
+    one, deleted, until it is restarted. The host has the right files and the server reads none."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read(1 << 20).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) < 5 or not fields[3].endswith("//deleted"):
+            continue
+        point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (found is None or len(point) > len(found)):
+            found = point
+    return found
+
+
+def _missing(what, path):
+    """Why ``path`` is not there, with the cause when it is a replaced mount."""
+    point = _replaced_mount(path)
+    if point is None:
+        return "%s %s does not exist" % (what, path)
+    return ("%s %s does not exist here: the directory mounted at %s was replaced on the host after the "
+            "container started (the mount shows it deleted); restart the container to mount the new one"
+            % (what, path, point))
+
+
 def _model_path(value):
     if not isinstance(value, str) or not os.path.isabs(value) or os.path.normpath(value) != value or value == "/":
         raise OpError("bad_request", "a model path must be absolute and normalised", value)
@@ -633,7 +666,7 @@ def _model_names(source, names=None):
     `hf download` leaves, skipped), or the named ones. Directories that are links are not entered."""
     if names is None:
         if not os.path.isdir(source):
-            raise OpError("missing_model", "model directory %s does not exist" % source, source)
+            raise OpError("missing_model", _missing("model directory", source), source)
         names = []
         for dirpath, dirnames, filenames in os.walk(source):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -1364,7 +1397,7 @@ def _serving_python(req, script, args):
         proc = subprocess.run([python, "-c", script] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               timeout=float(req.get("timeout", 120)), env=env)
     except FileNotFoundError:
-        raise OpError("no_python", "serving interpreter %s does not exist" % python, python)
+        raise OpError("no_python", _missing("serving interpreter", python), python)
     except subprocess.TimeoutExpired:
         raise OpError("timeout", "serving interpreter %s did not answer in time" % python, python)
     lines = proc.stdout.decode("utf-8", "replace").strip().splitlines()
