@@ -146,6 +146,12 @@ def read_models(
         drift, changed, pinned_by = _drift(model, found, pinned)
         report.models.append(_summary(model, found, drift, changed))
         problems += [f"{model.role} {model.path}: {d}" for d in drift]
+        if drift and found.pins is not None and pinned is None:
+            # Drift from what the current release was proven with: say how to mean a new model.
+            problems.append(
+                f"{model.role} {model.path}: if the new files are meant, pin them with models.{model.role}.manifest"
+                " (a sha256sum file of the directory), which is then checked in place of the release's record"
+            )
         size = _size(sum(f.size for f in found.files))
         parts.append(f"{model.role} {model.path}: {len(found.files)} files, {size}, pinned by {pinned_by}")
     for link in links:

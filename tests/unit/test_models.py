@@ -95,8 +95,19 @@ def test_a_flipped_byte_in_a_weight_file_is_drift_named_by_path(box: Box) -> Non
     assert not again.ready and "health" not in again.gates
     assert f"drafter {drafter}: model.safetensors has sha256" in again.gates["models"].detail
     assert f"release {first.release_id} pinned" in again.gates["models"].detail
+    cure = f"drafter {drafter}: if the new files are meant, pin them with models.drafter.manifest"
+    assert cure in again.gates["models"].detail
     drifted = next(m for m in again.models if m["name"] == "drafter")
     assert drifted["changed"] and drifted["drift"][0].startswith("model.safetensors has sha256")
+
+    # The cure it names: a manifest of the new files, checked in place of the release's record.
+    lines = [
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}" for p in sorted(drafter.iterdir()) if p.is_file()
+    ]
+    (box.dir / "drafter.sha256").write_text("\n".join(lines) + "\n")
+    meant = host(deploy(box, with_models(box, drafter={"manifest": "drafter.sha256"})), "solo")
+    assert meant.ready, meant.gates
+    assert "pinned by the playbook's manifest" in meant.gates["models"].detail
 
 
 def test_a_manifest_pins_every_file_and_names_the_one_that_differs(box: Box) -> None:
