@@ -1,10 +1,10 @@
 """The seam between a run and the hosts: run one command on a target, get its result.
 
-Two connectors implement it: ``ssh.SshTransport`` (the default: SSH, with jump hosts) and
+Two connectors implement it: ``ssh.SshConnector`` (the default: SSH, with jump hosts) and
 ``local.LocalConnector`` (``connection: local`` in the inventory: this machine, no SSH), the way
-pyinfra's connectors or httpx's transports sit behind one interface. ``Connections`` routes each
-target to its connector and opens SSH only when a target needs it (paramiko is not imported for a
-run that is all local).
+pyinfra's connectors or httpx's transports sit behind one interface. ``connections.Connections``
+routes each target to its connector; a test passes its own connector instead (as httpx's
+``MockTransport``). This module is the interface only: it imports no connector.
 """
 
 from __future__ import annotations
@@ -12,14 +12,10 @@ from __future__ import annotations
 import shlex
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
-from orchestrator.inventory import LOCAL, Inventory, Target
-
-if TYPE_CHECKING:
-    from orchestrator.local import LocalConnector
-    from orchestrator.ssh import SshTransport
+from orchestrator.inventory import Target
 
 
 @dataclass(frozen=True)
@@ -147,6 +143,10 @@ class Connector(Protocol):
         """Start a command for a long conversation over one connection (``Session``)."""
         ...
 
+    def counters(self, name: str) -> Counters:
+        """What reaching the target of this name cost so far (connections, execs, retries)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -168,67 +168,3 @@ class StderrTail:
         with self._lock:
             data = bytes(self._data)
         return "\n".join(data.decode("utf-8", "replace").rstrip().splitlines()[-lines:])
-
-
-@dataclass
-class Connections:
-    """Every target of a run to its connector: SSH unless the inventory says ``connection: local``."""
-
-    inventory: Inventory
-    accept_new_host_keys: bool = False
-    retry: RetryPolicy | None = None
-    _ssh: SshTransport | None = field(default=None, init=False)
-    _local: LocalConnector | None = field(default=None, init=False)
-    _guard: threading.Lock = field(default_factory=threading.Lock, init=False)
-
-    def _for(self, target: Target) -> SshTransport | LocalConnector:
-        # Every host's thread asks at once when a run starts: one connector each, made once.
-        with self._guard:
-            if target.container.connection == LOCAL:
-                if self._local is None:
-                    from orchestrator.local import LocalConnector
-
-                    self._local = LocalConnector()
-                return self._local
-            if self._ssh is None:
-                from orchestrator.ssh import KnownHosts, SshTransport
-
-                self._ssh = SshTransport(
-                    KnownHosts(self.inventory.known_hosts),
-                    accept_new_host_keys=self.accept_new_host_keys,
-                    retry=self.retry or RetryPolicy(),
-                )
-            return self._ssh
-
-    def run(
-        self,
-        target: Target,
-        command: Command,
-        stdin: Stdin = b"",
-        timeout: float | None = None,
-        on_stderr: OnStderr | None = None,
-    ) -> Result:
-        return self._for(target).run(target, command, stdin, timeout, on_stderr)
-
-    def open(self, target: Target, command: Command) -> Session:
-        return self._for(target).open(target, command)
-
-    def counters(self, target: Target) -> Counters:
-        """What reaching this target cost so far (connections, execs, retries)."""
-        return self._for(target).counters(target.name)
-
-    @property
-    def accepted_host_keys(self) -> list[str]:
-        return list(self._ssh.known_hosts.accepted) if self._ssh is not None else []
-
-    def close(self) -> None:
-        if self._ssh is not None:
-            self._ssh.close()
-        if self._local is not None:
-            self._local.close()
-
-    def __enter__(self) -> Connections:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

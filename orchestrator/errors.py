@@ -95,32 +95,38 @@ class CommandTimeout(TransportError):
 
 @dataclass(frozen=True)
 class AgentFailure:
-    """One failed operation, as the agent reported it."""
+    """One failed operation, as the agent reported it, and the gate its failure is reported under
+    (the op's row in ``protocol.OPS``)."""
 
     op: str
     code: str
     message: str
     path: str | None = None
     errno: int | None = None
+    gate: str = ""
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> AgentFailure:
+    def from_json(cls, data: dict[str, Any], gate: str = "") -> AgentFailure:
+        """The agent's error record, read warily (the host is not trusted)."""
+        path, err = data.get("path"), data.get("errno")
         return cls(
             op=str(data.get("op")),
             code=str(data.get("code")),
             message=str(data.get("message")),
-            path=data.get("path"),
-            errno=data.get("errno"),
+            path=path if isinstance(path, str) else None,
+            errno=err if isinstance(err, int) and not isinstance(err, bool) else None,
+            gate=gate,
         )
 
     def describe(self) -> str:
+        """The failure in one line: the op, the path it was about, the agent's words."""
         where = f" {self.path}" if self.path else ""
         return f"{self.op}{where}: {self.message}"
 
 
 class AgentError(OrchestratorError):
-    """An operation of a batch failed; ``done`` holds the answers of the ops before it
-    (``protocol.Answers``, found by op)."""
+    """An operation of a batch failed and stopped it; ``done`` holds the answers of the ops before
+    it (``protocol.Answers``, found by op, with the findings among them)."""
 
     def __init__(self, host: str, failure: AgentFailure, done: Any = None) -> None:
         self.host = host

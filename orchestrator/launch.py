@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from orchestrator import plan, protocol, serving
-from orchestrator.agent import AgentClient
+from orchestrator.agent_client import AgentClient
 from orchestrator.errors import AgentError, AgentFailure
 from orchestrator.inventory import Target
 from orchestrator.placement import Placement, ray_status
@@ -70,7 +70,8 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
         try:
             answers = run.batch(node, ops)
         except AgentError as exc:
-            before_launch = exc.failure.op in ("lock", "release_switch")
+            # The lock or the switch (the files gate's ops): nothing was stopped or started.
+            before_launch = exc.failure.gate == GATE_FILES
             node.disturbed = node.disturbed or not before_launch
             if not together or before_launch:
                 raise  # the node's own gate says why (on one node alone: its files gate)
@@ -138,7 +139,7 @@ def _read_proof(run: Run, unit: Unit, healthy: protocol.Healthy, scrapes: protoc
 def _proof_failed(run: Run, unit: Unit, failure: AgentFailure) -> None:
     """The server did not start, did not become healthy, or the probe could not talk to it."""
     head = unit.head
-    head.report.gates[plan.gate_of(failure.op)] = Gate(False, failure.message)
+    head.report.gates[failure.gate] = Gate(False, failure.message)
     head.report.diagnosis = plan.diagnose(run.playbook, head.report, failure=failure)
     unit.fail_others([head.name], "group not ready")
 
@@ -213,7 +214,9 @@ def write_ready(run: Run, unit: Unit, release: str) -> None:
                 "executor": placement.multi.executor,
             }
         record = serving.ready_record(release, gates, [f.record() for f in report.files], node.pid)
-        run.batch(node, [protocol.put(node.root, "ready.json", record)])
+        # Under the deploy-root lock, as every write: another run cannot switch or restart
+        # between this run's proof and its record of it without holding the lock itself.
+        run.batch(node, [run.lock(node), protocol.put(node.root, "ready.json", record)])
         report.gates[GATE_READY] = Gate(True, f"{node.root}/ready.json records release {release}")
 
     unit.each(write, GATE_READY)

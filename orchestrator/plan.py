@@ -9,9 +9,11 @@ from __future__ import annotations
 import difflib
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from orchestrator import dflash, gpus, placement, probe, protocol, serving
+from orchestrator import dflash, gpus, models, placement, probe, protocol, serving
+from orchestrator.errors import AgentFailure
 from orchestrator.inventory import Container
 from orchestrator.playbook import DRAFTER_CONFIG, DRAFTER_DIR, FileSpec, Model, Playbook
 from orchestrator.results import (
@@ -79,18 +81,29 @@ def lint_gate(playbook: Playbook, problems: list[dflash.Problem]) -> Gate | None
 
 
 class Checks:
-    """The loader and build checks, run by the serving environment's own Python."""
+    """The loader and build checks, run by the serving environment's own Python. ``release``: an
+    id, None for ``current``, or the batch's ``release_apply`` (the release it settled on).
+    ``findings``: their failures do not stop the batch (verify reads every gate at once)."""
 
-    def __init__(self, playbook: Playbook, root: str, release: str | None) -> None:
+    def __init__(
+        self,
+        playbook: Playbook,
+        root: str,
+        release: str | protocol.Op[protocol.Applied] | None,
+        findings: bool = False,
+    ) -> None:
         python, drafter = playbook.serving.python, playbook.drafter
         assert python is not None and drafter is not None
         fields = [f for f in dflash.LOADER_FIELDS if f in drafter.values]
-        self.loader = protocol.loader_view(root, release, python, fields)
+        self.loader = protocol.loader_view(root, release, python, fields, DRAFTER_DIR)
         self.build = protocol.vllm_build(python)
+        if findings:
+            self.loader, self.build = self.loader.finding(), self.build.finding()
         self.ops: list[protocol.Op[Any]] = [self.loader, self.build]
 
     @staticmethod
     def wanted(playbook: Playbook) -> bool:
+        """Whether a playbook has them: a serving Python to ask, and a drafter config to ask about."""
         return playbook.serving.python is not None and playbook.drafter is not None
 
 
@@ -107,9 +120,11 @@ class ModelChecks:
         drafter: bool = True,
         pins: Pins | None = None,
         tokens: bool = True,
+        findings: bool = False,
     ) -> None:
         """``tokens``: name the drafter's mask token in the target's tokenizer (not every watch
-        round: the tokenizer's files are megabytes)."""
+        round: the tokenizer's files are megabytes). ``findings``: a model directory that cannot
+        be read does not stop the batch (verify, watch)."""
         models, pins = playbook.models, pins if pins is not None else manifests(playbook)
         self.target = self.drafter = None
         if models.target is not None:
@@ -130,6 +145,9 @@ class ModelChecks:
             self.drafter = protocol.model_files(
                 root, m.role, m.path, _names(pins, m), headers=True, rehash=rehash, record=record, skip=[DRAFTER_CONFIG]
             )
+        if findings:
+            self.target = self.target.finding() if self.target is not None else None
+            self.drafter = self.drafter.finding() if self.drafter is not None else None
         self.ops: list[protocol.Op[Any]] = [op for op in (self.target, self.drafter) if op is not None]
 
 
@@ -139,6 +157,7 @@ Pins = dict[str, dict[str, str]]
 
 
 def manifests(playbook: Playbook) -> Pins:
+    """The digests each model's ``manifest:`` pins, by role."""
     return {m.role: m.manifest for m in playbook.models.all if m.manifest is not None}
 
 
@@ -168,25 +187,28 @@ class GpuChecks:
         if not container.gpus:
             self.ops: list[protocol.Op[Any]] = []
             return
-        self.facts = protocol.gpus(root, s.python)
+        # Findings both: nvidia-smi's facts are reported even when the preflight after them fails.
+        self.facts = protocol.gpus(root, s.python).finding()
         count = gpus.ranks_here(playbook, container, nodes)
         if count > 1 and s.python is not None:
             # The server's own GPU environment: what the preflight proves is what the server gets.
             env = {**serving.gpu_env(container), **s.env}
-            self.nccl = protocol.nccl(root, s.python, count, env, playbook.gates.nccl.timeout_s)
+            self.nccl = protocol.nccl(root, s.python, count, env, playbook.gates.nccl.timeout_s).finding()
         self.ops = [op for op in (self.facts, self.nccl) if op is not None]
 
-    def read(self, answers: protocol.Answers, failed: Gate | None, report: HostReport) -> None:
-        """The gate from what came back; ``failed``: this gate's op that failed (nvidia-smi, or
-        the preflight after it: then nvidia-smi's facts are still reported)."""
+    def read(self, answers: protocol.Answers, report: HostReport) -> None:
+        """The gate from what came back: nvidia-smi's facts, and the preflight's answer or failure."""
         if self.facts is None:
             return
-        if self.facts not in answers:
-            if failed is not None:
-                report.gates[GATE_GPUS] = failed
+        failed = answers.failure(self.facts)
+        if failed is not None:
+            report.gates[GATE_GPUS] = Gate(False, failed.describe())
             return
-        nccl = answers.get(self.nccl)
-        read_gpus(self.playbook, self.container, answers[self.facts], nccl, report, self.nodes, failed)
+        if self.facts not in answers:
+            return
+        nccl_failed = answers.failure(self.nccl)
+        nccl = Gate(False, nccl_failed.describe()) if nccl_failed is not None else None
+        read_gpus(self.playbook, self.container, answers[self.facts], answers.get(self.nccl), report, self.nodes, nccl)
 
 
 def read_gpus(
@@ -251,16 +273,19 @@ class Stage:
         pins: Pins | None = None,
     ) -> None:
         pins = pins if pins is not None else manifests(playbook)
-        self.checks = Checks(playbook, root, protocol.APPLIED) if Checks.wanted(playbook) else None
         self.models = ModelChecks(playbook, root, record=True, rehash=rehash, pins=pins)
         drafter = playbook.models.drafter
         overlays = [protocol.Overlay(DRAFTER_DIR, drafter.path, _names(pins, drafter))] if drafter is not None else []
-        switch_now = self.checks is None and playbook.serving.target is None and not self.models.ops
+        wanted = Checks.wanted(playbook)
+        switch_now = not wanted and playbook.serving.target is None and not self.models.ops
         files = playbook.release_files
         self.lock = protocol.lock(root, owner, lock_timeout)
+        # The release records the model files this batch read (by reference to their answers).
         self.apply = protocol.release_apply(
-            root, release_id, files, playbook.keep_releases, switch_now, reuse, overlays
+            root, release_id, files, playbook.keep_releases, switch_now, reuse, overlays, self.models.ops, rehash
         )
+        # The checks read the release that release_apply settled on (a new one, or current).
+        self.checks = Checks(playbook, root, self.apply) if wanted else None
         self.ops: list[protocol.Op[Any]] = [
             self.lock,
             *self.models.ops,
@@ -270,6 +295,7 @@ class Stage:
 
 
 def health_op(playbook: Playbook, root: str, name: str) -> protocol.Op[protocol.Healthy]:
+    """The wait for the server's health, within the playbook's start budget."""
     s = playbook.serving
     return protocol.wait_health(root, name, s.port, s.model_name, s.startup_timeout)
 
@@ -282,6 +308,7 @@ def probe_op(playbook: Playbook) -> protocol.Op[protocol.Scrapes]:
 
 
 def paths(playbook: Playbook) -> list[str]:
+    """The release's files, as the playbook names them (relative to the release)."""
     return [f.dest for f in playbook.release_files]
 
 
@@ -608,16 +635,54 @@ def read_probe(playbook: Playbook, scrapes: protocol.Scrapes, report: HostReport
     )
 
 
-# The gate an operation's failure belongs to, once the files are in place.
-_GATE_OF_OP = {"release_switch": GATE_FILES, "lock": GATE_FILES, "probe": GATE_ACCEPTANCE}
+def read_failures(answers: protocol.Answers, report: HostReport, besides: Sequence[protocol.Op[Any]] = ()) -> None:
+    """Every finding that failed (but those ``besides``, which the caller judges), as a failed
+    gate: the gate its op's contract names (unless a reader already failed that gate with more to
+    say, as the gpus gate does of its preflight)."""
+    judged = {id(f) for op in besides if (f := answers.failure(op)) is not None}
+    for failure in answers.failures:
+        if id(failure) in judged:
+            continue
+        gate = report.gates.get(failure.gate)
+        if gate is None or gate.ok:
+            report.gates[failure.gate] = Gate(False, failure.describe())
 
 
-def gate_of(op: str) -> str:
-    """Where a failed launch-time operation is reported (a start or a health wait: health)."""
-    return _GATE_OF_OP.get(op, GATE_HEALTH)
+class ServedChecks:
+    """What verify and watch both check on a node, in one batch: the files the server reads
+    (through ``current``) and its overlay's links, the target's model files by the host's digest
+    cache, and the process we started (alive, and on the head healthy) with its READY record.
+
+    ``release_verify`` stops the batch when it fails (nothing else means anything without it); the
+    rest are findings, each failure reported under its op's gate. The drafter's files are checked
+    through the overlay's links. ``tokens``: name the mask token too (not every watch round)."""
+
+    def __init__(
+        self, playbook: Playbook, root: str, process: str, head: bool, rehash: bool = False, tokens: bool = True
+    ) -> None:
+        self.playbook = playbook
+        self.served = protocol.release_verify(root, paths(playbook), rehash)
+        self.models = ModelChecks(
+            playbook, root, record=False, rehash=rehash, drafter=False, tokens=tokens, findings=True
+        )
+        self.status: protocol.Op[protocol.Status] | None = None
+        if playbook.serving.target is not None:
+            port = playbook.serving.port if head else None
+            self.status = protocol.serving_status(root, process, port).finding()
+        self.ops: list[protocol.Op[Any]] = [self.served, *self.models.ops, *([self.status] if self.status else [])]
+
+    def read(self, answers: protocol.Answers, report: HostReport, role: str | None) -> None:
+        """The files, models, health and ready gates (``role``: a rank that serves no HTTP)."""
+        found = answers[self.served]
+        read_verified(self.playbook, found, report)
+        target = self.models.target
+        if target is None or target in answers:  # else its failure is the models gate
+            models.read_models(self.playbook, answers.get(target), None, report, found.links, found.manifest)
+        if self.status is not None and self.status in answers and report.release_id is not None:
+            read_serving_status(answers[self.status], report, role)
 
 
-def diagnose(playbook: Playbook, report: HostReport, failure: Any = None) -> list[str]:
+def diagnose(playbook: Playbook, report: HostReport, failure: AgentFailure | None = None) -> list[str]:
     """The likely causes, most specific first, from everything this run knows."""
     out: list[str] = []
     drafter = playbook.drafter
@@ -647,8 +712,8 @@ def diagnose(playbook: Playbook, report: HostReport, failure: Any = None) -> lis
         out.append("no speculative decoding on the server: check serving.speculative and --speculative-config")
     elif acceptance is not None and not acceptance.ok and "restarted" in acceptance.detail:
         out.append("the server restarted during the probe: see its log")
-    if failure is not None and failure.op in ("launch", "wait_health"):
+    if failure is not None and failure.gate == GATE_HEALTH:
         out.append(f"the server did not become healthy: see {failure.path or 'its log'}")
-    elif failure is not None and failure.op == "probe":
+    elif failure is not None and failure.gate == GATE_ACCEPTANCE:
         out.append("the probe failed while talking to the server (it died or stopped answering)")
     return out

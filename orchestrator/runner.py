@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator import plan, protocol, serving
-from orchestrator.agent import AgentClient, Event
-from orchestrator.connector import Connections, RetryPolicy
+from orchestrator.agent_client import AgentClient, Event
+from orchestrator.connections import Connections
+from orchestrator.connector import RetryPolicy
 from orchestrator.containers import spec_for
 from orchestrator.errors import AgentError, AgentProtocolError, LxdError, OrchestratorError, TransportError
 from orchestrator.inventory import Inventory, Target
@@ -70,7 +71,7 @@ def quiet(_message: str) -> None:
 
 def step_of(host: str, event: Event) -> Step:
     """The agent's event in the user's words."""
-    what = protocol.STEP_WORDS.get(event.op, event.op)
+    what = protocol.words(event.op)
     if event.op == "wait_health" and event.elapsed_s is not None:
         return Step(host, what, event.log or "", event.elapsed_s)
     if event.op == "probe" and event.done is not None and event.of:
@@ -372,7 +373,7 @@ def execute(
             guarded(unit.head.report, lambda: work(run, unit))
             for node in unit.nodes:
                 node.report.duration_s = time.monotonic() - started
-                node.report.ssh = connections.counters(node.target).to_json()
+                node.report.ssh = connections.counters(node.name).to_json()
                 progress(node.report, "done")
 
         by_name = {u.head.name: u for u in units}

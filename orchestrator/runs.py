@@ -17,15 +17,11 @@ from orchestrator.errors import AgentError, ArtifactError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.playbook import Playbook
 from orchestrator.results import (
-    GATE_ACCEPTANCE,
-    GATE_BUILD,
     GATE_CONNECT,
     GATE_FILES,
     GATE_GPUS,
     GATE_GROUP,
-    GATE_HEALTH,
     GATE_LINT,
-    GATE_LOADER,
     GATE_MODELS,
     GATE_RAY,
     Gate,
@@ -91,10 +87,10 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
             try:
                 answers = run.batch(node, batch.ops)
             except AgentError as exc:
-                if exc.failure.op != "model_files":
-                    raise
+                # Under the gate of the op that failed (a model directory: models; the loader's
+                # transformers: loader): nothing was switched, what ran, runs.
                 node.report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
-                node.report.gates[GATE_MODELS] = Gate(False, exc.failure.describe())
+                node.report.gates[exc.failure.gate or GATE_FILES] = Gate(False, exc.failure.describe())
                 return
             node.staged = answers[batch.apply]
             plan.read_applied(playbook, node.staged, node.report)
@@ -133,12 +129,11 @@ def _gpus(run: Run, unit: Unit, node: Node) -> bool:
     if not checks.ops:
         return True
     started = time.monotonic()
-    answers, failed = _read_only(run, node, checks.ops[:1])
-    checks.read(answers, failed[1] if failed else None, node.report)
+    answers = run.batch(node, checks.ops[:1])
+    checks.read(answers, node.report)
     if checks.nccl is not None and node.report.gates[GATE_GPUS].ok:
         # Only on GPUs that passed: an all-reduce over the wrong ones would only add noise.
-        more, failed = _read_only(run, node, [checks.nccl])
-        checks.read(answers | more, failed[1] if failed else None, node.report)
+        checks.read(answers | run.batch(node, [checks.nccl]), node.report)
     node.report.gates[GATE_GPUS].data["seconds"] = round(time.monotonic() - started, 2)
     return node.report.gates[GATE_GPUS].ok
 
@@ -187,30 +182,6 @@ def _switch_staged(run: Run, node: Node) -> None:
     plan.read_made_current(run.playbook, answers[switch], node.report)
 
 
-# The gate a failed read-only check belongs to (a stale drafter config that transformers cannot
-# load is the loader's failure; the files' drift read before it must still be reported).
-_CHECK_GATES = {
-    "gpus": GATE_GPUS,
-    "nccl": GATE_GPUS,
-    "model_files": GATE_MODELS,
-    "loader_view": GATE_LOADER,
-    "vllm_build": GATE_BUILD,
-    "serving_status": GATE_HEALTH,
-    "probe": GATE_ACCEPTANCE,
-}
-
-
-def _read_only(run: Run, node: Node, ops: list[protocol.Op[Any]]) -> tuple[protocol.Answers, tuple[str, Gate] | None]:
-    """Answers by op, and the gate of the check that failed (if one did after the first op)."""
-    try:
-        return run.batch(node, ops), None
-    except AgentError as exc:
-        if exc.failure.op not in _CHECK_GATES or exc.done is None:
-            raise
-        node.report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
-        return exc.done, (_CHECK_GATES[exc.failure.op], Gate(False, exc.failure.describe()))
-
-
 def verify(
     playbook: Playbook,
     inventory: Inventory,
@@ -231,40 +202,24 @@ def verify(
     def check(run: Run, unit: Unit, node: Node) -> None:
         if not run.locate(node):
             return
-        served = protocol.release_verify(node.root, plan.paths(playbook), rehash)
-        checks = plan.Checks(playbook, node.root, None) if plan.Checks.wanted(playbook) else None
-        # The drafter's files are checked through the overlay's links (release_verify).
-        model = plan.ModelChecks(playbook, node.root, record=False, rehash=rehash, drafter=False)
+        head = node.rank == 0
+        served = plan.ServedChecks(playbook, node.root, unit.process(node), head, rehash)
+        checks = plan.Checks(playbook, node.root, None, findings=True) if plan.Checks.wanted(playbook) else None
         gpu = plan.GpuChecks(playbook, node.root, node.target.container, len(unit.nodes))
-        ops: list[protocol.Op[Any]] = [served, *model.ops, *(checks.ops if checks else []), *gpu.ops]
-        status = None
-        if playbook.serving.target is not None:
-            port = playbook.serving.port if node.rank == 0 else None
-            status = protocol.serving_status(node.root, unit.process(node), port)
-            ops.append(status)
-        probe = plan.probe_op(playbook) if probe_acceptance and status is not None and node.rank == 0 else None
-        if probe is not None:
+        ops: list[protocol.Op[Any]] = [*served.ops, *(checks.ops if checks else []), *gpu.ops]
+        probe = None
+        if probe_acceptance and served.status is not None and head:
+            probe = plan.probe_op(playbook).finding()
             ops.append(probe)
-        answers, failed = _read_only(run, node, ops)
+        answers = run.batch(node, ops)
         report = node.report
-        plan.read_verified(playbook, answers[served], report)
-        if model.target is None or model.target in answers:  # else its failure is the gate, below
-            found = answers[served]
-            models.read_models(playbook, answers.get(model.target), None, report, found.links, found.manifest)
+        served.read(answers, report, None if head else unit.role(node))
         if checks is not None:
             plan.read_checks(playbook, answers.get(checks.loader), answers.get(checks.build), report)
-        if failed is not None and failed[0] == GATE_GPUS:
-            gpu.read(answers, failed[1], report)
-            failed = None
-        else:
-            gpu.read(answers, None, report)
-        if status is not None and status in answers and report.release_id is not None:
-            role = None if node.rank == 0 else unit.role(node)
-            plan.read_serving_status(answers[status], report, role)
+        gpu.read(answers, report)
         if probe is not None and probe in answers:
             plan.read_probe(playbook, answers[probe], report)
-        if failed is not None:
-            report.gates[failed[0]] = failed[1]
+        plan.read_failures(answers, report)
 
     def work(run: Run, unit: Unit) -> None:
         unit.each(lambda node: check(run, unit, node), GATE_FILES)

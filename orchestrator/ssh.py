@@ -196,7 +196,7 @@ class _Connection:
     counters: Counters = field(default_factory=Counters)
 
 
-class SshTransport:
+class SshConnector:
     """Connections to many endpoints for one run. Thread-safe: one thread per target is the norm."""
 
     def __init__(
@@ -276,7 +276,7 @@ class SshTransport:
         for t in connections:
             t.close()
 
-    def __enter__(self) -> SshTransport:
+    def __enter__(self) -> SshConnector:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -549,7 +549,7 @@ class SshTransport:
 class _SshSession:
     """One command's channel, kept open (``connector.Session``)."""
 
-    def __init__(self, transport: SshTransport, name: str, chan: paramiko.Channel) -> None:
+    def __init__(self, transport: SshConnector, name: str, chan: paramiko.Channel) -> None:
         self._transport, self._name, self._chan = transport, name, chan
         self._stderr = StderrTail()
 

@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from orchestrator import models, plan, probe, protocol
-from orchestrator.agent import AgentSession
-from orchestrator.connector import Connections
-from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError, OrchestratorError, TransportError
+from orchestrator import plan, probe, protocol
+from orchestrator.agent_client import AgentSession
+from orchestrator.connections import Connections
+from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, TransportError
 from orchestrator.inventory import Inventory, Target
 from orchestrator.playbook import Playbook
-from orchestrator.results import GATE_FILES, GATE_MODELS, Gate, HostReport
+from orchestrator.results import GATE_FILES, HostReport
 from orchestrator.runner import ContainerGate, Node, RunOptions, Unit, finish, units_for
 from orchestrator.watch import HostWatch, Round, Seen, Transition, changed_fields, step
 
@@ -138,35 +138,28 @@ class Watcher:
     def _read(self, w: _Watched, now: float) -> Seen:
         playbook, node, unit = self.playbook, w.node, w.unit
         assert w.session is not None
-        served = protocol.release_verify(node.root, plan.paths(playbook))
-        # The target's model files too, by the host's digest cache (a stat per file).
-        model = plan.ModelChecks(playbook, node.root, record=False, drafter=False, tokens=False)
-        ops: list[protocol.Op[Any]] = [served, *model.ops]
-        status = metrics = None
-        if playbook.serving.target is not None:
-            port = playbook.serving.port if node.rank == 0 else None
-            status = protocol.serving_status(node.root, unit.process(node), port)
-            ops.append(status)
-            if node.rank == 0:
-                metrics = protocol.metrics(playbook.serving.port, (probe.PREFIX,))
-                ops.append(metrics)  # last: a server that is down fails only this op
+        head = node.rank == 0
+        # What verify checks too (the target's model files by the host's digest cache: a stat per
+        # file), and on the head the production counters.
+        served = plan.ServedChecks(playbook, node.root, unit.process(node), head, tokens=False)
+        ops: list[protocol.Op[Any]] = list(served.ops)
+        metrics = None
+        if served.status is not None and head:
+            metrics = protocol.metrics(playbook.serving.port, (probe.PREFIX,)).finding()
+            ops.append(metrics)
         try:
-            answers, failed = _ask(w.session, ops)
+            answers = w.session.batch(ops)
         except AgentError as exc:  # the release itself could not be read: the host says why
             return Seen(now, error=exc.failure.describe())
         report = HostReport(node.name)
-        found = answers[served]
-        plan.read_verified(playbook, found, report)
-        if model.target is not None and model.target in answers:
-            models.read_models(playbook, answers[model.target], None, report, found.links, found.manifest)
-        elif "model_files" in failed:
-            report.gates[GATE_MODELS] = Gate(False, failed["model_files"].describe())
-        metrics_error = failed["metrics"].message if "metrics" in failed else None
+        served.read(answers, report, None if head else unit.role(node))
+        failed = answers.failure(metrics)
+        metrics_error = failed.message if failed is not None else None
+        # The metrics' failure is the round's finding (a server down), not a gate: watch judges it.
+        plan.read_failures(answers, report, besides=[metrics] if metrics is not None else [])
         pid = None
-        if status is not None and status in answers:
-            if report.release_id is not None:
-                plan.read_serving_status(answers[status], report, None if node.rank == 0 else unit.role(node))
-            server = answers[status].server
+        if served.status is not None and served.status in answers:
+            server = answers[served.status].server
             pid = server.pid if server is not None and server.alive else None
         counters = None
         if metrics is not None and metrics in answers:
@@ -205,28 +198,6 @@ class Watcher:
             if f.path in specs and not f.private:
                 out += changed_fields(f.path, specs[f.path].content, f.content)
         return out
-
-
-# Ops whose failure is a finding of the round (a model directory gone, a server down), not a
-# reason to stop reading the host: the round goes on with the ops after them.
-_FINDINGS = ("model_files", "metrics")
-
-
-def _ask(session: AgentSession, ops: list[protocol.Op[Any]]) -> tuple[protocol.Answers, dict[str, AgentFailure]]:
-    """The answers to ``ops``, going past the ops whose failure is a finding (and that failure)."""
-    answers, failed = protocol.Answers({}), dict[str, AgentFailure]()
-    rest = list(ops)
-    while rest:
-        try:
-            return answers | session.batch(rest), failed
-        except AgentError as exc:
-            if exc.failure.op not in _FINDINGS:
-                raise
-            done = exc.done or protocol.Answers({})
-            failed[exc.failure.op] = exc.failure
-            answers = answers | done
-            rest = rest[sum(1 for op in rest if op in done) + 1 :]
-    return answers, failed
 
 
 def _message(exc: OrchestratorError) -> str:

@@ -1,19 +1,95 @@
-"""The remote agent: stdlib-only files sent to each host with every batch.
+"""The remote agent: stdlib-only modules (Python 3.8+) packed into one source for each batch.
 
-``loader.py`` runs first and finds the agent's compiled code (or compiles ``agent.py``).
+The agent is written as modules split by what they do, documented and linted like the rest of
+the project, and imported from here by the tests:
 
-This package only locates that file for the controller; it is never imported on a host.
+    core       the op registry and argument specs, failures as data, paths confined to the
+               deploy root, atomic writes and read-back, the digest cache, ``lock`` and ``put``
+    releases   staging, switching, reading back and pruning releases
+    models     model directories: digests, safetensors headers, tokens, uploads
+    serving    the server process: launch, stop, health, status, probe, metrics
+    checks     what the serving Python answers (loader, build), the GPUs, the NCCL preflight
+    dispatch   the request, each op checked against its spec, references, findings, sessions
+    helpers/   the programs the serving Python runs for ``checks``
+
+For the wire, ``pack`` joins the modules a batch's ops need (with what they need: ``NEEDS``),
+core first and dispatch last, with their docstrings, comments and imports of each other taken out
+(as mitogen minifies the core it ships): one namespace, as if one file had been written. The host
+caches the compiled code by the digest of exactly what was sent (``loader.py``). This package
+itself is never imported on a host.
 """
 
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 
 # Beside this file (importlib.resources would cost ~3 ms of every start for the same answer).
 _HERE = Path(__file__).resolve().parent
 
+# In the order they are packed (and so the order the agent's registry lists its ops in).
+MODULES = ("core", "releases", "models", "serving", "checks", "dispatch")
+# What each module uses of the others (besides core, which every module uses).
+NEEDS: dict[str, tuple[str, ...]] = {"models": ("releases",), "checks": ("serving",)}
+_HELPER = re.compile(r'_helper\("(\w+)"\)')
+
+
+def module_source(name: str) -> str:
+    """One module's source as it is in the tree."""
+    return (_HERE / f"{name}.py").read_text()
+
+
+def helper_source(name: str) -> str:
+    """A helper program's source (``helpers/<name>.py``), as the serving Python runs it."""
+    return (_HERE / "helpers" / f"{name}.py").read_text()
+
+
+def closure(modules: Iterable[str]) -> tuple[str, ...]:
+    """The modules named, what they need, core and dispatch: in packing order."""
+    wanted = {"core", "dispatch", *modules}
+    for name in list(wanted):
+        wanted.update(NEEDS.get(name, ()))
+    unknown = wanted - set(MODULES)
+    if unknown:
+        raise ValueError(f"no agent module {sorted(unknown)}")
+    return tuple(m for m in MODULES if m in wanted)
+
+
+def _minified(source: str) -> str:
+    """The module without docstrings, comments or imports of the other agent modules."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef):
+            body = node.body
+            first = body[0].value if body and isinstance(body[0], ast.Expr) else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    tree.body = [
+        n for n in tree.body if not (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "remote_agent")
+    ]
+    return ast.unparse(tree)
+
+
+@cache
+def pack(modules: tuple[str, ...] = MODULES) -> bytes:
+    """The agent's source for a batch whose ops live in ``modules`` (a closure, in order)."""
+    parts = []
+    for name in closure(modules):
+        source = module_source(name)
+        parts.append(_minified(source))
+        if name == "core":
+            helpers = sorted({h for m in closure(modules) for h in _HELPER.findall(module_source(m))})
+            if helpers:
+                parts.append(f"HELPERS.update({ {h: helper_source(h) for h in helpers}!r})")
+    return ("\n".join(parts) + "\n").encode()
+
 
 def source() -> bytes:
-    """The agent's source, exactly as it will run on the host."""
-    return (_HERE / "agent.py").read_bytes()
+    """The whole agent, every module, as one batch of every op would carry it."""
+    return pack(MODULES)
 
 
 def loader_source() -> bytes:

@@ -1,6 +1,7 @@
 # dflash-orchestrator agent loader: the first thing each batch runs on the host (stdlib, 3.8+).
 #
-# stdin: "<n> <key>\n" + zlib(agent source, n bytes) + the request. Compiling the agent costs
+# stdin: "<n> <key>\n" + zlib(agent source, n bytes) + the request. The source is the agent's
+# modules a batch needs, packed by the controller (remote_agent.pack). Compiling it costs
 # more than starting the interpreter, on every host for every batch, so the compiled code is kept
 # in ~/.cache/dflash-orchestrator/agent-<key>.<cache tag>. Like Python's own __pycache__, the cache
 # is trusted only when the directory and the file belong to this user and the directory is not
@@ -30,8 +31,11 @@ if type(_code).__name__ != "code":
     _code = compile(zlib.decompress(_packed), "dflash-agent", "exec")
     try:
         os.makedirs(_dir, 0o700, exist_ok=True)
-        for _old in os.listdir(_dir):  # earlier agent versions
-            if _old.startswith("agent-") and not _old.startswith("agent-%s." % _key.decode("ascii")):
+        # The key is "<agent version>.<modules sent>": one entry per set of modules a batch
+        # sends (files only, with models, serving...); those of earlier versions go.
+        _version = _key.decode("ascii").split(".")[0]
+        for _old in os.listdir(_dir):
+            if _old.startswith("agent-") and not _old.startswith("agent-%s." % _version):
                 os.unlink(os.path.join(_dir, _old))
         _tmp = "%s.tmp-%d" % (_path, os.getpid())
         with open(os.open(_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as _f:
@@ -39,4 +43,4 @@ if type(_code).__name__ != "code":
         os.replace(_tmp, _path)
     except OSError:
         pass  # a read-only or full home only costs the compile next time
-exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
+exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})  # type: ignore[arg-type]

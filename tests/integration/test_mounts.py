@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.agent import BOOTSTRAP, encode_request
+from orchestrator.agent_client import BOOTSTRAP, encode_request
 
 
 def agent_in_namespace(tmp_path: Path, setup: str, ops: list[dict[str, object]]) -> list[dict[str, object]]:

@@ -16,12 +16,12 @@ import pytest
 import yaml
 
 from orchestrator import launch, protocol, serving
-from orchestrator.agent import AgentClient
+from orchestrator.agent_client import AgentClient
 from orchestrator.inventory import load_inventory
 from orchestrator.placement import place
 from orchestrator.playbook import load_playbook
 from orchestrator.sandbox.lxdhosts import LxdSandbox
-from orchestrator.ssh import KnownHosts, SshTransport
+from orchestrator.ssh import KnownHosts, SshConnector
 from tests.integration.conftest import REPO, host, in_container, inventory, run
 
 PLAYBOOK = REPO / "playbooks" / "sandbox-multinode.yaml"
@@ -217,7 +217,7 @@ def test_ray_cluster_is_bootstrapped_checked_and_torn_down(lxd_sandbox: LxdSandb
 
     playbook, inventory_ = load_playbook(ray), load_inventory(inv)
     placement = place(playbook, inventory_, inventory_.resolve(playbook.targets))
-    transport = SshTransport(KnownHosts(inventory_.known_hosts))
+    transport = SshConnector(KnownHosts(inventory_.known_hosts))
     try:
         client = AgentClient(transport)
         for rank, node in enumerate(placement.nodes):

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator import protocol
-from orchestrator.agent import AgentClient
+from orchestrator.agent_client import AgentClient
 from orchestrator.errors import AgentError
 from orchestrator.inventory import load_inventory
-from orchestrator.ssh import KnownHosts, SshTransport
+from orchestrator.ssh import KnownHosts, SshConnector
 from tests.integration.conftest import Sandbox, write_playbook
 
 
@@ -110,7 +110,7 @@ def test_agent_refuses_paths_outside_the_deploy_root_over_ssh(sandbox: Sandbox, 
     inv = load_inventory(sandbox.inventory)
     target = inv.resolve([sandbox.names[0]])[0]
     data = b"owned\n"
-    with SshTransport(KnownHosts(inv.known_hosts)) as transport:
+    with SshConnector(KnownHosts(inv.known_hosts)) as transport:
         client = AgentClient(transport)
         for path in ("../../etc/orchestrate-escape", "/etc/orchestrate-escape"):
             op = protocol.put(root_name, path, data)

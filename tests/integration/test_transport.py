@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator.errors import AuthenticationFailed, CommandTimeout, ConnectFailed, ConnectionLost
 from orchestrator.inventory import Target, load_inventory
-from orchestrator.ssh import Command, KnownHosts, RetryPolicy, SshTransport, _PromptAckSocket
+from orchestrator.ssh import Command, KnownHosts, RetryPolicy, SshConnector, _PromptAckSocket
 from tests.integration.conftest import Sandbox
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_wait=0.01, max_wait=0.05)
@@ -30,7 +30,7 @@ def target(sandbox: Sandbox, index: int = 0, **ssh: object) -> tuple[Target, Kno
 def test_large_stdin_to_a_command_that_echoes_as_it_reads(sandbox: Sandbox) -> None:
     t, kh = target(sandbox)
     data = os.urandom(8 << 20)
-    with SshTransport(kh) as transport:
+    with SshConnector(kh) as transport:
         result = transport.run(t, Command(("cat",)), data)
         again = transport.run(t, Command(("sh", "-c", "echo to-stderr >&2; exit 3")))
     assert result.ok and result.stdout == data
@@ -86,7 +86,7 @@ def test_every_byte_of_both_streams_comes_back_with_the_exit_status(sandbox: San
     def one_host(name: str) -> int:
         t = inv.resolve([name])[0]
         runs = 0
-        with SshTransport(KnownHosts(inv.known_hosts)) as transport:
+        with SshConnector(KnownHosts(inv.known_hosts)) as transport:
             for round_ in range(ROUNDS):
                 for size in sizes:
                     data = os.urandom(size)
@@ -114,7 +114,7 @@ def test_64_mib_each_way_and_from_a_file(sandbox: Sandbox) -> None:
     (sandbox.srv(name) / "blob").write_bytes(blob)
     t, kh = target(sandbox)
     try:
-        with SshTransport(kh) as transport:
+        with SshConnector(kh) as transport:
             echoed = transport.run(t, Command(("cat",)), blob, timeout=300)
             written = transport.run(t, Command(("sh", "-c", 'cat "$1"; exit 7', "sh", "/srv/blob")), timeout=300)
     finally:
@@ -126,7 +126,7 @@ def test_64_mib_each_way_and_from_a_file(sandbox: Sandbox) -> None:
 def test_argv_is_quoted_not_interpreted(sandbox: Sandbox) -> None:
     t, kh = target(sandbox)
     hostile = "$(touch /srv/pwned); `touch /srv/pwned2` 'quote"
-    with SshTransport(kh) as transport:
+    with SshConnector(kh) as transport:
         result = transport.run(t, Command(("printf", "%s", hostile)))
     assert result.stdout.decode() == hostile
     assert not (sandbox.srv(sandbox.names[0]) / "pwned").exists()
@@ -134,14 +134,14 @@ def test_argv_is_quoted_not_interpreted(sandbox: Sandbox) -> None:
 
 def test_command_timeout_is_not_retried(sandbox: Sandbox) -> None:
     t, kh = target(sandbox)
-    with SshTransport(kh, retry=FAST_RETRY) as transport, pytest.raises(CommandTimeout, match="did not finish within"):
+    with SshConnector(kh, retry=FAST_RETRY) as transport, pytest.raises(CommandTimeout, match="did not finish within"):
         transport.run(t, Command(("sleep", "30")), timeout=0.3)
     assert transport.counters(t.name).retries == 0
 
 
 def test_refused_connections_are_retried_then_reported(sandbox: Sandbox) -> None:
     t, kh = target(sandbox, port=2222)
-    with SshTransport(kh, retry=FAST_RETRY) as transport, pytest.raises(ConnectFailed, match="Connection refused"):
+    with SshConnector(kh, retry=FAST_RETRY) as transport, pytest.raises(ConnectFailed, match="Connection refused"):
         transport.run(t, Command(("true",)))
     assert transport.counters(t.name).retries == FAST_RETRY.attempts - 1
 
@@ -150,7 +150,7 @@ def test_wrong_key_fails_authentication_without_retry(sandbox: Sandbox, tmp_path
     key = tmp_path / "other"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     t, kh = target(sandbox, key=key)
-    with SshTransport(kh, retry=FAST_RETRY) as transport, pytest.raises(AuthenticationFailed, match="as root failed"):
+    with SshConnector(kh, retry=FAST_RETRY) as transport, pytest.raises(AuthenticationFailed, match="as root failed"):
         transport.run(t, Command(("true",)))
     assert transport.counters(t.name).retries == 0
 
@@ -163,7 +163,7 @@ def test_connections_neither_hold_writes_nor_delay_acks(sandbox: Sandbox) -> Non
     import socket
 
     t, kh = target(sandbox)
-    with SshTransport(kh) as transport:
+    with SshConnector(kh) as transport:
         assert transport.run(t, Command(("true",))).ok
         sock = transport._connections[t.name].sock
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
@@ -174,18 +174,18 @@ def test_bulk_streams_use_aes_gcm_with_sshd(sandbox: Sandbox) -> None:
     """Model pushes are bulk transfers: AES-GCM (no separate MAC) is negotiated with OpenSSH
     (throughput is the benchmark's business: bench/models.py)."""
     t, kh = target(sandbox)
-    with SshTransport(kh) as transport:
+    with SshConnector(kh) as transport:
         assert transport.run(t, Command(("true",))).ok
         connection = transport._connections[t.name]
         assert connection.local_cipher == connection.remote_cipher == "aes128-gcm@openssh.com"
 
 
 def test_a_kept_session_carries_exchange_after_exchange_and_says_when_its_command_ends(sandbox: Sandbox) -> None:
-    """The channel watch keeps open (``SshTransport.open``): bytes go both ways as often as asked
+    """The channel watch keeps open (``SshConnector.open``): bytes go both ways as often as asked
     over one exec, every byte compared; a command that ends says so (b"" and its stderr), never a
     hang; closing the session ends the command on the host."""
     t, kh = target(sandbox)
-    with SshTransport(kh) as transport:
+    with SshConnector(kh) as transport:
         session = transport.open(t, Command(("cat",)))
         try:
             for size in (1, 4095, 32768, 1 << 20):

@@ -21,12 +21,41 @@ from typing import Any
 import pytest
 
 import remote_agent
-from orchestrator.agent import BOOTSTRAP, _packed_agent, decode_response, encode_request
+from orchestrator.agent_client import BOOTSTRAP, decode_response, encode_request, packed_agent
 from orchestrator.errors import AgentError, ConnectionLost
+
+# The keys a request needs beyond those a test is about, as the controller would send them (the
+# agent takes no defaults: see test_a_request_missing_a_key_is_refused_naming_it).
+REQUEST_KEYS: dict[str, dict[str, Any]] = {
+    "lock": {"timeout": 5.0, "owner": "test@here"},
+    "put": {"mode": "0644"},
+    "release_apply": {"keep": 5, "switch": True, "reuse": True, "rehash": False, "overlays": [], "models": []},
+    "release_verify": {"rehash": False},
+    "release_inspect": {"max_bytes": 256 * 1024},
+    "release_switch": {"release_id": None, "keep": None},
+    "loader_view": {"release_id": None, "subdir": "drafter", "fields": [], "timeout": 120.0},
+    "model_files": {
+        "name": "target",
+        "files": None,
+        "config": False,
+        "headers": False,
+        "rehash": False,
+        "record": False,
+        "skip": [],
+        "tokens": [],
+    },
+    "vllm_build": {"timeout": 120.0},
+}
+
+
+def complete(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**REQUEST_KEYS.get(op.get("op", ""), {}), **op} for op in ops]
 
 
 def run(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    proc = subprocess.run([sys.executable, "-c", BOOTSTRAP], input=encode_request(ops), capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", BOOTSTRAP], input=encode_request(complete(ops)), capture_output=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     decode_response("local", proc.returncode, proc.stdout, proc.stderr)  # the controller can read it
     return json.loads(proc.stdout)["results"]  # type: ignore[no-any-return]
@@ -205,7 +234,7 @@ def test_errors_are_structured_never_tracebacks(tmp_path: Path) -> None:
 def test_bad_request_is_answered_not_crashed() -> None:
     for bad in (b"not marshal", marshal.dumps([1, 2]), marshal.dumps({"v": 99, "ops": []})):
         proc = subprocess.run(
-            [sys.executable, "-c", BOOTSTRAP], input=_packed_agent() + bad, capture_output=True, timeout=60
+            [sys.executable, "-c", BOOTSTRAP], input=packed_agent() + bad, capture_output=True, timeout=60
         )
         assert proc.returncode == 0 and "bad request" in json.loads(proc.stdout)["error"]
 
@@ -214,7 +243,7 @@ def run_with_home(home: Path, ops: list[dict[str, Any]]) -> dict[str, Any]:
     env = dict(os.environ, HOME=str(home))
     proc = subprocess.run(
         [sys.executable, "-I", "-S", "-c", BOOTSTRAP],
-        input=encode_request(ops),
+        input=encode_request(complete(ops)),
         capture_output=True,
         env=env,
         timeout=60,
@@ -368,7 +397,7 @@ def test_a_session_answers_request_after_request_and_holds_no_lock_between_them(
     """One agent process for many batches (``watch``): each answer framed, each batch's lock released
     when its answer is sent, so a deploy is never kept waiting by a watch."""
     from orchestrator import protocol
-    from orchestrator.agent import AgentClient, AgentSession
+    from orchestrator.agent_client import AgentClient, AgentSession
     from orchestrator.local import LocalConnector
 
     target = local_target(tmp_path)
@@ -398,7 +427,7 @@ def test_a_session_answers_request_after_request_and_holds_no_lock_between_them(
 
 
 def test_a_session_that_is_sent_garbage_says_so_and_ends(tmp_path: Path) -> None:
-    from orchestrator.agent import AgentSession
+    from orchestrator.agent_client import AgentSession
     from orchestrator.errors import AgentProtocolError
     from orchestrator.local import LocalConnector
 
@@ -448,6 +477,9 @@ def test_progress_events_only_when_asked(tmp_path: Path) -> None:
     ops = [{"op": "release_list", "root": str(tmp_path)}]
     for events, expected in ((False, b""), (True, b'@dflash-event {"op":"release_list"}\n')):
         proc = subprocess.run(
-            [sys.executable, "-c", BOOTSTRAP], input=encode_request(ops, events), capture_output=True, timeout=60
+            [sys.executable, "-c", BOOTSTRAP],
+            input=encode_request(complete(ops), events),
+            capture_output=True,
+            timeout=60,
         )
         assert proc.returncode == 0 and proc.stderr.replace(b" ", b"") == expected.replace(b" ", b"")

@@ -22,7 +22,7 @@ import yaml
 
 from orchestrator import cli
 from orchestrator.results import GATE_GPUS
-from remote_agent import agent
+from remote_agent import checks as agent
 from tests.unit.localbox import Box, deploy, host, verify
 
 H200 = Path(__file__).resolve().parent.parent / "data" / "gpu" / "h200"

@@ -20,7 +20,7 @@ from orchestrator.errors import InputError
 from orchestrator.inventory import Container, ContainerLxd, SshSettings
 from orchestrator.playbook import Playbook, load_playbook
 from orchestrator.results import GATE_GPUS, Gate, HostReport
-from remote_agent import agent
+from remote_agent import checks as agent
 
 H200 = Path(__file__).resolve().parent.parent / "data" / "gpu" / "h200"
 H200X2 = H200.with_name("h200x2")

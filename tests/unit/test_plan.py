@@ -7,7 +7,7 @@ import marshal
 from pathlib import Path
 
 from orchestrator import plan, protocol
-from orchestrator.agent import MARSHAL_VERSION
+from orchestrator.agent_client import MARSHAL_VERSION
 from orchestrator.playbook import load_playbook
 from orchestrator.results import HostReport
 

@@ -16,7 +16,7 @@ import termios
 import time
 from pathlib import Path
 
-from orchestrator.agent import Event, EventReader, read_event, without_events
+from orchestrator.agent_client import Event, EventReader, read_event, without_events
 from tests.unit.localbox import Box
 
 REPO = Path(__file__).resolve().parents[2]

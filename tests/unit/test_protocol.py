@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import pytest
 
 import remote_agent
 from orchestrator import protocol
-from orchestrator.agent import AgentClient
+from orchestrator.agent_client import AgentClient
 from orchestrator.connector import Command, OnStderr, Result, Session
 from orchestrator.errors import AgentError, AgentProtocolError
 from orchestrator.inventory import Container, SshSettings, Target
@@ -20,12 +19,11 @@ from orchestrator.serving import ServerCommand
 PACKAGE = Path(protocol.__file__).parent
 
 
-def agent_ops() -> set[str]:
-    spec = importlib.util.spec_from_file_location("dflash_agent", Path(remote_agent.__file__).with_name("agent.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return set(module.OPS)
+def agent_ops() -> list[str]:
+    """The agent's operations in its order, as the host runs it: the packed source of every module."""
+    namespace: dict[str, Any] = {"__name__": "dflash-agent"}
+    exec(compile(remote_agent.source(), "dflash-agent", "exec"), namespace)
+    return list(namespace["OPS"])
 
 
 def used_builders() -> set[str]:
@@ -46,8 +44,8 @@ def used_builders() -> set[str]:
 
 
 def test_the_controller_builds_exactly_the_agents_operations_and_uses_each() -> None:
-    assert set(protocol.OPERATIONS) == agent_ops()
-    assert set(protocol.OPERATIONS) <= used_builders(), set(protocol.OPERATIONS) - used_builders()
+    assert [spec.name for spec in protocol.OPS] == agent_ops()  # names and order
+    assert set(protocol.SPECS) <= used_builders(), set(protocol.SPECS) - used_builders()
 
 
 def build(name: str) -> protocol.Op[Any]:
@@ -65,7 +63,7 @@ def build(name: str) -> protocol.Op[Any]:
         "release_list": ("/r",),
         "release_switch": ("/r", "R1"),
         "put": ("/r", "ready.json", b"{}"),
-        "loader_view": ("/r", protocol.APPLIED, "/py", ["model_type"]),
+        "loader_view": ("/r", "R1", "/py", ["model_type"]),
         "vllm_build": ("/py",),
         "launch": ("/r", "dflash-serve", command, "R1", 8000),
         "stop": ("/r", "dflash-serve"),
@@ -75,10 +73,10 @@ def build(name: str) -> protocol.Op[Any]:
         "probe": (8000, "m", ["p"], 16, 60.0),
         "metrics": (8000, ["vllm:spec_decode_"]),
     }
-    return protocol.OPERATIONS[name](*args[name])
+    return protocol.SPECS[name].build(*args[name])
 
 
-@pytest.mark.parametrize("name", sorted(protocol.OPERATIONS))
+@pytest.mark.parametrize("name", sorted(protocol.SPECS))
 def test_each_builder_names_its_operation(name: str) -> None:
     assert build(name).name == name
 
@@ -188,5 +186,5 @@ def test_a_malformed_batch_answer_is_a_protocol_error(stdout: bytes, why: str) -
         AgentClient(Scripted(stdout)).batch(TARGET, [protocol.lock("/r", "me", 1.0)])
 
 
-def test_every_operation_has_words_for_progress() -> None:
-    assert set(protocol.STEP_WORDS) == set(protocol.OPERATIONS)
+def test_every_operation_has_words_for_progress_and_a_gate() -> None:
+    assert all(spec.words and spec.gate for spec in protocol.OPS)

@@ -239,7 +239,7 @@ def test_the_founding_incident_replayed_under_watch(box: Box) -> None:
         assert r.reasons[0].startswith("live traffic: mean acceptance length 1.00 < 4.0")
         # Every round went over one session: one agent process, one exec.
         assert w.watched[0].session is not None and w.watched[0].session.pid == session_pid
-        assert w.connections.counters(w.watched[0].node.target).execs == 1
+        assert w.connections.counters(w.watched[0].node.name).execs == 1
         server = box.pid("solo")
         os.killpg(server, signal.SIGKILL)
         gone(server)
@@ -267,7 +267,7 @@ def test_a_killed_agent_is_replaced_in_the_same_round_and_said(box: Box) -> None
         assert r.reasons[-1].startswith(said), r.reasons
         fresh = w.watched[0].session
         assert fresh is not None and fresh.pid not in (None, old)
-        assert w.connections.counters(w.watched[0].node.target).execs == 2
+        assert w.connections.counters(w.watched[0].node.name).execs == 2
     finally:
         w.close()
 

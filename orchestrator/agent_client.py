@@ -2,9 +2,10 @@
 
 The agent's source travels with every request, compressed, behind a fixed bootstrap given to
 ``python3 -c``; nothing is installed on the host and no request data ever enters a shell string.
-stdin carries ``<n>\\n<loader source><n> <key>\\n<zlib(agent source)><marshal request>``; the loader
-reuses the host's compiled copy of the agent when its key (the source's digest) matches. The
-request goes as marshal (the host trusts what the controller sends: it runs the controller's
+stdin carries ``<n>\\n<loader source><n> <key>\\n<zlib(agent source)><marshal request>``, where the
+agent source is the modules the batch's ops need (``remote_agent.pack``: a files-only batch
+carries no serving or GPU code); the loader reuses the host's compiled copy when its key (the
+digest of what was sent) matches. The request goes as marshal (the host trusts what the controller sends: it runs the controller's
 code); the answer comes back as JSON, which the controller parses without trusting the host.
 """
 
@@ -26,7 +27,7 @@ import remote_agent
 from orchestrator.connector import Command, Connector, Session, Stdin
 from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError, ConnectionLost, TransportError
 from orchestrator.inventory import Target
-from orchestrator.protocol import AnswerError, Answers, Op, batch_timeout
+from orchestrator.protocol import SPECS, AnswerError, Answers, Op, batch_timeout, modules
 
 PROTOCOL_VERSION = 1
 # The leading string names the process in `ps` on the host (and lets tests find it).
@@ -39,18 +40,22 @@ _packing = threading.Lock()
 
 
 @cache
-def _packed_agent_once() -> bytes:
+def _packed_agent_once(names: tuple[str, ...]) -> bytes:
     loader = remote_agent.loader_source()
-    source = remote_agent.source()
+    chosen = remote_agent.MODULES if names == ("*",) else remote_agent.closure(names)
+    source = remote_agent.pack(chosen)
     packed = zlib.compress(source)
-    key = hashlib.sha256(source).hexdigest()[:32]
+    # The host's cache key: the agent's version (all of its modules), then what this batch sends.
+    version = hashlib.sha256(remote_agent.source()).hexdigest()[:16]
+    key = f"{version}.{hashlib.sha256(source).hexdigest()[:16]}"
     return b"%d\n%s%d %s\n%s" % (len(loader), loader, len(packed), key.encode(), packed)
 
 
-def _packed_agent() -> bytes:
+def packed_agent(names: tuple[str, ...] = ("*",)) -> bytes:
+    """The loader and the agent modules ``names`` (every module: ``("*",)``), as stdin starts."""
     # Every host's thread asks at once when a run starts; pack once, not once per thread.
     with _packing:
-        return _packed_agent_once()
+        return _packed_agent_once(names)
 
 
 def agent_command(python: str) -> Command:
@@ -59,14 +64,25 @@ def agent_command(python: str) -> Command:
     return Command((python, "-I", "-S", "-c", BOOTSTRAP))
 
 
-def encode_request(ops: Sequence[dict[str, Any]], events: bool = False) -> bytes:
-    """The agent (for its loader), then the request framed by its length: a stream an op reads
-    (an upload's bytes) may follow it. ``events``: ask for progress events on stderr."""
-    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "ops": ops}
-    if events:
-        body["events"] = True
+def request_body(
+    ops: Sequence[dict[str, Any]], findings: Sequence[int] = (), events: bool = False, session: bool = False
+) -> bytes:
+    """A request as marshal data, framed by its length: every key the agent reads, always."""
+    body = {"v": PROTOCOL_VERSION, "session": session, "events": events, "ops": list(ops), "findings": list(findings)}
     request = marshal.dumps(body, MARSHAL_VERSION)
-    return _packed_agent() + b"%d\n" % len(request) + request
+    return b"%d\n" % len(request) + request
+
+
+def encode_request(ops: Sequence[dict[str, Any]], events: bool = False, findings: Sequence[int] = ()) -> bytes:
+    """The agent modules these ops need (for its loader), then the request: a stream an op reads
+    (an upload's bytes) may follow it. ``events``: ask for progress events on stderr.
+    ``findings``: the indices of the ops whose failure does not stop the batch."""
+    agent = packed_agent(modules(str(op.get("op")) for op in ops))
+    return agent + request_body(ops, findings, events)
+
+
+def _findings(ops: Sequence[Op[Any]]) -> list[int]:
+    return [i for i, op in enumerate(ops) if op.is_finding]
 
 
 @dataclass(frozen=True)
@@ -106,7 +122,9 @@ def results_of(host: str, data: Any, exit_status: int = 0) -> list[OpResult]:
             raise AgentProtocolError(
                 host, f"unexpected result in the agent's answer: {str(item)[:200]}", exit_status, ""
             )
-        failure = AgentFailure.from_json(item["error"]) if item.get("error") else None
+        error = item.get("error")
+        name = str(item.get("op"))
+        failure = AgentFailure.from_json(error, SPECS[name].gate if name in SPECS else "") if error else None
         results.append(
             OpResult(
                 op=str(item.get("op")),
@@ -203,7 +221,7 @@ class AgentClient:
         seconds and the server log's last line, the probe's prompts)."""
         if timeout is None:
             timeout = batch_timeout(ops, target.container.ssh.command_timeout)
-        request = encode_request([op.request for op in ops], events=events is not None)
+        request = encode_request([op.request for op in ops], events=events is not None, findings=_findings(ops))
         stdin: Stdin = itertools.chain((request,), stream) if stream != () else request
         command = agent_command(target.container.ssh.python)
         on_stderr = EventReader(events) if events is not None else None
@@ -215,20 +233,27 @@ class AgentClient:
 
 
 def read_answers(host: str, ops: Sequence[Op[Any]], results: list[OpResult], exit_status: int, tail: str) -> Answers:
-    """Each op's answer read by its reader; ``AgentError`` for the first failed op."""
+    """Each op's answer read by its reader; a failed finding kept with the answers; ``AgentError``
+    for the first failed op that is not a finding."""
     if len(results) != len(ops):
         raise AgentProtocolError(host, f"expected {len(ops)} results, got {len(results)}", exit_status, tail)
     values: dict[str, Any] = {}
+    failed: dict[str, AgentFailure] = {}
     for op, r in zip(ops, results, strict=True):
+        if r.failure is not None and op.is_finding:
+            failed[op.key] = r.failure
+            continue
         if r.failure is not None:
-            raise AgentError(host, r.failure, Answers(values))
+            raise AgentError(host, r.failure, Answers(values, failed))
+        if r.skipped:
+            raise AgentProtocolError(host, f"{op.name} was skipped, though no op before it failed", exit_status, tail)
         if r.op != op.name:
             raise AgentProtocolError(host, f"answer for {r.op!r} where {op.name!r} was asked", exit_status, "")
         try:
             values[op.key] = op.read(r.value)
         except AnswerError as exc:
             raise AgentProtocolError(host, f"{op.name} answered badly: {exc}", exit_status, "") from None
-    return Answers(values)
+    return Answers(values, failed)
 
 
 # The largest answer a session accepts (a watch round's answers are a few KB).
@@ -257,8 +282,8 @@ class AgentSession:
         session = self.connector.open(self.target, agent_command(self.target.container.ssh.python))
         self._session = session
         try:
-            request = marshal.dumps({"v": PROTOCOL_VERSION, "session": True, "ops": []}, MARSHAL_VERSION)
-            session.send(_packed_agent() + b"%d\n" % len(request) + request, time.monotonic() + limit)
+            # A session may be asked any op: it carries every module.
+            session.send(packed_agent() + request_body([], session=True), time.monotonic() + limit)
             hello = self._frame(time.monotonic() + limit)
             if not isinstance(hello.get("session"), int):
                 raise AgentProtocolError(
@@ -276,9 +301,9 @@ class AgentSession:
         if timeout is None:
             timeout = batch_timeout(ops, self.target.container.ssh.command_timeout)
         deadline = time.monotonic() + timeout
-        request = marshal.dumps({"v": PROTOCOL_VERSION, "ops": [op.request for op in ops]}, MARSHAL_VERSION)
+        request = request_body([op.request for op in ops], _findings(ops))
         try:
-            self._session.send(b"%d\n" % len(request) + request, deadline)
+            self._session.send(request, deadline)
             data = self._frame(deadline)
             results = results_of(self.target.name, data)
             return read_answers(self.target.name, ops, results, 0, "")

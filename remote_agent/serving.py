@@ -1,0 +1,502 @@
+"""The serving process: launch, stop, health, status, the acceptance probe and the metrics scrape.
+
+The server runs in its own session (so it outlives the SSH session that started it), or as a
+systemd service where systemd is the container's init, with its pid and start time in
+``<root>/run/<name>.json``: only a process that still has both is ever signalled. Its log is
+``<root>/logs/<name>.log``. HTTP goes to the server on 127.0.0.1 from here, so a probe needs no
+open port on the host.
+"""
+
+from remote_agent.core import (
+    NONE,
+    NUMBER,
+    OpError,
+    _atomic_write,
+    _dumps,
+    _event,
+    _open_file,
+    _open_own,
+    _os_error,
+    _own_dir,
+    _proc_start,
+    _read_own,
+    _root,
+    _sha256,
+    op,
+    os,
+    time,
+)
+
+# The server runs in its own session (so it outlives the SSH session that started it), with
+# its pid and start time in <root>/run/<name>.json: only a process that still has both is ever
+# signalled. Its log is <root>/logs/<name>.log.
+
+
+def _pidfile(root, name):
+    return os.path.join(root, "run", "%s.json" % name)
+
+
+def _server(root, name):
+    import json
+
+    try:
+        record = json.loads(_read_own(_pidfile(root, name)) or b"null")
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    if _proc_start(record.get("pid", 0)) != record.get("start"):
+        record["alive"] = False
+        unit = record.get("unit")
+        if isinstance(unit, str) and unit and _systemd_is_init():
+            # Restarted through systemd behind our back (systemctl restart): the unit we wrote is
+            # still the server, under a new pid. Named as such, never taken for the one we proved.
+            pid = _unit_main_pid(unit)
+            if pid and _proc_start(pid) is not None:
+                record.update({"restarted_from": record.get("pid"), "pid": pid, "alive": True})
+    else:
+        record["alive"] = True
+    return record
+
+
+def _unit_main_pid(unit):
+    import subprocess
+
+    try:
+        shown = subprocess.run(
+            ["systemctl", "show", "-p", "MainPID", "--value", unit],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = shown.decode("ascii", "replace").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def _log_tail(path, lines=30):
+    try:
+        with _open_file(path) as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _stop(root, name, timeout):
+    import signal
+    import subprocess
+
+    record = _server(root, name)
+    if record and record.get("unit"):
+        # systemd stops the whole control group (every engine worker) and waits for it.
+        subprocess.run(
+            ["systemctl", "stop", record["unit"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout + 30
+        )
+        return record["pid"] if record["alive"] else None
+    if not record or not record["alive"]:
+        return None
+    pid = record["pid"]
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return pid
+    deadline = time.monotonic() + timeout
+    while _proc_start(pid) == record["start"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _proc_start(pid) == record["start"]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    # the engine's worker processes share the session: wait until none is left
+    while time.monotonic() < deadline + 10 and _group_alive(pid):
+        time.sleep(0.1)
+    return pid
+
+
+def _group_alive(pgid):
+    """A process of the group still running. A zombie is not: it holds no port, memory or GPU,
+    and its parent (init, for our detached servers) may take a moment to reap it."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) == pgid and _proc_start(int(entry)) is not None:
+                return True
+        except ProcessLookupError:
+            continue
+    return False
+
+
+@op("stop", name=str, root=str, timeout=NUMBER)
+def op_stop(req):
+    """Stop the process we started under ``name`` and check that nothing of it is left."""
+    root = _root(req)
+    name = req["name"]
+    pid = _stop(root, name, float(req["timeout"]))
+    return {"stopped": pid, "gone": _gone(root, name)}
+
+
+def _gone(root, name):
+    import subprocess
+
+    record = _server(root, name)
+    if not record:
+        return True
+    if record.get("unit"):
+        shown = subprocess.run(
+            ["systemctl", "show", "-p", "ActiveState", "--value", record["unit"]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            timeout=30,
+        )
+        # KillMode=control-group: inactive or failed means no process of the unit is left
+        return shown.stdout.decode().strip() in ("inactive", "failed", "")
+    return not record["alive"] and not _group_alive(record["pid"])
+
+
+@op("command", argv=list, env=dict, timeout=NUMBER)
+def op_command(req):
+    """Run a command to completion (e.g. ``ray status``) and return its exit status and output."""
+    import subprocess
+
+    argv = _argv(req)
+    env = dict(os.environ)
+    env.update(req["env"])
+    try:
+        proc = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=float(req["timeout"]),
+        )
+    except OSError as exc:
+        raise _os_error("command", exc, argv[0])
+    except subprocess.TimeoutExpired:
+        raise OpError("timeout", "%s did not finish in %s s" % (argv[0], req["timeout"]), argv[0])
+    return {"returncode": proc.returncode, "output": proc.stdout[-16384:].decode("utf-8", "replace")}
+
+
+def _argv(req):
+    argv = req["argv"]
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise OpError("bad_request", "argv must be a non-empty list of strings")
+    return argv
+
+
+@op(
+    "launch",
+    name=str,
+    root=str,
+    argv=list,
+    env=dict,
+    release_id=str,
+    port=(int, NONE),
+    stop_timeout=NUMBER,
+    keep_if_running=bool,
+)
+def op_launch(req):
+    """Start the server (stopping the one we started before): a systemd service where systemd is
+    the init, else a detached process of its own session; either way logging to a file."""
+    root = _root(req)
+    name = req["name"]
+    argv = _argv(req)
+    env = req["env"]
+    # The command and its environment, as one digest: a changed environment (say
+    # VLLM_USE_V2_MODEL_RUNNER) restarts the server as a changed flag does, and the record on
+    # disk names no secret the environment holds.
+    spec = _sha256(_dumps({"argv": argv, "env": sorted(env.items())}).encode("utf-8"))
+    current = _server(root, name)
+    if req["keep_if_running"] and current and current["alive"] and current.get("command_sha256") == spec:
+        return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}
+    stopped = _stop(root, name, float(req["stop_timeout"]))
+    if req["port"] is not None and _port_answers(int(req["port"])):
+        # Health and the probe would be answered by whatever holds it, and our server, unable to
+        # bind, would look ready for as long as it takes to die.
+        raise OpError(
+            "port_in_use",
+            "port %d already answers, and not from a server this deploy root "
+            "records (an orphan whose record was lost, or another service): stop it or change "
+            "serving.port" % int(req["port"]),
+        )
+    for sub in ("run", "logs"):
+        _own_dir(root, sub)
+    log_path = os.path.join(root, "logs", "%s.log" % name)
+    with os.fdopen(_open_own(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab") as log:
+        log.write(
+            ("\n=== %s launch %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), req["release_id"])).encode()
+        )
+    supervisor = "systemd" if _systemd_is_init() else "process"
+    if supervisor == "systemd":
+        unit, pid = _launch_unit(root, name, argv, env, log_path, req["release_id"], int(req["stop_timeout"]))
+    else:
+        unit, pid = None, _launch_process(root, argv, env, log_path)
+    record = {
+        "pid": pid,
+        "start": _proc_start(pid),
+        "release_id": req["release_id"],
+        "unit": unit,
+        "port": req["port"],
+        "log": log_path,
+        "started_at": time.time(),
+        "argv": argv,
+        "command_sha256": spec,
+    }
+    body = _dumps(record).encode("utf-8")
+    _atomic_write(_pidfile(root, name), body, _sha256(body), 0o644)
+    return {"pid": pid, "log": log_path, "stopped": stopped, "kept": False, "supervisor": supervisor, "unit": unit}
+
+
+def _port_answers(port):
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _systemd_is_init():
+    import shutil
+
+    return os.path.isdir("/run/systemd/system") and shutil.which("systemctl") is not None
+
+
+def _launch_process(root, argv, extra_env, log_path):
+    """Own session (it outlives the SSH session), output to the log file."""
+    import subprocess
+
+    env = dict(os.environ)
+    env.update(extra_env)
+    with os.fdopen(_open_own(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab") as log:
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                cwd=root,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise _os_error("launch", exc, argv[0])
+    return proc.pid
+
+
+def _systemd_quote(text, expand_dollar=True):
+    # systemd C-unescapes quoted words: a newline (a multi-line `python -c` program) must travel
+    # as \n, or the unit file is cut at it ("bad unit file setting").
+    text = text.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    text = text.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    if expand_dollar:
+        text = text.replace("$", "$$")
+    return '"%s"' % text
+
+
+def _launch_unit(root, name, argv, extra_env, log_path, release_id, stop_timeout=30):
+    """A systemd service written with the atomic protocol (0600: its environment may hold secrets)."""
+    import subprocess
+
+    unit = "%s-%s.service" % (name, _sha256(root.encode())[:8])
+    lines = [
+        "[Unit]",
+        "Description=vLLM DFlash server for %s (release %s), managed by dflash-orchestrator" % (root, release_id),
+        "",
+        "[Service]",
+        "Type=simple",
+        "ExecStart=" + " ".join(_systemd_quote(a) for a in argv),
+        "WorkingDirectory=%s" % root,
+        "StandardOutput=append:%s" % log_path,
+        "StandardError=append:%s" % log_path,
+        "LimitNOFILE=20000",
+        "KillMode=control-group",
+        "TimeoutStopSec=%d" % stop_timeout,
+        "Restart=no",
+    ]
+    lines += [
+        "Environment=" + _systemd_quote("%s=%s" % (k, v), expand_dollar=False) for k, v in sorted(extra_env.items())
+    ]
+    body = ("\n".join(lines) + "\n").encode("utf-8")
+    _atomic_write(os.path.join("/etc/systemd/system", unit), body, _sha256(body), 0o600)
+
+    def systemctl(*args):
+        return subprocess.run(["systemctl", *list(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+
+    systemctl("daemon-reload")
+    systemctl("reset-failed", unit)  # a failed unit keeps its name until reset
+    started = systemctl("start", unit)
+    if started.returncode != 0:
+        raise OpError(
+            "launch", "systemctl start %s failed: %s" % (unit, started.stderr.decode("utf-8", "replace").strip()), unit
+        )
+    deadline = time.monotonic() + 10
+    while True:
+        shown = systemctl("show", "-p", "MainPID", "--value", unit).stdout.decode().strip()
+        if shown.isdigit() and int(shown) > 0:
+            return unit, int(shown)
+        if time.monotonic() > deadline:
+            raise OpError("launch", "%s started but has no main process; see %s" % (unit, log_path), unit)
+        time.sleep(0.05)
+
+
+def _http(port, method, path, body=None, timeout=30.0):
+    import urllib.error
+    import urllib.request
+
+    url = "http://127.0.0.1:%d%s" % (int(port), path)
+    data = _dumps(body).encode("utf-8") if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return None, str(reason)
+
+
+@op("wait_health", name=str, root=str, port=int, model=str, timeout=NUMBER)
+def op_wait_health(req):
+    """Poll /health and /v1/models until healthy; fail at once when the process dies, or at the deadline."""
+    import json
+
+    root = _root(req, create=False)
+    name, port, model = req["name"], req["port"], req["model"]
+    deadline = time.monotonic() + float(req["timeout"])
+    started = time.monotonic()
+    delay = 0.5
+    last = "no answer yet"
+    while True:
+        record = _server(root, name)
+        if not record or not record["alive"]:
+            log = record["log"] if record else os.path.join(root, "logs", "%s.log" % name)
+            raise OpError(
+                "server_died",
+                "the server process exited after %.0f s; last lines of %s:\n%s"
+                % (time.monotonic() - started, log, _log_tail(log)),
+                log,
+            )
+        status, text = _http(port, "GET", "/health", timeout=5)
+        if status == 200:
+            status, text = _http(port, "GET", "/v1/models", timeout=10)
+            models = []
+            if status == 200:
+                try:
+                    models = [m.get("id") for m in json.loads(text).get("data", [])]
+                except (ValueError, AttributeError):
+                    pass
+            if model in models:
+                return {
+                    "healthy": True,
+                    "models": models,
+                    "pid": record["pid"],
+                    "waited_s": round(time.monotonic() - started, 1),
+                }
+            last = "/v1/models lists %s, not %s" % (models, model)
+        else:
+            # connection refused while the process lives: the engine is still loading
+            last = "/health: %s" % (text[:200] if status is None else status)
+        _event(
+            {
+                "op": "wait_health",
+                "elapsed_s": round(time.monotonic() - started, 1),
+                "log": _log_tail(record["log"], 1)[-200:],
+            }
+        )
+        if time.monotonic() > deadline:
+            raise OpError(
+                "unhealthy",
+                "not healthy after %.0f s (%s); last lines of %s:\n%s"
+                % (time.monotonic() - started, last, record["log"], _log_tail(record["log"], 15)),
+                record["log"],
+            )
+        time.sleep(delay)
+        delay = min(delay * 1.5, 5.0)
+
+
+@op("serving_status", name=str, root=str, port=(int, NONE))
+def op_serving_status(req):
+    """Read-only: the server we started (alive?), its health (when a port is given: only a head
+    serves HTTP), and the READY record."""
+    import json
+
+    root = _root(req, create=False)
+    record = _server(root, req["name"])
+    health = None
+    if record and record["alive"] and req["port"] is not None:
+        health, _ = _http(int(record.get("port") or req["port"]), "GET", "/health", timeout=5)
+    ready = None
+    try:
+        ready = json.loads(_read_own(os.path.join(root, "ready.json")) or b"null")  # a link: no record
+    except ValueError:
+        pass
+    if record:
+        record.pop("argv", None)
+    return {"server": record, "health": health, "ready": ready}
+
+
+@op("probe", port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER)
+def op_probe(req):
+    """Scrape /metrics, run the probe prompts (greedy, fixed budget), scrape again."""
+    import json
+
+    port, timeout = req["port"], float(req["timeout"])
+    before_status, before = _http(port, "GET", "/metrics", timeout=30)
+    if before_status != 200:
+        raise OpError("probe", "GET /metrics failed: %s %s" % (before_status, before[:200]))
+    completions = []
+    started = time.monotonic()
+    prompts = req["prompts"]
+    for i, prompt in enumerate(prompts):
+        _event({"op": "probe", "done": i, "of": len(prompts)})
+        body = {
+            "model": req["model"],
+            "prompt": prompt,
+            "max_tokens": req["max_tokens"],
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        status, text = _http(port, "POST", "/v1/completions", body, timeout=timeout)
+        if status != 200:
+            raise OpError("probe", "completion failed: %s %s" % (status, text[:300]))
+        try:
+            usage = json.loads(text).get("usage", {})
+        except ValueError:
+            usage = {}
+        completions.append({"tokens": usage.get("completion_tokens")})
+    after_status, after = _http(port, "GET", "/metrics", timeout=30)
+    if after_status != 200:
+        raise OpError("probe", "GET /metrics after the probe failed: %s %s" % (after_status, after[:200]))
+    return {
+        "before": before,
+        "after": after,
+        "completions": completions,
+        "seconds": round(time.monotonic() - started, 2),
+    }
+
+
+@op("metrics", port=int, prefixes=list, timeout=NUMBER)
+def op_metrics(req):
+    """Read-only: the server's spec-decode counters as /metrics shows them now (only the lines of
+    the families asked for: a vLLM scrape is mostly histograms nobody here reads)."""
+    status, text = _http(req["port"], "GET", "/metrics", timeout=float(req["timeout"]))
+    if status != 200:
+        raise OpError("metrics", "GET /metrics failed: %s %s" % (status, text[:200]))
+    prefixes = tuple(req["prefixes"]) or ("",)
+    kept = []
+    for line in text.split("\n"):
+        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if name.startswith(prefixes):
+            kept.append(line)
+    return {"text": "\n".join(kept) + "\n"}
