@@ -25,11 +25,11 @@ import sys
 import time
 from pathlib import Path
 
+from orchestrator.deployment import Deployment
 from orchestrator.inventory import load_inventory
 from orchestrator.playbook import load_playbook
 from orchestrator.runner import RunOptions
 from orchestrator.sandbox.sshhosts import SshSandbox
-from orchestrator.watcher import Watcher
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = REPO / "tests" / "unit" / "standin_vllm.py"
@@ -109,7 +109,7 @@ def main() -> None:
             print(f"N={n}: deploy {wall:.1f} s, exit {code}", file=sys.stderr)
             verifies = [orchestrate("verify", playbook, "-i", inventory, "--forks", str(n)) for _ in range(3)]
             pb, inv = load_playbook(playbook), load_inventory(inventory)
-            watcher = Watcher(pb, inv, inv.resolve(pb.targets), RunOptions(forks=n))
+            watcher = Deployment(pb, inv, RunOptions(forks=n)).watcher()
             walls, cpus = [], []
             try:
                 first_start = time.perf_counter()

@@ -1,8 +1,10 @@
 """dflash-orchestrator: deploy vLLM DFlash speculative decoding to LXC containers over SSH.
 
 A host is READY only when every gate of the readiness chain has passed on it. The public API:
-load an inventory and a playbook, then run ``deploy``, ``verify``, ``rollback`` or ``stop`` (a
-multi-node playbook is run as one group: the library decides).
+load an inventory and a playbook, make a ``Deployment`` of them, then ``deploy``, ``verify``,
+``rollback``, ``stop`` or ``dry_run`` (a multi-node playbook is run as one group: the library
+decides). An ``Observer`` sees the progress; ``fake.FakeConnector`` answers the agent's ops in a
+test, without hosts.
 
 The names below load on first use, so that importing one submodule (``orchestrator.cli``,
 ``orchestrator.inventory``) does not import them all before its own first line runs.
@@ -14,22 +16,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from orchestrator.deployment import Deployment, select_targets
     from orchestrator.inventory import Inventory, load_inventory
     from orchestrator.playbook import Playbook, load_playbook
-    from orchestrator.results import RunReport
-    from orchestrator.runner import RunOptions
-    from orchestrator.runs import deploy, dry_run, rollback, stop, verify
+    from orchestrator.results import HostReport, RunReport
+    from orchestrator.runner import Observer, RunOptions, Step
 
 __version__ = "0.1.0"
 
 _HOMES = {
+    "Deployment": "orchestrator.deployment",
+    "select_targets": "orchestrator.deployment",
+    "Observer": "orchestrator.runner",
     "RunOptions": "orchestrator.runner",
+    "Step": "orchestrator.runner",
+    "HostReport": "orchestrator.results",
     "RunReport": "orchestrator.results",
-    "deploy": "orchestrator.runs",
-    "dry_run": "orchestrator.runs",
-    "rollback": "orchestrator.runs",
-    "stop": "orchestrator.runs",
-    "verify": "orchestrator.runs",
     "Inventory": "orchestrator.inventory",
     "load_inventory": "orchestrator.inventory",
     "Playbook": "orchestrator.playbook",
@@ -37,17 +39,17 @@ _HOMES = {
 }
 
 __all__ = [
+    "Deployment",
+    "HostReport",
     "Inventory",
+    "Observer",
     "Playbook",
     "RunOptions",
     "RunReport",
-    "deploy",
-    "dry_run",
+    "Step",
     "load_inventory",
     "load_playbook",
-    "rollback",
-    "stop",
-    "verify",
+    "select_targets",
 ]
 
 

@@ -246,13 +246,15 @@ def read_answers(host: str, ops: Sequence[Op[Any]], results: list[OpResult], exi
         if r.failure is not None:
             raise AgentError(host, r.failure, Answers(values, failed))
         if r.skipped:
-            raise AgentProtocolError(host, f"{op.name} was skipped, though no op before it failed", exit_status, tail)
+            raise AgentProtocolError(
+                host, f"{op.name} was skipped, though no op before it failed", exit_status, tail, op.gate
+            )
         if r.op != op.name:
-            raise AgentProtocolError(host, f"answer for {r.op!r} where {op.name!r} was asked", exit_status, "")
+            raise AgentProtocolError(host, f"answer for {r.op!r} where {op.name!r} was asked", exit_status, "", op.gate)
         try:
             values[op.key] = op.read(r.value)
         except AnswerError as exc:
-            raise AgentProtocolError(host, f"{op.name} answered badly: {exc}", exit_status, "") from None
+            raise AgentProtocolError(host, f"{op.name} answered badly: {exc}", exit_status, "", op.gate) from None
     return Answers(values, failed)
 
 

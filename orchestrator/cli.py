@@ -1,6 +1,12 @@
-"""``orchestrate``: a thin shell over the library. Parse, call, render; progress on stderr.
+"""``orchestrate``: a thin shell over the library. Parse, dispatch, exit codes.
 
-Exit codes: 0 all hosts ready / in sync, 1 some host is not (or a run failed), 2 bad input.
+Each command parses its arguments into the library's values (a ``Deployment``, ``RunOptions``),
+calls it, and hands the result to a renderer of ``report``; progress goes to stderr through the
+``ProgressPrinter`` observer, results to stdout (``--json`` for machines). One interrupt handler
+serves every command: the first Ctrl-C lets what is in flight finish, a second aborts.
+
+Exit codes: 0 all hosts ready / in sync, 1 some host is not (or a run failed), 2 bad input,
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,14 +37,29 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orchestrate":
     sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
     gc.disable()
 
-from orchestrator import dflash, runs
+from orchestrator import dflash
 from orchestrator.configs import read_json, read_mapping
+from orchestrator.deployment import Deployment
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
-from orchestrator.inventory import Inventory, Target, inventory_view, load_inventory, show_one
-from orchestrator.playbook import Playbook, load_playbook
-from orchestrator.report import ProgressPrinter, plain, render_json, render_table
+from orchestrator.inventory import inventory_view, load_inventory, show_one
+from orchestrator.playbook import load_playbook
+from orchestrator.report import (
+    ProgressPrinter,
+    message,
+    render_fleet,
+    render_history,
+    render_inventory,
+    render_json,
+    render_lint,
+    render_round,
+    render_sandbox,
+    render_sandbox_files,
+    render_table,
+    render_watch_table,
+    round_summary,
+)
 from orchestrator.results import RunReport
-from orchestrator.runner import RunOptions
+from orchestrator.runner import Observer, RunOptions
 from orchestrator.sandbox import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
 from orchestrator.state import StateDB
 
@@ -55,11 +76,8 @@ RELEASE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _json_stderr = False
 
 
-def _say(message: str) -> None:
-    if _json_stderr:
-        message = json.dumps({"at": time.time(), "message": message})
-    sys.stderr.write(plain(message) + "\n")  # what hosts said, without terminal control codes
-    sys.stderr.flush()
+def _say(text: str) -> None:
+    message(text, _json_stderr)  # what hosts said, without terminal control codes
 
 
 def _positive_int(text: str) -> int:
@@ -137,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def run_parser(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=_cmd_run)
         p.add_argument("playbook", type=Path, help="playbook YAML")
         _inventory_option(p)
         p.add_argument(
@@ -193,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         "keep proving every target: files, server, READY record and live acceptance from production"
         " traffic, round after round; print each state change (READY, DEGRADED, DRIFT, DOWN)",
     )
+    w.set_defaults(func=_cmd_watch)
     w.add_argument("--interval", type=_interval, default=30.0, help="seconds from one round to the next (default 30)")
     w.add_argument("--once", action="store_true", help="one round, then exit 0 if every host is READY, else 1")
     w.add_argument(
@@ -208,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run CMD (with /bin/sh -c) for each state change, the change as JSON on its stdin",
     )
     lint = sub.add_parser("lint", help="check a DFlash drafter config against its target, a reference and a vLLM build")
+    lint.set_defaults(func=_cmd_lint)
     lint.add_argument("drafter", type=Path, help="the drafter's config.json")
     lint.add_argument("--target", type=Path, required=True, help="the target model's config.json")
     lint.add_argument("--reference", type=Path, default=None, help="pinned known-good drafter values (JSON or YAML)")
@@ -221,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def inv_parser(name: str, help_text: str, edits: bool = False) -> argparse.ArgumentParser:
         p = isub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=_cmd_inventory_edit if edits else _cmd_inventory_read)
         inv_parsers.append(p)
         if edits:
             p.add_argument("--dry-run", action="store_true", help="print the unified diff; write nothing")
@@ -258,17 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser(
         "report", help="per host: releases, runs with their gates and times, tau over time (an HTML page with --html)"
     )
+    rep.set_defaults(func=_cmd_report)
     rep.add_argument("--html", type=Path, default=None, metavar="FILE", help="write a self-contained HTML page")
     rep.add_argument("--host", default=None, help="only this host")
     rep.add_argument("--json", action="store_true")
     rep.add_argument("--state-dir", type=Path, default=None)
     h = sub.add_parser("history", help="past runs from the state database")
+    h.set_defaults(func=_cmd_history)
     h.add_argument("--limit", type=_positive_int, default=20)
     h.add_argument("--host", default=None, help="only runs that touched this host")
     h.add_argument("--json", action="store_true")
     h.add_argument("--state-dir", type=Path, default=None)
 
     s = sub.add_parser("sandbox", help="local test hosts on this machine (needs root)")
+    s.set_defaults(func=_cmd_sandbox)
     ssub = s.add_subparsers(dest="sandbox_command", required=True, metavar="ACTION")
     up = ssub.add_parser("up", help="create (or complete) the sandbox; idempotent")
     up.add_argument("--kind", choices=["lxd", "ssh"], default=None, help="lxd containers (default) or plain ssh hosts")
@@ -294,40 +319,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _targets(args: argparse.Namespace, playbook: Playbook, inventory: Inventory) -> list[Target]:
-    multi = playbook.serving.multi_node
-    try:
-        chosen = inventory.resolve(playbook.targets)
-    except InputError as exc:
-        if multi is None or playbook.targets != multi.nodes:
-            raise
-        raise multi.error(f"{exc.message} (nodes and targets name containers or groups of the inventory)") from None
-    if args.limit:
-        limited = {t.name for t in inventory.resolve(args.limit)}
-        chosen = [t for t in chosen if t.name in limited]
-    if not chosen:
-        raise InputError("no targets: the playbook's targets and --limit select no container")
-    return chosen
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
+def _deployment(args: argparse.Namespace, options: RunOptions, observer: Observer | None = None) -> Deployment:
     playbook = load_playbook(args.playbook)
     inventory = load_inventory(args.inventory)
-    targets = _targets(args, playbook, inventory)
-    kind = "dry-run" if getattr(args, "dry_run", False) else args.command
-    progress = ProgressPrinter(kind, len(targets), mode="json" if args.json else "auto")
-    options = RunOptions(
+    return Deployment(playbook, inventory, options, observer or Observer(), limit=args.limit)
+
+
+def _options(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(
         forks=args.forks,
         skip_containers=args.skip_containers,
         accept_new_host_keys=args.accept_new_host_keys,
-        lock_timeout=args.lock_timeout,
+        lock_timeout=getattr(args, "lock_timeout", RunOptions.lock_timeout),
         release_id=getattr(args, "release_id", None),
-        steps=progress.step,
     )
-    _say(f"{kind} {playbook.name}: {len(targets)} hosts, forks {args.forks}")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    kind = "dry-run" if getattr(args, "dry_run", False) else args.command
+    options = _options(args)
+    deployment = _deployment(args, options)
+    progress = ProgressPrinter(kind, len(deployment.targets), mode="json" if args.json else "auto")
+    deployment.observer = progress
+    _say(f"{kind} {deployment.playbook.name}: {len(deployment.targets)} hosts, forks {args.forks}")
+    run_kind: Callable[[], RunReport] = {
+        "dry-run": deployment.dry_run,
+        "deploy": deployment.deploy,
+        "stop": deployment.stop,
+        "verify": lambda: deployment.verify(probe=args.probe, rehash=args.rehash),
+        "rollback": lambda: deployment.rollback(to=args.to_release),
+    }[kind]
+
+    def first() -> None:
+        options.interrupt.set()
+        _say("interrupted: starting no new host; the hosts in flight finish (Ctrl-C again to abort)")
+
     try:
-        with _first_interrupt_finishes(options.interrupt):
-            run = _run(kind, args, playbook, inventory, targets, options, progress)
+        with _interrupts(first):
+            run = run_kind()
     finally:
         progress.close()
     run.interrupted = options.interrupt.is_set()
@@ -348,60 +377,41 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _first_interrupt_finishes(interrupt: threading.Event) -> Iterator[None]:
-    """The first Ctrl-C starts nothing new and lets the hosts in flight finish (their own deadlines
-    bound them), then the table and the record of what happened; a second one aborts."""
+def _interrupts(first: Callable[[], None], terminate: Callable[[], None] | None = None) -> Iterator[None]:
+    """The one interrupt handler. The first Ctrl-C calls ``first`` (a run starts nothing new and
+    lets the hosts in flight finish, bounded by their own deadlines; a watch ends after its
+    round); a second aborts (``KeyboardInterrupt``). With ``terminate``, SIGTERM calls it (a watch
+    ends after its round)."""
+    said = threading.Event()
 
     def handle(signum: int, frame: object) -> None:
-        if interrupt.is_set():
+        if signum == signal.SIGTERM and terminate is not None:
+            terminate()
+            return
+        if said.is_set():
             raise KeyboardInterrupt
-        interrupt.set()
-        _say("interrupted: starting no new host; the hosts in flight finish (Ctrl-C again to abort)")
+        said.set()
+        first()
 
     if threading.current_thread() is not threading.main_thread():
         yield  # a library caller's thread: signals are not ours to take
         return
-    previous = signal.signal(signal.SIGINT, handle)
+    signals = (signal.SIGINT, signal.SIGTERM) if terminate is not None else (signal.SIGINT,)
+    previous = {sig: signal.signal(sig, handle) for sig in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _run(
-    kind: str,
-    args: argparse.Namespace,
-    playbook: Playbook,
-    inventory: Inventory,
-    targets: list[Target],
-    options: RunOptions,
-    progress: ProgressPrinter,
-) -> RunReport:
-    if kind == "dry-run":
-        return runs.dry_run(playbook, inventory, targets, options, progress)
-    if kind == "deploy":
-        return runs.deploy(playbook, inventory, targets, options, progress, _say)
-    if kind == "stop":
-        return runs.stop(playbook, inventory, targets, options, progress, _say)
-    if kind == "verify":
-        return runs.verify(playbook, inventory, targets, options, progress, args.probe, _say, args.rehash)
-    return runs.rollback(playbook, inventory, targets, options, progress, args.to_release, _say)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
     from orchestrator import watcher
-    from orchestrator.report import render_transition, render_watch_table
     from orchestrator.watch import READY
 
-    playbook = load_playbook(args.playbook)
-    inventory = load_inventory(args.inventory)
-    targets = _targets(args, playbook, inventory)
-    options = RunOptions(
-        forks=args.forks, skip_containers=args.skip_containers, accept_new_host_keys=args.accept_new_host_keys
-    )
+    deployment = _deployment(args, _options(args))
     db = StateDB(args.state_dir)
-    stop = threading.Event()
-    interrupted = threading.Event()
+    stop, interrupted = threading.Event(), threading.Event()
     collector = server = None
     if args.metrics_port is not None:
         from orchestrator import metrics
@@ -416,52 +426,34 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         _say(f"metrics on http://{args.metrics_address}:{args.metrics_port}/metrics")
     on_change = watcher.OnChange(args.on_change, _say) if args.on_change else None
     what = "one round" if args.once else f"every {args.interval:g} s"
-    _say(f"watch {playbook.name}: {len(targets)} hosts, {what}")
+    _say(f"watch {deployment.playbook.name}: {len(deployment.targets)} hosts, {what}")
 
     def on_round(number: int, rounds: list[watch.Round], transitions: list[watch.Transition]) -> None:
         db.record_watch(transitions, rounds)
         if collector is not None:
             collector.update(rounds)
-        counts: dict[str, int] = {}
-        for r in rounds:
-            counts[r.state] = counts.get(r.state, 0) + 1
-        _say(f"round {number}: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
-        if args.json and not args.once:
-            data = {
-                "round": number,
-                "hosts": [r.to_json() for r in rounds],
-                "transitions": [t.to_json() for t in transitions],
-            }
-            sys.stdout.write(json.dumps(data) + "\n")
-            sys.stdout.flush()
-        elif not args.once:
-            for t in transitions:
-                render_transition(t)
-            sys.stdout.flush()
+        _say(round_summary(number, rounds))
+        if not args.once:
+            render_round(number, rounds, transitions, args.json)
         for t in transitions:
             # A watch that starts does not page for hosts that are fine.
             if on_change is not None and (t.before is not None or t.after != READY):
                 on_change(t)
 
-    def handle(signum: int, frame: object) -> None:
-        if signum == signal.SIGINT:
-            if interrupted.is_set():
-                raise KeyboardInterrupt
-            interrupted.set()
-            _say("interrupted: ending after this round (Ctrl-C again to abort)")
+    def first() -> None:
+        interrupted.set()
+        _say("interrupted: ending after this round (Ctrl-C again to abort)")
         stop.set()
 
-    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    w = watcher.Watcher(playbook, inventory, targets, options)
+    w = deployment.watcher()
     aborted = False
     try:
-        last = watcher.run_rounds(w, args.interval, args.once, on_round, stop)
+        with _interrupts(first, terminate=stop.set):
+            last = watcher.run_rounds(w, args.interval, args.once, on_round, stop)
     except KeyboardInterrupt:
         aborted = True  # a second Ctrl-C: not waiting for the hosts in flight
         raise
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
         w.close(wait=not aborted)
         db.close()
         if server is not None:
@@ -490,34 +482,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
         hosts = [h for h in hosts if h.name == args.host]
     now = time.time()
     if args.html is not None:
-        page = fleetreport.render_html(hosts, now).encode("utf-8")
-        tmp = args.html.with_name(f".{args.html.name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_bytes(page)
-            os.replace(tmp, args.html)  # a reader never sees half a page
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise InputError(f"--html {args.html}: {exc.strerror or exc}") from None
+        fleetreport.write_html(args.html, hosts, now)
         _say(f"report: {len(hosts)} hosts in {args.html}")
     if args.json:
         render_json(fleetreport.to_json(hosts, now))
     elif args.html is None:
-        for h in hosts:
-            last = h.samples[-1] if h.samples else None
-            tau = f"tau {last['mean_acceptance_length']:.2f} ({last['source']})" if last else "no tau yet"
-            run = h.runs[0] if h.runs else None
-            said = f"last run {run['kind']} {'ready' if run['host']['ready'] else 'not ready'}" if run else "no run"
-            print(f"{h.name:<20} {h.state or '-':<9} {tau:<24} {len(h.releases())} releases, {said}")
+        render_fleet(hosts)
     return EXIT_OK
-
-
-# What vLLM does with the drafter, as lint predicts it (the same words as real vLLM's recorded
-# verdicts): a drafter that "serves" can still accept nothing, which the errors above say.
-_START_WORDS = {
-    dflash.STARTS: "would start and serve",
-    dflash.REFUSES_TO_START: "would refuse to start",
-    dflash.FIRST_REQUEST: "would start healthy, then fail at the first request",
-}
 
 
 def _cmd_lint(args: argparse.Namespace) -> int:
@@ -533,42 +504,30 @@ def _cmd_lint(args: argparse.Namespace) -> int:
     if args.json:
         render_json({"ok": ok, "vllm": vllm, "problems": [p.to_json() for p in problems]})
     else:
-        for p in problems:
-            print(p.line())
-        errors = sum(p.severity == "error" for p in problems)
-        print(f"lint {args.drafter}: {errors} errors, {len(problems) - errors} warnings; vLLM {_START_WORDS[vllm]}")
+        render_lint(args.drafter, problems, vllm)
     return EXIT_OK if ok else EXIT_NOT_READY
 
 
-def _cmd_inventory(args: argparse.Namespace) -> int:
-    action = args.inventory_command
-    if action in ("list", "show", "validate"):
-        inventory = load_inventory(args.inventory)
-        if action == "validate":
-            if args.json:
-                render_json({"ok": True, "file": str(args.inventory)})
-            else:
-                print(
-                    f"{args.inventory}: valid ({len(inventory.hosts)} GPU hosts, {len(inventory.containers)} containers)"
-                )
-            return EXIT_OK
-        view = inventory_view(inventory)
-        if action == "show" and args.name:
-            view = show_one(view, args.name)
-        if getattr(args, "json", False):
-            render_json(view)
-            return EXIT_OK
-        if action == "show":
-            render_json(view)  # YAML-like nesting reads fine as indented JSON
-            return EXIT_OK
-        for host in view["hosts"]:
-            print(f"{host['name']:<16} {host['address'] or '-':<16} lxd {host['lxd'] or '-'}")
-            for c in host["containers"]:
-                gpus = ",".join(map(str, c["gpus"])) or "-"
-                print(
-                    f"  {c['name']:<14} {c['address'] or '(via lxd)':<16} gpus {gpus:<16} groups {','.join(c['groups']) or '-'}"
-                )
+def _cmd_inventory_read(args: argparse.Namespace) -> int:
+    inventory = load_inventory(args.inventory)
+    if args.inventory_command == "validate":
+        if args.json:
+            render_json({"ok": True, "file": str(args.inventory)})
+        else:
+            print(f"{args.inventory}: valid ({len(inventory.hosts)} GPU hosts, {len(inventory.containers)} containers)")
         return EXIT_OK
+    view = inventory_view(inventory)
+    if args.inventory_command == "show":
+        # YAML-like nesting reads fine as indented JSON, with --json or without
+        render_json(show_one(view, args.name) if args.name else view)
+    elif args.json:
+        render_json(view)
+    else:
+        render_inventory(view)
+    return EXIT_OK
+
+
+def _cmd_inventory_edit(args: argparse.Namespace) -> int:
     from orchestrator import inventory_edit  # ruamel.yaml only for edits
 
     edit = {
@@ -582,7 +541,7 @@ def _cmd_inventory(args: argparse.Namespace) -> int:
         "remove-container": lambda: inventory_edit.remove_container(args.host, args.name),
         "set": lambda: inventory_edit.set_key(args.key, inventory_edit.parse_value(args.value)),
         "unset": lambda: inventory_edit.unset_key(args.key),
-    }[action]()
+    }[args.inventory_command]()
     try:
         result = inventory_edit.edit_inventory(args.inventory, edit, dry_run=args.dry_run)
     except InputError as exc:
@@ -604,16 +563,8 @@ def _cmd_history(args: argparse.Namespace) -> int:
         db.close()
     if args.json:
         render_json({"runs": runs})
-        return EXIT_OK
-    for run in runs:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["started"]))
-        status = "ok" if run["ok"] else "NOT OK"
-        print(
-            f"#{run['id']:<5} {when}  {run['kind']:<8} {status:<6} {run['hosts_ready']}/{run['hosts_total']} hosts  "
-            f"release {run['release_id'] or '-'}  {run['playbook']}  ({run['finished'] - run['started']:.2f} s)"
-        )
-    if not runs:
-        print("no runs recorded yet")
+    else:
+        render_history(runs)
     return EXIT_OK
 
 
@@ -638,21 +589,14 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     box = _open_sandbox(args)
     if args.sandbox_command == "up":
         _say(f"sandbox: bringing up {args.hosts} {box.kind} hosts in {box.dir}")
-        status = box.up(args.hosts, _say)
-        print(f"inventory:   {status['inventory']}")
-        print(f"ssh_config:  {status['ssh_config']}")
-        print(f"known_hosts: {status['known_hosts']}")
+        render_sandbox_files(box.up(args.hosts, _say))
         return EXIT_OK
     if args.sandbox_command == "status":
         status = box.status()
         if args.json:
             render_json(status)
         else:
-            hosts = status["hosts"]
-            assert isinstance(hosts, list)
-            print(f"kind {status['kind']}: {len(hosts)} hosts, {'up' if status['up'] else 'not up'}")
-            for h in hosts:
-                print(f"  {h['name']:<14} {h['address']:<15} {'running' if h['running'] else 'STOPPED'}")
+            render_sandbox(status)
         return EXIT_OK if status["up"] else EXIT_NOT_READY
     from orchestrator.sandbox.lxdhosts import LxdSandbox
 
@@ -664,37 +608,18 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    global _json_stderr
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _json_stderr = bool(getattr(args, "json", False)) and args.command in (
-        "deploy",
-        "verify",
-        "rollback",
-        "stop",
-        "watch",
-    )
+    """Parse, dispatch to the command's function, and map what went wrong to an exit code."""
+    global _json_stderr, _aborted
+    args = build_parser().parse_args(argv)
+    _json_stderr = bool(getattr(args, "json", False)) and args.func in (_cmd_run, _cmd_watch)
     try:
-        if args.command in ("deploy", "verify", "rollback", "stop"):
-            return _cmd_run(args)
-        if args.command == "watch":
-            return _cmd_watch(args)
-        if args.command == "history":
-            return _cmd_history(args)
-        if args.command == "report":
-            return _cmd_report(args)
-        if args.command == "lint":
-            return _cmd_lint(args)
-        if args.command == "inventory":
-            return _cmd_inventory(args)
-        return _cmd_sandbox(args)
+        return int(args.func(args))
     except OrchestratorError as exc:
         if args.verbose:
             raise
         _say(f"error: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
-        global _aborted
         _aborted = True
         _say("aborted: not waiting for the hosts in flight (each stops at its own deadline, and its steps are atomic)")
         return EXIT_INTERRUPTED

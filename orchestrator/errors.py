@@ -136,10 +136,12 @@ class AgentError(OrchestratorError):
 
 
 class AgentProtocolError(OrchestratorError):
-    """The agent's answer could not be understood (wrong Python, crash, truncated output)."""
+    """The agent's answer could not be understood (wrong Python, crash, truncated output); ``gate``:
+    that of the op whose answer it was, when one op's answer is at fault."""
 
-    def __init__(self, host: str, message: str, exit_status: int, stderr: str) -> None:
+    def __init__(self, host: str, message: str, exit_status: int, stderr: str, gate: str | None = None) -> None:
         self.host = host
+        self.gate = gate
         self.exit_status = exit_status
         self.stderr = stderr
         tail = "\n".join(stderr.strip().splitlines()[-5:])

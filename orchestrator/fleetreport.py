@@ -1,7 +1,7 @@
 """``orchestrate report``: per host, its releases, its runs with their gates and times, and tau over
 time (from deploys, probes and watch windows) drawn as an inline SVG with the DEGRADED, DRIFT and
-DOWN periods shaded. Pure: the state database's rows in, one self-contained HTML page (no script,
-no stylesheet or font from the network) or plain data out.
+DOWN periods shaded. The state database's rows in, one self-contained HTML page (no script, no
+stylesheet or font from the network) or plain data out; ``write_html`` puts the page in its file.
 
 Everything shown that a host said (gate details, release ids, host names) is escaped: a report is
 opened in a browser, and a hostile host must not be able to put markup in it.
@@ -10,10 +10,14 @@ opened in a browser, and a hostile host must not be able to put markup in it.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from html import escape
+from pathlib import Path
 from typing import Any
+
+from orchestrator.errors import InputError
 
 SHADED = {"DEGRADED": "#f4c7c3", "DRIFT": "#fce8b2", "DOWN": "#dadce0"}
 SOURCE_COLOURS = {"deploy": "#1a73e8", "rollback": "#9334e6", "verify": "#188038", "watch": "#5f6368"}
@@ -111,6 +115,19 @@ td.detail { color: #5f6368; max-width: 640px; }
 
 def _when(at: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) if at is not None else "-"
+
+
+def write_html(path: Path, hosts: list[HostHistory], now: float) -> None:
+    """The page written to ``path`` by an atomic replace: a reader never sees half a page, and a
+    failed write leaves what was there (an ``InputError`` naming the path)."""
+    page = render_html(hosts, now).encode("utf-8")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(page)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"--html {path}: {exc.strerror or exc}") from None
 
 
 def render_html(hosts: list[HostHistory], now: float) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from orchestrator import plan, protocol, serving
 from orchestrator.agent_client import AgentClient
-from orchestrator.errors import AgentError, AgentFailure
+from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError
 from orchestrator.inventory import Target
 from orchestrator.placement import Placement, ray_status
 from orchestrator.playbook import Playbook
@@ -69,6 +69,11 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
             ops += proof
         try:
             answers = run.batch(node, ops)
+        except AgentProtocolError:
+            # The host's answer cannot be read: whatever of the batch ran may have stopped or
+            # started the server, so a failure from here rolls back.
+            node.disturbed = True
+            raise
         except AgentError as exc:
             # The lock or the switch (the files gate's ops): nothing was stopped or started.
             before_launch = exc.failure.gate == GATE_FILES

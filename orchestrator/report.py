@@ -1,4 +1,10 @@
-"""Rendering: progress lines for stderr, tables for people, JSON for machines. No decisions here."""
+"""Rendering: progress and messages for stderr, tables for people, JSON for machines. No decisions here.
+
+Everything the CLI prints is written here (the CLI only chooses what): the run's progress (the
+``Observer`` that the CLI hands a run), its result table, the watch's lines and table, the lint
+findings, the history and the report's text, the inventory listing and the sandbox's status. What
+hosts say reaches the terminal without control codes (``plain``).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
+from orchestrator import dflash
 from orchestrator.results import HostReport, RunReport
-from orchestrator.runner import Step
+from orchestrator.runner import Observer, Step
 
 if TYPE_CHECKING:
+    from orchestrator.fleetreport import HostHistory
     from orchestrator.watch import Round, Transition
 
 # Control characters (ESC and the rest of C0 but tab and newline, DEL, C1) removed from what is
@@ -22,7 +30,17 @@ _CONTROL = dict.fromkeys([*range(0, 9), *range(11, 32), 127, *range(128, 160)])
 
 
 def plain(text: str) -> str:
+    """``text`` without terminal control codes (what a hostile host could use on the terminal)."""
     return text.translate(_CONTROL)
+
+
+def message(text: str, as_json: bool = False, stream: TextIO | None = None) -> None:
+    """A line about the run on stderr: plain text, or with ``--json`` a JSON line ``{"at", "message"}``."""
+    stream = stream or sys.stderr
+    if as_json:
+        text = json.dumps({"at": time.time(), "message": text})
+    stream.write(plain(text) + "\n")
+    stream.flush()
 
 
 class _Plain:
@@ -38,9 +56,9 @@ class _Plain:
         self.stream.flush()
 
 
-class ProgressPrinter:
+class ProgressPrinter(Observer):
     """Progress on stderr, safe to call from worker threads: what each host is doing as it
-    changes, and one line per host as it finishes.
+    changes, and one line per host as it finishes; the run's messages between them.
 
     ``mode``: ``live`` (a terminal: each host in flight with its step and how long it has been at
     it, redrawn, and the finished lines above), ``lines`` (not a terminal: a timestamped line each
@@ -50,6 +68,7 @@ class ProgressPrinter:
 
     LINE_EVERY_S = 15.0
     LINE_MIN_S = 2.0
+    watching = True
 
     def __init__(self, kind: str, total: int, stream: TextIO | None = None, mode: str = "auto") -> None:
         self.kind = kind
@@ -68,14 +87,16 @@ class ProgressPrinter:
 
     # --- events ---------------------------------------------------------------------------
 
-    def __call__(self, report: HostReport, event: str) -> None:
+    def host_started(self, report: HostReport) -> None:
         with self._lock:
-            if event == "start":
-                self._steps.setdefault(report.name, (Step(report.name, "starting"), time.monotonic()))
-                self._start_live()
-                return
-            if event != "done":
-                return
+            self._steps.setdefault(report.name, (Step(report.name, "starting"), time.monotonic()))
+            self._start_live()
+
+    def say(self, text: str) -> None:
+        message(text, self.mode == "json", self.stream)
+
+    def host_done(self, report: HostReport) -> None:
+        with self._lock:
             self.done += 1
             self._steps.pop(report.name, None)
             self._write_done(report)
@@ -107,6 +128,7 @@ class ProgressPrinter:
             self.stream.flush()
 
     def close(self) -> None:
+        """Stop the live view (a run that ends early, or is interrupted)."""
         with self._lock:
             self._stop_live()
 
@@ -262,3 +284,101 @@ def render_watch_table(rounds: list[Round], stream: TextIO | None = None) -> Non
         out.write("  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3] + "\n")
     ready = sum(r.state == "READY" for r in rounds)
     out.write(f"\nwatch: {ready}/{len(rounds)} hosts READY\n")
+
+
+def render_round(
+    number: int, rounds: list[Round], transitions: list[Transition], as_json: bool, stream: TextIO | None = None
+) -> None:
+    """A watch round as it ends: with ``--json`` one JSON line (every host, the transitions), else a
+    line per state change."""
+    stream = stream or sys.stdout
+    if as_json:
+        data = {
+            "round": number,
+            "hosts": [r.to_json() for r in rounds],
+            "transitions": [t.to_json() for t in transitions],
+        }
+        stream.write(json.dumps(data) + "\n")
+    else:
+        for t in transitions:
+            render_transition(t, stream)
+    stream.flush()
+
+
+def round_summary(number: int, rounds: list[Round]) -> str:
+    """ "round 3: 7 READY, 1 DEGRADED", for stderr."""
+    counts: dict[str, int] = {}
+    for r in rounds:
+        counts[r.state] = counts.get(r.state, 0) + 1
+    return f"round {number}: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+
+
+# What vLLM does with the drafter, as lint predicts it (the same words as real vLLM's recorded
+# verdicts): a drafter that "serves" can still accept nothing, which the errors say.
+_START_WORDS = {
+    dflash.STARTS: "would start and serve",
+    dflash.REFUSES_TO_START: "would refuse to start",
+    dflash.FIRST_REQUEST: "would start healthy, then fail at the first request",
+}
+
+
+def render_lint(path: object, problems: list[dflash.Problem], vllm: str, stream: TextIO | None = None) -> None:
+    """Each finding on a line, then the count and what vLLM would do."""
+    out = _Plain(stream or sys.stdout)
+    for p in problems:
+        out.write(p.line() + "\n")
+    errors = sum(p.severity == "error" for p in problems)
+    out.write(f"lint {path}: {errors} errors, {len(problems) - errors} warnings; vLLM {_START_WORDS[vllm]}\n")
+
+
+def render_history(runs: list[dict[str, Any]], stream: TextIO | None = None) -> None:
+    """One line a recorded run, newest first."""
+    out = _Plain(stream or sys.stdout)
+    for run in runs:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["started"]))
+        status = "ok" if run["ok"] else "NOT OK"
+        out.write(
+            f"#{run['id']:<5} {when}  {run['kind']:<8} {status:<6} {run['hosts_ready']}/{run['hosts_total']} hosts  "
+            f"release {run['release_id'] or '-'}  {run['playbook']}  ({run['finished'] - run['started']:.2f} s)\n"
+        )
+    if not runs:
+        out.write("no runs recorded yet\n")
+
+
+def render_fleet(hosts: list[HostHistory], stream: TextIO | None = None) -> None:
+    """``orchestrate report`` as text: one line a host (its state, its last tau, its last run)."""
+    out = _Plain(stream or sys.stdout)
+    for h in hosts:
+        last = h.samples[-1] if h.samples else None
+        tau = f"tau {last['mean_acceptance_length']:.2f} ({last['source']})" if last else "no tau yet"
+        run = h.runs[0] if h.runs else None
+        said = f"last run {run['kind']} {'ready' if run['host']['ready'] else 'not ready'}" if run else "no run"
+        out.write(f"{h.name:<20} {h.state or '-':<9} {tau:<24} {len(h.releases())} releases, {said}\n")
+
+
+def render_inventory(view: dict[str, Any], stream: TextIO | None = None) -> None:
+    """``orchestrate inventory list``: a line a GPU host, and one a container under it."""
+    out = _Plain(stream or sys.stdout)
+    for host in view["hosts"]:
+        out.write(f"{host['name']:<16} {host['address'] or '-':<16} lxd {host['lxd'] or '-'}\n")
+        for c in host["containers"]:
+            gpus = ",".join(map(str, c["gpus"])) or "-"
+            groups = ",".join(c["groups"]) or "-"
+            out.write(f"  {c['name']:<14} {c['address'] or '(via lxd)':<16} gpus {gpus:<16} groups {groups}\n")
+
+
+def render_sandbox(status: dict[str, Any], stream: TextIO | None = None) -> None:
+    """``orchestrate sandbox status``: what is up."""
+    out = _Plain(stream or sys.stdout)
+    hosts = status["hosts"]
+    out.write(f"kind {status['kind']}: {len(hosts)} hosts, {'up' if status['up'] else 'not up'}\n")
+    for h in hosts:
+        out.write(f"  {h['name']:<14} {h['address']:<15} {'running' if h['running'] else 'STOPPED'}\n")
+
+
+def render_sandbox_files(status: dict[str, Any], stream: TextIO | None = None) -> None:
+    """``orchestrate sandbox up``: the files written for it."""
+    out = _Plain(stream or sys.stdout)
+    out.write(f"inventory:   {status['inventory']}\n")
+    out.write(f"ssh_config:  {status['ssh_config']}\n")
+    out.write(f"known_hosts: {status['known_hosts']}\n")

@@ -22,7 +22,7 @@ from typing import Any
 from orchestrator import plan, protocol, serving
 from orchestrator.agent_client import AgentClient, Event
 from orchestrator.connections import Connections
-from orchestrator.connector import RetryPolicy
+from orchestrator.connector import Connector, RetryPolicy
 from orchestrator.containers import spec_for
 from orchestrator.errors import AgentError, AgentProtocolError, LxdError, OrchestratorError, TransportError
 from orchestrator.inventory import Inventory, Target
@@ -40,9 +40,6 @@ from orchestrator.results import (
     RunReport,
 )
 
-Progress = Callable[[HostReport, str], None]
-Say = Callable[[str], None]
-
 
 @dataclass(frozen=True)
 class Step:
@@ -58,15 +55,26 @@ class Step:
         return ": ".join(p for p in parts if p)
 
 
-Steps = Callable[[Step], None]
+class Observer:
+    """What a run tells whoever watches it, one method per event, each a no-op here (as pyinfra's
+    ``BaseStateCallback``): subclass it and override what you show. The CLI's progress printer is
+    one; a library caller passes its own, or none. Called from the run's worker threads."""
 
+    # Ask the agents for their progress events (each op as it starts, a health wait's seconds):
+    # only when someone watches, since they cost the hosts a write per event.
+    watching = False
 
-def no_steps(_step: Step) -> None:
-    """``Steps`` that show nothing (library use)."""
+    def host_started(self, report: HostReport) -> None:
+        """A host's (or a group's node's) work began."""
 
+    def host_done(self, report: HostReport) -> None:
+        """A host's work ended (its gates are final), or it was not started (interrupted)."""
 
-def quiet(_message: str) -> None:
-    """A ``Say`` that says nothing (library use)."""
+    def step(self, step: Step) -> None:
+        """What a host is doing now, as it changes."""
+
+    def say(self, message: str) -> None:
+        """A line about the run as a whole (a group's steps, a push's progress)."""
 
 
 def step_of(host: str, event: Event) -> Step:
@@ -81,6 +89,8 @@ def step_of(host: str, event: Event) -> Step:
 
 @dataclass(frozen=True)
 class RunOptions:
+    """How a run goes about its hosts (what it does is the playbook's): the defaults are the CLI's."""
+
     forks: int = 16
     skip_containers: bool = False
     accept_new_host_keys: bool = False
@@ -90,8 +100,20 @@ class RunOptions:
     # Set (by a first Ctrl-C): start nothing new; what is in flight finishes, bounded by its own
     # deadlines, and the run reports what happened.
     interrupt: threading.Event = field(default_factory=threading.Event, compare=False)
-    # What each host is doing, as it changes (the CLI's live progress).
-    steps: Steps = field(default=no_steps, compare=False)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one run is about and how it reaches its hosts: the playbook, the inventory, the targets
+    chosen, the options, who watches, and the connector (None: SSH or local, as the inventory
+    says; a test's or a library caller's own otherwise)."""
+
+    playbook: Playbook
+    inventory: Inventory
+    targets: tuple[Target, ...]
+    options: RunOptions = field(default_factory=RunOptions)
+    observer: Observer = field(default_factory=Observer)
+    connector: Connector | None = None
 
 
 class Node:
@@ -200,8 +222,9 @@ def guarded(report: HostReport, work: Callable[[], object], gate: str = GATE_FIL
         report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
         report.gates[gate] = Gate(False, exc.failure.describe())
     except AgentProtocolError as exc:
+        # An answer that cannot be read fails the gate of the op it was for, when one op's was.
         report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
-        report.gates[gate] = Gate(False, str(exc).split(": ", 1)[-1])
+        report.gates[exc.gate or gate] = Gate(False, str(exc).split(": ", 1)[-1])
     except OrchestratorError as exc:
         report.gates[gate] = Gate(False, str(exc))
 
@@ -277,8 +300,7 @@ class Run:
     options: RunOptions
     client: AgentClient
     containers: ContainerGate
-    say: Say
-    steps: Steps = no_steps
+    observer: Observer = field(default_factory=Observer)
     owner: str = field(default_factory=lambda: f"{getpass.getuser()}@{socket.gethostname()}")
     # What several nodes share and is done once for all of them (a model pushed to a GPU host
     # whose containers mount it): key -> the outcome, under its own lock.
@@ -298,19 +320,23 @@ class Run:
 
     def batch(self, node: Node, ops: list[protocol.Op[Any]]) -> protocol.Answers:
         """One round trip to a node; it answered, so it is connected."""
-        events = None if self.steps is no_steps else (lambda e: self.steps(step_of(node.name, e)))
+        events = (lambda e: self.observer.step(step_of(node.name, e))) if self.observer.watching else None
         answers = self.client.batch(node.target, ops, events=events)
         node.report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
         return answers
 
     def step(self, node: Node | str, what: str, detail: str = "") -> None:
         """Say what a node is doing now (the controller's own steps: the agent's come as events)."""
-        self.steps(Step(node if isinstance(node, str) else node.name, what, detail))
+        self.observer.step(Step(node if isinstance(node, str) else node.name, what, detail))
 
     def note(self, unit: Unit, message: str) -> None:
         """Progress of a group's steps (a single host's one line per host says enough)."""
         if not unit.single:
-            self.say(f"group: {message}")
+            self.observer.say(f"group: {message}")
+
+    def say(self, message: str) -> None:
+        """A line about the run as a whole (a push's progress)."""
+        self.observer.say(message)
 
     def lock(self, node: Node) -> protocol.Op[protocol.Locked]:
         return protocol.lock(node.root, self.owner, self.options.lock_timeout)
@@ -337,44 +363,40 @@ def finish(submitted: Iterable[Future[Any]]) -> None:
 
 def execute(
     kind: str,
-    playbook: Playbook,
-    inventory: Inventory,
+    scope: Scope,
     units: list[Unit],
-    options: RunOptions,
-    progress: Progress,
     work: Work,
     release_id: str | None = None,
     rollout: Rollout | None = None,
-    say: Say = quiet,
 ) -> RunReport:
     """Run ``work`` on every unit, at most ``forks`` at once, batch by batch per the rollout."""
+    playbook, inventory, options, observer = scope.playbook, scope.inventory, scope.options, scope.observer
     reports = [n.report for u in units for n in u.nodes]
     run_report = RunReport(kind, str(playbook.file), str(inventory.file), release_id, reports, time.time())
-    with Connections(inventory, options.accept_new_host_keys, options.retry) as connections:
+    with Connections(inventory, options.accept_new_host_keys, options.retry, scope.connector) as connections:
         run = Run(
             playbook,
             inventory,
             options,
             AgentClient(connections),
             ContainerGate(inventory, playbook, ensure=kind == "deploy", skip=options.skip_containers),
-            say,
-            options.steps,
+            observer,
         )
 
         def one(unit: Unit) -> None:
             if options.interrupt.is_set():
                 for node in unit.nodes:
                     node.report.gates[GATE_INTERRUPTED] = Gate(False, "not started: the run was interrupted")
-                    progress(node.report, "done")
+                    observer.host_done(node.report)
                 return
             started = time.monotonic()
             for node in unit.nodes:
-                progress(node.report, "start")
+                observer.host_started(node.report)
             guarded(unit.head.report, lambda: work(run, unit))
             for node in unit.nodes:
                 node.report.duration_s = time.monotonic() - started
                 node.report.ssh = connections.counters(node.name).to_json()
-                progress(node.report, "done")
+                observer.host_done(node.report)
 
         by_name = {u.head.name: u for u in units}
         budget = rollout.max_failures if rollout and (rollout.canary or rollout.batch_size) else None

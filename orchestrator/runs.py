@@ -14,8 +14,6 @@ from typing import Any
 
 from orchestrator import launch, models, plan, protocol, push
 from orchestrator.errors import AgentError, ArtifactError
-from orchestrator.inventory import Inventory, Target
-from orchestrator.playbook import Playbook
 from orchestrator.results import (
     GATE_CONNECT,
     GATE_FILES,
@@ -27,23 +25,17 @@ from orchestrator.results import (
     Gate,
     RunReport,
 )
-from orchestrator.runner import Node, Progress, Run, RunOptions, Say, Unit, execute, quiet, units_for
+from orchestrator.runner import Node, Run, Scope, Unit, execute, units_for
 
 
-def deploy(
-    playbook: Playbook,
-    inventory: Inventory,
-    targets: list[Target],
-    options: RunOptions,
-    progress: Progress,
-    say: Say = quiet,
-) -> RunReport:
+def deploy(scope: Scope) -> RunReport:
     """Lint; then on every node stage the release and check it (files, loader, build); then,
     with a server, start it and prove it (else switch ``current``). READY only if all pass."""
-    release_id = options.release_id or plan.new_release_id()
+    playbook, inventory = scope.playbook, scope.inventory
+    release_id = scope.options.release_id or plan.new_release_id()
     problems = plan.lint_playbook(playbook)
     lint = plan.lint_gate(playbook, problems)
-    units = units_for(playbook, inventory, targets)
+    units = units_for(playbook, inventory, list(scope.targets))
     if lint is not None and not lint.ok:
         # Nothing is touched: every host says why, and no connection is opened.
         now = time.time()
@@ -63,7 +55,7 @@ def deploy(
         else:
             unit.each(lambda node: _switch_staged(run, node), GATE_FILES)
 
-    report = execute("deploy", playbook, inventory, units, options, progress, work, release_id, playbook.rollout, say)
+    report = execute("deploy", scope, units, work, release_id, playbook.rollout)
     report.lint = problems
     return report
 
@@ -182,22 +174,14 @@ def _switch_staged(run: Run, node: Node) -> None:
     plan.read_made_current(run.playbook, answers[switch], node.report)
 
 
-def verify(
-    playbook: Playbook,
-    inventory: Inventory,
-    targets: list[Target],
-    options: RunOptions,
-    progress: Progress,
-    probe_acceptance: bool = False,
-    say: Say = quiet,
-    rehash: bool = False,
-) -> RunReport:
+def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False) -> RunReport:
     """Read only, one exec per node: the files the server reads against the playbook's digests,
     the model files (their digests from the host's cache, or hashed again with ``rehash``) and the
     overlay's links against their pins,
     the loader and build checks, the server (or rank) alive and healthy, the READY record, and
     with ``probe_acceptance`` the acceptance probe through the head. A group also needs every
     node on one release (and, with Ray, every node in the cluster)."""
+    playbook, inventory = scope.playbook, scope.inventory
 
     def check(run: Run, unit: Unit, node: Node) -> None:
         if not run.locate(node):
@@ -238,13 +222,12 @@ def verify(
                 node.report.gates[GATE_GROUP] = Gate(False, detail)
         unit.fail_others(unit.failed(), "group not ready")
 
-    return execute("verify", playbook, inventory, units_for(playbook, inventory, targets), options, progress, work)
+    return execute("verify", scope, units_for(playbook, inventory, list(scope.targets)), work)
 
 
-def dry_run(
-    playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions, progress: Progress
-) -> RunReport:
+def dry_run(scope: Scope) -> RunReport:
     """What a deploy would change on every node, with diffs of text files; nothing is written."""
+    playbook = scope.playbook
 
     def inspect(run: Run, node: Node) -> None:
         if run.locate(node):
@@ -254,18 +237,11 @@ def dry_run(
     def work(run: Run, unit: Unit) -> None:
         unit.each(lambda node: inspect(run, node), GATE_FILES)
 
-    units = units_for(playbook, inventory, targets, grouped=False)
-    return execute("dry-run", playbook, inventory, units, options, progress, work)
+    units = units_for(playbook, scope.inventory, list(scope.targets), grouped=False)
+    return execute("dry-run", scope, units, work)
 
 
-def stop(
-    playbook: Playbook,
-    inventory: Inventory,
-    targets: list[Target],
-    options: RunOptions,
-    progress: Progress,
-    say: Say = quiet,
-) -> RunReport:
+def stop(scope: Scope) -> RunReport:
     """Stop what the agent started for this playbook (vLLM, and Ray) and check that none of it is left."""
 
     def work(run: Run, unit: Unit) -> None:
@@ -274,19 +250,11 @@ def stop(
             launch.stop_all(run, unit)
         unit.fail_others(unit.failed(), "group stop incomplete")
 
-    units = units_for(playbook, inventory, targets)
-    return execute("stop", playbook, inventory, units, options, progress, work, say=say)
+    units = units_for(scope.playbook, scope.inventory, list(scope.targets))
+    return execute("stop", scope, units, work)
 
 
-def rollback(
-    playbook: Playbook,
-    inventory: Inventory,
-    targets: list[Target],
-    options: RunOptions,
-    progress: Progress,
-    to_release: str | None = None,
-    say: Say = quiet,
-) -> RunReport:
+def rollback(scope: Scope, *, to_release: str | None = None) -> RunReport:
     """Make an earlier release current again (the previous one, or ``to_release``).
 
     With a server in the playbook, that release is started and proven as a deploy proves a new
@@ -294,6 +262,7 @@ def rollback(
     must have the same release to go back to). If it fails, the release that was current comes
     back, started and proven again, and the hosts are reported not ready.
     """
+    playbook = scope.playbook
 
     def switch_only(run: Run, node: Node, back: str) -> None:
         switch = protocol.release_switch(node.root, back)
@@ -326,5 +295,5 @@ def rollback(
             launch.serve(run, unit)
         unit.fail_others(unit.failed(), "group not rolled back")
 
-    units = units_for(playbook, inventory, targets)
-    return execute("rollback", playbook, inventory, units, options, progress, work, to_release, say=say)
+    units = units_for(playbook, scope.inventory, list(scope.targets))
+    return execute("rollback", scope, units, work, to_release)

@@ -20,10 +20,9 @@ from orchestrator import plan, probe, protocol
 from orchestrator.agent_client import AgentSession
 from orchestrator.connections import Connections
 from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, TransportError
-from orchestrator.inventory import Inventory, Target
-from orchestrator.playbook import Playbook
+from orchestrator.inventory import Target
 from orchestrator.results import GATE_FILES, HostReport
-from orchestrator.runner import ContainerGate, Node, RunOptions, Unit, finish, units_for
+from orchestrator.runner import ContainerGate, Node, Scope, Unit, finish, units_for
 from orchestrator.watch import HostWatch, Round, Seen, Transition, changed_fields, step
 
 BACKOFF_MAX_S = 60.0
@@ -49,11 +48,12 @@ class _Watched:
 class Watcher:
     """Every node of a playbook, watched round after round. Not thread-safe: one caller."""
 
-    def __init__(self, playbook: Playbook, inventory: Inventory, targets: list[Target], options: RunOptions) -> None:
+    def __init__(self, scope: Scope) -> None:
+        playbook, inventory, options = scope.playbook, scope.inventory, scope.options
         self.playbook, self.options = playbook, options
-        self.connections = Connections(inventory, options.accept_new_host_keys, options.retry)
+        self.connections = Connections(inventory, options.accept_new_host_keys, options.retry, scope.connector)
         self.containers = ContainerGate(inventory, playbook, ensure=False, skip=options.skip_containers)
-        self.watched = [_Watched(n, u) for u in units_for(playbook, inventory, targets) for n in u.nodes]
+        self.watched = [_Watched(n, u) for u in units_for(playbook, inventory, list(scope.targets)) for n in u.nodes]
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(options.forks, len(self.watched))))
 
     def round(self) -> tuple[list[Round], list[Transition]]:

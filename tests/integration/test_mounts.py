@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from orchestrator import protocol
 from orchestrator.agent_client import BOOTSTRAP, encode_request
 
 
@@ -39,8 +40,8 @@ def test_a_model_directory_replaced_under_its_mount_is_named_with_the_cure(tmp_p
     bind = f"mount --bind {shlex.quote(str(host))} {shlex.quote(str(seen))}"
     # The host's update: the new directory renamed into place, the old one removed.
     swap = f"mkdir -p {host}.new/target && mv {host} {host}.old && mv {host}.new {host} && rm -rf {host}.old"
-    op = {"op": "model_files", "root": str(tmp_path / "root"), "path": str(seen / "target")}
-    python = {"op": "vllm_build", "python": str(seen / "venv" / "bin" / "python")}
+    op = protocol.model_files(str(tmp_path / "root"), "target", str(seen / "target")).request
+    python = protocol.vllm_build(str(seen / "venv" / "bin" / "python")).request
 
     live = agent_in_namespace(tmp_path, bind, [op])[0]
     assert live["ok"], live

@@ -14,7 +14,7 @@ import pytest
 
 VLLM = Path("/opt/dflash-orchestrator/vllm-venv")
 DATA = Path(__file__).resolve().parents[1] / "data" / "real-drafters"
-HARNESS = Path(__file__).resolve().parents[2] / "orchestrator" / "sandbox" / "vllmverdict.py"
+HARNESS = Path(__file__).resolve().parents[2] / "lab" / "vllmverdict.py"
 
 
 @pytest.mark.timeout(1800)  # 18 vLLM starts: about 3 minutes alone, 10 beside other heavy work

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator import cli, fleetreport
+from orchestrator.deployment import Deployment
 from orchestrator.state import StateDB
-from orchestrator.watcher import Watcher
 from tests.unit.localbox import OPTIONS, Box, make_box
 from tests.unit.test_watch import complete, restart_by_hand
 
@@ -61,7 +61,7 @@ def test_the_report_renders_each_hosts_tau_over_time_with_its_bad_periods_shaded
     assert cli.main(["deploy", str(playbook.file), *common]) == 0
     assert cli.main(["verify", str(playbook.file), *common, "--probe"]) == 0
     inv = box.inventory
-    w = Watcher(playbook, inv, inv.resolve(playbook.targets), OPTIONS)
+    w = Deployment(playbook, inv, OPTIONS).watcher()
     db = StateDB(state)
     try:
         db.record_watch(*reversed(w.round()))  # READY

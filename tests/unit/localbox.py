@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator import runs
+from orchestrator.deployment import Deployment
 from orchestrator.inventory import Inventory, load_inventory
 from orchestrator.playbook import Playbook, load_playbook
 from orchestrator.results import HostReport, RunReport
@@ -53,10 +53,6 @@ DRAFTER_CONFIG = {
     "layer_types": ["full_attention"],
     "bos_token_id": None,
 }
-
-
-def quiet(_report: HostReport, _event: str) -> None:
-    pass
 
 
 def free_port() -> int:
@@ -174,23 +170,19 @@ OPTIONS = RunOptions(forks=4, lock_timeout=5.0)
 
 
 def deploy(box: Box, playbook: Playbook, **options: Any) -> RunReport:
-    inv = box.inventory
-    return runs.deploy(playbook, inv, inv.resolve(playbook.targets), replace(OPTIONS, **options), quiet)
+    return Deployment(playbook, box.inventory, replace(OPTIONS, **options)).deploy()
 
 
 def verify(box: Box, playbook: Playbook, probe: bool = False) -> RunReport:
-    inv = box.inventory
-    return runs.verify(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet, probe)
+    return Deployment(playbook, box.inventory, OPTIONS).verify(probe=probe)
 
 
 def rollback(box: Box, playbook: Playbook, to: str | None = None) -> RunReport:
-    inv = box.inventory
-    return runs.rollback(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet, to)
+    return Deployment(playbook, box.inventory, OPTIONS).rollback(to=to)
 
 
 def stop(box: Box, playbook: Playbook) -> RunReport:
-    inv = box.inventory
-    return runs.stop(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet)
+    return Deployment(playbook, box.inventory, OPTIONS).stop()
 
 
 def host(run: RunReport, name: str) -> HostReport:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import marshal
 import os
+import re
 import subprocess
 import sys
 import time
@@ -80,6 +81,76 @@ def apply(root: Path, release: str, keep: int = 5, **contents: bytes) -> dict[st
 def test_agent_is_python38_compatible() -> None:
     ast.parse(remote_agent.source(), feature_version=(3, 8))
     ast.parse(remote_agent.loader_source(), feature_version=(3, 8))
+    for name in remote_agent.MODULES:  # as written, and as packed for every batch that needs it
+        ast.parse(remote_agent.module_source(name), feature_version=(3, 8))
+        ast.parse(remote_agent.pack(remote_agent.closure([name])), feature_version=(3, 8))
+    for helper in (remote_agent.Path(remote_agent.__file__).parent / "helpers").glob("*.py"):
+        ast.parse(helper.read_text(), feature_version=(3, 8))
+
+
+@pytest.mark.parametrize(
+    ("op", "why"),
+    [
+        ({"op": "lock", "root": "/r", "owner": "me"}, "lock: 'timeout' is missing"),
+        (
+            {"op": "lock", "root": "/r", "owner": "me", "timeout": "soon"},
+            "lock: 'timeout' is str, expected int or float",
+        ),
+        ({"op": "lock", "root": "/r", "owner": "me", "timeout": True}, "lock: 'timeout' is bool"),
+        ({"op": "lock", "root": "/r", "owner": "me", "timeout": 1, "wait": 2}, "lock: unknown key 'wait'"),
+        ({"op": "release_list"}, "release_list: 'root' is missing"),
+        (
+            {"op": "release_verify", "root": "/r", "files": [{"path": "a", "x": 1}], "rehash": False},
+            "files\\[0\\]: unknown key 'x'",
+        ),
+        ({"op": "serving_status", "root": "/r", "name": "s"}, "serving_status: 'port' is missing"),
+    ],
+)
+def test_a_request_missing_a_key_is_refused_naming_it(op: dict[str, Any], why: str) -> None:
+    """The agent reads requests as strictly as the controller reads answers: no defaults on the host."""
+    proc = subprocess.run(
+        [sys.executable, "-c", BOOTSTRAP], input=encode_request([op]), capture_output=True, timeout=60
+    )
+    [result] = json.loads(proc.stdout)["results"]
+    assert result["error"]["code"] == "bad_request" and re.search(why, result["error"]["message"]), result
+
+
+def test_an_op_takes_an_earlier_answer_by_reference_and_never_one_that_did_not_run(tmp_path: Path) -> None:
+    apply(tmp_path, "r1", a=b"abc")
+    (tmp_path / "releases" / "r1" / "drafter").mkdir()
+    release = {"$ref": "release_list", "field": "current"}
+    view = {"op": "loader_view", "root": str(tmp_path), "python": "/nonexistent/python", "release_id": release}
+    listed, viewed = run([{"op": "release_list", "root": str(tmp_path)}, view])
+    assert listed["ok"] and viewed["error"]["code"] == "no_python"  # it looked in releases/r1/drafter
+    [alone] = run([view])
+    assert alone["error"]["code"] == "bad_request"
+    assert "'release_id' refers to 'release_list', which has not run in this batch" in alone["error"]["message"]
+    wrong = dict(view, release_id={"$ref": "release_list", "field": "nothing"})
+    assert (
+        "which its answer does not hold"
+        in run([{"op": "release_list", "root": str(tmp_path)}, wrong])[1]["error"]["message"]
+    )
+    # A key whose spec takes no reference keeps the value it was given, whatever its shape.
+    env = {"$ref": "release_list"}
+    done = run(
+        [{"op": "release_list", "root": str(tmp_path)}, {"op": "command", "argv": ["true"], "env": env, "timeout": 5}]
+    )
+    assert done[1]["ok"], done
+
+
+def test_a_findings_failure_does_not_stop_the_batch(tmp_path: Path) -> None:
+    missing = {"op": "model_files", "root": str(tmp_path), "path": str(tmp_path / "no-model")}
+    listing = {"op": "release_list", "root": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", BOOTSTRAP],
+        input=encode_request(complete([missing, listing]), findings=[0]),
+        capture_output=True,
+        timeout=60,
+    )
+    first, second = json.loads(proc.stdout)["results"]
+    assert first["error"]["code"] == "missing_model" and second["ok"]
+    stopped = run([missing, listing])
+    assert stopped[1]["skipped"]
 
 
 def test_put_is_atomic_idempotent_and_reports_digests(tmp_path: Path) -> None:

@@ -124,7 +124,7 @@ def test_nothing_a_host_says_reaches_the_terminal_as_control_codes() -> None:
     lines = io.StringIO()
     printer = ProgressPrinter("deploy", 1, lines, mode="lines")
     printer.step(Step("gpu-a", "waiting for health", evil, 3.0))
-    printer(host, "done")
+    printer.host_done(host)
     for text in (out.getvalue(), lines.getvalue()):
         assert not any(c in text for c in "\x1b\x07\r\x9b"), repr(text)
         assert "[2J]0;ownedplain words\ttab" in text

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
+from lab import vllmverdict
+from lab.vllmverdict import Case, load_cases
 from orchestrator import dflash
-from orchestrator.sandbox import vllmverdict
-from orchestrator.sandbox.vllmverdict import Case, load_cases
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "real-drafters"
 CASES = load_cases(DATA / "cases.yaml")

@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 import orchestrator
-from orchestrator import cli, runs
+from orchestrator import cli
+from orchestrator.deployment import Deployment
 from orchestrator.playbook import load_playbook
 from tests.unit.localbox import (
     GOOD_MASK,
@@ -34,7 +35,6 @@ from tests.unit.localbox import (
     alive,
     deploy,
     host,
-    quiet,
     rollback,
     stop,
     verify,
@@ -217,7 +217,7 @@ def test_rollback_with_nothing_to_go_back_to_says_so(box: Box) -> None:
 
 def test_a_group_is_ready_and_a_dead_rank_fails_verify_naming_it(box: Box) -> None:
     playbook = box.group()
-    run = orchestrator.deploy(playbook, box.inventory, box.inventory.resolve(playbook.targets), OPTIONS, quiet)
+    run = orchestrator.Deployment(playbook, box.inventory, OPTIONS).deploy()
     assert run.ok, [(h.name, h.gates) for h in run.hosts]  # the library runs it as one group
     head, rank = host(run, "n0"), host(run, "n1")
     assert head.gates["acceptance"].data["mean_acceptance_length"] == K + 1
@@ -317,7 +317,7 @@ def test_files_only_one_exec_a_host_then_dry_run_diff_and_rollback(box: Box) -> 
     (box.dir / "a.txt").write_text("second\n")
     playbook = load_playbook(box.dir / "files.yaml")
     inv = box.inventory
-    looked = runs.dry_run(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet)
+    looked = Deployment(playbook, inv, OPTIONS).dry_run()
     assert looked.ok and all("-first\n+second\n" in h.diffs[0] for h in looked.hosts)
     assert (box.root("solo") / "current" / "a.txt").read_text() == "first\n"  # nothing written
 
@@ -350,7 +350,7 @@ def test_a_dry_run_never_shows_a_secret_old_or_new(box: Box) -> None:
         (box.dir / name).write_text(text)
     playbook = load_playbook(box.dir / "secrets.yaml")
     inv = box.inventory
-    looked = runs.dry_run(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet)
+    looked = Deployment(playbook, inv, OPTIONS).dry_run()
     shown = json.dumps(looked.to_json())
     assert "s3cr3t" not in shown and "-key" not in shown
     assert "-old notes\\n+new notes" in shown
@@ -472,7 +472,7 @@ def test_verify_and_the_dry_run_never_write_not_even_the_deploy_root(box: Box) -
     playbook = box.playbook()
     assert not verify(box, playbook).ok
     inv = box.inventory
-    looked = runs.dry_run(playbook, inv, inv.resolve(playbook.targets), OPTIONS, quiet)
+    looked = Deployment(playbook, inv, OPTIONS).dry_run()
     assert looked.ok and host(looked, "solo").gates["files"].detail == "dry run: 2 of 2 files would change"
     assert not rollback(box, playbook).ok  # nothing to go back to; and nothing made
     (box.dir / "a.txt").write_text("a\n")

@@ -24,6 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator import cli, metrics, probe
+from orchestrator.deployment import Deployment
 from orchestrator.playbook import AcceptanceGate, Playbook
 from orchestrator.results import GATE_FILES, GATE_HEALTH, GATE_READY, FileState, Gate, HostReport
 from orchestrator.watch import DEGRADED, DOWN, DRIFT, READY, HostWatch, Seen, changed_fields, step
@@ -207,7 +208,7 @@ def gone(pid: int, within: float = 10.0) -> None:
 
 def watcher(box: Box, playbook: Playbook) -> Watcher:
     inv = box.inventory
-    return Watcher(playbook, inv, inv.resolve(playbook.targets), OPTIONS)
+    return Deployment(playbook, inv, OPTIONS).watcher()
 
 
 def test_the_founding_incident_replayed_under_watch(box: Box) -> None:

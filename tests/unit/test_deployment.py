@@ -1,0 +1,211 @@
+"""Whole runs through the library's entry point and a fake connector: no host, no agent process.
+
+``FakeConnector`` stands where SSH would (as httpx's ``MockTransport`` does): each batch is decoded
+exactly as the host's agent would read it and answered by the test, so the controller's side of
+every step (the batches it sends, how it reads the answers, the gates it decides) is the real
+code. This is where failure paths the real agent cannot be made to take on cue are tested: an
+answer of the wrong shape in the middle of a launch, a connection that drops between two execs.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import remote_agent
+from orchestrator import Deployment, Observer, RunOptions, load_inventory, load_playbook
+from orchestrator.errors import ConnectionLost, InputError
+from orchestrator.fake import FakeConnector, answer
+from orchestrator.inventory import Target
+from orchestrator.results import HostReport
+from orchestrator.runner import Step
+
+OPTIONS = RunOptions(forks=2, lock_timeout=1.0)
+ROOT = "/srv/dflash"
+
+
+def write(tmp_path: Path, serving: dict[str, Any] | None = None) -> tuple[Path, Path]:
+    (tmp_path / "notes.txt").write_text("release notes\n")
+    book: dict[str, Any] = {
+        "name": "fake",
+        "targets": ["all"],
+        "deploy_root": ROOT,
+        "files": [{"src": "notes.txt", "dest": "notes.txt"}],
+    }
+    if serving is not None:
+        book["serving"] = serving
+    playbook = tmp_path / "pb.yaml"
+    playbook.write_text(yaml.safe_dump(book))
+    containers = {name: {"address": f"192.0.2.{i + 1}"} for i, name in enumerate(("a", "b"))}
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump({"hosts": {"gpu": {"containers": containers}}}))
+    return playbook, inventory
+
+
+def files_of(op: dict[str, Any], release: str) -> list[dict[str, Any]]:
+    """What a release's files read back as, where the agent puts them."""
+    return [
+        {"path": f["path"], "remote_path": f"{ROOT}/releases/{release}/{f['path']}", "sha256": f["sha256"]}
+        for f in op["files"]
+    ]
+
+
+def scrape(drafts: int, accepted: int) -> str:
+    """vLLM's spec-decode counters as /metrics shows them (K = 7: 7 draft tokens a draft)."""
+    lines = [
+        f'vllm:spec_decode_num_drafts_total{{engine="0"}} {drafts}',
+        f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {drafts * 7}',
+        f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {accepted}',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class Host:
+    """A well-behaved host, op by op; a test changes one answer to play a misbehaving one."""
+
+    def __init__(self) -> None:
+        self.staged: dict[str, list[dict[str, Any]]] = {}  # target -> the staged release's files
+
+    def __call__(self, target: Target, ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [self.answer(target, op) for op in ops]
+
+    def answer(self, target: Target, op: dict[str, Any]) -> dict[str, Any]:
+        name = op["op"]
+        if name == "lock":
+            return answer(op, {"waited_s": 0.0})
+        if name == "release_apply":
+            files = files_of(op, op["release_id"])
+            self.staged[target.name] = files
+            return answer(
+                op,
+                {
+                    "release_id": op["release_id"],
+                    "previous": None,
+                    "changed": True,
+                    "switched": op["switch"],
+                    "files": [dict(f, changed=True) for f in files],
+                },
+            )
+        if name == "release_switch":
+            return answer(op, {"release_id": op["release_id"], "previous": None, "files": self.staged[target.name]})
+        if name == "launch":
+            return answer(op, {"pid": 4242, "kept": False})
+        if name == "wait_health":
+            return answer(op, {"pid": 4242, "waited_s": 1.5})
+        if name == "probe":
+            return answer(op, {"before": scrape(0, 0), "after": scrape(40, 280), "seconds": 0.5})
+        if name == "stop":
+            return answer(op, {"stopped": None, "gone": True})
+        raise AssertionError(f"the test's host does not know {name}")
+
+
+class Seen(Observer):
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.done: list[str] = []
+        self.steps: list[Step] = []
+
+    def host_started(self, report: HostReport) -> None:
+        self.started.append(report.name)
+
+    def host_done(self, report: HostReport) -> None:
+        self.done.append(report.name)
+
+    def step(self, step: Step) -> None:
+        self.steps.append(step)
+
+
+def test_a_files_only_deploy_is_one_batch_a_host_carrying_no_serving_code(tmp_path: Path) -> None:
+    playbook, inventory = write(tmp_path)
+    fake, seen = FakeConnector(Host()), Seen()
+    deployment = Deployment(load_playbook(playbook), load_inventory(inventory), OPTIONS, seen, fake)
+    run = deployment.deploy()
+    assert run.ok and [h.name for h in run.hosts] == ["a", "b"], [h.gates for h in run.hosts]
+    assert sorted(seen.started) == sorted(seen.done) == ["a", "b"]
+    for h in run.hosts:
+        assert h.gates["files"].ok and h.gates["files"].detail.endswith(f"release {run.release_id} is current")
+        assert h.ssh["execs"] == 1
+    assert [b.names for b in fake.batches] == [["lock", "release_apply"]] * 2
+    # Only the modules those ops need travel: no server, GPU or model code.
+    source = fake.batches[0].source
+    assert b"def op_release_apply" in source and b"def op_launch" not in source and b"def op_gpus" not in source
+    assert len(zlib.compress(source)) < FILES_ONLY_BUDGET < len(zlib.compress(remote_agent.source()))
+
+
+# Half of what every batch carried when the agent was one file sent whole (25.8 KB compressed).
+FILES_ONLY_BUDGET = 12_900
+
+
+def test_every_key_is_sent_and_the_agents_checks_would_pass(tmp_path: Path) -> None:
+    """What the fake received is what the host's dispatcher checks against each op's spec."""
+    playbook, inventory = write(tmp_path)
+    fake = FakeConnector(Host())
+    Deployment(load_playbook(playbook), load_inventory(inventory), OPTIONS, connector=fake).deploy()
+    namespace: dict[str, Any] = {"__name__": "dflash-agent"}
+    exec(compile(fake.batches[0].source, "dflash-agent", "exec"), namespace)
+    for op in fake.batches[0].ops:
+        _, spec = namespace["OPS"][op["op"]]
+        namespace["check"](op["op"], dict(spec, op=str), op)  # raises bad_request on a missing key
+
+
+SERVING = {"python": "/opt/vllm/bin/python", "target": "/models/t", "model_name": "tiny", "port": 8000}
+
+
+def test_a_malformed_answer_during_the_launch_fails_health_and_stops_what_may_run(tmp_path: Path) -> None:
+    playbook, inventory = write(tmp_path, SERVING)
+
+    class Garbled(Host):
+        def answer(self, target: Target, op: dict[str, Any]) -> dict[str, Any]:
+            if op["op"] == "wait_health":
+                return answer(op, {"pid": "4242", "waited_s": 1.5})
+            return super().answer(target, op)
+
+    fake = FakeConnector(Garbled())
+    deployment = Deployment(load_playbook(playbook), load_inventory(inventory), OPTIONS, connector=fake, limit=["a"])
+    run = deployment.deploy()
+    [host] = run.hosts
+    assert not run.ok and host.failed_gate == "health"
+    assert host.gates["health"].detail.startswith("wait_health answered badly: 'pid' is str, expected int")
+    names = [b.names for b in fake.batches]
+    assert names[0] == ["lock", "release_apply"]
+    assert names[1][:3] == ["lock", "release_switch", "launch"] and "wait_health" in names[1]
+    # The host cannot be trusted to have left nothing running: everything of it is stopped.
+    assert names[2] == ["lock", "stop", "stop"]
+    assert any("no previous release to go back to: stopped" in line for line in host.diagnosis)
+
+
+def test_a_connection_lost_between_two_execs_fails_connect_and_nothing_after_it(tmp_path: Path) -> None:
+    playbook, inventory = write(tmp_path, SERVING)
+    calls = {"n": 0}
+    good = Host()
+
+    def dropping(target: Target, ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ConnectionLost(target.name, "Connection reset by peer (after 3 retries)")
+        return good(target, ops)
+
+    fake = FakeConnector(dropping)
+    run = Deployment(load_playbook(playbook), load_inventory(inventory), OPTIONS, connector=fake, limit=["a"]).deploy()
+    [host] = run.hosts
+    assert not run.ok and host.gates["connect"] == host.gates[host.failed_gate or ""]
+    assert host.gates["connect"].detail == "Connection reset by peer (after 3 retries)"
+    assert host.gates["files"].ok and "staged" in host.gates["files"].detail  # staged, never switched
+    assert "health" not in host.gates and len(fake.batches) == 2
+
+
+def test_targets_are_chosen_by_the_library(tmp_path: Path) -> None:
+    playbook, inventory = write(tmp_path)
+    book, inv = load_playbook(playbook), load_inventory(inventory)
+    assert [t.name for t in Deployment(book, inv, limit=["b"]).targets] == ["b"]
+    assert [t.name for t in Deployment(book, inv, limit=["gpu"]).targets] == ["a", "b"]  # a GPU host: its containers
+    with pytest.raises(InputError, match="'nowhere' is not a container, group or GPU host"):
+        Deployment(book, inv, limit=["nowhere"])
+    only_a = replace(book, targets=["a"])
+    with pytest.raises(InputError, match="no targets: the playbook's targets and --limit select no container"):
+        Deployment(only_a, inv, limit=["b"])
