@@ -20,7 +20,7 @@ import json
 import marshal
 import threading
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +104,7 @@ class FakeConnector:
         on_stderr: OnStderr | None = None,
     ) -> Result:
         """One batch: decoded, answered by the handler, encoded as the agent answers."""
-        data = stdin if isinstance(stdin, bytes) else b"".join(_chunks(stdin))
+        data = stdin if isinstance(stdin, bytes) else b"".join(stdin)
         source, request = decode(data)
         with self._lock:
             self.batches.append(Batch(target.name, source, request))
@@ -122,7 +122,3 @@ class FakeConnector:
 
     def close(self) -> None:
         """Nothing to close."""
-
-
-def _chunks(stream: Iterable[bytes]) -> Iterable[bytes]:
-    yield from stream
