@@ -360,6 +360,12 @@ def test_a_dry_run_never_shows_a_secret_old_or_new(box: Box) -> None:
 SYS_TGKILL = 234  # x86-64: a signal to one thread of a process
 
 
+def thread_started(pid: int, tid: int) -> int:
+    """A thread's start time, in clock ticks since boot (field 22 of its stat)."""
+    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
 class HeldDeploy:
     """`orchestrate deploy` of three hosts, one at a time, whose first host (n0) waits on a lock
     this test holds: nothing can start or finish before the test lets it."""
@@ -385,6 +391,9 @@ class HeldDeploy:
         while not self.agents():
             assert time.monotonic() < deadline, "the first host's agent never started"
             time.sleep(0.02)
+        # The agent has read its whole request once it waits for the lock: the thread that fed it
+        # stdin is done, and every thread left lives until the run ends (see ctrl_c).
+        self.wait_said("waiting for the deploy root's lock")
 
     def agents(self) -> list[int]:
         """The run's agents (children of the orchestrate process)."""
@@ -401,21 +410,30 @@ class HeldDeploy:
 
     def ctrl_c(self) -> None:
         """SIGINT to a thread that is not the main one: a terminal's Ctrl-C may land on any thread,
-        and Python runs handlers only in the main one (once unheard until the host finished)."""
+        and Python runs handlers only in the main one (once unheard until the host finished).
+
+        The thread is the oldest but the main one (the run's worker), never the newest: a signal
+        sent to a thread that is exiting (the one that fed the agent its request, say) is lost
+        with it, and the run then rightly hears nothing."""
         others = [int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task") if int(t) != self.proc.pid]
         assert others, "the run has no thread but the main one"
+        worker = min(others, key=lambda tid: (thread_started(self.proc.pid, tid), tid))
         libc = ctypes.CDLL(None, use_errno=True)
-        assert libc.syscall(SYS_TGKILL, self.proc.pid, others[-1], signal.SIGINT) == 0, os.strerror(ctypes.get_errno())
+        assert libc.syscall(SYS_TGKILL, self.proc.pid, worker, signal.SIGINT) == 0, os.strerror(ctypes.get_errno())
 
     def wait_said(self, words: str) -> None:
+        """Read the run's stderr until it has said ``words``. From the descriptor itself, not the
+        text wrapper: a ``readline`` buffers what follows the line, where ``select`` no longer
+        sees it, and a line already read in would be waited for in vain."""
         assert self.proc.stderr is not None
+        fd = self.proc.stderr.fileno()
         deadline = time.monotonic() + 30
         while words not in self.said:
             assert time.monotonic() < deadline, f"not said within 30 s: {words!r}; said {self.said!r}"
-            if select.select([self.proc.stderr], [], [], 0.2)[0]:
-                line = self.proc.stderr.readline()
-                assert line, f"the run ended before saying {words!r}: {self.said}"
-                self.said += line
+            if select.select([fd], [], [], 0.2)[0]:
+                chunk = os.read(fd, 1 << 16)
+                assert chunk, f"the run ended before saying {words!r}: {self.said}"
+                self.said += chunk.decode()
 
 
 def test_a_first_ctrl_c_finishes_the_host_in_flight_then_reports_and_records(
