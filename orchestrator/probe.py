@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 PREFIX = "vllm:spec_decode_num_"
 NAMES = {
@@ -21,8 +22,28 @@ NAMES = {
 }
 
 
+# Why the acceptance numbers fail, as codes (``Gate.reason``; the diagnosis reads them).
+NO_SPECULATION = "no_speculation"  # no spec-decode counters, or no drafts: speculation is not running
+RESTARTED = "restarted"  # a counter went down: the server restarted between the scrapes
+UNREADABLE = "unreadable_metrics"  # /metrics says something that is not Prometheus' text format
+TOO_FEW_DRAFTS = "too_few_drafts"
+LOW_TAU = "low_mean_acceptance_length"
+LOW_RATE = "low_acceptance_rate"
+
+
 class ProbeError(Exception):
-    """The numbers cannot be judged (no speculation, a restart, too few drafts)."""
+    """The numbers cannot be judged (no speculation, a restart, unreadable metrics); ``reason`` says
+    which."""
+
+    def __init__(self, message: str, reason: str = UNREADABLE) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Judged(NamedTuple):
+    ok: bool
+    detail: str
+    reason: str = ""  # why not ok (LOW_TAU, LOW_RATE, TOO_FEW_DRAFTS)
 
 
 @dataclass
@@ -133,13 +154,15 @@ def acceptance(d: Counters) -> Acceptance | None:
 def measure(before_text: str, after_text: str) -> Acceptance:
     before, after = parse(before_text), parse(after_text)
     if before is None or after is None:
-        raise ProbeError("speculative decoding is not running: the server exposes no vllm:spec_decode_* counters")
+        raise ProbeError(
+            "speculative decoding is not running: the server exposes no vllm:spec_decode_* counters", NO_SPECULATION
+        )
     d = deltas(before, after)
     if d is None:
-        raise ProbeError("a spec-decode counter went down during the probe: the server restarted")
+        raise ProbeError("a spec-decode counter went down during the probe: the server restarted", RESTARTED)
     a = acceptance(d)
     if a is None:
-        raise ProbeError("the probe produced no drafts: speculative decoding is not running")
+        raise ProbeError("the probe produced no drafts: speculative decoding is not running", NO_SPECULATION)
     return a
 
 
@@ -153,15 +176,16 @@ def wilson_low(successes: int, trials: int, z: float = 1.96) -> float:
     return max(0.0, (centre - margin) / denom)
 
 
-def judge(a: Acceptance, min_tau: float, min_rate: float | None, min_drafts: int) -> tuple[bool, str]:
+def judge(a: Acceptance, min_tau: float, min_rate: float | None, min_drafts: int) -> Judged:
+    """The acceptance gate's verdict on these numbers: enough drafts to decide, then tau, then the rate."""
     numbers = (
         f"tau {a.mean_acceptance_length:.2f} (95% >= {a.mean_acceptance_length_low:.2f}), "
         f"rate {a.rate:.1%}, {a.drafts} drafts"
     )
     if a.drafts < min_drafts:
-        return False, f"too few drafts to decide ({a.drafts} < {min_drafts}): {numbers}"
+        return Judged(False, f"too few drafts to decide ({a.drafts} < {min_drafts}): {numbers}", TOO_FEW_DRAFTS)
     if a.mean_acceptance_length < min_tau:
-        return False, f"mean acceptance length {a.mean_acceptance_length:.2f} < {min_tau}: {numbers}"
+        return Judged(False, f"mean acceptance length {a.mean_acceptance_length:.2f} < {min_tau}: {numbers}", LOW_TAU)
     if min_rate is not None and a.rate < min_rate:
-        return False, f"acceptance rate {a.rate:.1%} < {min_rate:.1%}: {numbers}"
-    return True, numbers
+        return Judged(False, f"acceptance rate {a.rate:.1%} < {min_rate:.1%}: {numbers}", LOW_RATE)
+    return Judged(True, numbers)

@@ -36,9 +36,12 @@ class Gate:
     ok: bool
     detail: str
     data: dict[str, Any] = field(default_factory=dict)  # numbers the gate decided on
+    # Why it failed (or what it found), as a code a program can match: the diagnosis reads these,
+    # never the detail's words. "" where the detail is all there is to say.
+    reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "detail": self.detail, **self.data}
+        return {"ok": self.ok, "detail": self.detail, **self.data, **({"reason": self.reason} if self.reason else {})}
 
 
 @dataclass(frozen=True)

