@@ -5,7 +5,9 @@ config alone. Run by the *serving* Python (torch, transformers, tokenizers, safe
 
 Writes OUT_DIR/target (a 2-layer Qwen3 with its tokenizer) and drafters that all load and serve:
 OUT_DIR/drafter-good (DFlash, mask token and tapped layer right: ~100% acceptance),
-OUT_DIR/drafter-wrong-mask and OUT_DIR/drafter-wrong-layer (look fine, ~0% acceptance).
+OUT_DIR/drafter-wrong-mask and OUT_DIR/drafter-wrong-layer (look fine, ~0% acceptance), and
+OUT_DIR/drafter-mixed: the good drafter in the layout of Qwen3.6-27B-DFlash's, a sliding-window
+layer and a full one (the second passes its input on), which only vLLM's V2 model runner serves.
 
 The construction: every ordinary token embeds to the unit vector e0, the mask token to e1 and a
 second ("wrong") mask token to 100*e3. In the target, attention writes nothing, layer 0 is the
@@ -90,6 +92,7 @@ VOCAB_SIZE = 64
 C, D, D2, MASK, WRONG_MASK, EOS = (VOCAB[t] for t in ("C", "D", "D2", "<mask>", "<mask-wrong>", "<eos>"))
 BLOCK_SIZE = 8  # K = 7 speculative tokens: short blocks keep the CPU sandbox quick
 DRAFT_GAIN = 10.0
+SLIDING_WINDOW = 16  # drafter-mixed's sliding layer
 
 
 def tokenizer(out: Path) -> None:
@@ -160,25 +163,34 @@ def target(out: Path) -> Qwen3Config:
     return config
 
 
-def drafter(out: Path, mask_token_id: int, target_layer_ids: list[int], num_target_layers: int) -> None:
+def drafter(
+    out: Path,
+    mask_token_id: int,
+    target_layer_ids: list[int],
+    num_target_layers: int,
+    layer_types: tuple[str, ...] = ("full_attention",),
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     n = len(target_layer_ids)
     w: dict[str, torch.Tensor] = {
         "fc.weight": torch.eye(HIDDEN).repeat(1, n) / n,
         "hidden_norm.weight": torch.ones(HIDDEN),
         "norm.weight": torch.ones(HIDDEN),
-        "layers.0.input_layernorm.weight": torch.ones(HIDDEN),
-        "layers.0.post_attention_layernorm.weight": torch.ones(HIDDEN),
-        "layers.0.self_attn.q_proj.weight": torch.zeros(HEADS * HEAD_DIM, HIDDEN),
-        "layers.0.self_attn.k_proj.weight": torch.zeros(HEADS * HEAD_DIM, HIDDEN),
-        "layers.0.self_attn.v_proj.weight": torch.zeros(HEADS * HEAD_DIM, HIDDEN),
-        "layers.0.self_attn.o_proj.weight": torch.zeros(HIDDEN, HEADS * HEAD_DIM),
-        "layers.0.self_attn.q_norm.weight": torch.ones(HEAD_DIM),
-        "layers.0.self_attn.k_norm.weight": torch.ones(HEAD_DIM),
-        "layers.0.mlp.gate_proj.weight": torch.zeros(INTERMEDIATE, HIDDEN),
-        "layers.0.mlp.up_proj.weight": torch.zeros(INTERMEDIATE, HIDDEN),
-        "layers.0.mlp.down_proj.weight": torch.zeros(HIDDEN, INTERMEDIATE),
     }
+    for i in range(len(layer_types)):  # layers after the first write nothing: the residual passes on
+        w |= {
+            f"layers.{i}.input_layernorm.weight": torch.ones(HIDDEN),
+            f"layers.{i}.post_attention_layernorm.weight": torch.ones(HIDDEN),
+            f"layers.{i}.self_attn.q_proj.weight": torch.zeros(HEADS * HEAD_DIM, HIDDEN),
+            f"layers.{i}.self_attn.k_proj.weight": torch.zeros(HEADS * HEAD_DIM, HIDDEN),
+            f"layers.{i}.self_attn.v_proj.weight": torch.zeros(HEADS * HEAD_DIM, HIDDEN),
+            f"layers.{i}.self_attn.o_proj.weight": torch.zeros(HIDDEN, HEADS * HEAD_DIM),
+            f"layers.{i}.self_attn.q_norm.weight": torch.ones(HEAD_DIM),
+            f"layers.{i}.self_attn.k_norm.weight": torch.ones(HEAD_DIM),
+            f"layers.{i}.mlp.gate_proj.weight": torch.zeros(INTERMEDIATE, HIDDEN),
+            f"layers.{i}.mlp.up_proj.weight": torch.zeros(INTERMEDIATE, HIDDEN),
+            f"layers.{i}.mlp.down_proj.weight": torch.zeros(HIDDEN, INTERMEDIATE),
+        }
     w["layers.0.self_attn.v_proj.weight"][0, 2] = 1.0  # value: dim 2 of the tapped context
     w["layers.0.self_attn.o_proj.weight"][0, 0] = DRAFT_GAIN  # written into dim 0 (token C)
     save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
@@ -189,13 +201,13 @@ def drafter(out: Path, mask_token_id: int, target_layer_ids: list[int], num_targ
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids},
         "hidden_size": HIDDEN,
         "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": len(layer_types),
         "num_attention_heads": HEADS,
         "num_key_value_heads": HEADS,
         "head_dim": HEAD_DIM,
         "vocab_size": VOCAB_SIZE,
         "num_target_layers": num_target_layers,
-        "layer_types": ["full_attention"],
+        "layer_types": list(layer_types),
         "max_position_embeddings": 512,
         "rms_norm_eps": 1e-06,
         "rope_theta": 1000000,
@@ -204,6 +216,9 @@ def drafter(out: Path, mask_token_id: int, target_layer_ids: list[int], num_targ
         "eos_token_id": EOS,
         "torch_dtype": "float32",
     }
+    if "sliding_attention" in layer_types:
+        # Every context position holds what the drafter copies, so a short window costs nothing.
+        config |= {"sliding_window": SLIDING_WINDOW, "use_sliding_window": True}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -214,6 +229,7 @@ def main(out: Path) -> None:
     drafter(out / "drafter-good", MASK, [1], layers)
     drafter(out / "drafter-wrong-mask", WRONG_MASK, [1], layers)
     drafter(out / "drafter-wrong-layer", MASK, [0], layers)
+    drafter(out / "drafter-mixed", MASK, [1], layers, ("sliding_attention", "full_attention"))
     for path in out.rglob("*"):  # unprivileged containers read these as nobody
         path.chmod(0o755 if path.is_dir() else 0o644)
 

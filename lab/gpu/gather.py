@@ -1,0 +1,104 @@
+"""The GPU device's side of the wheelhouse: take the parts that arrive one call at a time, then
+install the site once every part is there. Standard library only (it runs before vLLM is there).
+
+    python3 lab/gpu/gather.py take WHEELHOUSE [--store /tmp/gpu-wheelhouse]
+    python3 lab/gpu/gather.py install WHEELHOUSE [--store ...] [--site /tmp/gpu-site]
+
+``take`` copies each part found in WHEELHOUSE (this call's carried folder) to the store, outside the
+working tree, where it stays while the machine is warm, once its sha256 is the manifest's; a part
+whose digest differs is refused and not kept. ``install`` joins the parts, checks the archive's
+digest, unpacks it into the site and says which parts are still missing if any is. Exit 0 when it
+did what it says, 1 when a part is missing or wrong, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def take(house: Path, store: Path, manifest: dict[str, Any]) -> int:
+    store.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for part in manifest["parts"]:
+        here, kept = house / part["name"], store / part["name"]
+        if kept.exists() and sha256(kept) == part["sha256"]:
+            print(f"gather: {part['name']} already kept")
+            continue
+        if not here.exists():
+            continue
+        digest = sha256(here)
+        if digest != part["sha256"]:
+            print(f"gather: {part['name']} has sha256 {digest}, the manifest says {part['sha256']}: not kept")
+            failed = 1
+            continue
+        shutil.copyfile(here, kept.with_suffix(".tmp"))
+        kept.with_suffix(".tmp").replace(kept)
+        print(f"gather: {part['name']} kept ({part['bytes']} bytes, sha256 checked)")
+    missing = [p["name"] for p in manifest["parts"] if not (store / p["name"]).exists()]
+    print(
+        f"gather: {len(manifest['parts']) - len(missing)} of {len(manifest['parts'])} parts kept"
+        + (f"; missing {missing}" if missing else "")
+    )
+    return failed
+
+
+def install(store: Path, site: Path, manifest: dict[str, Any]) -> int:
+    missing = [p["name"] for p in manifest["parts"] if not (store / p["name"]).exists()]
+    if missing:
+        print(f"gather: cannot install, parts missing: {missing}")
+        return 1
+    stamp = site / ".gathered"
+    if stamp.exists() and stamp.read_text().strip() == manifest["archive"]["sha256"]:
+        print(f"gather: {site} already holds this wheelhouse")
+        return 0
+    archive = store / "site.tar.xz"
+    with archive.open("wb") as out:
+        for part in manifest["parts"]:
+            with (store / part["name"]).open("rb") as f:
+                shutil.copyfileobj(f, out, 1 << 20)
+    digest = sha256(archive)
+    if digest != manifest["archive"]["sha256"]:
+        print(f"gather: the joined archive has sha256 {digest}, the manifest says {manifest['archive']['sha256']}")
+        return 1
+    if site.exists():
+        shutil.rmtree(site)
+    site.mkdir(parents=True)
+    with tarfile.open(archive, "r:xz") as tar:
+        tar.extractall(site, filter="data")
+    archive.unlink()
+    stamp.write_text(manifest["archive"]["sha256"] + "\n")
+    print(f"gather: installed {len(manifest['packages'])} packages into {site} ({manifest['site_bytes']} bytes)")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("verb", choices=("take", "install"))
+    parser.add_argument("house", type=Path, help="the wheelhouse folder carried by this call (its MANIFEST.json)")
+    parser.add_argument("--store", type=Path, default=Path("/tmp/gpu-wheelhouse"))
+    parser.add_argument("--site", type=Path, default=Path("/tmp/gpu-site"))
+    args = parser.parse_args()
+    manifest = json.loads((args.house / "MANIFEST.json").read_text())
+    code = take(args.house, args.store, manifest)
+    if args.verb == "install":
+        code = code or install(args.store, args.site, manifest)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
