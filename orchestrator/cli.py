@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from orchestrator.sandbox.sshhosts import SshSandbox
 
 DEFAULT_INVENTORY = "inventory/inventory.yaml"
+_RUN_DEFAULTS = RunOptions()  # the library's defaults are the CLI's: said once, there
 RELEASE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
@@ -166,7 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="TARGET",
             help="only these containers, groups or GPU hosts (repeatable; within the playbook's targets)",
         )
-        p.add_argument("-f", "--forks", type=_positive_int, default=16, help="hosts worked on at once (default 16)")
+        p.add_argument(
+            "-f",
+            "--forks",
+            type=_positive_int,
+            default=_RUN_DEFAULTS.forks,
+            help=f"hosts worked on at once (default {_RUN_DEFAULTS.forks})",
+        )
         p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
         p.add_argument(
             "--accept-new-host-keys",
@@ -176,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--lock-timeout",
             type=_seconds,
-            default=60.0,
-            help="seconds to wait for another run's lock on a deploy root (default 60)",
+            default=_RUN_DEFAULTS.lock_timeout,
+            help=f"seconds to wait for another run's lock on a deploy root (default {_RUN_DEFAULTS.lock_timeout:g})",
         )
         p.add_argument("--state-dir", type=Path, default=None, help="state database directory")
         p.add_argument(
@@ -330,7 +337,7 @@ def _options(args: argparse.Namespace) -> RunOptions:
         forks=args.forks,
         skip_containers=args.skip_containers,
         accept_new_host_keys=args.accept_new_host_keys,
-        lock_timeout=getattr(args, "lock_timeout", RunOptions.lock_timeout),
+        lock_timeout=getattr(args, "lock_timeout", _RUN_DEFAULTS.lock_timeout),
         release_id=getattr(args, "release_id", None),
     )
 

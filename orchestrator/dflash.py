@@ -127,7 +127,6 @@ class Layout:
     kind: str  # "dflash" | "speculators"
     mask_field: str = "dflash_config.mask_token_id"
     ids_field: str = "dflash_config.target_layer_ids"
-    block_field: str = "block_size"
     problems: tuple[Problem, ...] = ()
 
 
@@ -147,7 +146,7 @@ def normalise(drafter: dict[str, Any]) -> Layout:
         config = dict(drafter)
         dflash = drafter.get("dflash_config")
         dflash = dict(dflash) if isinstance(dflash, dict) else {}
-        fields: dict[str, Any] = {"mask_field": "dflash_config.mask_token_id", "block_field": "block_size"}
+        fields: dict[str, Any] = {"mask_field": "dflash_config.mask_token_id"}
         if "mask_token_id" not in dflash:
             for scope, name in (
                 (drafter.get("eagle_config"), "eagle_config.mask_token_id"),
@@ -157,7 +156,7 @@ def normalise(drafter: dict[str, Any]) -> Layout:
                     dflash["mask_token_id"], fields["mask_field"] = scope["mask_token_id"], name
                     break
         if "block_size" in dflash:
-            config["block_size"], fields["block_field"] = dflash["block_size"], "dflash_config.block_size"
+            config["block_size"] = dflash["block_size"]
         if dflash or "dflash_config" in drafter:
             config["dflash_config"] = dflash
         return Layout(config, "dflash", **fields)
@@ -203,7 +202,6 @@ def normalise(drafter: dict[str, Any]) -> Layout:
         "speculators",
         mask_field="mask_token_id",
         ids_field="aux_hidden_state_layer_ids",
-        block_field="block_size",
         problems=tuple(problems),
     )
 

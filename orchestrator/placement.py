@@ -42,9 +42,6 @@ class Placement:
             raise self.multi.error(f"the head {self.head.name} has no address yet")
         return address
 
-    def rank_of(self, name: str) -> int:
-        return [t.name for t in self.nodes].index(name)
-
     def located(self, targets: dict[str, Target]) -> Placement:
         """The same placement with the addresses the containers gate discovered."""
         return replace(self, nodes=tuple(targets.get(t.name, t) for t in self.nodes))

@@ -34,6 +34,7 @@ DRAFTER_CONFIG = "config.json"
 DRAFTER_CONFIG_DEST = f"{DRAFTER_DIR}/{DRAFTER_CONFIG}"
 # Files larger than this are sent inline with the request; models belong on mounted volumes.
 MAX_FILE_BYTES = 64 * 1024 * 1024
+KEEP_RELEASES = 5  # releases kept on a host (the current one and its predecessors) unless set
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ def load_playbook(path: Path | str) -> Playbook:
         name=top["name"].str(),
         targets=targets,
         deploy_root=deploy_root.rstrip("/"),
-        keep_releases=top["keep_releases"].int(5, minimum=2),
+        keep_releases=top["keep_releases"].int(KEEP_RELEASES, minimum=2),
         files=tuple(files),
         drafter=drafter,
         disks=_disks(top["disks"]),
@@ -418,16 +419,16 @@ def _serving(f: Field) -> Serving:
     return Serving(
         python=f["python"].str(None),
         target=f["target"].str(None),
-        model_name=f["model_name"].str("dflash"),
-        speculative=f["speculative"].bool(True),
+        model_name=f["model_name"].str(Serving.model_name),
+        speculative=f["speculative"].bool(Serving.speculative),
         tensor_parallel_size=tp,
-        pipeline_parallel_size=f["pipeline_parallel_size"].int(1, minimum=1),
-        num_speculative_tokens=f["num_speculative_tokens"].int(15, minimum=1),
-        host=f["host"].str("127.0.0.1"),
-        port=f["port"].int(8000, minimum=1, maximum=65535),
+        pipeline_parallel_size=f["pipeline_parallel_size"].int(Serving.pipeline_parallel_size, minimum=1),
+        num_speculative_tokens=f["num_speculative_tokens"].int(Serving.num_speculative_tokens, minimum=1),
+        host=f["host"].str(Serving.host),
+        port=f["port"].int(Serving.port, minimum=1, maximum=65535),
         extra_args=f["extra_args"].str_list(()),
         env=f["env"].str_map({}),
-        startup_timeout=f["startup_timeout"].number(900.0, minimum=1),
+        startup_timeout=f["startup_timeout"].number(Serving.startup_timeout, minimum=1),
         multi_node=multi_node,
     )
 
@@ -441,16 +442,16 @@ def _multi_node(f: Field) -> MultiNode:
         raise f["nodes"].error("expected the group's containers in rank order, or a group name")
     if len(set(nodes)) != len(nodes):
         raise f["nodes"].error("a container can hold only one rank")
-    executor = f["executor"].str("mp")
+    executor = f["executor"].str(MultiNode.executor)
     if executor not in EXECUTORS:
         raise f["executor"].error(f"expected one of {', '.join(EXECUTORS)}")
     return MultiNode(
         nodes=nodes,
         executor=executor,
-        master_port=f["master_port"].int(29500, minimum=1, maximum=65535),
+        master_port=f["master_port"].int(MultiNode.master_port, minimum=1, maximum=65535),
         master_addr=f["master_addr"].str(None),
-        interface=f["interface"].str("eth0"),
-        ray_port=f["ray_port"].int(6379, minimum=1, maximum=65535),
+        interface=f["interface"].str(MultiNode.interface),
+        ray_port=f["ray_port"].int(MultiNode.ray_port, minimum=1, maximum=65535),
         file=f.doc.file,
         line=f.doc.line_of(f.path),
     )
@@ -470,11 +471,13 @@ def _gates(f: Field) -> Gates:
         {"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts", "prompts", "max_tokens"}
     )
     acceptance = AcceptanceGate(
-        min_mean_acceptance_length=a["min_mean_acceptance_length"].number(3.0, minimum=1),
+        min_mean_acceptance_length=a["min_mean_acceptance_length"].number(
+            AcceptanceGate.min_mean_acceptance_length, minimum=1
+        ),
         min_acceptance_rate=_rate(a["min_acceptance_rate"], None),
-        min_drafts=a["min_drafts"].int(50, minimum=1),
+        min_drafts=a["min_drafts"].int(AcceptanceGate.min_drafts, minimum=1),
         prompts=a["prompts"].str_list(()),
-        max_tokens=a["max_tokens"].int(128, minimum=1, maximum=4096),
+        max_tokens=a["max_tokens"].int(AcceptanceGate.max_tokens, minimum=1, maximum=4096),
     )
     live = f["live"].mapping({"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts"})
     return Gates(
@@ -488,7 +491,7 @@ def _gates(f: Field) -> Gates:
         ),
         nccl=NcclGate(
             min_busbw_gbps=nccl["min_busbw_gbps"].number(None, minimum=0),
-            timeout_s=nccl["timeout_s"].number(180.0, minimum=1),
+            timeout_s=nccl["timeout_s"].number(NcclGate.timeout_s, minimum=1),
         ),
     )
 
@@ -496,7 +499,7 @@ def _gates(f: Field) -> Gates:
 def _rollout(f: Field) -> Rollout:
     f.mapping({"canary", "batch_size", "max_failures"})
     return Rollout(
-        canary=f["canary"].int(0, minimum=0),
+        canary=f["canary"].int(Rollout.canary, minimum=0),
         batch_size=f["batch_size"].int(None, minimum=1),
-        max_failures=f["max_failures"].int(0, minimum=0),
+        max_failures=f["max_failures"].int(Rollout.max_failures, minimum=0),
     )

@@ -28,7 +28,7 @@ import select
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import paramiko
@@ -188,12 +188,6 @@ class KnownHosts:
             number = len(self.path.read_text(encoding="utf-8").splitlines())
             self._add_line(f"{name} {key_type} {blob}", number)
             self.accepted.append(f"{name} {fingerprint(key_type, blob)}")
-
-
-@dataclass
-class _Connection:
-    transport: paramiko.Transport
-    counters: Counters = field(default_factory=Counters)
 
 
 class SshConnector:

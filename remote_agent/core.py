@@ -261,10 +261,6 @@ def _read_own(path):
         return f.read()
 
 
-def _rel(root_real, path):
-    return os.path.relpath(path, root_real)
-
-
 # --- file primitives -------------------------------------------------------------------
 
 
