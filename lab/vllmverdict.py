@@ -215,7 +215,7 @@ def _error(exc: BaseException) -> str:
 
 
 def judge(pair: Path, k: int) -> dict[str, Any]:
-    import vllm  # type: ignore[import-not-found]  # first: a broken install is its own verdict
+    import vllm  # first: a broken install is its own verdict
     from vllm import LLM, SamplingParams
 
     drafter = json.loads((pair / "drafter.json").read_text())

@@ -1,3 +1,5 @@
+"""`python -m orchestrator`: the same CLI as the `orchestrate` console script."""
+
 from orchestrator.cli import entry
 
 entry()

@@ -59,6 +59,8 @@ def packed_agent(names: tuple[str, ...] = ("*",)) -> bytes:
 
 
 def agent_command(python: str) -> Command:
+    """The command that runs the agent on a host: its Python, isolated, with the bootstrap that
+    reads the packed agent and the batch from stdin."""
     # -I: ignore PYTHON* variables and user site-packages on the host; -S: no site import (the
     # agent is stdlib-only, and this is the cost paid on every host for every batch).
     return Command((python, "-I", "-S", "-c", BOOTSTRAP))
@@ -87,6 +89,9 @@ def _findings(ops: Sequence[Op[Any]]) -> list[int]:
 
 @dataclass(frozen=True)
 class OpResult:
+    """One op's outcome in a batch's answer: its value (still to be read by the op's reader), or the
+    failure the agent reported, or skipped after an earlier op stopped the batch."""
+
     op: str
     ok: bool
     value: Any  # read (and checked) by its op's reader
@@ -95,6 +100,8 @@ class OpResult:
 
 
 def decode_response(host: str, exit_status: int, stdout: bytes, stderr: bytes) -> list[OpResult]:
+    """The agent's answer to a batch, read warily: one OpResult per op, or an AgentProtocolError
+    that says what came back instead (and what the exit status suggests)."""
     try:
         data = json.loads(stdout.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):

@@ -147,6 +147,8 @@ def _inventory_option(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every command and option of `orchestrate`; each subcommand names the function that runs it
+    (set_defaults)."""
     parser = argparse.ArgumentParser(
         prog="orchestrate",
         description="Deploy vLLM DFlash speculative decoding to LXC containers, and prove each host READY.",
@@ -640,6 +642,8 @@ _aborted = False
 
 
 def entry() -> None:
+    """The console script: run the command, then exit with its code (at once after an aborting
+    second Ctrl-C)."""
     if not gc.isenabled():  # paused above, in our own process only
         gc.freeze()
         gc.enable()

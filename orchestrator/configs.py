@@ -30,6 +30,8 @@ def _no_constant(name: str) -> Any:
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a local file, strictly: a key given twice, NaN or Infinity, or any other
+    value than an object is an InputError naming the file and line."""
     text = read_text(path)
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)

@@ -30,6 +30,9 @@ class Command:
 
 @dataclass(frozen=True)
 class Result:
+    """What one command did on one host: its exit status and both streams, with fabric's ok/tail
+    helpers."""
+
     host: str
     command: Command
     exit_status: int
@@ -127,6 +130,9 @@ class Session(Protocol):
 
 
 class Connector(Protocol):
+    """The seam every way of reaching a host implements (SSH, local, a test's fake): run a command
+    to its end, or open a kept session; count connects and execs per target."""
+
     def run(
         self,
         target: Target,

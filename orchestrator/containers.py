@@ -18,6 +18,8 @@ DEVICE_PREFIX = "dfo-"
 
 @dataclass(frozen=True)
 class ContainerSpec:
+    """The LXD shape a container must have: image, profiles, config keys and devices (GPUs, disks)."""
+
     name: str
     image: str
     profiles: tuple[str, ...]
@@ -27,6 +29,9 @@ class ContainerSpec:
 
 @dataclass(frozen=True)
 class Drift:
+    """One way a container differs from its spec: a config key or device, what was expected and what
+    is there."""
+
     key: str
     expected: Any
     actual: Any

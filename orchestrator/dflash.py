@@ -27,6 +27,9 @@ SPECULATORS = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 
 @dataclass(frozen=True)
 class Problem:
+    """One finding of lint, the build table or the weights gate: the field it is about, how bad it
+    is, what was expected and found, the fix, and what real vLLM does with it."""
+
     field: str
     severity: str  # "error" | "warning" | "info" (said, costs nothing)
     message: str
@@ -565,6 +568,8 @@ def _version_at_least(version: str, first: str) -> bool:
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
+    """A vLLM version as (major, minor, patch), whatever follows it ("0.32.0+cpu", "v0.26.0rc1");
+    ValueError when it does not start like one."""
     match = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
     if not match:
         raise ValueError(f"not a version: {text!r}")
@@ -573,6 +578,9 @@ def parse_version(text: str) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class BuildBug:
+    """A row of the vLLM build table: a known DFlash bug, the versions it affects, what it costs,
+    which drafters and settings it applies to, the fix and its sources."""
+
     code: str
     first: str | None  # first affected version (inclusive), None = from the beginning
     fixed: str | None  # first good version, None = not fixed yet
@@ -673,6 +681,8 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
 
 
 def check_build(version: str, drafter: dict[str, Any], target: Target | None, env: dict[str, str]) -> list[Problem]:
+    """The rows of BUILD_TABLE that apply to this vLLM version, drafter, target and serving
+    environment, as problems (the build gate, and lint's --vllm-version)."""
     try:
         v = parse_version(version)
     except ValueError:

@@ -30,6 +30,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 class OrchestratorError(Exception):
+    """The root of the tool's own errors; each carries the exit code the CLI ends with."""
+
     exit_code = EXIT_NOT_READY
 
 
@@ -57,6 +59,8 @@ class InputError(OrchestratorError):
 
 
 class TransportError(OrchestratorError):
+    """A host could not be reached or a command on it did not complete; transient ones are retried."""
+
     transient = False
 
     def __init__(self, host: str, message: str) -> None:
@@ -66,31 +70,35 @@ class TransportError(OrchestratorError):
 
 
 class HostKeyError(TransportError):
-    pass
+    """The host's SSH key is not the one known_hosts trusts for it."""
 
 
 class UnknownHostKey(HostKeyError):
-    pass
+    """The host's key is not in known_hosts (refused unless --accept-new-host-keys)."""
 
 
 class HostKeyChanged(HostKeyError):
-    pass
+    """The host's key differs from the one known_hosts holds: always refused."""
 
 
 class AuthenticationFailed(TransportError):
-    pass
+    """The host refused the key or user it was given."""
 
 
 class ConnectFailed(TransportError):
+    """No SSH session could be made (refused, unreachable, dropped during the handshake): retried."""
+
     transient = True
 
 
 class ConnectionLost(TransportError):
+    """An open connection broke during a command: retried where the command can be repeated."""
+
     transient = True
 
 
 class CommandTimeout(TransportError):
-    pass
+    """A command did not finish within its deadline (it was ended)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,8 @@ class AgentProtocolError(OrchestratorError):
 
 
 class LxdError(OrchestratorError):
+    """LXD refused or failed a request about one container, in LXD's words."""
+
     def __init__(self, host: str, message: str) -> None:
         self.host = host
         self.message = message
@@ -161,8 +171,8 @@ class ArtifactError(OrchestratorError):
 
 
 class StateError(OrchestratorError):
-    pass
+    """The state database could not be opened, read or written."""
 
 
 class SandboxError(OrchestratorError):
-    pass
+    """The local sandbox could not be brought up, read or down."""

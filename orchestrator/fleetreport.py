@@ -25,6 +25,8 @@ SOURCE_COLOURS = {"deploy": "#1a73e8", "rollback": "#9334e6", "verify": "#188038
 
 @dataclass
 class Period:
+    """A stretch of one watch state on one host, for the report's timeline."""
+
     state: str
     start: float
     end: float
@@ -32,6 +34,9 @@ class Period:
 
 @dataclass
 class HostHistory:
+    """One host as the state database remembers it: its runs, its live acceptance samples and its
+    watch transitions."""
+
     name: str
     runs: list[dict[str, Any]] = field(default_factory=list)  # newest first, as history() gives them
     samples: list[dict[str, Any]] = field(default_factory=list)  # oldest first
@@ -79,6 +84,8 @@ def collect(
 
 
 def to_json(hosts: list[HostHistory], now: float) -> dict[str, Any]:
+    """The fleet report as data (`orchestrate report --json`): per host its state, releases and tau
+    over time."""
     return {
         "generated": now,
         "hosts": [
@@ -131,6 +138,8 @@ def write_html(path: Path, hosts: list[HostHistory], now: float) -> None:
 
 
 def render_html(hosts: list[HostHistory], now: float) -> str:
+    """The fleet report as one self-contained HTML page (inline SVG, no script), everything a host
+    said escaped."""
     body = [
         f"<h1>dflash-orchestrator: fleet report</h1><p>{len(hosts)} hosts, generated {_when(now)} UTC</p>",
         _legend(),

@@ -30,6 +30,8 @@ class FactsError(ValueError):
 
 @dataclass(frozen=True)
 class Gpu:
+    """One GPU as nvidia-smi's CSV describes it."""
+
     index: int
     uuid: str
     name: str
@@ -56,6 +58,8 @@ class Gpu:
 
 @dataclass(frozen=True)
 class App:
+    """One compute process on a GPU, as nvidia-smi's CSV describes it."""
+
     pid: int
     gpu_uuid: str
     used_mib: int
@@ -113,6 +117,8 @@ def pci_key(address: str) -> str:
 
 
 def memory_utilization(playbook: Playbook) -> float:
+    """The share of GPU memory vLLM will ask for: --gpu-memory-utilization from serving.extra_args,
+    else vLLM's default 0.9."""
     args = list(playbook.serving.extra_args)
     for i, arg in enumerate(args):
         value = None
@@ -205,6 +211,8 @@ def judge(
 
 
 def describe(gpus: list[Gpu], torch_cuda: str | None) -> str:
+    """The gpus gate's one line: how many GPUs of which kind, the driver, torch's CUDA and each
+    GPU's free memory."""
     if not gpus:
         return "no GPU"
     names = sorted({g.name for g in gpus})

@@ -48,6 +48,8 @@ SSH_KEYS = {"user", "port", "key", "python", "connect_timeout", "command_timeout
 
 @dataclass(frozen=True)
 class SshSettings:
+    """How to reach a host over SSH: user, port, key, the agent's Python and the timeouts."""
+
     user: str = "root"
     port: int = 22
     key: Path | None = None
@@ -89,6 +91,9 @@ class ContainerLxd:
 
 @dataclass(frozen=True)
 class Container:
+    """A serving container of a GPU host (or a plain host, or this machine): how to reach it, its
+    GPUs, groups, deploy root and LXD shape."""
+
     name: str
     host: str
     address: str | None
@@ -110,6 +115,8 @@ class Container:
 
 @dataclass(frozen=True)
 class GpuHost:
+    """A GPU host: its SSH settings, its LXD endpoint and the containers it holds."""
+
     name: str
     address: str | None
     ssh: SshSettings
@@ -142,6 +149,8 @@ class Target:
 
 @dataclass(frozen=True)
 class Inventory:
+    """Every GPU host and container of the fleet, with the known_hosts file that pins their keys."""
+
     file: Path
     known_hosts: Path
     hosts: dict[str, GpuHost]
@@ -195,11 +204,14 @@ class Inventory:
 
 
 def load_inventory(path: Path | str) -> Inventory:
+    """The inventory file as a typed Inventory; any bad key is one InputError naming file, line and
+    key."""
     path = Path(path)
     return parse_inventory(load_file(path), path)
 
 
 def parse_inventory(doc: Document, path: Path) -> Inventory:
+    """An already loaded YAML document as a typed Inventory (paths in it are relative to ``base``)."""
     top = Field(doc).mapping({"known_hosts", "defaults", "groups", "hosts"}, required=frozenset({"hosts"}))
     base = path.parent
     known_hosts = _path(top["known_hosts"].str("known_hosts"), base)
@@ -414,6 +426,8 @@ def inventory_view(inventory: Inventory) -> dict[str, Any]:
 
 
 def show_one(view: dict[str, Any], name: str) -> dict[str, Any]:
+    """`orchestrate inventory show NAME`: one GPU host, or one container with its host's name; an
+    InputError when neither has that name."""
     for host in view["hosts"]:
         if host["name"] == name:
             return dict(host)

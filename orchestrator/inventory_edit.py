@@ -35,6 +35,9 @@ Edit = Callable[[CommentedMap], str]  # changes the document, returns what it di
 
 @dataclass(frozen=True)
 class EditResult:
+    """What an `orchestrate inventory` edit did: the file, what changed, and the text written (or
+    that would be, with --dry-run)."""
+
     path: Path
     summary: str
     diff: str
@@ -114,6 +117,8 @@ def _edit(path: Path, edit: Edit, dry_run: bool) -> EditResult:
 
 
 def validate_text(text: str, path: Path) -> Inventory:
+    """The edited inventory text loaded as the inventory it would be (an InputError if not), before
+    it replaces the file."""
     return parse_inventory(load_text(text, str(path)), path)
 
 
@@ -173,6 +178,9 @@ def add_host(
     key: str | None = None,
     lxd_endpoint: str | None = None,
 ) -> Edit:
+    """The edit that adds a GPU host to the inventory file, its comments and layout kept; refused if the name is
+    taken."""
+
     def edit(doc: CommentedMap) -> str:
         hosts = _hosts(doc)
         if name in hosts or name in _container_names(doc):
@@ -192,6 +200,8 @@ def add_host(
 
 
 def remove_host(name: str) -> Edit:
+    """The edit that removes a GPU host and its containers from the inventory file."""
+
     def edit(doc: CommentedMap) -> str:
         hosts = _hosts(doc)
         if name not in hosts:
@@ -205,6 +215,8 @@ def remove_host(name: str) -> Edit:
 def add_container(
     host: str, name: str, address: str | None = None, gpus: list[int] | None = None, groups: list[str] | None = None
 ) -> Edit:
+    """The edit that adds a container to a GPU host in the inventory file; refused if the name is taken anywhere."""
+
     def edit(doc: CommentedMap) -> str:
         hosts = _hosts(doc)
         if host not in hosts:
@@ -229,6 +241,8 @@ def add_container(
 
 
 def remove_container(host: str, name: str) -> Edit:
+    """The edit that removes a container from its GPU host in the inventory file."""
+
     def edit(doc: CommentedMap) -> str:
         containers = (_hosts(doc).get(host) or {}).get("containers") or {}
         if not isinstance(containers, CommentedMap) or name not in containers:
@@ -289,6 +303,8 @@ def parse_value(text: str) -> Any:
 
 
 def set_key(path: str, value: Any) -> Edit:
+    """The edit that sets one value at a dotted key path of the inventory file (plain values only), validated
+    before it is written."""
     parts = _split(path)
 
     def edit(doc: CommentedMap) -> str:
@@ -310,6 +326,7 @@ def set_key(path: str, value: Any) -> Edit:
 
 
 def unset_key(path: str) -> Edit:
+    """The edit that removes the value at a dotted key path of the inventory file, validated before it is written."""
     parts = _split(path)
 
     def edit(doc: CommentedMap) -> str:

@@ -23,6 +23,7 @@ from orchestrator.placement import Placement, ray_status
 from orchestrator.playbook import Playbook
 from orchestrator.results import (
     GATE_ACCEPTANCE,
+    GATE_ENGINE,
     GATE_FILES,
     GATE_GROUP,
     GATE_HEALTH,
@@ -64,7 +65,16 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
     def start(node: Node) -> None:
         switch_op = protocol.release_switch(node.root, release, playbook.keep_releases) if node.name in switch else None
         launch = _launch_op(run, unit, node, release, keep=keep and together)
-        ops: list[protocol.Op[Any]] = [run.lock(node), *(op for op in (switch_op, launch) if op is not None)]
+        # vLLM's own verdict on the command before anything is switched or stopped for it: a
+        # refusal leaves the release that serves serving (one node alone; a group is stopped
+        # before its ranks start, see stop_all).
+        engine = None
+        if together and launch is not None:
+            request = launch.request
+            command = serving.ServerCommand(tuple(request["argv"]), request["env"], request["stop_timeout"])
+            engine = protocol.engine_check(node.root, serving.SERVER, command, keep_if_running=keep)
+        steps = (engine, switch_op, launch)
+        ops: list[protocol.Op[Any]] = [run.lock(node), *(op for op in steps if op is not None)]
         if together:
             ops += proof
         try:
@@ -75,6 +85,11 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
             node.disturbed = True
             raise
         except AgentError as exc:
+            if exc.failure.gate == GATE_ENGINE:
+                # vLLM refused the command (or could not be asked): nothing was switched or
+                # stopped for it, and its own words are the gate.
+                node.report.gates[GATE_ENGINE] = Gate(False, exc.failure.message, reason=exc.failure.code)
+                return
             # The lock or the switch (the files gate's ops): nothing was stopped or started.
             before_launch = exc.failure.gate == GATE_FILES
             node.disturbed = node.disturbed or not before_launch
@@ -83,6 +98,8 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
             _proof_failed(run, unit, exc.failure)
             return
         node.disturbed = True
+        if engine is not None:
+            plan.read_engine(answers[engine], node.report)
         plan.read_started(playbook, answers.get(switch_op) if switch_op else None, node.report)
         if together:
             assert launch is not None

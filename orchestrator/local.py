@@ -21,6 +21,8 @@ from orchestrator.inventory import Target
 
 
 class LocalConnector:
+    """Commands on this machine, as this user, with no SSH: the ``local`` connection."""
+
     def __init__(self) -> None:
         self._counters: dict[str, Counters] = {}
         self._guard = threading.Lock()

@@ -54,6 +54,9 @@ def cert_fingerprint(pem_path: Path) -> str:
 
 @dataclass
 class ContainerReport:
+    """The containers gate for one container: whether it is right now, what was done to make it so,
+    its address and any drift left."""
+
     name: str
     ok: bool
     detail: str

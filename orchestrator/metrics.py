@@ -22,6 +22,9 @@ PREFIX = "dflash_orchestrator_"
 
 
 class WatchCollector(Collector):
+    """watch's Prometheus collector: the last round of every host, as gauges of its state and live
+    acceptance."""
+
     def __init__(self) -> None:
         self._rounds: list[Round] = []
         self._lock = threading.Lock()

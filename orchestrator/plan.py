@@ -19,6 +19,7 @@ from orchestrator.playbook import DRAFTER_CONFIG, DRAFTER_DIR, FileSpec, Model, 
 from orchestrator.results import (
     GATE_ACCEPTANCE,
     GATE_BUILD,
+    GATE_ENGINE,
     GATE_FILES,
     GATE_GPUS,
     GATE_HEALTH,
@@ -40,11 +41,14 @@ DEFAULT_PROBE_PROMPTS = (
 
 
 def new_release_id(now: float | None = None) -> str:
+    """A new release's id: UTC time to the second, then 6 random hex digits (sortable, and unique
+    across controllers)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now if now is not None else time.time()))
     return f"{stamp}-{os.urandom(3).hex()}"
 
 
 def probe_timeout(playbook: Playbook) -> float:
+    """How long the acceptance probe may take: a minute, plus a second per token it asks for."""
     gate = playbook.gates.acceptance
     return 60.0 + gate.max_tokens * len(gate.prompts or DEFAULT_PROBE_PROMPTS)
 
@@ -537,7 +541,22 @@ def read_started(playbook: Playbook, switched: protocol.Switched | None, report:
         read_switched(switched, report)
 
 
+def read_engine(engine: protocol.Engine, report: HostReport) -> None:
+    """The engine gate: what the installed vLLM made of the exact command it is about to run."""
+    if engine.skipped is not None:
+        report.gates[GATE_ENGINE] = Gate(True, f"not asked: {engine.skipped}")
+        return
+    drafter = f", drafter {', '.join(engine.drafter)}" if engine.drafter else ""
+    runner = f", {engine.runner.upper()} model runner" if engine.runner else ""
+    report.gates[GATE_ENGINE] = Gate(
+        True,
+        f"vLLM {engine.version} accepts the command: target {', '.join(engine.target) or '?'}{drafter}{runner}",
+        {"seconds": engine.seconds},
+    )
+
+
 def read_health(healthy: protocol.Healthy, kept: bool, report: HostReport) -> None:
+    """The health gate from the health wait's answer (the pid that answered, how long it took)."""
     already = " (already running)" if kept else ""
     report.gates[GATE_HEALTH] = Gate(
         True, f"healthy after {healthy.waited_s} s, pid {healthy.pid}{already}", {"seconds": healthy.waited_s}

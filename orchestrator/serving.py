@@ -40,6 +40,9 @@ VLLM_CLI = (
 
 @dataclass(frozen=True)
 class ServerCommand:
+    """A server's command as a value: argv, environment, and how long a stop may take before
+    SIGKILL."""
+
     argv: tuple[str, ...]
     env: dict[str, str]
     stop_timeout: int = 30  # SIGTERM, then this long before SIGKILL (the unit's TimeoutStopSec)
@@ -52,10 +55,14 @@ def deploy_root(playbook: Playbook, container: Container) -> str:
 
 
 def release_dir(root: str, release_id: str) -> str:
+    """A release's directory under a deploy root."""
     return f"{root}/releases/{release_id}"
 
 
 def command(playbook: Playbook, container: Container, release_id: str) -> ServerCommand:
+    """The server of one container: `vllm serve` of the target with the drafter of this release, its
+    tensor parallel size, port and the playbook's arguments, and its environment (offline, its
+    start budget, its GPUs, serving.env)."""
     s = playbook.serving
     if s.python is None or s.target is None:
         raise ValueError("serving.python and serving.target are needed to launch a server")
@@ -102,6 +109,8 @@ def _speculative_args(playbook: Playbook, container: Container, release_id: str)
 
 
 def gpu_env(container: Container) -> dict[str, str]:
+    """The container's GPUs as the server sees them (CUDA_VISIBLE_DEVICES), when the inventory gives
+    it any."""
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in container.gpus)} if container.gpus else {}
 
 
@@ -189,6 +198,7 @@ def ray_command(playbook: Playbook, placement: Placement, rank: int) -> ServerCo
 
 
 def ray_status_argv(playbook: Playbook, placement: Placement) -> list[str]:
+    """`ray status` of a group's cluster, run by the serving Python on the head."""
     assert playbook.serving.python is not None
     address = f"{placement.master_addr}:{placement.multi.ray_port}"
     return [playbook.serving.python, "-m", "ray.scripts.scripts", "status", "--address", address]

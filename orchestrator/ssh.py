@@ -81,6 +81,7 @@ def _quick_ack(sock: socket.socket) -> None:
 
 
 def fingerprint(key_type: str, blob_b64: str) -> str:
+    """A host key's fingerprint as OpenSSH prints it (SHA256, base64, no padding)."""
     digest = hashlib.sha256(base64.b64decode(blob_b64)).digest()
     return f"{key_type} SHA256:{base64.b64encode(digest).decode().rstrip('=')}"
 

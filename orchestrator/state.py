@@ -80,6 +80,7 @@ CREATE INDEX IF NOT EXISTS acceptance_samples_by_host ON acceptance_samples(host
 
 
 def default_state_dir() -> Path:
+    """Where the state database lives: $ORCHESTRATE_STATE_DIR, else the user's XDG state directory."""
     explicit = os.environ.get("ORCHESTRATE_STATE_DIR")
     if explicit:
         return Path(explicit)
@@ -88,6 +89,9 @@ def default_state_dir() -> Path:
 
 
 class StateDB:
+    """The embedded state (SQLite, one file per user): runs, per-host gates, digests and the audit
+    log; watch's samples and transitions."""
+
     def __init__(self, directory: Path | None = None) -> None:
         self.directory = directory or default_state_dir()
         self.path = self.directory / "state.db"

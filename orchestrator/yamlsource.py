@@ -24,6 +24,8 @@ KeyPath = tuple[str | int, ...]
 
 @dataclass(frozen=True)
 class Document:
+    """A YAML file's data with the line of every key, so that an error can name file, line and key."""
+
     file: str
     data: Any
     lines: dict[KeyPath, int]
@@ -48,6 +50,8 @@ def read_text(path: Path) -> str:
 
 
 def load_file(path: Path) -> Document:
+    """A YAML file with the line of every key; YAML aliases, tags and duplicate keys are refused
+    with file and line."""
     return load_text(read_text(path), str(path))
 
 
@@ -57,6 +61,7 @@ _Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def load_text(text: str, file: str) -> Document:
+    """YAML text (named ``file`` in errors) with the line of every key, as load_file reads it."""
     loader = _Loader(text)
     try:
         node = loader.get_single_node()

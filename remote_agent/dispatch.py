@@ -163,6 +163,8 @@ def _session(stdin):
 
 
 def main():
+    """The agent's entry on the host: read the batch, check each request, run the ops in order,
+    write the answer."""
     stdin = sys.stdin.buffer
     try:
         request = _read_request(stdin)

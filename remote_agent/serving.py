@@ -14,6 +14,8 @@ from remote_agent.core import (
     _atomic_write,
     _dumps,
     _event,
+    _helper,
+    _missing,
     _open_file,
     _open_own,
     _os_error,
@@ -191,6 +193,73 @@ def _argv(req):
     return argv
 
 
+def _command_digest(argv, env):
+    """A server command and its environment, as one digest: a changed environment (say
+    VLLM_USE_V2_MODEL_RUNNER) restarts the server as a changed flag does, and the record on disk
+    names no secret the environment holds."""
+    return _sha256(_dumps({"argv": argv, "env": sorted(env.items())}).encode("utf-8"))
+
+
+ENGINE_MARK = "@@dflash-engine@@"
+
+
+@op("engine_check", name=str, root=str, argv=list, env=dict, timeout=NUMBER, keep_if_running=bool)
+def op_engine_check(req):
+    """The installed vLLM's own verdict on the server's exact command and environment, before the
+    server we started is stopped for it: its parser and its configuration, built without weights
+    or GPU memory (helpers/engine_check.py). A refusal fails with vLLM's words. Not asked when
+    that server already runs this very command (the launch keeps it)."""
+    import json
+    import subprocess
+
+    root = _root(req, create=False)
+    argv, env = _argv(req), req["env"]
+    current = _server(root, req["name"])
+    if (
+        req["keep_if_running"]
+        and current
+        and current["alive"]
+        and current.get("command_sha256") == _command_digest(argv, env)
+    ):
+        return {"skipped": "the server already runs this command"}
+    if len(argv) < 4 or argv[1] != "-c" or argv[3] != "serve":
+        raise OpError("bad_request", "argv is not a `vllm serve` command of the serving Python")
+    full = dict(os.environ)
+    full.update(env)  # as the launch gives it
+    try:
+        proc = subprocess.run(
+            [argv[0], "-c", _helper("engine_check"), *argv[3:]],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full,
+            cwd=root,
+            timeout=float(req["timeout"]),
+        )
+    except FileNotFoundError:
+        raise OpError("no_python", _missing("serving interpreter", argv[0]), argv[0])
+    except subprocess.TimeoutExpired:
+        raise OpError("timeout", "vLLM did not finish checking its configuration in %d s" % req["timeout"], argv[0])
+    out = proc.stdout.decode("utf-8", "replace")
+    verdict = None
+    for line in out.splitlines():
+        if line.startswith(ENGINE_MARK):
+            try:
+                verdict = json.loads(line[len(ENGINE_MARK) :])
+            except ValueError:
+                verdict = None
+    if not isinstance(verdict, dict):
+        # vLLM's parser exits before any configuration (exit 2, its usage error on stderr).
+        said = [x for x in proc.stderr.decode("utf-8", "replace").strip().splitlines() if x.strip()]
+        raise OpError("engine_refused", "vLLM exited %d: %s" % (proc.returncode, " / ".join(said[-2:]) or "no output"))
+    if not verdict.get("ok"):
+        stages = {"import": "cannot be imported", "config": "refuses the command"}
+        what = stages.get(str(verdict.get("stage")), "refuses")
+        name = "vLLM %s" % verdict["version"] if verdict.get("version") else "vLLM"
+        raise OpError("engine_refused", "%s %s: %s: %s" % (name, what, verdict.get("error"), verdict.get("message")))
+    return verdict
+
+
 @op(
     "launch",
     name=str,
@@ -209,10 +278,7 @@ def op_launch(req):
     name = req["name"]
     argv = _argv(req)
     env = req["env"]
-    # The command and its environment, as one digest: a changed environment (say
-    # VLLM_USE_V2_MODEL_RUNNER) restarts the server as a changed flag does, and the record on
-    # disk names no secret the environment holds.
-    spec = _sha256(_dumps({"argv": argv, "env": sorted(env.items())}).encode("utf-8"))
+    spec = _command_digest(argv, env)
     current = _server(root, name)
     if req["keep_if_running"] and current and current["alive"] and current.get("command_sha256") == spec:
         return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}

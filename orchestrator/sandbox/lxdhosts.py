@@ -65,6 +65,8 @@ Say = Callable[[str], None]
 
 @dataclass
 class Node:
+    """One container of the lxd sandbox: its name, address and the port of its sshd."""
+
     name: str
     address: str
 
@@ -179,6 +181,9 @@ def stop_lxd_if_ours(say: Say) -> None:
 
 
 class LxdSandbox:
+    """The lxd sandbox on this machine: LXD started by hand, a bridge, containers from the cached
+    image and the GPU host's sshd in front of them."""
+
     kind = "lxd"
 
     def __init__(self, directory: Path, prefix: str | None = None, jump_port: int | None = None) -> None:

@@ -94,10 +94,12 @@ def recipe() -> str:
 
 
 def recipe_hash() -> str:
+    """The image recipe's digest: the image is rebuilt only when it changes."""
     return hashlib.sha256(recipe().encode()).hexdigest()[:16]
 
 
 def image_alias() -> str:
+    """The LXD alias of the image this recipe builds."""
     return f"dfo-debian-{recipe_hash()}"
 
 

@@ -16,6 +16,8 @@ SSHD = "/usr/sbin/sshd"
 
 
 def run(argv: list[str], check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run a sandbox command to its end; a missing program, a hang past timeout or (with check) a
+    failure is one SandboxError saying which."""
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError as exc:
@@ -66,6 +68,8 @@ def proc_start(pid: int) -> str:
 
 
 def alive(pid: int, start: str) -> bool:
+    """Whether the process we started is still that process (same pid and start time) and not a
+    zombie."""
     if pid <= 0 or not start or proc_start(pid) != start:
         return False
     try:
@@ -81,6 +85,7 @@ def alive(pid: int, start: str) -> bool:
 
 
 def descendants(pid: int) -> list[int]:
+    """Every process below pid, from /proc (children first found, then theirs)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -146,6 +151,7 @@ def stop_namespace(netns: Path, grace: float = 5.0) -> None:
 
 
 def write_file(path: Path, text: str, mode: int) -> None:
+    """Write a file of the sandbox atomically, with its mode set before it appears."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.chmod(tmp, mode)

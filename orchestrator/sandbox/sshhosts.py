@@ -44,6 +44,8 @@ Say = Callable[[str], None]
 
 @dataclass
 class SandboxHost:
+    """One host of the ssh sandbox: its namespace, address, directory and sshd."""
+
     name: str
     address: str
     netns: str
@@ -54,10 +56,12 @@ class SandboxHost:
 
 
 def host_name(i: int) -> str:
+    """The ssh sandbox's name of host i."""
     return f"node-{i:02d}"
 
 
 def host_address(subnet: str, i: int) -> str:
+    """Host i's address in the sandbox's /16."""
     # .0.1 is the bridge; hosts start at .0.2 and fill the /16.
     n = i + 1
     return f"{subnet}.{n // 256}.{n % 256}"
@@ -92,6 +96,9 @@ def _enter_host(netns: str, files: str) -> Callable[[], None]:
 
 
 class SshSandbox:
+    """The ssh sandbox on this machine: an sshd per host, each in its own network and mount
+    namespace."""
+
     kind = "ssh"
 
     def __init__(

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 
 def worker(rank, world, port, size, iters, queue):
+    """One rank: join the local rendezvous, all-reduce, check the sum, time it."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)

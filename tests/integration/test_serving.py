@@ -33,7 +33,12 @@ def vllm_installed() -> None:
 
 
 def playbook(
-    tmp_path: Path, root: str, drafter: str, speculative: bool = True, prompts: list[str] | None = None
+    tmp_path: Path,
+    root: str,
+    drafter: str,
+    speculative: bool = True,
+    prompts: list[str] | None = None,
+    **serving: Any,
 ) -> Path:
     d = MODELS / drafter
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -56,10 +61,11 @@ def playbook(
             "extra_args": ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager"],
             "env": {"LD_PRELOAD": str(VLLM / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "1"},
             "startup_timeout": 600,
+            **serving,
         },
         "gates": gates,
     }
-    path = tmp_path / f"{drafter}-{speculative}.yaml"
+    path = tmp_path / ("-".join([drafter, str(speculative), *(f"{k}{v}" for k, v in serving.items())]) + ".yaml")
     path.write_text(json.dumps(book))  # JSON is YAML
     return path
 
@@ -101,6 +107,31 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
         base = sandbox.srv(host) / Path(root_name).name
         ready = json.loads((base / "ready.json").read_text())
         assert ready["release_id"] == good.json["release_id"] == os.readlink(base / "current").split("/")[1]
+        engine = report["gates"]["engine"]
+        assert engine["ok"] and engine["detail"].startswith("vLLM 0.32.0 accepts the command: target Qwen3ForCausalLM")
+        server = json.loads((base / "run" / "dflash-serve.json").read_text())["pid"]
+
+        # vLLM's own configuration refuses a command lint cannot judge (the target's 2 heads over
+        # 3 ranks), before anything serving is switched or stopped.
+        split = cli(
+            "deploy",
+            playbook(tmp_path, root_name, "drafter-good", tensor_parallel_size=3),
+            "-i",
+            sandbox.inventory,
+            "--json",
+            "--limit",
+            host,
+            timeout=300,
+        )
+        report = split.host(host)
+        assert split.code == 1 and not report["gates"]["engine"]["ok"], report["gates"]
+        assert report["gates"]["engine"]["detail"] == (
+            "vLLM 0.32.0 refuses the command: ValidationError: Total number of attention heads (2) must be "
+            "divisible by tensor parallel size (3)."
+        )
+        assert "health" not in report["gates"] and not report.get("diagnosis")
+        assert json.loads((base / "run" / "dflash-serve.json").read_text())["pid"] == server
+        assert os.readlink(base / "current").split("/")[1] == good.json["release_id"]
 
         bad = cli(
             "deploy",

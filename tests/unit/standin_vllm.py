@@ -8,6 +8,8 @@ exact commands the agent runs (``serving.python`` points at it):
 
 - ``-c <loader script> <dir> <fields>``: the drafter's config.json fields, as read from the file;
 - ``-c <build script>``: vLLM 0.33.0;
+- ``-c <engine check> serve <target> ...``: the engine gate's verdict (``$STANDIN_ENGINE_REFUSE``:
+  refused in those words);
 - ``-m vllm.entrypoints.openai.api_server ...`` and ``-c <vllm CLI> serve <target> ...``: an
   OpenAI-style server on ``--host/--port`` with ``/health``, ``/v1/models``, ``/v1/completions``
   and vLLM's ``vllm:spec_decode_*`` counters on ``/metrics``; with ``--headless``, a rank that
@@ -182,6 +184,25 @@ def allreduce(args: list[str]) -> None:
     print(json.dumps(value))
 
 
+def engine_check(target: str, args: list[str]) -> None:
+    """The engine gate's helper: vLLM's verdict on the command. ``$STANDIN_ENGINE_REFUSE`` is the
+    refusal it gives (vLLM's words); else it accepts, naming the architectures of both configs."""
+    values, _ = options(args)
+    refusal = os.environ.get("STANDIN_ENGINE_REFUSE")
+    if refusal:
+        verdict: dict[str, Any] = {"ok": False, "stage": "config", "error": "ValueError", "message": refusal}
+    else:
+        drafter = json.loads(values["speculative-config"])["model"]
+        verdict = {
+            "ok": True,
+            "target": json.loads((Path(target) / "config.json").read_text())["architectures"],
+            "drafter": json.loads((Path(drafter) / "config.json").read_text())["architectures"],
+            "runner": "v1",
+        }
+    print("vLLM's logs go to stdout too")
+    print("@@dflash-engine@@" + json.dumps({**verdict, "version": VERSION, "seconds": 0.01}))
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["-c"]:
         script, rest = argv[1], argv[2:]
@@ -189,6 +210,8 @@ def main(argv: list[str]) -> None:
             config = json.loads((Path(rest[0]) / "config.json").read_text())
             fields = {name: config.get(name, "<absent>") for name in json.loads(rest[1])}
             print(json.dumps({"class": "Qwen3Config", "transformers": "stand-in", "fields": fields}))
+        elif "@@dflash-engine@@" in script and rest[:1] == ["serve"]:
+            engine_check(rest[1], rest[2:])
         elif "vllm.entrypoints.cli.main" in script and rest[:1] == ["serve"]:
             serve(rest[2:])
         elif 'find_spec("torch")' in script:

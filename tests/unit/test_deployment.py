@@ -93,6 +93,8 @@ class Host:
             )
         if name == "release_switch":
             return answer(op, {"release_id": op["release_id"], "previous": None, "files": self.staged[target.name]})
+        if name == "engine_check":
+            return answer(op, {"version": "0.33.0", "target": ["Qwen3ForCausalLM"], "seconds": 0.5})
         if name == "launch":
             return answer(op, {"pid": 4242, "kept": False})
         if name == "wait_health":
@@ -173,7 +175,7 @@ def test_a_malformed_answer_during_the_launch_fails_health_and_stops_what_may_ru
     assert host.gates["health"].detail.startswith("wait_health answered badly: 'pid' is str, expected int")
     names = [b.names for b in fake.batches]
     assert names[0] == ["lock", "release_apply"]
-    assert names[1][:3] == ["lock", "release_switch", "launch"] and "wait_health" in names[1]
+    assert names[1][:4] == ["lock", "engine_check", "release_switch", "launch"] and "wait_health" in names[1]
     # The host cannot be trusted to have left nothing running: everything of it is stopped.
     assert names[2] == ["lock", "stop", "stop"]
     assert any("no previous release to go back to: stopped" in line for line in host.diagnosis)

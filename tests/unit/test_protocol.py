@@ -65,6 +65,7 @@ def build(name: str) -> protocol.Op[Any]:
         "put": ("/r", "ready.json", b"{}"),
         "loader_view": ("/r", "R1", "/py", ["model_type"]),
         "vllm_build": ("/py",),
+        "engine_check": ("/r", "dflash-serve", command),
         "launch": ("/r", "dflash-serve", command, "R1", 8000),
         "stop": ("/r", "dflash-serve"),
         "wait_health": ("/r", "dflash-serve", 8000, "m", 60.0),

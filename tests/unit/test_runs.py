@@ -47,7 +47,17 @@ def test_one_host_ready_refused_rolled_back_rolled_back_again_and_stopped(box: B
     solo = host(first, "solo")
     assert first.ok, solo.gates
     assert solo.gates["acceptance"].data["mean_acceptance_length"] == K + 1
-    assert list(solo.gates) == ["lint", "connect", "files", "loader", "build", "health", "acceptance", "ready"]
+    assert list(solo.gates) == [
+        "lint",
+        "connect",
+        "files",
+        "loader",
+        "build",
+        "engine",
+        "health",
+        "acceptance",
+        "ready",
+    ]
     assert solo.ssh == {"connects": 0, "execs": 3, "retries": 0}  # stage, start+proof, READY record
     good, server = first.release_id, box.pid("solo")
     assert box.current("solo") == f"releases/{good}" and alive(server)
@@ -175,6 +185,32 @@ def test_a_server_that_does_not_start_is_stopped_and_the_earlier_release_tried_a
     assert not run.ok and host(run, "solo").diagnosis[-1].startswith(
         f"release {first.release_id} was already current and does not pass with this playbook's serving settings"
     )
+
+
+def test_the_engine_gate_refuses_a_command_before_anything_serving_is_touched(box: Box) -> None:
+    """vLLM's own verdict on the new command comes before the switch and the stop: a refusal
+    fails the engine gate in vLLM's words, and the release that served still serves, by the same
+    process, READY as it was. A redeploy that changes nothing does not ask again."""
+    first = deploy(box, box.playbook())
+    solo = host(first, "solo")
+    assert first.ok and solo.gates["engine"].detail == (
+        "vLLM 0.33.0 accepts the command: target Qwen3ForCausalLM, drafter DFlashDraftModel, V1 model runner"
+    )
+    server = box.pid("solo")
+    again = deploy(box, box.playbook())
+    assert again.ok and host(again, "solo").gates["engine"].detail == "not asked: the server already runs this command"
+    ready = (box.root("solo") / "ready.json").read_bytes()
+    (box.dir / "notes.txt").write_text("a new release\n")
+    words = "Total number of attention heads (3) must be divisible by tensor parallel size (2)."
+    refused = deploy(box, box.playbook("refused", env={"STANDIN_ENGINE_REFUSE": words}))
+    solo = host(refused, "solo")
+    assert not refused.ok and solo.failed_gate == "engine"
+    assert solo.gates["engine"].detail == f"vLLM 0.33.0 refuses the command: ValueError: {words}"
+    assert "health" not in solo.gates and not solo.diagnosis  # nothing launched, nothing to roll back
+    assert box.current("solo") == f"releases/{first.release_id}" and box.pid("solo") == server and alive(server)
+    assert (box.root("solo") / "ready.json").read_bytes() == ready
+    (box.dir / "notes.txt").write_text("release notes\n")  # the files of the release that serves
+    assert verify(box, box.playbook()).ok
 
 
 def test_a_refused_first_release_leaves_nothing_running(box: Box) -> None:
