@@ -283,6 +283,7 @@ class AgentSession:
 
     @property
     def is_open(self) -> bool:
+        """Whether the kept agent process still takes requests."""
         return self._session is not None
 
     def open(self, timeout: float | None = None) -> None:

@@ -76,6 +76,8 @@ class Connections:
 
     @property
     def accepted_host_keys(self) -> list[str]:
+        """The host keys this run trusted for the first time (--accept-new-host-keys), to print and
+        record."""
         return list(self._ssh.known_hosts.accepted) if self._ssh is not None else []
 
     def close(self) -> None:

@@ -88,9 +88,11 @@ class Feed:
         return bool(self._view)
 
     def take(self, limit: int) -> bytes:
+        """Up to n bytes of what is still to be sent, without consuming them."""
         return bytes(self._view[:limit])
 
     def advance(self, sent: int) -> None:
+        """Mark n bytes as sent."""
         self._view = self._view[sent:]
         if not self._view:
             self._next()
@@ -166,11 +168,13 @@ class StderrTail:
         self._lock = threading.Lock()
 
     def add(self, chunk: bytes) -> None:
+        """Keep a chunk of stderr (only the tail is kept)."""
         with self._lock:
             self._data += chunk
             del self._data[: max(0, len(self._data) - self.LIMIT)]
 
     def text(self, lines: int = 10) -> str:
+        """The kept tail of stderr, decoded."""
         with self._lock:
             data = bytes(self._data)
         return "\n".join(data.decode("utf-8", "replace").rstrip().splitlines()[-lines:])

@@ -50,6 +50,7 @@ class Problem:
         return out
 
     def line(self) -> str:
+        """The problem in one line, as lint prints it."""
         values = ""
         if self.expected is not None or self.actual is not None:
             values = f" (expected {self.expected!r}, got {self.actual!r})"
@@ -82,6 +83,8 @@ class Target:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Target:
+        """The dimensions of a target's config.json, from text_config where the model wraps a
+        language model."""
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
         assert isinstance(text, dict)
         archs = config.get("architectures") or ()
@@ -94,6 +97,7 @@ class Target:
 
     @property
     def multimodal_wrapper(self) -> bool:
+        """Whether the target is a *ForConditionalGeneration wrapper (the Qwen3.5/3.6 family)."""
         return any(a.endswith("ForConditionalGeneration") for a in self.architectures)
 
 
@@ -281,10 +285,12 @@ class Facts:
 
     @property
     def drafter(self) -> dict[str, Any]:
+        """The drafter config as vLLM reads it."""
         return self.layout.config
 
     @property
     def dflash(self) -> dict[str, Any]:
+        """Its dflash_config, or an empty one."""
         found = self.layout.config.get("dflash_config")
         return found if isinstance(found, dict) else {}
 

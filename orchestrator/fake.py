@@ -57,10 +57,12 @@ class Batch:
 
     @property
     def ops(self) -> list[dict[str, Any]]:
+        """The batch's ops as the agent would decode them."""
         return list(self.request["ops"])
 
     @property
     def names(self) -> list[str]:
+        """The batch's op names, in order."""
         return [str(op["op"]) for op in self.request["ops"]]
 
 

@@ -44,6 +44,7 @@ class HostHistory:
 
     @property
     def state(self) -> str | None:
+        """The host's last watch state, if it was ever watched."""
         return self.transitions[-1]["to"] if self.transitions else None
 
     def periods(self, now: float) -> list[Period]:

@@ -108,6 +108,7 @@ class Container:
 
     @property
     def endpoint(self) -> Endpoint:
+        """Where SSH reaches the container: its address and port."""
         if self.address is None:
             raise InputError(f"container '{self.name}' has no address (and none was discovered through LXD)")
         return Endpoint(self.name, self.address, self.ssh)
@@ -126,6 +127,7 @@ class GpuHost:
 
     @property
     def endpoint(self) -> Endpoint:
+        """Where SSH reaches the GPU host (the jump host of its containers)."""
         if self.address is None:
             raise InputError(f"GPU host '{self.name}' has no address, but a container jumps through it")
         return Endpoint(self.name, self.address, self.ssh)
@@ -140,6 +142,7 @@ class Target:
 
     @property
     def name(self) -> str:
+        """The container's name: what runs, reports and --limit call it."""
         return self.container.name
 
     def at(self, address: str) -> Target:
@@ -159,10 +162,12 @@ class Inventory:
 
     @property
     def containers(self) -> list[Container]:
+        """Every container of every GPU host, in inventory order."""
         return [c for h in self.hosts.values() for c in h.containers]
 
     @property
     def groups(self) -> dict[str, list[str]]:
+        """Each group name with its containers, in inventory order."""
         out: dict[str, list[str]] = {name: [] for name in self.group_vars}
         for c in self.containers:
             for g in c.groups:
@@ -190,6 +195,7 @@ class Inventory:
         return [self.target(c) for c in self.containers if c.name in wanted]
 
     def target(self, container: Container) -> Target:
+        """How a run reaches a container: directly, or through its GPU host when it says jump."""
         jump = self.hosts[container.host].endpoint if container.jump else None
         return Target(container, jump)
 

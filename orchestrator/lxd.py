@@ -121,6 +121,7 @@ class LxdHost:
         return ContainerReport(spec.name, ok, detail, status, address, [], drift)
 
     def read_file(self, name: str, path: str) -> bytes | None:
+        """A file of a container, through LXD's file API."""
         with self._lock, _mapped(self.host, name):
             inst = self._get(name)
             if inst is None:
@@ -132,6 +133,7 @@ class LxdHost:
             return bytes(data)
 
     def status(self, name: str) -> str | None:
+        """A container's LXD status (Running, Stopped...), or None when there is no such container."""
         with self._lock, _mapped(self.host, name):
             inst = self._get(name)
             return None if inst is None else str(inst.status)
@@ -197,6 +199,8 @@ class LxdHost:
             pass  # the original error is what the user needs; LXD keeps its own state consistent
 
     def wait_address(self, name: str, timeout: float) -> str:
+        """Wait until a container has an IPv4 address on its network and return it; a clear error at
+        the deadline."""
         deadline = time.monotonic() + timeout
         delay = 0.1
         while True:
@@ -211,12 +215,14 @@ class LxdHost:
             delay = min(delay * 2, 1.0)
 
     def stop(self, name: str) -> None:
+        """Stop a container (it stays defined)."""
         with self._lock, _mapped(self.host, name):
             inst = self._get(name)
             if inst is not None and inst.status == "Running":
                 inst.stop(wait=True, force=True)
 
     def delete(self, name: str) -> None:
+        """Stop and delete a container."""
         with self._lock, _mapped(self.host, name):
             inst = self._get(name)
             if inst is None:
@@ -226,6 +232,7 @@ class LxdHost:
             inst.delete(wait=True)
 
     def names(self, prefix: str = "") -> list[str]:
+        """The names of the host's containers that start with prefix."""
         with self._lock, _mapped(self.host, "*"):
             return sorted(i.name for i in self.client.instances.all() if i.name.startswith(prefix))
 

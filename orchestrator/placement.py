@@ -31,10 +31,12 @@ class Placement:
 
     @property
     def head(self) -> Target:
+        """Rank 0: the node that serves HTTP and is probed."""
         return self.nodes[0]
 
     @property
     def world_size(self) -> int:
+        """The ranks vLLM will start over all nodes: tensor x pipeline parallel."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property

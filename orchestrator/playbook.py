@@ -49,6 +49,7 @@ class FileSpec:
 
     @property
     def sha256(self) -> str:
+        """The file's digest, as the host must hold it."""
         return hashlib.sha256(self.content).hexdigest()
 
     @property
@@ -96,6 +97,7 @@ class Models:
 
     @property
     def all(self) -> tuple[Model, ...]:
+        """The models the playbook names (target, drafter)."""
         return tuple(m for m in (self.target, self.drafter) if m is not None)
 
 

@@ -353,6 +353,7 @@ class Op(Generic[A]):
 
     @property
     def name(self) -> str:
+        """The operation's name, as the agent knows it."""
         return str(self.request["op"])
 
     @property

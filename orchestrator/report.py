@@ -88,14 +88,17 @@ class ProgressPrinter(Observer):
     # --- events ---------------------------------------------------------------------------
 
     def host_started(self, report: HostReport) -> None:
+        """A host's work began: it enters the live view."""
         with self._lock:
             self._steps.setdefault(report.name, (Step(report.name, "starting"), time.monotonic()))
             self._start_live()
 
     def say(self, text: str) -> None:
+        """A run's message, as its own line."""
         message(text, self.mode == "json", self.stream)
 
     def host_done(self, report: HostReport) -> None:
+        """A host's work ended: one line with its result, and it leaves the live view."""
         with self._lock:
             self.done += 1
             self._steps.pop(report.name, None)
@@ -104,6 +107,7 @@ class ProgressPrinter(Observer):
                 self._stop_live()
 
     def step(self, step: Step) -> None:
+        """A host's current step changed (or its detail did): shown live, or as a line."""
         with self._lock:
             now = time.monotonic()
             before = self._steps.get(step.host)

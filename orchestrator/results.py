@@ -88,10 +88,12 @@ class HostReport:
 
     @property
     def ready(self) -> bool:
+        """Whether every gate the host got passed."""
         return bool(self.gates) and all(g.ok for g in self.gates.values())
 
     @property
     def failed_gate(self) -> str | None:
+        """The first gate that failed, in chain order, or None."""
         return next((name for name, g in self.gates.items() if not g.ok), None)
 
     def to_json(self, kind: str) -> dict[str, Any]:

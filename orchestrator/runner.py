@@ -131,6 +131,7 @@ class Node:
 
     @property
     def name(self) -> str:
+        """The node's container name."""
         return self.target.name
 
 
@@ -143,14 +144,17 @@ class Unit:
 
     @property
     def head(self) -> Node:
+        """The node that serves HTTP and is probed (the only one of a single host)."""
         return self.nodes[0]
 
     @property
     def single(self) -> bool:
+        """Whether the unit is one host rather than a multi-node group."""
         return self._placement is None
 
     @property
     def ray(self) -> bool:
+        """Whether the group runs vLLM over a Ray cluster."""
         return self._placement is not None and self._placement.multi.executor == "ray"
 
     @property
@@ -160,6 +164,8 @@ class Unit:
         return self._placement.located({n.name: n.target for n in self.nodes})
 
     def role(self, node: Node) -> str:
+        """What a node is in its unit, in the user's words (server, head, headless rank, Ray
+        worker)."""
         if node.rank == 0:
             return "head" if not self.single else "server"
         return "Ray worker" if self.ray else "headless rank"
@@ -339,6 +345,7 @@ class Run:
         self.observer.say(message)
 
     def lock(self, node: Node) -> protocol.Op[protocol.Locked]:
+        """The deploy-root lock op for a node, owned by this run and waiting at most --lock-timeout."""
         return protocol.lock(node.root, self.owner, self.options.lock_timeout)
 
 

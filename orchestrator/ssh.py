@@ -135,9 +135,11 @@ class KnownHosts:
 
     @staticmethod
     def host_name(address: str, port: int) -> str:
+        """How known_hosts names an endpoint (``[address]:port`` off port 22)."""
         return address if port == 22 else f"[{address}]:{port}"
 
     def lookup(self, name: str) -> list[_KnownKey]:
+        """Every known_hosts entry for a name, plain or hashed."""
         found = list(self._plain.get(name, []))
         for salt, digest, entry in self._hashed:
             if hmac.compare_digest(hmac.new(salt, name.encode(), hashlib.sha1).digest(), digest):
@@ -145,12 +147,15 @@ class KnownHosts:
         return found
 
     def preferred_type(self, name: str) -> str | None:
+        """The key type known_hosts trusts for a name, to ask the server for that one first."""
         for entry in self.lookup(name):
             if not entry.revoked:
                 return entry.key_type
         return None
 
     def check(self, endpoint: str, name: str, key: paramiko.PKey, accept_new: bool) -> None:
+        """Trust the key a host offers only if known_hosts holds it; an unknown key is refused (or
+        added, when the user said so), a changed or revoked one always refused."""
         key_type, blob = key.get_name(), key.get_base64()
         offered = fingerprint(key_type, blob)
         entries = self.lookup(name)

@@ -193,6 +193,7 @@ class StateDB:
             raise StateError(f"state database {self.path}: {exc}") from exc
 
     def transitions(self, host: str | None = None) -> list[dict[str, Any]]:
+        """watch's state changes of a host (or all hosts), oldest first."""
         query = "SELECT evidence FROM watch_transitions"
         args: list[Any] = []
         if host:
@@ -201,6 +202,7 @@ class StateDB:
         return [json.loads(row[0]) for row in self.db.execute(query + " ORDER BY at, rowid", args)]
 
     def samples(self, host: str | None = None) -> list[dict[str, Any]]:
+        """watch's live acceptance samples of a host (or all hosts), oldest first."""
         names: tuple[str, ...] = ("at", "host", "source", "release_id", "mean_acceptance_length")
         names += ("mean_acceptance_length_low", "acceptance_rate", "drafts")
         query = f"SELECT {', '.join(names)} FROM acceptance_samples"
@@ -212,6 +214,7 @@ class StateDB:
         return [dict(zip(names, row, strict=True)) for row in rows]
 
     def history(self, limit: int = 20, host: str | None = None) -> list[dict[str, Any]]:
+        """The runs recorded, newest first, with their per-host results."""
         query = "SELECT id, kind, playbook, release_id, started, finished, ok, hosts_total, hosts_ready FROM runs"
         args: list[Any] = []
         if host:
@@ -250,6 +253,7 @@ class StateDB:
         return runs
 
     def files(self, run_id: int) -> list[dict[str, Any]]:
+        """A run's per-host file digests: what each host served and what was expected."""
         rows = self.db.execute(
             "SELECT host, remote_path, sha256, expected_sha256, changed FROM file_digests WHERE run_id = ? ORDER BY host, remote_path",
             (run_id,),

@@ -155,6 +155,7 @@ class Field:
 
     @property
     def key(self) -> str:
+        """The field's dotted key path, as errors name it."""
         return _dotted(self.path)
 
     def error(self, message: str) -> InputError:
@@ -163,6 +164,8 @@ class Field:
     # --- structure ---------------------------------------------------------------------
 
     def mapping(self, allowed: set[str] | None = None, *, required: frozenset[str] = frozenset()) -> Field:
+        """The field as a mapping with only the allowed keys (and the required ones present); absent
+        is empty."""
         if self.value is None and not required:
             self.value = {}
         if not isinstance(self.value, dict):
@@ -190,11 +193,13 @@ class Field:
         return isinstance(self.value, dict) and key in self.value
 
     def items(self) -> Iterator[tuple[str, Field]]:
+        """The mapping's entries as fields, in file order."""
         self.mapping()
         for name in self.value:
             yield name, self[name]
 
     def sequence(self) -> list[Field]:
+        """The field as a list of fields; absent is empty."""
         if self.value is None:
             return []
         if not isinstance(self.value, list):
@@ -203,11 +208,13 @@ class Field:
 
     @property
     def present(self) -> bool:
+        """Whether the file gives this key."""
         return True
 
     # --- scalars -----------------------------------------------------------------------
 
     def str(self, default: Any = _MISSING) -> Any:
+        """The field as a string; the default when absent (an error when there is none)."""
         if not self.present:
             return self._default(default)
         if not isinstance(self.value, str) or not self.value:
@@ -215,6 +222,7 @@ class Field:
         return self.value
 
     def int(self, default: Any = _MISSING, *, minimum: int | None = None, maximum: int | None = None) -> Any:
+        """The field as an integer within bounds (a bool is not one); the default when absent."""
         if not self.present:
             return self._default(default)
         if not isinstance(self.value, int) or isinstance(self.value, bool):
@@ -226,6 +234,7 @@ class Field:
         return self.value
 
     def number(self, default: Any = _MISSING, *, minimum: float | None = None) -> Any:
+        """The field as a finite number within bounds; the default when absent."""
         if not self.present:
             return self._default(default)
         if not isinstance(self.value, (int, float)) or isinstance(self.value, bool):
@@ -237,6 +246,7 @@ class Field:
         return float(self.value)
 
     def bool(self, default: Any = _MISSING) -> Any:
+        """The field as a boolean; the default when absent."""
         if not self.present:
             return self._default(default)
         if not isinstance(self.value, bool):
@@ -244,6 +254,7 @@ class Field:
         return self.value
 
     def int_list(self, default: Any = _MISSING) -> Any:
+        """The field as a list of integers."""
         if not self.present:
             return self._default(default)
         ok = isinstance(self.value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in self.value)
@@ -252,6 +263,7 @@ class Field:
         return tuple(self.value)
 
     def str_list(self, default: Any = _MISSING) -> Any:
+        """The field as a list of strings; the default when absent."""
         if not self.present:
             return self._default(default)
         if isinstance(self.value, str):
@@ -262,6 +274,7 @@ class Field:
         return tuple(self.value)
 
     def str_map(self, default: Any = _MISSING) -> Any:
+        """The field as a mapping of strings to strings; the default when absent."""
         if not self.present:
             return self._default(default)
         ok = isinstance(self.value, dict) and all(

@@ -207,6 +207,7 @@ class LxdSandbox:
         return data if isinstance(data, dict) else {}
 
     def nodes(self) -> list[Node]:
+        """The sandbox's containers, from its state file."""
         return [Node(**n) for n in self._saved().get("nodes", [])]
 
     def _host(self) -> Any:
@@ -215,6 +216,7 @@ class LxdSandbox:
         return LxdHost("sandbox", LxdEndpoint("local"))
 
     def status(self) -> dict[str, object]:
+        """What of the sandbox runs now: LXD, each container and its address, the GPU host's sshd."""
         saved = self._saved()
         nodes = self.nodes()
         jump = saved.get("jump", {})
@@ -236,6 +238,8 @@ class LxdSandbox:
         }
 
     def up(self, count: int, say: Say = lambda _m: None, timeout: float = 180.0) -> dict[str, object]:
+        """Bring the sandbox up (idempotent): LXD, the image, the containers, the GPU host's sshd,
+        the inventory."""
         if os.geteuid() != 0:
             raise SandboxError("the lxd sandbox needs root (it installs and starts LXD)")
         started = time.monotonic()
@@ -371,6 +375,9 @@ class LxdSandbox:
         )
 
     def down(self, say: Say = lambda _m: None, purge: bool = False) -> None:
+        """Delete the sandbox's containers, end the GPU host's sshd by PID and LXD if the sandbox
+        started it; with purge, also its image, profile, network and pool (when no container is
+        left) and the image cache."""
         nodes = self.nodes()
         if nodes and _lxd_ready():
             host = self._host()

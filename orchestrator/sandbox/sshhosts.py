@@ -143,6 +143,7 @@ class SshSandbox:
         return data if isinstance(data, dict) else {}
 
     def hosts(self) -> list[SandboxHost]:
+        """The sandbox's hosts, from its state file."""
         return [SandboxHost(**h) for h in self._saved().get("hosts", [])]
 
     def _save(self, hosts: list[SandboxHost]) -> None:
@@ -152,6 +153,7 @@ class SshSandbox:
         os.replace(tmp, self.state_file)
 
     def status(self) -> dict[str, object]:
+        """Which of the sandbox's hosts has its sshd running."""
         hosts = self.hosts()
         return {
             "kind": self.kind,
@@ -168,6 +170,8 @@ class SshSandbox:
     # --- up ------------------------------------------------------------------------------
 
     def up(self, count: int, say: Say = lambda _m: None, timeout: float = 60.0) -> dict[str, object]:
+        """Bring the hosts up (idempotent): keys, namespaces, the bridge, an sshd each, the
+        inventory."""
         if os.geteuid() != 0:
             raise SandboxError("the ssh sandbox needs root (network namespaces and bind mounts)")
         if count < 1 or count > 2000:
@@ -298,6 +302,7 @@ class SshSandbox:
         run(["ip", "link", "del", host.veth], check=False)
 
     def down(self, say: Say = lambda _m: None) -> None:
+        """End every sshd the sandbox started, by PID, and delete its namespaces, links and bridge."""
         hosts = self.hosts()
         for h in hosts:
             self._stop_host(h)
