@@ -143,3 +143,24 @@ def test_verify_watch_and_stop_on_the_gpu() -> None:
     assert stopped["gates"]["stopped"]["ok"]
     assert "No running processes found" in (RUN / "nvidia-smi-after-stop.txt").read_text()
     assert "No running processes found" not in (RUN / "nvidia-smi-after-wrong-mask.txt").read_text()
+
+
+ENGINE_RUN = RUN.with_name("serve-engine")
+
+
+def test_the_engine_gate_on_the_cuda_build_names_what_vllm_resolved() -> None:
+    """A second run, with the engine gate in the chain (tests/data/gpu/serve-engine): the CUDA
+    build's own configuration accepted both commands before launch and resolved the V2 model
+    runner, which the servers then used; its cost is vLLM's import (cold, then warm)."""
+    chain = (*CHAIN[:8], "engine", *CHAIN[8:])
+    seconds = []
+    for name in ("graphs-deploy", "mixed-deploy"):
+        (host,) = json.loads((ENGINE_RUN / f"{name}.json").read_text())["hosts"]
+        assert host["ready"] and tuple(host["gates"]) == chain
+        engine = host["gates"]["engine"]
+        assert engine["detail"] == (
+            f"vLLM {GPU_BUILD} accepts the command: target Qwen3ForCausalLM, drafter DFlashDraftModel, V2 model runner"
+        )
+        seconds.append(engine["seconds"])
+        assert rejudge(host["gates"]["acceptance"]).ok
+    assert seconds[1] < seconds[0] < STARTUP_TIMEOUT / 4  # the first import is cold
