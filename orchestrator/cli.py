@@ -62,6 +62,7 @@ from orchestrator.results import RunReport
 from orchestrator.runner import Observer, RunOptions
 from orchestrator.sandbox import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
 from orchestrator.state import StateDB
+from orchestrator.yamlsource import MAX_SECONDS
 
 if TYPE_CHECKING:
     from orchestrator import watch
@@ -69,7 +70,8 @@ if TYPE_CHECKING:
     from orchestrator.sandbox.sshhosts import SshSandbox
 
 DEFAULT_INVENTORY = "inventory/inventory.yaml"
-_RUN_DEFAULTS = RunOptions()  # the library's defaults are the CLI's: said once, there
+_RUN_DEFAULTS = RunOptions()
+MAX_COUNT = 1_000_000  # hosts, forks, rows: past this a number is a typo (and SQLite's limit is 2**63)  # the library's defaults are the CLI's: said once, there
 RELEASE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
@@ -88,6 +90,8 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {value}")
     return value
 
 
@@ -110,6 +114,8 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds, got {text!r}")
     if value < 0:
         raise argparse.ArgumentTypeError("must not be negative")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SECONDS:.0f} seconds (a week), got {text!r}")
     return value
 
 
@@ -309,9 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--hosts", type=_positive_int, default=2)
     up.add_argument("--prefix", default=None, help="prefix of its names (default dfo)")
     up.add_argument("--subnet", default=None, help="ssh kind: first two octets of its /16 (default 10.77)")
-    up.add_argument(
-        "--jump-port", type=_positive_int, default=None, help="lxd kind: port of the GPU host's sshd (2222)"
-    )
+    up.add_argument("--jump-port", type=_port, default=None, help="lxd kind: port of the GPU host's sshd (2222)")
     st = ssub.add_parser("status", help="what is up, and the files written for it")
     st.add_argument("--json", action="store_true")
     down = ssub.add_parser("down", help="end the sandbox's processes and remove everything it made")

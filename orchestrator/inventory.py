@@ -346,8 +346,8 @@ def _ssh(f: Field, base_settings: SshSettings, base: Path) -> SshSettings:
         port=f["port"].int(base_settings.port, minimum=1, maximum=65535),
         key=_path(key, base) if key is not None else base_settings.key,
         python=f["python"].str(base_settings.python),
-        connect_timeout=f["connect_timeout"].number(base_settings.connect_timeout, minimum=0.1),
-        command_timeout=f["command_timeout"].number(base_settings.command_timeout, minimum=0.1),
+        connect_timeout=f["connect_timeout"].seconds(base_settings.connect_timeout, minimum=0.1),
+        command_timeout=f["command_timeout"].seconds(base_settings.command_timeout, minimum=0.1),
     )
 
 

@@ -70,9 +70,9 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
         # before its ranks start, see stop_all).
         engine = None
         if together and launch is not None:
-            request = launch.request
-            command = serving.ServerCommand(tuple(request["argv"]), request["env"], request["stop_timeout"])
-            engine = protocol.engine_check(node.root, serving.SERVER, command, keep_if_running=keep)
+            command = serving.command(playbook, node.target.container, release)
+            want = serving.resolved(playbook, node.target.container, release)
+            engine = protocol.engine_check(node.root, serving.SERVER, command, want, keep_if_running=keep)
         steps = (engine, switch_op, launch)
         ops: list[protocol.Op[Any]] = [run.lock(node), *(op for op in steps if op is not None)]
         if together:

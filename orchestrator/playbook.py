@@ -418,6 +418,74 @@ def _disks(f: Field) -> tuple[Disk, ...]:
     return tuple(disks)
 
 
+# The arguments of `vllm serve` that the tool gives from what its gates prove, and where a playbook
+# sets each instead. vLLM's parser takes the last of a flag given twice, its short aliases, `_` for
+# `-`, `--flag=value`, `--flag.key value` into a JSON argument (vLLM's FlexibleArgumentParser), any
+# unambiguous prefix (argparse's allow_abbrev) and a --config file of arguments: in extra_args,
+# any of these would serve something other than what was proven (a drafter given twice wins over
+# the release's own).
+TOOL_FLAGS = {
+    "model": "models.target or serving.target",
+    "speculative-config": "the release's drafter (drafter:, models.drafter) and serving.num_speculative_tokens",
+    "served-model-name": "serving.model_name",
+    "host": "serving.host",
+    "port": "serving.port",
+    "tensor-parallel-size": "serving.tensor_parallel_size or the inventory's gpus",
+    "pipeline-parallel-size": "serving.pipeline_parallel_size",
+    "data-parallel-size": "one server per container (the probe proves one engine)",
+    "distributed-executor-backend": "serving.multi_node.executor",
+    "nnodes": "serving.multi_node",
+    "node-rank": "serving.multi_node",
+    "master-addr": "serving.multi_node.master_addr",
+    "master-port": "serving.multi_node.master_port",
+    "headless": "serving.multi_node",
+    "config": "serving.extra_args itself (a file of arguments could hold any of these)",
+}
+_SHORT_FLAGS = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-dp": "data-parallel-size"}
+_SHORT_FLAGS["-sc"] = "speculative-config"
+# The environment the gates decide on: the GPUs the gpus gate proved free are the inventory's, in
+# nvidia-smi's (PCI bus) order.
+TOOL_ENV = {
+    "CUDA_VISIBLE_DEVICES": "the inventory's gpus",
+    "CUDA_DEVICE_ORDER": "the tool (PCI_BUS_ID: CUDA's indices as nvidia-smi and the gpus gate count them)",
+}
+
+
+def tool_flag(arg: str) -> str | None:
+    """The flag of TOOL_FLAGS that ``arg`` (one element of an argv) sets as vLLM's parser reads it,
+    or None."""
+    for short, name in _SHORT_FLAGS.items():
+        if arg == short or (arg.startswith(short) and not arg[len(short)].isalpha()):
+            return name
+    if not arg.startswith("--") or arg == "--":
+        return None
+    name = arg[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    if name in TOOL_FLAGS:
+        return name
+    # An abbreviation argparse would expand to one of ours (a prefix no other flag of ours shares
+    # is enough to refuse: vLLM would take it for ours, or for nothing).
+    found = [flag for flag in TOOL_FLAGS if flag.startswith(name)] if len(name) >= 2 else []
+    return found[0] if found else None
+
+
+def _extra_args(f: Field) -> tuple[str, ...]:
+    args: tuple[str, ...] = f.str_list(())
+    items = f.sequence() if isinstance(f.value, list) else [f] * len(args)
+    for item, arg in zip(items, args, strict=True):
+        flag = tool_flag(arg)
+        if flag is not None:
+            raise item.error(f"{arg!r} sets vLLM's --{flag}, which the tool gives from {TOOL_FLAGS[flag]}")
+    return args
+
+
+def _serving_env(f: Field) -> dict[str, str]:
+    env: dict[str, str] = f.str_map({})
+    for name in env:
+        if name in TOOL_ENV:
+            raise f[name].error(f"{name} is the tool's to set, from {TOOL_ENV[name]}")
+    return env
+
+
 def _serving(f: Field) -> Serving:
     f.mapping(
         {
@@ -450,9 +518,9 @@ def _serving(f: Field) -> Serving:
         num_speculative_tokens=f["num_speculative_tokens"].int(Serving.num_speculative_tokens, minimum=1),
         host=f["host"].str(Serving.host),
         port=f["port"].int(Serving.port, minimum=1, maximum=65535),
-        extra_args=f["extra_args"].str_list(()),
-        env=f["env"].str_map({}),
-        startup_timeout=f["startup_timeout"].number(Serving.startup_timeout, minimum=1),
+        extra_args=_extra_args(f["extra_args"]),
+        env=_serving_env(f["env"]),
+        startup_timeout=f["startup_timeout"].seconds(Serving.startup_timeout, minimum=1),
         multi_node=multi_node,
     )
 
@@ -481,8 +549,25 @@ def _multi_node(f: Field) -> MultiNode:
     )
 
 
+def _above(f: Field, default: float | None, floor: float, why: str) -> float | None:
+    """A threshold that can fail: strictly above ``floor``, the least its measure can be."""
+    value: float | None = f.number(default)
+    if f.present and value is not None and value <= floor:
+        raise f.error(f"must be above {floor:g}, got {f.value}: {why}")
+    return value
+
+
+def _tau(f: Field, default: float) -> float:
+    """A mean acceptance length threshold: tau = 1 + accepted/drafts is never below 1, so 1 would
+    pass the founding incident's 1.00."""
+    why = "tau (1 + accepted/drafts) is never below 1, so a drafter that accepts nothing would pass"
+    value = _above(f, default, 1.0, why)
+    assert value is not None
+    return value
+
+
 def _rate(f: Field, default: float | None) -> float | None:
-    rate: float | None = f.number(default, minimum=0)
+    rate = _above(f, default, 0.0, "an acceptance rate is never below 0, so it would pass any drafter")
     if rate is not None and rate > 1:
         raise f.error("a rate between 0 and 1")
     return rate
@@ -495,9 +580,7 @@ def _gates(f: Field) -> Gates:
         {"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts", "prompts", "max_tokens"}
     )
     acceptance = AcceptanceGate(
-        min_mean_acceptance_length=a["min_mean_acceptance_length"].number(
-            AcceptanceGate.min_mean_acceptance_length, minimum=1
-        ),
+        min_mean_acceptance_length=_tau(a["min_mean_acceptance_length"], AcceptanceGate.min_mean_acceptance_length),
         min_acceptance_rate=_rate(a["min_acceptance_rate"], None),
         min_drafts=a["min_drafts"].int(AcceptanceGate.min_drafts, minimum=1),
         prompts=a["prompts"].str_list(()),
@@ -507,15 +590,13 @@ def _gates(f: Field) -> Gates:
     return Gates(
         acceptance=acceptance,
         live=AcceptanceGate(
-            min_mean_acceptance_length=live["min_mean_acceptance_length"].number(
-                acceptance.min_mean_acceptance_length, minimum=1
-            ),
+            min_mean_acceptance_length=_tau(live["min_mean_acceptance_length"], acceptance.min_mean_acceptance_length),
             min_acceptance_rate=_rate(live["min_acceptance_rate"], acceptance.min_acceptance_rate),
             min_drafts=live["min_drafts"].int(acceptance.min_drafts, minimum=1),
         ),
         nccl=NcclGate(
-            min_busbw_gbps=nccl["min_busbw_gbps"].number(None, minimum=0),
-            timeout_s=nccl["timeout_s"].number(NcclGate.timeout_s, minimum=1),
+            min_busbw_gbps=_above(nccl["min_busbw_gbps"], None, 0.0, "0 GB/s cannot fail: leave it out for no floor"),
+            timeout_s=nccl["timeout_s"].seconds(NcclGate.timeout_s, minimum=1),
         ),
     )
 

@@ -702,17 +702,21 @@ class Engine:
 ENGINE_CHECK_TIMEOUT = 300.0
 
 
-def engine_check(root: str, name: str, command: ServerCommand, keep_if_running: bool = False) -> Op[Engine]:
+def engine_check(
+    root: str, name: str, command: ServerCommand, expect: dict[str, Any] | None = None, keep_if_running: bool = False
+) -> Op[Engine]:
     """The installed vLLM's verdict on ``command`` (argv and environment, exactly as ``launch``
     would start it): its parser and configuration, before the running server is stopped for it.
-    A refusal is a failure in vLLM's own words; ``keep_if_running``: not asked when the server
-    we started already runs this very command."""
+    A refusal is a failure in vLLM's own words, and so is a value vLLM resolved other than the
+    one ``expect`` names (what the gates prove: the target, the drafter, the port...);
+    ``keep_if_running``: not asked when the server we started already runs this very command."""
     request = {
         "op": "engine_check",
         "root": root,
         "name": name,
         "argv": list(command.argv),
         "env": dict(command.env),
+        "expect": dict(expect or {}),
         "timeout": ENGINE_CHECK_TIMEOUT,
         "keep_if_running": keep_if_running,
     }

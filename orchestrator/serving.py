@@ -89,6 +89,28 @@ def command(playbook: Playbook, container: Container, release_id: str) -> Server
     return ServerCommand(tuple(argv), env)
 
 
+def resolved(playbook: Playbook, container: Container, release_id: str) -> dict[str, Any]:
+    """What vLLM must resolve from ``command``'s argv for the server to be the one the gates prove
+    (the engine gate compares these with what vLLM's own parser made of every argument)."""
+    s = playbook.serving
+    want: dict[str, Any] = {
+        "model": s.target,
+        "served_model_name": [s.model_name],
+        "host": s.host,
+        "port": s.port,
+        "tensor_parallel_size": s.tensor_parallel_size or max(1, len(container.gpus)),
+        "pipeline_parallel_size": s.pipeline_parallel_size,
+        "data_parallel_size": 1,
+    }
+    if s.speculative:
+        want |= {
+            "speculative_method": "dflash",
+            "speculative_model": f"{release_dir(deploy_root(playbook, container), release_id)}/drafter",
+            "num_speculative_tokens": s.num_speculative_tokens,
+        }
+    return want
+
+
 def start_budget(playbook: Playbook) -> dict[str, str]:
     """vLLM gives up on its engine after VLLM_ENGINE_READY_TIMEOUT_S (default 600 s; vLLM 0.32.0
     envs.py and v1/engine/core_client.py) whatever our own wait is: a model that loads in 11
@@ -109,9 +131,12 @@ def _speculative_args(playbook: Playbook, container: Container, release_id: str)
 
 
 def gpu_env(container: Container) -> dict[str, str]:
-    """The container's GPUs as the server sees them (CUDA_VISIBLE_DEVICES), when the inventory gives
-    it any."""
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in container.gpus)} if container.gpus else {}
+    """The container's GPUs as the server sees them, when the inventory gives it any: their indices
+    in nvidia-smi's order, which the gpus gate checked. CUDA numbers GPUs fastest first unless told
+    CUDA_DEVICE_ORDER=PCI_BUS_ID, so on a host of mixed GPUs index 1 could be another GPU."""
+    if not container.gpus:
+        return {}
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in container.gpus)}
 
 
 def node_ip(placement: Placement, rank: int) -> str:

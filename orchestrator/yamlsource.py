@@ -19,6 +19,8 @@ import yaml
 
 from orchestrator.errors import InputError
 
+MAX_SECONDS = 7 * 24 * 3600.0  # the longest wait any setting may ask for
+
 KeyPath = tuple[str | int, ...]
 
 
@@ -244,6 +246,14 @@ class Field:
         if minimum is not None and self.value < minimum:
             raise self.error(f"must be at least {minimum}, got {self.value}")
         return float(self.value)
+
+    def seconds(self, default: Any = _MISSING, *, minimum: float = 0.0) -> Any:
+        """The field as a number of seconds: finite, at least ``minimum``, at most a week (a
+        deadline past that is a typo, and the clocks it is added to overflow long before 1e300)."""
+        value = self.number(default, minimum=minimum)
+        if value is not None and value > MAX_SECONDS:
+            raise self.error(f"at most {MAX_SECONDS:.0f} seconds (a week), got {self.value}")
+        return value
 
     def bool(self, default: Any = _MISSING) -> Any:
         """The field as a boolean; the default when absent."""

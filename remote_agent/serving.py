@@ -203,7 +203,7 @@ def _command_digest(argv, env):
 ENGINE_MARK = "@@dflash-engine@@"
 
 
-@op("engine_check", name=str, root=str, argv=list, env=dict, timeout=NUMBER, keep_if_running=bool)
+@op("engine_check", name=str, root=str, argv=list, env=dict, expect=dict, timeout=NUMBER, keep_if_running=bool)
 def op_engine_check(req):
     """The installed vLLM's own verdict on the server's exact command and environment, before the
     server we started is stopped for it: its parser and its configuration, built without weights
@@ -257,6 +257,18 @@ def op_engine_check(req):
         what = stages.get(str(verdict.get("stage")), "refuses")
         name = "vLLM %s" % verdict["version"] if verdict.get("version") else "vLLM"
         raise OpError("engine_refused", "%s %s: %s: %s" % (name, what, verdict.get("error"), verdict.get("message")))
+    resolved = verdict.get("resolved")
+    if not isinstance(resolved, dict):
+        resolved = {}
+    for key, want in sorted(req["expect"].items()):
+        if resolved.get(key) != want:
+            # Something besides the tool's own argument set it (a spelling of the flag, a file of
+            # arguments): the server would not be the one the gates prove.
+            raise OpError(
+                "engine_mismatch",
+                "vLLM %s would run with %s %r, not the %r the tool gives: an argument or variable of the "
+                "playbook sets it" % (verdict.get("version"), key, resolved.get(key), want),
+            )
     return verdict
 
 

@@ -67,14 +67,28 @@ def check(args):
     spec = config.speculative_config
     draft = getattr(spec, "draft_model_config", None)
     runner = getattr(config, "use_v2_model_runner", None)
+    parallel = config.parallel_config
+    names = getattr(args, "served_model_name", None)
     say(
         {
             "ok": True,
             "version": vllm.__version__,
             "target": list(config.model_config.architectures or []),
             "drafter": list(getattr(draft, "architectures", None) or []),
-            "method": getattr(spec, "method", None),
             "runner": None if runner is None else ("v2" if runner else "v1"),
+            # What it would serve, as its own parser and configuration resolved every spelling.
+            "resolved": {
+                "model": args.model,
+                "served_model_name": list(names) if isinstance(names, (list, tuple)) else names,
+                "host": getattr(args, "host", None),
+                "port": getattr(args, "port", None),
+                "tensor_parallel_size": parallel.tensor_parallel_size,
+                "pipeline_parallel_size": parallel.pipeline_parallel_size,
+                "data_parallel_size": parallel.data_parallel_size,
+                "speculative_method": getattr(spec, "method", None),
+                "speculative_model": getattr(spec, "model", None),
+                "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None),
+            },
         }
     )
     sys.exit(0)

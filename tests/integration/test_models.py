@@ -99,15 +99,15 @@ def test_the_incident_the_overlay_serves_the_right_config_over_a_stale_model_dir
         assert json.loads((overlay / "config.json").read_text())["dflash_config"]["mask_token_id"] == 5
         assert os.readlink(overlay / "model.safetensors") == f"{drafter}/model.safetensors"
 
-        # The same weights with vLLM reading the model directory's own config: healthy, wrong.
+        # vLLM pointed at the model directory itself (its own, stale config) instead of the
+        # release's overlay: refused before any host, since it would serve what was not proven.
         direct = {"method": "dflash", "model": drafter, "num_speculative_tokens": K}
         serving = {"speculative": False}
         extra = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager"]
         serving["extra_args"] = [*extra, "--speculative-config", json.dumps(direct)]  # type: ignore[assignment]
         stale = book(tmp_path, root_name, drafter, "direct", serving=serving)
         refused = cli("deploy", stale, "-i", sandbox.inventory, "--json", "--limit", host, timeout=900)
-        acceptance = refused.host(host)["gates"]["acceptance"]
-        assert refused.code == 1 and acceptance["mean_acceptance_length"] < 1.5, acceptance
+        assert refused.code == 2 and "serving.extra_args[7]: '--speculative-config' sets vLLM's" in refused.stderr
     finally:
         stop_server(sandbox, host, root_name)
 

@@ -192,12 +192,24 @@ def engine_check(target: str, args: list[str]) -> None:
     if refusal:
         verdict: dict[str, Any] = {"ok": False, "stage": "config", "error": "ValueError", "message": refusal}
     else:
-        drafter = json.loads(values["speculative-config"])["model"]
+        spec = json.loads(values["speculative-config"])
         verdict = {
             "ok": True,
             "target": json.loads((Path(target) / "config.json").read_text())["architectures"],
-            "drafter": json.loads((Path(drafter) / "config.json").read_text())["architectures"],
+            "drafter": json.loads((Path(spec["model"]) / "config.json").read_text())["architectures"],
             "runner": "v1",
+            "resolved": {  # as vLLM's parser would: the last of a flag given twice wins
+                "model": target,
+                "served_model_name": [values.get("served-model-name", target)],
+                "host": values.get("host"),
+                "port": int(values.get("port", "8000")),
+                "tensor_parallel_size": int(values.get("tensor-parallel-size", "1")),
+                "pipeline_parallel_size": int(values.get("pipeline-parallel-size", "1")),
+                "data_parallel_size": 1,
+                "speculative_method": spec.get("method"),
+                "speculative_model": spec.get("model"),
+                "num_speculative_tokens": spec.get("num_speculative_tokens"),
+            },
         }
     print("vLLM's logs go to stdout too")
     print("@@dflash-engine@@" + json.dumps({**verdict, "version": VERSION, "seconds": 0.01}))

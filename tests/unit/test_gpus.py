@@ -250,7 +250,7 @@ def test_the_preflight_is_asked_only_for_more_than_one_gpu_with_a_serving_python
     assert [op.request["op"] for op in two.ops] == ["gpus", "nccl"]
     nccl = two.ops[1].request
     assert (nccl["gpus"], nccl["env"], nccl["timeout"], nccl["python"]) == (
-        2, {"CUDA_VISIBLE_DEVICES": "2,3"}, 30.0, "/opt/vllm/bin/python"
+        2, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,3"}, 30.0, "/opt/vllm/bin/python"
     )  # fmt: skip
     assert two.ops[1].budget_s == 40.0  # the timeout, plus the start
 

@@ -104,7 +104,66 @@ PLAYBOOK_CASES = {
         "serving.target: a server needs serving.python too",
     ),
     "a key twice": (PLAYBOOK + "name: again\n", "pb.yaml:8 name: duplicate key (first at line 1)"),
+    "a start budget of 1e300 seconds": (
+        PLAYBOOK.replace("{num_speculative_tokens: 7}", "{num_speculative_tokens: 7, startup_timeout: 1.0e+300}"),
+        "serving.startup_timeout: at most 604800 seconds (a week), got 1e+300",
+    ),
+    "an NCCL time limit of 1e300 seconds": (
+        PLAYBOOK + "gates: {nccl: {timeout_s: 1.0e+300}}\n",
+        "pb.yaml:8 gates.nccl.timeout_s: at most 604800 seconds (a week)",
+    ),
 }
+# Tool-owned: what the gates prove is what serves. Every spelling vLLM's parser takes for a flag the
+# tool gives (the last of two wins), set in extra_args, is refused naming the element and the key
+# that sets it; so is the environment that picks the GPUs.
+TOOL_ARGS = {
+    "a second drafter (the last --speculative-config wins)": (
+        '[--speculative-config, \'{"method": "dflash", "model": "/models/other"}\']',
+        "serving.extra_args[0]: '--speculative-config' sets vLLM's --speculative-config, which the tool gives "
+        "from the release's drafter",
+    ),
+    "the drafter by underscores": ("['--speculative_config={}']", "serving.extra_args[0]: '--speculative_config={}'"),
+    "the drafter by its short alias": ("[-sc, '{}']", "'-sc' sets vLLM's --speculative-config"),
+    "the drafter's path as a JSON key": ("[--speculative-config.model, /other]", "sets vLLM's --speculative-config"),
+    "the drafter by an abbreviation": ("[--speculative, '{}']", "'--speculative' sets vLLM's --speculative-config"),
+    "another target": ("[--model, /models/other]", "'--model' sets vLLM's --model, which the tool gives from models"),
+    "another port": ("[--enforce-eager, --port=9000]", "serving.extra_args[1]: '--port=9000' sets vLLM's --port"),
+    "another served name": ("[--served-model-name, x]", "which the tool gives from serving.model_name"),
+    "tensor parallel by its alias": ("[-tp, '8']", "'-tp' sets vLLM's --tensor-parallel-size"),
+    "tensor parallel glued to its alias": ("[-tp8]", "'-tp8' sets vLLM's --tensor-parallel-size"),
+    "pipeline parallel": ("[--pipeline-parallel-size, '2']", "sets vLLM's --pipeline-parallel-size"),
+    "data parallel (a second engine the probe does not see)": ("[-dp, '2']", "sets vLLM's --data-parallel-size"),
+    "a file of arguments": ("[--config, /etc/vllm.yaml]", "'--config' sets vLLM's --config"),
+    "the host it listens on": ("[--host, 0.0.0.0]", "sets vLLM's --host, which the tool gives from serving.host"),
+}
+for name, (args, expected) in TOOL_ARGS.items():
+    PLAYBOOK_CASES[f"extra_args: {name}"] = (
+        PLAYBOOK.replace("{num_speculative_tokens: 7}", "{num_speculative_tokens: 7, extra_args: " + args + "}"),
+        f"pb.yaml:7 {expected}" if expected.startswith("serving.") else expected,
+    )
+PLAYBOOK_CASES["serving.env: other GPUs than the inventory's"] = (
+    PLAYBOOK.replace("{num_speculative_tokens: 7}", "{num_speculative_tokens: 7, env: {CUDA_VISIBLE_DEVICES: '0'}}"),
+    "pb.yaml:7 serving.env.CUDA_VISIBLE_DEVICES: CUDA_VISIBLE_DEVICES is the tool's to set, from the inventory's gpus",
+)
+PLAYBOOK_CASES["serving.env: CUDA's own GPU order"] = (
+    PLAYBOOK.replace(
+        "{num_speculative_tokens: 7}", "{num_speculative_tokens: 7, env: {CUDA_DEVICE_ORDER: FASTEST_FIRST}}"
+    ),
+    "serving.env.CUDA_DEVICE_ORDER: CUDA_DEVICE_ORDER is the tool's to set",
+)
+# Thresholds that cannot fail: tau = 1 + accepted/drafts is never below 1, a rate never below 0.
+for key, value, expected in (
+    ("acceptance: {min_mean_acceptance_length: 1}", "acceptance.min_mean_acceptance_length", "must be above 1, got 1"),
+    ("acceptance: {min_mean_acceptance_length: 0.5}", "acceptance.min_mean_acceptance_length", "must be above 1"),
+    ("live: {min_mean_acceptance_length: 1.0}", "live.min_mean_acceptance_length", "must be above 1, got 1.0"),
+    ("acceptance: {min_acceptance_rate: 0}", "acceptance.min_acceptance_rate", "must be above 0, got 0"),
+    ("live: {min_acceptance_rate: 0.0}", "live.min_acceptance_rate", "must be above 0"),
+    ("nccl: {min_busbw_gbps: 0}", "nccl.min_busbw_gbps", "must be above 0, got 0: 0 GB/s cannot fail"),
+):
+    PLAYBOOK_CASES[f"a threshold that cannot fail: {key}"] = (
+        PLAYBOOK + "gates: {" + key + "}\n",
+        f"pb.yaml:8 gates.{value}: {expected}",
+    )
 
 
 @pytest.mark.parametrize("case", list(PLAYBOOK_CASES))
@@ -125,6 +184,8 @@ ARGUMENT_CASES = {
     "--release-id .hidden": (["--release-id", ".hidden"], "not starting with '.'"),
     "--release-id empty": (["--release-id", ""], "a release id is 1 to 128"),
     "--release-id too long": (["--release-id", "r" * 129], "a release id is 1 to 128"),
+    "--lock-timeout 1e300": (["--lock-timeout", "1e300"], "at most 604800 seconds (a week), got '1e300'"),
+    "--forks 10^20": (["--forks", "1" + "0" * 20], "argument -f/--forks: must be at most 1000000"),
 }
 
 
@@ -256,3 +317,19 @@ def test_a_sandbox_command_that_hangs_is_one_clear_error() -> None:
 
     with pytest.raises(SandboxError, match=r"sleep 5 did not finish within 0 s \(is the machine very busy\?\)"):
         run(["sleep", "5"], timeout=0.2)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["history", "--limit", "1" + "0" * 20], "argument --limit: must be at most 1000000"),
+        (["watch", "--interval", "1e10"], "argument --interval: at most 604800 seconds (a week)"),
+    ],
+)
+def test_numbers_past_any_sensible_bound_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    """Huge finite numbers once reached an OverflowError (a deadline) or SQLite's integer limit."""
+    if argv[0] == "watch":
+        argv = ["watch", *setup(tmp_path), *argv[1:]]
+    assert expected in refused(tmp_path, capsys, argv)

@@ -67,6 +67,7 @@ def test_mp_ranks_exact_argv_and_env() -> None:
         "VLLM_HOST_IP": "10.20.0.2",
         "GLOO_SOCKET_IFNAME": "eth0",
         "NCCL_SOCKET_IFNAME": "eth0",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": gpus,
         "VLLM_ENGINE_READY_TIMEOUT_S": "1800",  # the playbook's startup_timeout, not vLLM's 600 s
     }

@@ -41,7 +41,13 @@ def test_four_and_eight_gpu_containers(tmp_path: Path) -> None:
         "--attention-backend", "flash_attn", "--max-model-len", "32768",
     )  # fmt: skip
     # vLLM's own engine-start budget is the playbook's (900 s by default), not vLLM's 600 s
-    assert cmd.env == {"HF_HUB_OFFLINE": "1", "VLLM_ENGINE_READY_TIMEOUT_S": "900", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    # and CUDA numbers the GPUs as nvidia-smi (and so the gpus gate) does
+    assert cmd.env == {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ENGINE_READY_TIMEOUT_S": "900",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+    }
 
     big = load_playbook(REPO / "playbooks" / "qwen36-27b-dflash.yaml")  # tensor_parallel_size: 4
     cmd8 = serving.command(big, eight, "R2")
@@ -49,6 +55,7 @@ def test_four_and_eight_gpu_containers(tmp_path: Path) -> None:
     assert cmd8.env == {
         "HF_HUB_OFFLINE": "1",
         "VLLM_ENGINE_READY_TIMEOUT_S": "900",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
     }
     assert (
