@@ -217,6 +217,7 @@ def test_real_vllm_in_a_container_becomes_ready_with_its_measured_tau(lxd_sandbo
             "weights",
             "loader",
             "build",
+            "engine",  # vLLM's own configuration of the exact command, in the container
             "health",
             "acceptance",
             "ready",
