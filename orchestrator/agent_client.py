@@ -67,20 +67,36 @@ def agent_command(python: str) -> Command:
 
 
 def request_body(
-    ops: Sequence[dict[str, Any]], findings: Sequence[int] = (), events: bool = False, session: bool = False
+    ops: Sequence[dict[str, Any]],
+    findings: Sequence[int] = (),
+    events: bool = False,
+    session: bool = False,
+    key: str = "",
 ) -> bytes:
-    """A request as marshal data, framed by its length: every key the agent reads, always."""
-    body = {"v": PROTOCOL_VERSION, "session": session, "events": events, "ops": list(ops), "findings": list(findings)}
+    """A request as marshal data, framed by its length: every key the agent reads, always.
+    ``key``: the controller's digest key (hex), which signs the host's digest cache lines; ""
+    trusts no line there (every model file is hashed)."""
+    body = {
+        "v": PROTOCOL_VERSION,
+        "session": session,
+        "events": events,
+        "ops": list(ops),
+        "findings": list(findings),
+        "key": key,
+    }
     request = marshal.dumps(body, MARSHAL_VERSION)
     return b"%d\n" % len(request) + request
 
 
-def encode_request(ops: Sequence[dict[str, Any]], events: bool = False, findings: Sequence[int] = ()) -> bytes:
+def encode_request(
+    ops: Sequence[dict[str, Any]], events: bool = False, findings: Sequence[int] = (), key: str = ""
+) -> bytes:
     """The agent modules these ops need (for its loader), then the request: a stream an op reads
     (an upload's bytes) may follow it. ``events``: ask for progress events on stderr.
-    ``findings``: the indices of the ops whose failure does not stop the batch."""
+    ``findings``: the indices of the ops whose failure does not stop the batch. ``key``: the
+    controller's digest key."""
     agent = packed_agent(modules(str(op.get("op")) for op in ops))
-    return agent + request_body(ops, findings, events)
+    return agent + request_body(ops, findings, events, key=key)
 
 
 def _findings(ops: Sequence[Op[Any]]) -> list[int]:
@@ -210,8 +226,10 @@ def without_events(stderr: bytes) -> bytes:
 class AgentClient:
     """Runs batches on targets through one connector."""
 
-    def __init__(self, connector: Connector) -> None:
+    def __init__(self, connector: Connector, key: str = "") -> None:
+        """``key``: the controller's digest key (``state.digest_key``), sent with every batch."""
         self.connector = connector
+        self.key = key
 
     def batch(
         self,
@@ -228,7 +246,8 @@ class AgentClient:
         seconds and the server log's last line, the probe's prompts)."""
         if timeout is None:
             timeout = batch_timeout(ops, target.container.ssh.command_timeout)
-        request = encode_request([op.request for op in ops], events=events is not None, findings=_findings(ops))
+        ops_requests = [op.request for op in ops]
+        request = encode_request(ops_requests, events=events is not None, findings=_findings(ops), key=self.key)
         stdin: Stdin = itertools.chain((request,), stream) if stream != () else request
         command = agent_command(target.container.ssh.python)
         on_stderr = EventReader(events) if events is not None else None
@@ -275,8 +294,9 @@ class AgentSession:
     channel. Any failure closes the session: its stream may be out of step, and the next
     ``open`` starts a fresh one."""
 
-    def __init__(self, connector: Connector, target: Target) -> None:
-        self.connector, self.target = connector, target
+    def __init__(self, connector: Connector, target: Target, key: str = "") -> None:
+        """``key``: the controller's digest key, sent with every batch."""
+        self.connector, self.target, self.key = connector, target, key
         self._session: Session | None = None
         self._buffer = bytearray()
         self.pid: int | None = None  # the agent's process on the host
@@ -311,7 +331,7 @@ class AgentSession:
         if timeout is None:
             timeout = batch_timeout(ops, self.target.container.ssh.command_timeout)
         deadline = time.monotonic() + timeout
-        request = request_body([op.request for op in ops], _findings(ops))
+        request = request_body([op.request for op in ops], _findings(ops), key=self.key)
         try:
             self._session.send(request, deadline)
             data = self._frame(deadline)

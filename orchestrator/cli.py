@@ -344,6 +344,7 @@ def _options(args: argparse.Namespace) -> RunOptions:
         skip_containers=args.skip_containers,
         accept_new_host_keys=args.accept_new_host_keys,
         lock_timeout=getattr(args, "lock_timeout", _RUN_DEFAULTS.lock_timeout),
+        state_dir=getattr(args, "state_dir", None),
         release_id=getattr(args, "release_id", None),
     )
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from orchestrator import plan, protocol, serving
@@ -39,6 +40,7 @@ from orchestrator.results import (
     HostReport,
     RunReport,
 )
+from orchestrator.state import digest_key
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,15 @@ class RunOptions:
     lock_timeout: float = 60.0
     release_id: str | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # Where the controller keeps its state, its digest key among it (None: the default place).
+    state_dir: Path | None = None
     # Set (by a first Ctrl-C): start nothing new; what is in flight finishes, bounded by its own
     # deadlines, and the run reports what happened.
     interrupt: threading.Event = field(default_factory=threading.Event, compare=False)
+
+    def key(self) -> str:
+        """The digest key the hosts' caches are signed with (``state.digest_key``)."""
+        return digest_key(self.state_dir)
 
 
 @dataclass(frozen=True)
@@ -385,7 +393,7 @@ def execute(
             playbook,
             inventory,
             options,
-            AgentClient(connections),
+            AgentClient(connections, options.key()),
             ContainerGate(inventory, playbook, ensure=kind == "deploy", skip=options.skip_containers),
             observer,
         )

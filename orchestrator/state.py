@@ -88,6 +88,34 @@ def default_state_dir() -> Path:
     return Path(base) / "dflash-orchestrator"
 
 
+DIGEST_KEY = "digest.key"
+
+
+def digest_key(directory: Path | None = None) -> str:
+    """The controller's key (hex) that signs the lines of the hosts' digest caches: made once, 32
+    random bytes readable by this user alone, in the state directory. It travels with each request
+    and is never stored on a host, so a cache line nobody signed with it (a planted one) is only
+    ever a re-hash. Another controller, with another key, re-hashes once and signs anew."""
+    base = directory or default_state_dir()
+    path = base / DIGEST_KEY
+    try:
+        base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            text = path.read_text().strip()
+            bytes.fromhex(text)
+            if len(text) != 64:
+                raise ValueError(f"{len(text)} hex digits") from None
+            return text
+        key = os.urandom(32).hex()
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        return key
+    except (OSError, ValueError) as exc:
+        raise StateError(f"the digest key {path} cannot be used: {exc}") from exc
+
+
 class StateDB:
     """The embedded state (SQLite, one file per user): runs, per-host gates, digests and the audit
     log; watch's samples and transitions."""

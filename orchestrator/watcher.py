@@ -52,6 +52,7 @@ class Watcher:
         playbook, inventory, options = scope.playbook, scope.inventory, scope.options
         self.playbook, self.options = playbook, options
         self.connections = Connections(inventory, options.accept_new_host_keys, options.retry, scope.connector)
+        self.key = options.key()
         self.containers = ContainerGate(inventory, playbook, ensure=False, skip=options.skip_containers)
         self.watched = [_Watched(n, u) for u in units_for(playbook, inventory, list(scope.targets)) for n in u.nodes]
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(options.forks, len(self.watched))))
@@ -120,7 +121,7 @@ class Watcher:
                 failed = report.failed_gate
                 raise TransportError(node.name, report.gates[failed].detail if failed else "container not running")
             node.target, node.located = found, True
-        w.session = AgentSession(self.connections, node.target)
+        w.session = AgentSession(self.connections, node.target, self.key)
         w.session.open()
         w.failures, w.retry_at = 0, 0.0
 

@@ -12,7 +12,8 @@ every run uses (``lock`` and ``put``).
 Everything the agent writes lives under the deploy root the request names:
 
     <root>/.lock                          flock held for the rest of the batch by the ``lock`` op
-    <root>/.digests                       the digest cache: sha256 by (device, inode, size, mtimes)
+    <root>/.digests                       the digest cache: sha256 by (device, inode, size, mtimes),
+                                          each line signed with the controller's key
     <root>/releases/<id>/...              one immutable directory per release
     <root>/releases/<id>/.manifest.sha256 sha256sum(1) lines for every file of the release
     <root>/current  -> releases/<id>      what the server reads
@@ -61,6 +62,8 @@ _digest_caches: "dict[str, _Digests]" = {}
 
 EVENT = b"@dflash-event "
 _events = [False]  # on when the request asks (a person is watching the run)
+# The controller's key for digest cache lines, as the request gives it (hex; "" trusts no line).
+_digest_key = [""]
 
 
 def _event(fields):
@@ -424,10 +427,25 @@ def _mode(spec):
 # --- model files and their digests ---------------------------------------------------------
 
 
+def _line_mac(fields):
+    """A digest cache line's signature: HMAC-SHA256 with the controller's key (None: no key)."""
+    if not _digest_key[0]:
+        return None
+    import hmac
+
+    key = binascii.unhexlify(_digest_key[0])
+    return hmac.new(key, fields.encode("utf-8", "surrogateescape"), "sha256").hexdigest()
+
+
 class _Digests:
     """sha256 of files by (device, inode, size, mtime_ns, ctime_ns), kept in <root>/.digests: a
     no-change verify of a model of many GB is a stat per file. ctime cannot be set back by hand,
-    so a file rewritten in place (same size, mtime restored) is hashed again."""
+    so a file rewritten in place (same size, mtime restored) is hashed again.
+
+    A line is trusted only when it carries the signature of the controller's key (sent with each
+    request, never stored on the host): a line planted by anyone who can write a model directory
+    or the deploy root, with a file's current stat and an old digest, is not signed, so it costs
+    a re-hash and nothing else. Lines written by a controller with another key are re-hashed too."""
 
     def __init__(self, root_real):
         self.path = os.path.join(root_real, DIGESTS)
@@ -444,8 +462,9 @@ class _Digests:
         except OSError:
             text = ""
         for line in text.split("\n"):
-            parts = line.split(" ", 6)
-            if len(parts) != 7 or len(parts[0]) != 64:
+            mac, _, fields = line.partition(" ")
+            parts = fields.split(" ", 6)
+            if len(parts) != 7 or len(parts[0]) != 64 or mac != _line_mac(fields):
                 continue
             try:
                 key = (int(parts[1]), int(parts[2]))
@@ -478,7 +497,7 @@ class _Digests:
 
     def save(self):
         """Written under the deploy-root lock only; entries whose file is gone or changed are dropped."""
-        if not self.dirty:
+        if not self.dirty or not _digest_key[0]:
             return
         lines = []
         for (dev, ino), (size, mtime, ctime, digest, real) in sorted(self.known.items()):
@@ -487,7 +506,8 @@ class _Digests:
             except OSError:
                 continue
             if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (dev, ino, size, mtime, ctime):
-                lines.append("%s %d %d %d %d %d %s\n" % (digest, dev, ino, size, mtime, ctime, real))
+                fields = "%s %d %d %d %d %d %s" % (digest, dev, ino, size, mtime, ctime, real)
+                lines.append("%s %s\n" % (_line_mac(fields), fields))
         body = "".join(lines).encode("utf-8", "surrogateescape")
         _atomic_write(self.path, body, _sha256(body), 0o644)
         self.dirty = False

@@ -1,7 +1,8 @@
 """The agent's entry: read a request, check each op against its spec, run the ops, answer.
 
 A request is marshal data framed by its length: ``{"v": 1, "session": bool, "events": bool,
-"ops": [...], "findings": [...]}``. Ops run in order. The batch stops at the first failure (the
+"ops": [...], "findings": [...], "key": hex}`` (``key``: the controller's, which signs the digest
+cache's lines). Ops run in order. The batch stops at the first failure (the
 rest are answered ``skipped``) unless that op's index is in ``findings``: then its failure is a
 finding of the batch, reported, and the ops after it run (verify and watch read every gate this
 way in one round trip). Every failure is a structured record (op, code, message, path, errno),
@@ -18,14 +19,26 @@ A session (``orchestrate watch``) is one process that answers request after requ
 framed by its length, until the controller closes stdin.
 """
 
+import binascii
 import errno
 import marshal
 import os
 import sys
 
-from remote_agent.core import OPS, PROTOCOL_VERSION, REF, OpError, _dumps, _event, _events, _held_locks, check
+from remote_agent.core import (
+    OPS,
+    PROTOCOL_VERSION,
+    REF,
+    OpError,
+    _digest_key,
+    _dumps,
+    _event,
+    _events,
+    _held_locks,
+    check,
+)
 
-REQUEST = {"v": int, "session": bool, "events": bool, "ops": list, "findings": list}
+REQUEST = {"v": int, "session": bool, "events": bool, "ops": list, "findings": list, "key": str}
 
 
 def _key(req):
@@ -72,6 +85,7 @@ def _error(name, code, message, path=None, err=None):
 
 def run(request):
     """Every op of the request in order; the answer with one result per op."""
+    _digest_key[0] = request["key"]
     results: list[dict] = []
     done: dict[str, object] = {}
     findings = set(request["findings"])
@@ -122,6 +136,10 @@ def _read_request(stdin):
         check("the request", REQUEST, request)
     except OpError as exc:
         raise ValueError(exc.message)
+    try:
+        binascii.unhexlify(request["key"])
+    except (binascii.Error, ValueError):
+        raise ValueError("the digest key is not hex")
     return request
 
 

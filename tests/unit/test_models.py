@@ -110,6 +110,43 @@ def test_a_flipped_byte_in_a_weight_file_is_drift_named_by_path(box: Box) -> Non
     assert "pinned by the playbook's manifest" in meant.gates["models"].detail
 
 
+def planted(path: Path, old_digest: str) -> str:
+    """Digest cache lines claiming that ``path`` as it is now holds ``old_digest``: what someone who
+    can write the directory, but not read the controller's key, can write (unsigned, and signed
+    with a key of their own)."""
+    st = path.stat()
+    fields = f"{old_digest} {st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {path}"
+    return f"{fields}\n{hashlib.sha256(b'not the key').hexdigest()} {fields}\n"
+
+
+def test_a_planted_digest_cache_line_costs_a_rehash_never_a_pass(box: Box) -> None:
+    """Tampered weights, and a cache line with their current stat and the old digest, planted in
+    the deploy root's cache and in the model directory's: verify and deploy hash the file again
+    and find the drift. The cache trusts only lines signed with the controller's key."""
+    _, drafter = model_dirs(box)
+    playbook = with_models(box)
+    assert deploy(box, playbook).ok
+    weights = drafter / "model.safetensors"
+    old = hashlib.sha256(weights.read_bytes()).hexdigest()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    for cache in (box.root("solo") / ".digests", drafter / ".digests"):  # first: the first line of a file wins
+        cache.write_text(planted(weights, old) + (cache.read_text() if cache.exists() else ""))
+    checked = host(verify(box, playbook), "solo")
+    assert not checked.gates["models"].ok
+    assert f"has sha256 {hashlib.sha256(data).hexdigest()}" in checked.gates["models"].detail
+    again = host(deploy(box, playbook), "solo")
+    assert not again.ready and "model.safetensors has sha256" in again.gates["models"].detail
+    # The lines the tool itself wrote are signed, and a no-change verify still trusts them.
+    weights.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 0xFF]))  # the original bytes again
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == old
+    assert verify(box, playbook).ok
+    signed = (box.root("solo") / ".digests").read_text().splitlines()
+    assert signed and all(len(line.split(" ", 1)[0]) == 64 for line in signed)
+    assert [m["verified"] for m in host(verify(box, playbook), "solo").models] == ["cached"]  # the target's
+
+
 def test_a_manifest_pins_every_file_and_names_the_one_that_differs(box: Box) -> None:
     target, _ = model_dirs(box)
     real = hashlib.sha256((target / "model.safetensors").read_bytes()).hexdigest()
@@ -274,3 +311,19 @@ def test_the_mask_token_is_named_from_the_targets_tokenizer_on_the_host(box: Box
 
     silent = host(deploy(box, with_models(box, target={"path": str(base)})), "solo").gates["models"]
     assert "mask_token_id" not in silent.detail  # no tokenizer files: nothing to say
+
+
+def test_the_digest_key_is_made_once_and_readable_by_this_user_alone(tmp_path: Path) -> None:
+    from orchestrator.errors import StateError
+    from orchestrator.state import digest_key
+
+    key = digest_key(tmp_path / "state")
+    assert len(key) == 64 and int(key, 16) >= 0 and digest_key(tmp_path / "state") == key
+    assert (tmp_path / "state" / "digest.key").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "state" / "digest.key").write_text("not hex\n")
+    try:
+        digest_key(tmp_path / "state")
+    except StateError as exc:
+        assert "digest.key cannot be used" in str(exc)
+    else:
+        raise AssertionError("a damaged key was used")
