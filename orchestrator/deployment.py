@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from orchestrator import runs
 from orchestrator.connector import Connector
 from orchestrator.errors import InputError
-from orchestrator.inventory import Inventory, Target
+from orchestrator.inventory import LOCAL, Inventory, Target
 from orchestrator.playbook import Playbook
 from orchestrator.results import RunReport
 from orchestrator.runner import Observer, RunOptions, Scope
@@ -46,7 +46,40 @@ def select_targets(playbook: Playbook, inventory: Inventory, limit: Sequence[str
         chosen = [t for t in chosen if t.name in limited]
     if not chosen:
         raise InputError("no targets: the playbook's targets and --limit select no container")
+    local: dict[str, str] = {}
+    for target in chosen:
+        _check_root(playbook, inventory, target)
+        if target.container.connection == LOCAL:
+            # Two local containers on one deploy root would be one server, READY twice.
+            root = target.container.deploy_root or playbook.deploy_root
+            other = local.setdefault(root, target.name)
+            if other != target.name:
+                raise InputError(
+                    f"containers {other} and {target.name} are both this machine with deploy root {root}: "
+                    "one place cannot be two containers",
+                    file=str(inventory.file),
+                    key=f"hosts.{target.container.host}.containers.{target.name}.deploy_root",
+                )
     return chosen
+
+
+def _within(inner: str, outer: str) -> bool:
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def _check_root(playbook: Playbook, inventory: Inventory, target: Target) -> None:
+    """A deploy root apart from the model directories: inside one, each release would be a file of
+    the model (hashed, and nested in the next release's overlay); around one, pruning releases
+    would walk the weights."""
+    container = target.container
+    root = container.deploy_root or playbook.deploy_root
+    for model in playbook.models.all:
+        if _within(root, model.path) or _within(model.path, root):
+            message = f"{root} overlaps models.{model.role}.path {model.path} (a deploy root is a directory of its own)"
+            if container.deploy_root:
+                key = f"hosts.{container.host}.containers.{container.name}.deploy_root"
+                raise InputError(message, file=str(inventory.file), key=key)
+            raise InputError(message, file=str(playbook.file), key="deploy_root")
 
 
 @dataclass

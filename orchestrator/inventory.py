@@ -33,6 +33,8 @@ together with group names, GPU host names (all of that host's containers) and ``
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -262,9 +264,7 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
                     raise cfield["connection"].error(
                         f"GPU host '{hname}' has an lxd: block, so its containers are LXD containers reached over SSH"
                     )
-            deploy_root = cfield["deploy_root"].str(None)
-            if deploy_root is not None and not deploy_root.startswith("/"):
-                raise cfield["deploy_root"].error("expected an absolute path")
+            deploy_root = cfield["deploy_root"].directory(None)
             container_lxd = None
             if lxd is not None:
                 container_lxd = _container_lxd(cfield["lxd"])
@@ -328,7 +328,7 @@ def _check_distinct(top: Field, hosts: dict[str, GpuHost], group_vars: dict[str,
         if c.connection == LOCAL:
             place: tuple[Any, ...] = (LOCAL, c.deploy_root)
         elif c.address is not None:
-            place = (SSH, c.address, c.ssh.port, h.name if c.jump else None)
+            place = (SSH, _one_spelling(c.address), c.ssh.port, h.name if c.jump else None)
         else:
             continue  # discovered through LXD: one container, one address
         if place in places:
@@ -336,6 +336,20 @@ def _check_distinct(top: Field, hosts: dict[str, GpuHost], group_vars: dict[str,
             what = "the same deploy root on this machine" if c.connection == LOCAL else "the same address and port"
             raise where.error(f"{what} as container '{places[place]}': one place cannot be two containers")
         places[place] = c.name
+
+
+def _one_spelling(address: str) -> str:
+    """An address as the resolver reads it: IPv4 in its short and numeric forms (``10.66.2`` and
+    ``172097538`` are 10.66.0.2 to glibc), IPv6 compressed, a name in lower case. (Two names of
+    one host are caught when they connect: each host key answers for one container.)"""
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    try:
+        return socket.inet_ntoa(socket.inet_aton(address))
+    except OSError:
+        return address.lower().rstrip(".")
 
 
 def _ssh(f: Field, base_settings: SshSettings, base: Path) -> SshSettings:

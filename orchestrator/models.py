@@ -41,6 +41,9 @@ def _drift(model: Model, found: protocol.ModelFiles, pinned: dict[str, str] | No
         for name, want in sorted(pinned.items()):
             if name in digests and digests[name] != want:
                 drift.append(f"{name} has sha256 {digests[name]}, {what} pins {want}")
+        # The directory holds what its pin says, and nothing else: vLLM loads by globs and indexes.
+        pin = "the manifest" if model.manifest is not None else "what was pushed"
+        drift += [f"{name} is there, but not in {pin}" for name in found.extra]
         by = "the playbook's manifest" if model.manifest is not None else f"the files pushed from {model.push}"
         return drift, changed, by
     if found.pins is None:

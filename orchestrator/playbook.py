@@ -228,14 +228,7 @@ def load_playbook(path: Path | str) -> Playbook:
         required=frozenset({"name", "deploy_root"}),
     )
     base = path.parent
-    root_field = top["deploy_root"]
-    deploy_root = root_field.str()
-    if (
-        not deploy_root.startswith("/")
-        or posixpath.normpath(deploy_root) != deploy_root.rstrip("/")
-        or deploy_root == "/"
-    ):
-        raise root_field.error("expected an absolute, normalised directory other than /")
+    deploy_root = top["deploy_root"].directory()
     models = _models(top["models"], base)
     serving = _serving(top["serving"])
     if serving.target is not None and serving.python is None:
@@ -302,7 +295,7 @@ def load_playbook(path: Path | str) -> Playbook:
         file=path,
         name=top["name"].str(),
         targets=targets,
-        deploy_root=deploy_root.rstrip("/"),
+        deploy_root=deploy_root,
         keep_releases=top["keep_releases"].int(KEEP_RELEASES, minimum=2),
         files=tuple(files),
         drafter=drafter,

@@ -203,6 +203,7 @@ class ModelFiles:
     config: str | None = None  # config.json's text, when asked (None: the directory has none)
     headers: dict[str, dict[str, Any]] = field(default_factory=dict)  # safetensors file -> tensor -> dtype, shape
     tokens: dict[int, TokenFacts] | None = None  # the ids asked, in its tokenizer (None: no tokenizer files)
+    extra: tuple[str, ...] = ()  # in the directory but not among the files asked for (pinned by name)
 
 
 @dataclass(frozen=True)
@@ -519,6 +520,9 @@ def _model_files(v: dict[str, Any]) -> ModelFiles:
     tokens = _field(v, "tokens", dict, optional=True)
     if tokens is not None and not all(isinstance(k, str) and k.isdigit() for k in tokens):
         raise AnswerError("'tokens' is not a mapping of token ids")
+    extra = _field(v, "extra", list, optional=True) or []
+    if not all(isinstance(e, str) for e in extra):
+        raise AnswerError("'extra' is not a list of paths")
     return ModelFiles(
         _field(v, "path", str),
         tuple(files),
@@ -528,6 +532,7 @@ def _model_files(v: dict[str, Any]) -> ModelFiles:
         _field(v, "config", str, optional=True),
         headers,
         {int(k): _token_facts(_mapping(t, f"token {k}")) for k, t in tokens.items()} if tokens is not None else None,
+        tuple(extra),
     )
 
 

@@ -41,6 +41,7 @@ from orchestrator.errors import (
     ConnectFailed,
     ConnectionLost,
     HostKeyChanged,
+    HostKeyError,
     TransportError,
     UnknownHostKey,
 )
@@ -210,6 +211,7 @@ class SshConnector:
         self.accept_new = accept_new_host_keys
         self.retry = retry
         self._connections: dict[str, paramiko.Transport] = {}
+        self._presented: dict[str, str] = {}  # host key fingerprint -> the container that presented it
         self._counters: dict[str, Counters] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -311,8 +313,21 @@ class SshConnector:
             else:
                 sock = self._dial(target.container.endpoint)
             t = self._handshake(target.container.endpoint, sock)
+            key = t.get_remote_server_key()
+            presented = fingerprint(key.get_name(), key.get_base64())
             with self._guard:
-                self._connections[name] = t
+                # Two containers of the inventory that are one host (two spellings of an address,
+                # two names of one machine) would be deployed twice and READY twice while another
+                # host is never touched: each host key answers for one container only.
+                other = self._presented.setdefault(presented, name)
+                if other == name:
+                    self._connections[name] = t
+            if other != name:
+                t.close()
+                raise HostKeyError(
+                    target.container.endpoint.name,
+                    f"presents the host key of container {other} ({presented}): one host cannot be two containers",
+                )
             return t
 
     def _jump_connection(self, endpoint: Endpoint) -> paramiko.Transport:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,6 +255,17 @@ class Field:
         if value is not None and value > MAX_SECONDS:
             raise self.error(f"at most {MAX_SECONDS:.0f} seconds (a week), got {self.value}")
         return value
+
+    def directory(self, default: Any = _MISSING) -> Any:
+        """The field as an absolute, normalised directory other than ``/``, without a trailing
+        slash: one directory has one spelling (``/srv/d`` and ``/srv/d/`` are one place), and no
+        tool's tree lands at the filesystem's root."""
+        value = self.str(default)
+        if value is None or not self.present:
+            return value
+        if not value.startswith("/") or posixpath.normpath(value) != value.rstrip("/") or value.rstrip("/") == "":
+            raise self.error(f"expected an absolute, normalised directory other than /, got {value!r}")
+        return value.rstrip("/")
 
     def bool(self, default: Any = _MISSING) -> Any:
         """The field as a boolean; the default when absent."""

@@ -92,6 +92,11 @@ def op_model_files(req):
     # pins: the digests the current release was proven with from this directory (None: it served
     # nothing from here: another directory, or a release from before models were recorded).
     out = {"path": source, "files": files, "missing": missing, "pins": pins or None, "release_id": current}
+    if req["files"] is not None:
+        # Pinned by name: what else the directory holds is not what was pinned (a planted shard
+        # that an index names would be loaded).
+        asked = set(names) | skip
+        out["extra"] = [n for n in _model_names(source) if n not in asked]
     if req["config"]:
         out["config"] = _read_small(os.path.join(source, "config.json"))
     if req["tokens"]:

@@ -106,6 +106,28 @@ def test_jump_through_the_gpu_host_checks_both_keys(sandbox: Sandbox, cli, tmp_p
     assert bad.code == 1 and "HOST KEY CHANGED" in bad.host("via-gw")["gates"]["connect"]["detail"]
 
 
+def test_one_host_reached_two_ways_is_not_two_containers(sandbox: Sandbox, cli, tmp_path: Path, root_name: str) -> None:  # type: ignore[no-untyped-def]
+    """The same sshd as a container of its own and again through a jump host: two inventory
+    entries, one host. It was deployed twice and READY twice; now the host key it presents answers
+    for one container only, and the second is refused, naming the first."""
+    gw, inner = sandbox.hosts[0], sandbox.hosts[1]
+    body = (
+        f"  direct:\n    containers:\n      plain: {{address: {inner.address}}}\n"
+        f"  gpu-gw:\n    address: {gw.address}\n    containers:\n"
+        f"      via-gw:\n        address: {inner.address}\n        jump: true\n"
+    )
+    inv = inventory(tmp_path, sandbox, known_line(sandbox, gw.name) + known_line(sandbox, inner.name), body)
+    pb = write_playbook(tmp_path, root_name, {"x.txt": b"one host\n"})
+    run = cli("deploy", pb, "-i", inv, "--json", "--forks", "1")
+    assert run.code == 1, run.stderr
+    ready = [h["name"] for h in run.json["hosts"] if h["ready"]]
+    (refused,) = [h for h in run.json["hosts"] if not h["ready"]]
+    assert len(ready) == 1 and refused["name"] != ready[0]
+    detail = refused["gates"]["connect"]["detail"]
+    assert f"presents the host key of container {ready[0]} (ssh-ed25519 SHA256:" in detail
+    assert "one host cannot be two containers" in detail and "files" not in refused["gates"]
+
+
 def test_agent_refuses_paths_outside_the_deploy_root_over_ssh(sandbox: Sandbox, tmp_path: Path, root_name: str) -> None:
     inv = load_inventory(sandbox.inventory)
     target = inv.resolve([sandbox.names[0]])[0]

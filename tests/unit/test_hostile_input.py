@@ -290,6 +290,37 @@ INVENTORY_CASES = {
         "hosts.a.containers.me.groups: names may hold letters, digits",
     ),
     "an alias bomb": ("x: &x [*x]\nhosts: {}\n", "inv.yaml:1 x[0]: YAML aliases are not supported"),
+    # One place spelled twice is still one place (glibc reads 10.66.2 as 10.66.0.2).
+    "one address in its short IPv4 form": (
+        "hosts:\n  a:\n    containers:\n      me: {address: 10.66.0.2}\n  b:\n    containers:\n"
+        "      other: {address: 10.66.2}\n",
+        "inv.yaml:7 hosts.b.containers.other: the same address and port as container 'me'",
+    ),
+    "one address as a number": (
+        "hosts:\n  a:\n    containers:\n      me: {address: 10.66.0.2}\n      other: {address: '172097538'}\n",
+        "hosts.a.containers.other: the same address and port as container 'me'",
+    ),
+    "one IPv6 address written twice": (
+        "hosts:\n  a:\n    containers:\n      me: {address: 'fd00::2'}\n      other: {address: 'fd00:0:0::2'}\n",
+        "hosts.a.containers.other: the same address and port",
+    ),
+    "one deploy root spelled with a slash": (
+        "hosts:\n  a:\n    containers:\n      me: {connection: local, deploy_root: /srv/d}\n"
+        "      other: {connection: local, deploy_root: /srv/d/}\n",
+        "hosts.a.containers.other: the same deploy root on this machine as container 'me'",
+    ),
+    "the filesystem's root as a deploy root": (
+        "hosts:\n  a:\n    containers:\n      me: {connection: local, deploy_root: /}\n",
+        "hosts.a.containers.me.deploy_root: expected an absolute, normalised directory other than /, got '/'",
+    ),
+    "a deploy root with ..": (
+        "hosts:\n  a:\n    containers:\n      me: {connection: local, deploy_root: /srv/../etc}\n",
+        "hosts.a.containers.me.deploy_root: expected an absolute, normalised directory",
+    ),
+    "an SSH time limit of 1e300 seconds": (
+        "defaults: {connect_timeout: 1.0e+300}\nhosts:\n  a:\n    containers:\n      me: {connection: local}\n",
+        "inv.yaml:1 defaults.connect_timeout: at most 604800 seconds (a week)",
+    ),
 }
 
 
@@ -333,3 +364,24 @@ def test_numbers_past_any_sensible_bound_are_refused(
     if argv[0] == "watch":
         argv = ["watch", *setup(tmp_path), *argv[1:]]
     assert expected in refused(tmp_path, capsys, argv)
+
+
+def test_a_deploy_root_that_is_one_place_twice_or_overlaps_a_model_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Decided once the playbook and the inventory meet: a local container with no deploy root of
+    its own shares the playbook's with one that names it; a deploy root inside a model directory
+    would make each release a file of the model."""
+    root = tmp_path / "root"
+    argv = setup(
+        tmp_path,
+        PLAYBOOK.replace("deploy_root: /unused", f"deploy_root: {root}").replace("targets: [me]", "targets: [all]"),
+        f"hosts:\n  box:\n    containers:\n      me: {{connection: local}}\n"
+        f"      other: {{connection: local, deploy_root: {root}/}}\n",
+    )
+    err = refused(tmp_path, capsys, ["deploy", *argv])
+    assert f"containers me and other are both this machine with deploy root {root}" in err
+    models = f"models: {{target: {{path: {tmp_path}}}}}\n"
+    argv = setup(tmp_path, PLAYBOOK.replace("deploy_root: /unused", f"deploy_root: {root}") + models)
+    err = refused(tmp_path, capsys, ["deploy", *argv])
+    assert f"deploy_root: {root} overlaps models.target.path {tmp_path}" in err

@@ -167,7 +167,11 @@ def test_a_local_container_needs_no_address_and_may_own_its_deploy_root(tmp_path
     [
         ("{connection: telnet}", "hosts.box.containers.me.connection", "expected 'ssh' or 'local'"),
         ("{connection: local, jump: true}", "hosts.box.containers.me.jump", "is this machine: no jump"),
-        ("{address: 10.0.0.1, deploy_root: srv/dflash}", "hosts.box.containers.me.deploy_root", "absolute path"),
+        (
+            "{address: 10.0.0.1, deploy_root: srv/dflash}",
+            "hosts.box.containers.me.deploy_root",
+            "absolute, normalised directory",
+        ),
         ("{connection: ssh}", "hosts.box.containers.me", "missing required key 'address'"),
     ],
 )

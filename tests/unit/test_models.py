@@ -161,6 +161,26 @@ def test_a_manifest_pins_every_file_and_names_the_one_that_differs(box: Box) -> 
     assert run.ok and "pinned by the playbook's manifest" in host(run, "solo").gates["models"].detail
 
 
+def test_a_pinned_directory_holds_what_the_pin_says_and_nothing_else(box: Box) -> None:
+    """A shard planted beside the pinned files, and an index that names it (vLLM loads shards by
+    the index, or by glob): the files the pin lists still read right, yet the directory serves
+    more. It was IN SYNC; now it is drift, named, in verify and deploy."""
+    target, _ = model_dirs(box)
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}" for p in sorted(target.iterdir())]
+    (box.dir / "target.sha256").write_text("\n".join(lines) + "\n")
+    playbook = with_models(box, target={"manifest": "target.sha256"})
+    assert deploy(box, playbook).ok and verify(box, playbook).ok
+    safetensors(target / "model-planted.safetensors", {"lm_head.weight": [64, 64]})
+    weight_map = {"lm_head.weight": "model-planted.safetensors"}
+    (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    checked = host(verify(box, playbook), "solo")
+    detail = checked.gates["models"].detail
+    assert not checked.gates["models"].ok
+    assert f"target {target}: model-planted.safetensors is there, but not in the manifest" in detail
+    assert "model.safetensors.index.json is there, but not in the manifest" in detail
+    assert not host(deploy(box, playbook), "solo").ready
+
+
 def test_the_target_config_on_the_host_is_what_the_drafter_is_linted_against(box: Box) -> None:
     target, _ = model_dirs(box)
     (target / "config.json").write_text(json.dumps(dict(TARGET_CONFIG, num_hidden_layers=1)))
