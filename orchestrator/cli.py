@@ -40,7 +40,15 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orchestrate":
 from orchestrator import dflash
 from orchestrator.configs import read_json, read_mapping
 from orchestrator.deployment import Deployment
-from orchestrator.errors import EXIT_INTERRUPTED, EXIT_NOT_READY, EXIT_OK, InputError, OrchestratorError, SandboxError
+from orchestrator.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_NOT_READY,
+    EXIT_OK,
+    InputError,
+    OrchestratorError,
+    SandboxError,
+    StateError,
+)
 from orchestrator.inventory import inventory_view, load_inventory, show_one
 from orchestrator.playbook import load_playbook
 from orchestrator.report import (
@@ -93,6 +101,13 @@ def _positive_int(text: str) -> int:
     if value > MAX_COUNT:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {value}")
     return value
+
+
+def _output_path(text: str) -> Path:
+    """A file to write: ``Path("")`` would be ``.``, the current directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return Path(text)
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -296,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         "report", help="per host: releases, runs with their gates and times, tau over time (an HTML page with --html)"
     )
     rep.set_defaults(func=_cmd_report)
-    rep.add_argument("--html", type=Path, default=None, metavar="FILE", help="write a self-contained HTML page")
+    rep.add_argument("--html", type=_output_path, default=None, metavar="FILE", help="write a self-contained HTML page")
     rep.add_argument("--host", default=None, help="only this host")
     rep.add_argument("--json", action="store_true")
     rep.add_argument("--state-dir", type=Path, default=None)
@@ -353,6 +368,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
     kind = "dry-run" if getattr(args, "dry_run", False) else args.command
     options = _options(args)
     deployment = _deployment(args, options)
+    db = StateDB(args.state_dir)
+    try:
+        db.check_writable()  # the record must be possible before any host changes
+        run = _run(args, kind, deployment, options)
+        try:
+            db.record(run)
+        except StateError as exc:
+            _say(f"error: the run was not recorded: {exc}")
+    finally:
+        db.close()
+    if run.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_OK if run.ok else EXIT_NOT_READY
+
+
+def _run(args: argparse.Namespace, kind: str, deployment: Deployment, options: RunOptions) -> RunReport:
+    """One run with its progress, interrupts and result (said before it is recorded: what the
+    hosts did reaches the terminal even when recording it fails)."""
     progress = ProgressPrinter(kind, len(deployment.targets), mode="json" if args.json else "auto")
     deployment.observer = progress
     _say(f"{kind} {deployment.playbook.name}: {len(deployment.targets)} hosts, forks {args.forks}")
@@ -376,18 +409,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     run.interrupted = options.interrupt.is_set()
     for key in run.accepted_host_keys:
         _say(f"accepted new host key: {key}")
-    db = StateDB(args.state_dir)
-    try:
-        db.record(run)
-    finally:
-        db.close()
     if args.json:
         render_json(run.to_json())
     else:
         render_table(run)
-    if run.interrupted:
-        return EXIT_INTERRUPTED
-    return EXIT_OK if run.ok else EXIT_NOT_READY
+    return run
 
 
 @contextlib.contextmanager
@@ -442,8 +468,22 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     what = "one round" if args.once else f"every {args.interval:g} s"
     _say(f"watch {deployment.playbook.name}: {len(deployment.targets)} hosts, {what}")
 
+    unrecorded: list[str] = []
+
     def on_round(number: int, rounds: list[watch.Round], transitions: list[watch.Transition]) -> None:
-        db.record_watch(transitions, rounds)
+        # Watching outlives its own bookkeeping: a database that is full or locked is said (once
+        # per kind of failure, and again when it recovers) while the rounds, the transitions and
+        # --on-change go on.
+        try:
+            db.record_watch(transitions, rounds)
+        except StateError as exc:
+            if str(exc) not in unrecorded:
+                _say(f"error: watch round {number} was not recorded (watching goes on): {exc}")
+                unrecorded.append(str(exc))
+        else:
+            if unrecorded:
+                _say(f"watch round {number} recorded again")
+                unrecorded.clear()
         if collector is not None:
             collector.update(rounds)
         _say(round_summary(number, rounds))

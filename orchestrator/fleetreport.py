@@ -10,14 +10,13 @@ opened in a browser, and a hostile host must not be able to put markup in it.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import InputError
+from orchestrator.localfiles import write_output
 
 SHADED = {"DEGRADED": "#f4c7c3", "DRIFT": "#fce8b2", "DOWN": "#dadce0"}
 SOURCE_COLOURS = {"deploy": "#1a73e8", "rollback": "#9334e6", "verify": "#188038", "watch": "#5f6368"}
@@ -126,16 +125,10 @@ def _when(at: float | None) -> str:
 
 
 def write_html(path: Path, hosts: list[HostHistory], now: float) -> None:
-    """The page written to ``path`` by an atomic replace: a reader never sees half a page, and a
-    failed write leaves what was there (an ``InputError`` naming the path)."""
-    page = render_html(hosts, now).encode("utf-8")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(page)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise InputError(f"--html {path}: {exc.strerror or exc}") from None
+    """The page written to ``path``: a file by an atomic replace (a reader never sees half a
+    page, a failed write leaves what was there), a device or a pipe written through, never
+    replaced (``localfiles.write_output``)."""
+    write_output(path, render_html(hosts, now).encode("utf-8"), "--html")
 
 
 def render_html(hosts: list[HostHistory], now: float) -> str:

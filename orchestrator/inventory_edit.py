@@ -14,6 +14,7 @@ import difflib
 import fcntl
 import io
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -60,6 +61,16 @@ def edit_inventory(path: Path, edit: Edit, dry_run: bool = False) -> EditResult:
     """Apply one edit: serialised with every other edit of the file (a lock beside it, the file
     read again under it), through a link to the file it names, keeping its owner and mode."""
     real = Path(os.path.realpath(path))
+    try:
+        regular = stat.S_ISREG(os.stat(real).st_mode)
+    except FileNotFoundError:
+        raise InputError("file not found", file=str(path)) from None
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}", file=str(path)) from exc
+    if not regular:
+        # An edit replaces the file by a rename: a device, a pipe or a directory would be
+        # replaced by a regular file (and opening a pipe to read it waits for a writer).
+        raise InputError(f"not a regular file ({real}): an inventory is edited only when it is one", file=str(path))
     with _locked(real):
         return _edit(real, edit, dry_run)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,10 @@ if TYPE_CHECKING:
     from orchestrator.watch import Round, Transition
 
 SCHEMA = """
+CREATE TABLE IF NOT EXISTS checks (
+    what TEXT PRIMARY KEY,
+    at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS runs (
     id INTEGER PRIMARY KEY,
     kind TEXT NOT NULL,
@@ -132,7 +137,17 @@ class StateDB:
             raise StateError(f"state database {self.path}: {exc}") from exc
 
     def close(self) -> None:
+        """Close the database (what was committed stays)."""
         self.db.close()
+
+    def check_writable(self) -> None:
+        """Write and commit a row, before a run touches any host: a database that is read-only,
+        locked past its timeout or on a full disk is said now, not after the hosts changed."""
+        try:
+            with self.db:
+                self.db.execute("INSERT OR REPLACE INTO checks VALUES ('writable', ?)", (time.time(),))
+        except sqlite3.Error as exc:
+            raise StateError(f"state database {self.path} cannot be written: {exc}") from exc
 
     def record(self, run: RunReport) -> int:
         try:

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -226,3 +227,12 @@ def drafter_shapes(
             p + "post_attention_layernorm.weight": [hidden],
         }
     return shapes
+
+
+def immutable(state: Path, on: bool) -> None:
+    """The state database and its write-ahead log made immutable (chattr +i: not even root writes
+    them), or not: a database that cannot take a write, for real ("disk I/O error"). Its shared
+    memory file is left alone: SQLite maps it, and a write to a mapped immutable page is SIGBUS."""
+    for name in ("state.db", "state.db-wal"):
+        if (state / name).exists():
+            subprocess.run(["chattr", "+i" if on else "-i", str(state / name)], check=True)

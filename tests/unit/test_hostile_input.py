@@ -8,6 +8,8 @@ had anything reached it, that directory would exist.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -385,3 +387,63 @@ def test_a_deploy_root_that_is_one_place_twice_or_overlaps_a_model_is_refused(
     argv = setup(tmp_path, PLAYBOOK.replace("deploy_root: /unused", f"deploy_root: {root}") + models)
     err = refused(tmp_path, capsys, ["deploy", *argv])
     assert f"deploy_root: {root} overlaps models.target.path {tmp_path}" in err
+
+
+def test_an_output_path_that_is_not_a_regular_file_is_written_through_or_refused_never_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """report --html: a device stays a device (written through: /dev/full says it is full), a
+    directory or an empty name is refused, a link to a file keeps being a link to the new page.
+    The atomic write used to rename a regular file over /dev/full and exit 0."""
+    state = ["--state-dir", str(tmp_path / "state")]
+
+    def report(target: str) -> tuple[int, str]:
+        try:
+            code = cli.main(["report", *state, "--html", target])
+        except SystemExit as exc:  # argparse's own refusals
+            code = exc.code  # type: ignore[assignment]
+        return code, capsys.readouterr().err
+
+    code, err = report("/dev/full")
+    assert code == 2 and "--html /dev/full: No space left on device" in err
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+    assert report("/dev/null")[0] == 0 and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    code, err = report("")
+    assert code == 2 and "argument --html: an empty path" in err
+    os.mkfifo(tmp_path / "pipe")
+    code, err = report(str(tmp_path / "pipe"))  # no reader: said at once, not waited on
+    assert code == 2 and "nothing reads the pipe" in err and stat.S_ISFIFO(os.stat(tmp_path / "pipe").st_mode)
+    (tmp_path / "dir").mkdir()
+    code, err = report(str(tmp_path / "dir"))
+    assert code == 2 and "not a regular file" in err and (tmp_path / "dir").is_dir()
+    (tmp_path / "page.html").write_text("old page")
+    (tmp_path / "page.html").chmod(0o640)
+    (tmp_path / "link.html").symlink_to("page.html")
+    assert report(str(tmp_path / "link.html"))[0] == 0
+    assert (tmp_path / "link.html").is_symlink() and "fleet report" in (tmp_path / "page.html").read_text()
+    assert (tmp_path / "page.html").stat().st_mode & 0o777 == 0o640
+
+
+def test_an_inventory_that_is_not_a_regular_file_is_never_edited(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An edit replaces the inventory by a rename: /dev/null would become a regular file, and
+    opening a pipe to read it waits for a writer for ever. Both are refused at once."""
+    os.mkfifo(tmp_path / "pipe.yaml")
+    for path in ("/dev/null", str(tmp_path / "pipe.yaml")):
+        code = cli.main(["inventory", "add-host", "gpu-1", "--address", "10.0.0.9", "-i", path])
+        err = capsys.readouterr().err
+        assert code == 2 and "not a regular file" in err and "an inventory is edited only when it is one" in err
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and stat.S_ISFIFO(os.stat(tmp_path / "pipe.yaml").st_mode)
+
+
+def test_a_state_database_that_cannot_be_written_stops_the_run_before_any_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = setup(tmp_path)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "state.db").write_bytes(b"not a database, a damaged file" * 100)
+    code = cli.main(["deploy", *argv])
+    err = capsys.readouterr().err
+    assert code == 1 and "state database" in err and "Traceback" not in err
+    assert not (tmp_path / "root").exists()  # no host was touched

@@ -35,6 +35,7 @@ from tests.unit.localbox import (
     alive,
     deploy,
     host,
+    immutable,
     rollback,
     stop,
     verify,
@@ -520,6 +521,22 @@ def test_a_second_ctrl_c_aborts_at_once_and_the_host_in_flight_stays_consistent(
         assert (current / "a.txt").read_text() == "a\n"
     assert not list(box.root("n0").glob("releases/.staging*"))
     assert not (box.root("n1") / "current").exists() and not (box.root("solo") / "current").exists()
+
+
+def test_a_run_whose_record_fails_still_says_what_the_hosts_did(box: Box) -> None:
+    """The state database takes the run's first write (checked before any host), then stops taking
+    writes while the run is held on a lock: the table still reaches stdout, the failure to record
+    is said, and the exit code is the run's. Its result used to be lost with the record."""
+    run = HeldDeploy(box)
+    immutable(run.state, True)
+    try:
+        run.held.close()  # the host in flight goes on, and every other after it
+        out, err = run.proc.communicate(timeout=120)
+    finally:
+        immutable(run.state, False)
+    assert run.proc.returncode == 0, run.said + err
+    assert "deploy: 3/3 hosts READY" in out
+    assert "error: the run was not recorded: state database" in err and "Traceback" not in err
 
 
 def test_verify_and_the_dry_run_never_write_not_even_the_deploy_root(box: Box) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -27,9 +28,10 @@ from orchestrator import cli, metrics, probe
 from orchestrator.deployment import Deployment
 from orchestrator.playbook import AcceptanceGate, Playbook
 from orchestrator.results import GATE_FILES, GATE_HEALTH, GATE_READY, FileState, Gate, HostReport
+from orchestrator.state import StateDB
 from orchestrator.watch import DEGRADED, DOWN, DRIFT, READY, HostWatch, Seen, changed_fields, step
 from orchestrator.watcher import Watcher
-from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, K, alive, deploy, free_port
+from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, K, alive, deploy, free_port, immutable, stop
 
 GATE = AcceptanceGate(min_mean_acceptance_length=3.0, min_drafts=50)
 
@@ -425,3 +427,61 @@ def cmdline(pid: int) -> str:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_watch_outlives_its_own_bookkeeping(box: Box, tmp_path: Path) -> None:
+    """A state database that stops taking writes while watch runs, and a host that goes down then:
+    the transition is printed and judged, said not to be recorded (once), and the rounds go on;
+    when the database takes writes again, the next transition is recorded and so it says. It used
+    to end the watch at the first transition it could not record."""
+    playbook = box.playbook()
+    assert deploy(box, playbook).ok
+    state = tmp_path / "state"
+    env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(state))
+    argv = [sys.executable, "-m", "orchestrator", "watch", str(playbook.file), "-i", str(box.inventory_path)]
+    proc = subprocess.Popen(
+        [*argv, "--interval", "1", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    said = b""
+
+    def until(words: bytes) -> None:
+        nonlocal said
+        deadline = time.monotonic() + 60
+        while words not in said:
+            assert time.monotonic() < deadline, said
+            if select.select([proc.stderr], [], [], 0.5)[0]:
+                said += os.read(proc.stderr.fileno(), 1 << 16)
+
+    def state_now() -> str:
+        return str(json.loads(proc.stdout.readline())["hosts"][0]["state"])  # type: ignore[union-attr]
+
+    try:
+        assert state_now() == READY
+        immutable(state, True)
+        try:
+            assert stop(box, playbook).ok
+            while state_now() == READY:
+                pass  # rounds go on until the one that sees the server gone
+            until(b"was not recorded (watching goes on)")
+            assert state_now() == DOWN  # and go on after it
+        finally:
+            immutable(state, False)
+        assert deploy(box, playbook).ok
+        while state_now() != READY:
+            pass  # the round that sees it back
+        until(b"recorded again")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) >= 0  # it ends on SIGTERM after its round (its code: the last round's states)
+    finally:
+        immutable(state, False)
+        if proc.poll() is None:
+            proc.kill()
+    said += proc.stderr.read()
+    assert said.count(b"was not recorded (watching goes on)") == 1 and b"Traceback" not in said
+    db = StateDB(state)
+    try:
+        moves = [(t["from"], t["to"]) for t in db.transitions()]
+    finally:
+        db.close()
+    assert moves == [(None, READY), (DOWN, READY)]  # the one it could not record is not there
