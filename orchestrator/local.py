@@ -43,8 +43,15 @@ class LocalConnector:
         deadline = time.monotonic() + limit
         self.counters(target.name).execs += 1
         try:
+            # A session of its own, as sshd gives a remote agent: a Ctrl-C or a hang-up at the
+            # controller's terminal reaches the controller only, and the agent finishes its
+            # batch's atomic steps (killed mid-batch, it left current on an unproven release).
             proc = subprocess.Popen(
-                list(command.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                list(command.argv),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
             )
         except OSError as exc:
             # What a shell would answer over SSH: 127 not found, 126 not executable.
@@ -105,7 +112,11 @@ class LocalConnector:
         self.counters(target.name).execs += 1
         try:
             proc = subprocess.Popen(
-                list(command.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                list(command.argv),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # as run(): the terminal's signals are the controller's
             )
         except OSError as exc:
             raise ConnectionLost(target.name, f"could not start {command.argv[0]}: {exc.strerror or exc}") from exc

@@ -407,7 +407,9 @@ class HeldDeploy:
     """`orchestrate deploy` of three hosts, one at a time, whose first host (n0) waits on a lock
     this test holds: nothing can start or finish before the test lets it."""
 
-    def __init__(self, box: Box) -> None:
+    def __init__(self, box: Box, terminal: bool = False) -> None:
+        """``terminal``: the run leads a process group of its own, as a shell's foreground job
+        does, so that a test can signal the group as a terminal's Ctrl-C does."""
         (box.dir / "a.txt").write_text("a\n")
         book = {
             "name": "ctrl-c",
@@ -422,7 +424,9 @@ class HeldDeploy:
         fcntl.flock(self.held, fcntl.LOCK_EX)
         argv = [sys.executable, "-m", "orchestrator", "deploy", str(box.dir / "ctrl-c.yaml"), "-i"]
         argv += [str(box.inventory_path), "--forks", "1", "--lock-timeout", "300", "--state-dir", str(self.state)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=terminal
+        )
         self.said = ""
         deadline = time.monotonic() + 60
         while not self.agents():
@@ -537,6 +541,30 @@ def test_a_run_whose_record_fails_still_says_what_the_hosts_did(box: Box) -> Non
     assert run.proc.returncode == 0, run.said + err
     assert "deploy: 3/3 hosts READY" in out
     assert "error: the run was not recorded: state database" in err and "Traceback" not in err
+
+
+def test_a_terminals_ctrl_c_reaches_the_controller_never_its_local_agent(box: Box) -> None:
+    """Ctrl-C at a terminal signals its whole foreground process group. A local agent used to be
+    in it and died mid-batch (current on an unproven release, the old server stopped); it now has
+    a session of its own, as a remote agent under sshd does: the run aborts, the agent finishes
+    its batch once the lock it waits on is free, and the host holds a whole release."""
+    run = HeldDeploy(box, terminal=True)
+    agents = run.agents()
+    os.killpg(run.proc.pid, signal.SIGINT)
+    run.wait_said("interrupted: starting no new host")
+    os.killpg(run.proc.pid, signal.SIGINT)
+    try:
+        run.proc.communicate(timeout=30)
+        assert run.proc.returncode == 130
+        assert all(alive(a) for a in agents)  # not in the group the terminal signalled
+    finally:
+        run.held.close()
+    deadline = time.monotonic() + 60
+    while any(alive(a) for a in agents):
+        assert time.monotonic() < deadline, "the agent did not finish its batch"
+        time.sleep(0.05)
+    assert (box.root("n0") / "current" / "a.txt").read_text() == "a\n"
+    assert not list(box.root("n0").glob("releases/.staging*"))
 
 
 def test_verify_and_the_dry_run_never_write_not_even_the_deploy_root(box: Box) -> None:
