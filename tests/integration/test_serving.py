@@ -241,6 +241,7 @@ def test_speculative_decoding_switched_off_fails_the_gate(
         assert report["gates"]["acceptance"] == {
             "ok": False,
             "detail": "speculative decoding is not running: the server exposes no vllm:spec_decode_* counters",
+            "reason": "no_speculation",  # what the diagnosis reads, never the words above
         }
         assert not (sandbox.srv(host) / Path(root_name).name / "ready.json").exists()
     finally:
