@@ -427,21 +427,52 @@ def _launch_unit(root, name, argv, extra_env, log_path, release_id, stop_timeout
         time.sleep(0.05)
 
 
+class _Expired(Exception):
+    """The whole of an HTTP exchange did not finish by its deadline."""
+
+
+HTTP_LIMIT = 64 << 20  # the largest answer read (a vLLM /metrics is a few hundred KB)
+
+
 def _http(port, method, path, body=None, timeout=30.0):
+    """One request to the local server and its whole answer, within ``timeout`` seconds in all.
+
+    A socket timeout bounds each read only: a server that trickles a byte a second would hold
+    the agent for ever (and a watch round with it, leaving one stuck agent a round). So the whole
+    exchange runs under an interval timer; past it, the answer is (None, why)."""
+    import signal
     import urllib.error
     import urllib.request
 
     url = "http://127.0.0.1:%d%s" % (int(port), path)
     data = _dumps(body).encode("utf-8") if body is not None else None
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+
+    def expire(signum, frame):
+        raise _Expired()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(float(timeout), 0.001))
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return None, str(reason)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, _bounded(response.read(HTTP_LIMIT + 1))
+        except urllib.error.HTTPError as exc:
+            return exc.code, _bounded(exc.read(HTTP_LIMIT + 1))
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            return None, str(reason)
+    except _Expired:
+        return None, "no whole answer to %s %s within %g s" % (method, path, timeout)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _bounded(raw):
+    if len(raw) > HTTP_LIMIT:
+        return raw[:HTTP_LIMIT].decode("utf-8", "replace") + "\n(cut at %d bytes)" % HTTP_LIMIT
+    return raw.decode("utf-8", "replace")
 
 
 @op("wait_health", name=str, root=str, port=int, model=str, timeout=NUMBER)

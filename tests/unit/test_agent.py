@@ -13,8 +13,10 @@ import json
 import marshal
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -586,3 +588,51 @@ def test_the_engine_check_refuses_a_command_vllm_would_resolve_otherwise(tmp_pat
     )
     (silent,) = run([{**base, "argv": [sys.executable, "-c", "vllm cli", "serve", "/m"], "expect": {}}])
     assert not silent["ok"] and silent["error"]["code"] == "engine_refused"  # no verdict: vLLM's exit
+
+
+class Trickle:
+    """A local HTTP server that answers with headers, then one byte every 0.2 s for ever: every read
+    is quick, the answer never whole (what a wedged server, or a hostile one, can do)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1000000\r\n\r\n")
+            while not self.stop.wait(0.2):
+                try:
+                    conn.sendall(b"#")
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+def test_a_server_that_trickles_its_answer_is_given_up_on_at_the_deadline() -> None:
+    """Each read of a trickled answer is quick, so a socket timeout never fires: the agent used to
+    wait for ever (a watch round to its deadline, and one stuck agent left a round). The whole
+    exchange now has its deadline, whatever the server does."""
+    server = Trickle()
+    try:  # run() gives the agent 60 s: one that waits on the trickle fails the test there
+        (answer,) = run([{"op": "metrics", "port": server.port, "prefixes": [], "timeout": 2.0}])
+    finally:
+        server.close()
+    assert not answer["ok"] and "no whole answer to GET /metrics within 2 s" in answer["error"]["message"]
