@@ -509,6 +509,8 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         raise
     finally:
         w.close(wait=not aborted)
+        if on_change is not None:
+            on_change.close(wait=not aborted)  # the transitions already seen are told
         db.close()
         if server is not None:
             server.shutdown()

@@ -8,9 +8,11 @@ then the node is reported DOWN with why, never skipped. What the rounds mean is 
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -207,15 +209,39 @@ def _message(exc: OrchestratorError) -> str:
     return getattr(exc, "message", None) or str(exc)
 
 
-@dataclass(frozen=True)
 class OnChange:
     """``--on-change CMD``: run by ``/bin/sh -c`` (the operator's own command line) for each
-    transition, the transition as JSON on its stdin; never with anything of the hosts in argv."""
+    transition, the transition as JSON on its stdin; never with anything of the hosts in argv.
 
-    command: str
-    say: Callable[[str], None]
+    Off the round: a call queues the transition and returns, and ``workers`` threads run the
+    commands (a slow pager used to hold the watch for every transition of a round). One host's
+    transitions always go to the same worker, so each host's commands run in the order its
+    transitions happened; hosts run side by side. ``close`` lets the queued ones finish."""
+
+    def __init__(self, command: str, say: Callable[[str], None], workers: int = 8) -> None:
+        self.command, self.say = command, say
+        self._queues: list[queue.Queue[Transition | None]] = [queue.Queue() for _ in range(workers)]
+        self._threads = [threading.Thread(target=self._work, args=(q,), daemon=True) for q in self._queues]
+        for thread in self._threads:
+            thread.start()
 
     def __call__(self, transition: Transition) -> None:
+        self._queues[zlib.crc32(transition.host.encode()) % len(self._queues)].put(transition)
+
+    def close(self, wait: bool = True) -> None:
+        """No more transitions; with ``wait``, return once every queued command has run (each is
+        bounded by ON_CHANGE_TIMEOUT_S)."""
+        for q in self._queues:
+            q.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+    def _work(self, transitions: queue.Queue[Transition | None]) -> None:
+        while (transition := transitions.get()) is not None:
+            self._run(transition)
+
+    def _run(self, transition: Transition) -> None:
         import json
 
         data = (json.dumps(transition.to_json()) + "\n").encode()  # one JSON line: appends make JSON Lines

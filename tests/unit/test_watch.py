@@ -484,4 +484,53 @@ def test_watch_outlives_its_own_bookkeeping(box: Box, tmp_path: Path) -> None:
         moves = [(t["from"], t["to"]) for t in db.transitions()]
     finally:
         db.close()
-    assert moves == [(None, READY), (DOWN, READY)]  # the one it could not record is not there
+    # The one it could not record is not there; what came after it (DOWN, through any DRIFT the
+    # redeploy showed, to READY) is.
+    assert moves[0] == (None, READY) and (READY, DOWN) not in moves
+    assert moves[1][0] == DOWN and moves[-1][1] == READY
+
+
+def test_on_change_runs_beside_the_rounds_never_inside_them(box: Box, tmp_path: Path) -> None:
+    """An --on-change command that does not return (a pager that hangs) while the rounds go on:
+    they used to wait for it, transition by transition. The command here waits on a pipe that
+    the test opens only once two more rounds came out after the transition it was given."""
+    playbook = box.playbook()
+    assert deploy(box, playbook).ok
+    gate, told = tmp_path / "gate", tmp_path / "told"
+    os.mkfifo(gate)
+    env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(tmp_path / "state"))
+    argv = [sys.executable, "-m", "orchestrator", "watch", str(playbook.file), "-i", str(box.inventory_path)]
+    argv += ["--interval", "1", "--json", "--on-change", f"cat >> {told}; read go < {gate}"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    buffered = b""
+
+    def next_round(within: float = 30) -> dict[str, Any]:
+        nonlocal buffered
+        deadline = time.monotonic() + within
+        while b"\n" not in buffered:
+            assert time.monotonic() < deadline, "no round came out"
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                buffered += os.read(proc.stdout.fileno(), 1 << 16)  # type: ignore[union-attr]
+        line, buffered = buffered.split(b"\n", 1)
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    try:
+        assert next_round()["hosts"][0]["state"] == READY
+        assert stop(box, playbook).ok
+        while next_round()["hosts"][0]["state"] != DOWN:
+            pass
+        # While the command still waits: rounds are a second apart; inside the round, they would
+        # wait out the command's own 30 s limit.
+        after = [next_round(within=15)["round"] for _ in range(2)]
+        assert told.exists() and json.loads(told.read_text())["to"] == DOWN
+    finally:
+        try:  # let the command end, whatever the test found (no reader: nothing waits on it)
+            go = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            pass
+        else:
+            os.write(go, b"go\n")
+            os.close(go)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) >= 0 and len(after) == 2
