@@ -26,6 +26,7 @@ import logging
 import os
 import select
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -79,6 +80,16 @@ def _quick_ack(sock: socket.socket) -> None:
         # An error here means the connection is going away; the read that follows reports it.
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+
+
+def _refuse_unprotected(path: Path) -> None:
+    """A private key that others may read is refused, as OpenSSH refuses it ("UNPROTECTED
+    PRIVATE KEY FILE"): a credential anyone on the controller could copy is no credential."""
+    mode = os.stat(path).st_mode
+    if mode & 0o077:
+        raise ValueError(
+            f"others may read it (mode {stat.S_IMODE(mode):04o}), and OpenSSH refuses such a key: chmod 600 it"
+        )
 
 
 def fingerprint(key_type: str, blob_b64: str) -> str:
@@ -440,9 +451,16 @@ class SshConnector:
         keys: list[paramiko.PKey] = []
         if path is not None:
             try:
+                _refuse_unprotected(path)
                 keys.append(paramiko.PKey.from_path(path))
             except FileNotFoundError as exc:
                 raise AuthenticationFailed(endpoint.name, f"private key {path} does not exist") from exc
+            except TypeError as exc:  # paramiko's word for a key that needs a passphrase
+                raise AuthenticationFailed(
+                    endpoint.name,
+                    f"private key {path} is protected by a passphrase: add it to ssh-agent (ssh-add) and leave "
+                    "key: out of the inventory, or give a key without one",
+                ) from exc
             except (paramiko.SSHException, OSError, ValueError) as exc:
                 raise AuthenticationFailed(endpoint.name, f"cannot load private key {path}: {exc}") from exc
         else:
@@ -451,9 +469,10 @@ class SshConnector:
                 default = Path.home() / ".ssh" / candidate
                 if default.exists():
                     try:
+                        _refuse_unprotected(default)
                         keys.append(paramiko.PKey.from_path(default))
-                    except (paramiko.SSHException, OSError, ValueError):
-                        continue
+                    except (paramiko.SSHException, OSError, ValueError, TypeError):
+                        continue  # as ssh does: a default key it cannot use is passed over
         with self._guard:
             self._keys[path] = keys
         return keys

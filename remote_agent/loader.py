@@ -30,7 +30,13 @@ except Exception:  # noqa: BLE001 - no cache, or one we will not use: compile in
 if type(_code).__name__ != "code":
     _code = compile(zlib.decompress(_packed), "dflash-agent", "exec")
     try:
-        os.makedirs(_dir, 0o700, exist_ok=True)
+        # makedirs gives its mode to the leaf only: under a umask of 000, ~/.cache would be made
+        # writable by anyone.
+        _mask = os.umask(0o077)
+        try:
+            os.makedirs(_dir, 0o700, exist_ok=True)
+        finally:
+            os.umask(_mask)
         # The key is "<agent version>.<modules sent>": one entry per set of modules a batch
         # sends (files only, with models, serving...); those of earlier versions go.
         _version = _key.decode("ascii").split(".")[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,30 @@ def test_one_host_reached_two_ways_is_not_two_containers(sandbox: Sandbox, cli, 
     detail = refused["gates"]["connect"]["detail"]
     assert f"presents the host key of container {ready[0]} (ssh-ed25519 SHA256:" in detail
     assert "one host cannot be two containers" in detail and "files" not in refused["gates"]
+
+
+def test_a_key_openssh_would_refuse_is_refused_in_one_line(
+    sandbox: Sandbox, cli, tmp_path: Path, root_name: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A private key others may read (OpenSSH: "UNPROTECTED PRIVATE KEY FILE") and one that needs
+    a passphrase: each fails the connect gate with what to do, never a traceback (paramiko says a
+    passphrase is missing with a TypeError, which once escaped as 106 lines)."""
+    a = sandbox.names[0]
+    open_key = tmp_path / "open_key"
+    open_key.write_bytes(Path(sandbox.box.client_key).read_bytes())
+    open_key.chmod(0o644)
+    locked_key = tmp_path / "locked_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "a passphrase", "-f", str(locked_key)], check=True)
+    pb = write_playbook(tmp_path, root_name)
+    for key, said in (
+        (open_key, "others may read it (mode 0644), and OpenSSH refuses such a key: chmod 600 it"),
+        (locked_key, "is protected by a passphrase: add it to ssh-agent (ssh-add)"),
+    ):
+        body = f"  sandbox:\n    containers:\n      {a}: {{address: {sandbox.host(a).address}, key: {key}}}\n"
+        run = cli("deploy", pb, "-i", inventory(tmp_path, sandbox, known_line(sandbox, a), body), "--json")
+        assert run.code == 1 and "Traceback" not in run.stderr
+        assert said in run.host(a)["gates"]["connect"]["detail"]
+    assert not (sandbox.srv(a) / Path(root_name).name).exists()
 
 
 def test_agent_refuses_paths_outside_the_deploy_root_over_ssh(sandbox: Sandbox, tmp_path: Path, root_name: str) -> None:

@@ -636,3 +636,21 @@ def test_a_server_that_trickles_its_answer_is_given_up_on_at_the_deadline() -> N
     finally:
         server.close()
     assert not answer["ok"] and "no whole answer to GET /metrics within 2 s" in answer["error"]["message"]
+
+
+def test_the_agent_makes_no_directory_others_may_write_whatever_the_umask(tmp_path: Path) -> None:
+    """Under umask 000 (a careless shell profile), the agent's cache directory and every directory
+    it makes on the way (~/.cache) are this user's alone; ~/.cache used to be left 0777."""
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", BOOTSTRAP],
+        input=encode_request([{"op": "release_list", "root": str(tmp_path / "root")}]),
+        capture_output=True,
+        timeout=60,
+        env=dict(os.environ, HOME=str(home)),
+        umask=0,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    for made in (home / ".cache", home / ".cache" / "dflash-orchestrator"):
+        assert made.is_dir() and made.stat().st_mode & 0o022 == 0, oct(made.stat().st_mode)
