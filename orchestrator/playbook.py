@@ -375,15 +375,21 @@ def _models(f: Field, base: Path) -> Models:
 
 
 def _sha256sum_file(f: Field, path: Path) -> dict[str, str]:
-    """A ``sha256sum``-format file: ``<64 hex>  <relative path>`` per line (``*`` binary mark allowed)."""
+    """A ``sha256sum``-format file: ``<64 hex>  <relative path>`` per line (``*`` binary mark allowed),
+    as ``sha256sum`` writes it: names from ``find .`` start ``./``, and an editor may have put a
+    byte-order mark first or CRLF line ends."""
     files: dict[str, str] = {}
-    for number, line in enumerate(read_text(path).splitlines(), start=1):
+    for number, line in enumerate(read_text(path).removeprefix("\ufeff").splitlines(), start=1):
         if not line.strip() or line.startswith("#"):
             continue
-        digest, sep, name = line[:64], line[64:66], line[66:]  # sep " *": sha256sum's binary mark
         where = f"{path}:{number}"
+        if line.startswith("\\"):
+            # sha256sum escapes a name holding a backslash or a newline: no model file has one.
+            raise f.error(f"{where}: an escaped name (a backslash or a newline in it) is not a model file's")
+        digest, sep, name = line[:64], line[64:66], line[66:]  # sep " *": sha256sum's binary mark
         if sep not in ("  ", " *") or len(digest) != 64 or digest.strip("0123456789abcdefABCDEF"):
             raise f.error(f"{where}: expected '<sha256>  <path>' (sha256sum's format)")
+        name = name.removeprefix("./")
         norm = posixpath.normpath(name)
         if not name or name.startswith("/") or norm != name or norm.startswith(".."):
             raise f.error(f"{where}: {name!r} must be a relative path inside the model directory")

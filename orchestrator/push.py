@@ -69,6 +69,16 @@ def local_files(directory: Path) -> list[LocalFile]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(n for n in filenames if not n.startswith(".")):
             path = Path(dirpath) / name
+            rel = str(path.relative_to(directory))
+            try:
+                rel.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ArtifactError(
+                    f"{path!r}: a model file name must be UTF-8 (vLLM and the release name it)"
+                ) from None
+            if any(c in rel for c in "\t\n\r\\"):
+                # The host refuses such a name in a release's records: refused here, before any byte goes.
+                raise ArtifactError(f"{path!r}: a model file name may not hold a tab, a line break or a backslash")
             try:
                 st = path.stat()
             except OSError as exc:
@@ -80,7 +90,7 @@ def local_files(directory: Path) -> list[LocalFile]:
                 digest = _sha256(path)
                 with _digests_lock:
                     _digests[key] = digest
-            files.append(LocalFile(str(path.relative_to(directory)), path, st.st_size, digest))
+            files.append(LocalFile(rel, path, st.st_size, digest))
     return files
 
 

@@ -576,8 +576,17 @@ def _model_names(source, names=None):
                     names.append(name if rel == "." else os.path.join(rel, name))
     for name in names:
         norm = os.path.normpath(name) if isinstance(name, str) and name else ""
-        if not norm or norm != name or name.startswith(("/", "../")) or any(c in name for c in "\t\n\\"):
+        if not norm or norm != name or name.startswith(("/", "../")) or any(c in name for c in "\t\n\r\\"):
             raise OpError("bad_path", "model file name %r cannot be served from a release" % (name,), source)
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = name.encode("utf-8", "surrogateescape")
+            raise OpError(
+                "bad_path",
+                "model file name %r in %s is not UTF-8: a release cannot name it (rename it)" % (raw, source),
+                source,
+            )
     return sorted(names)
 
 

@@ -347,3 +347,24 @@ def test_the_digest_key_is_made_once_and_readable_by_this_user_alone(tmp_path: P
         assert "digest.key cannot be used" in str(exc)
     else:
         raise AssertionError("a damaged key was used")
+
+
+def test_a_model_file_name_a_release_cannot_hold_is_named_never_an_internal_error(box: Box) -> None:
+    """A name that is not UTF-8 on the host used to fail every deploy with an internal message
+    naming no file; a pushed name with a line break was uploaded, then refused. Each is named,
+    and a push is refused before any byte goes."""
+    target, _ = model_dirs(box)
+    (target / os.fsdecode(b"shard-\xff.bin")).write_bytes(b"y")
+    solo = host(deploy(box, with_models(box)), "solo")
+    detail = solo.gates["models"].detail
+    assert not solo.ready
+    assert "model file name b'shard-\\xff.bin'" in detail and "is not UTF-8: a release cannot name it" in detail
+    (target / os.fsdecode(b"shard-\xff.bin")).unlink()
+    local = box.dir / "local-drafter"
+    safetensors(local / "model.safetensors", drafter_shapes())
+    (local / "config.json").write_text(json.dumps(STALE))
+    (local / "notes\nmore.txt").write_text("a line break in the name")
+    dest = box.dir / "pushed" / "drafter"
+    refused = host(deploy(box, with_models(box, drafter={"path": str(dest), "push": str(local)})), "solo")
+    assert not refused.ready and "may not hold a tab, a line break or a backslash" in str(refused.gates)
+    assert not dest.exists()  # nothing was sent

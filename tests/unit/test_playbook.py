@@ -121,6 +121,21 @@ def test_models_pin_by_manifest_and_default_the_served_target(tmp_path: Path) ->
     assert pb.models.drafter is not None and pb.models.drafter.push == tmp_path / "local-d"
 
 
+def test_a_manifest_as_sha256sum_and_editors_write_it_is_read(tmp_path: Path) -> None:
+    """`find . -type f -exec sha256sum {} +` names files ./x; a Windows editor adds a byte-order
+    mark and CRLF line ends. All are the same manifest (they were refused, naming the wrong cause)."""
+    digest = hashlib.sha256(b"x").hexdigest()
+    text = f"\ufeff{digest}  ./model.safetensors\r\n{digest} *./sub/tokenizer.json\r\n"
+    (tmp_path / "t.sha256").write_bytes(text.encode("utf-8"))
+    (tmp_path / "local-d").mkdir()
+    pb = load_playbook(setup(tmp_path, MODELS))
+    assert pb.models.target is not None
+    assert pb.models.target.manifest == {"model.safetensors": digest, "sub/tokenizer.json": digest}
+    (tmp_path / "t.sha256").write_text(f"\\{digest}  a\\nb\n")  # sha256sum's escape of a name with a newline
+    with pytest.raises(InputError, match=r"t.sha256:1: an escaped name"):
+        load_playbook(setup(tmp_path, MODELS))
+
+
 @pytest.mark.parametrize(
     ("manifest", "change", "expected"),
     [
