@@ -411,8 +411,9 @@ def _states(
     return [FileState(f.path, f.remote_path, f.sha256, expected[f.path], f.changed) for f in files]
 
 
-def read_verified(playbook: Playbook, served: protocol.Served, report: HostReport) -> None:
-    """Fill a verify report: every file the server reads must hold the playbook's digest."""
+def read_verified(playbook: Playbook, served: protocol.Served, report: HostReport, root: str) -> None:
+    """Fill a verify report: every file the server reads must hold the playbook's digest. ``root``:
+    the node's deploy root (the inventory's own for the container, else the playbook's)."""
     report.release_id = served.current
     report.previous = served.previous
     states = _states(served.files, _expected(playbook), report)
@@ -420,7 +421,7 @@ def read_verified(playbook: Playbook, served: protocol.Served, report: HostRepor
         return
     report.files = states
     if report.release_id is None:
-        report.gates[GATE_FILES] = Gate(False, f"nothing deployed: {playbook.deploy_root}/current does not exist")
+        report.gates[GATE_FILES] = Gate(False, f"nothing deployed: {root}/current does not exist")
         return
     # The release is exactly its files with their modes: nothing else served beside them.
     problems = [_drift_text(f) for f in report.files if f.drift]
@@ -685,7 +686,7 @@ class ServedChecks:
     def __init__(
         self, playbook: Playbook, root: str, process: str, head: bool, rehash: bool = False, tokens: bool = True
     ) -> None:
-        self.playbook = playbook
+        self.playbook, self.root = playbook, root
         self.served = protocol.release_verify(root, paths(playbook), rehash)
         self.models = ModelChecks(
             playbook, root, record=False, rehash=rehash, drafter=False, tokens=tokens, findings=True
@@ -699,7 +700,7 @@ class ServedChecks:
     def read(self, answers: protocol.Answers, report: HostReport, role: str | None) -> None:
         """The files, models, health and ready gates (``role``: a rank that serves no HTTP)."""
         found = answers[self.served]
-        read_verified(self.playbook, found, report)
+        read_verified(self.playbook, found, report, self.root)
         target = self.models.target
         if target is None or target in answers:  # else its failure is the models gate
             models.read_models(self.playbook, answers.get(target), None, report, found.links, found.manifest)

@@ -45,6 +45,8 @@ def _safetensors_header(path):
             header = json.loads(f.read(size).decode("utf-8"))
         except ValueError:
             raise OpError("bad_weights", "%s: the safetensors header is not JSON" % path, path)
+        except RecursionError:  # a header nested past the parser's depth: not one safetensors writes
+            raise OpError("bad_weights", "%s: the safetensors header is nested too deeply" % path, path)
     if not isinstance(header, dict):
         raise OpError("bad_weights", "%s: the safetensors header is not an object" % path, path)
     tensors = {}

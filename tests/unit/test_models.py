@@ -368,3 +368,15 @@ def test_a_model_file_name_a_release_cannot_hold_is_named_never_an_internal_erro
     refused = host(deploy(box, with_models(box, drafter={"path": str(dest), "push": str(local)})), "solo")
     assert not refused.ready and "may not hold a tab, a line break or a backslash" in str(refused.gates)
     assert not dest.exists()  # nothing was sent
+
+
+def test_a_safetensors_header_nested_past_any_parser_is_named_with_its_file(box: Box) -> None:
+    """The drafter's weights with a header of 100,000 nested lists: the weights gate names the
+    file (it used to fail with the parser's RecursionError, naming no file)."""
+    _, drafter = model_dirs(box)
+    raw = b"[" * 100_000 + b"]" * 100_000
+    (drafter / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    solo = host(deploy(box, with_models(box)), "solo")
+    assert not solo.ready
+    said = " ".join(g.detail for g in solo.gates.values())
+    assert f"{drafter}/model.safetensors: the safetensors header is nested too deeply" in said

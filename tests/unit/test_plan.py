@@ -57,7 +57,7 @@ def test_verify_reports_each_drifted_file_with_both_digests(tmp_path: Path) -> N
         ],
     }
     report = HostReport("h")
-    plan.read_verified(pb, protocol.release_verify("/srv/dflash", []).read(answer), report)
+    plan.read_verified(pb, protocol.release_verify("/srv/dflash", []).read(answer), report, "/srv/dflash")
     assert not report.ready
     assert [f.drift for f in report.files] == [False, True]
     detail = report.gates["files"].detail
@@ -68,9 +68,10 @@ def test_verify_reports_each_drifted_file_with_both_digests(tmp_path: Path) -> N
 def test_verify_with_nothing_deployed_is_not_in_sync(tmp_path: Path) -> None:
     pb = playbook(tmp_path)
     report = HostReport("h")
-    files = [{"path": f.dest, "remote_path": f"/srv/dflash/current/{f.dest}", "sha256": None} for f in pb.release_files]
-    plan.read_verified(pb, protocol.release_verify("/srv/dflash", []).read({"current": None, "files": files}), report)
-    assert not report.ready and "nothing deployed" in report.gates["files"].detail
+    files = [{"path": f.dest, "remote_path": f"/home/me/d/current/{f.dest}", "sha256": None} for f in pb.release_files]
+    served = protocol.release_verify("/home/me/d", []).read({"current": None, "files": files})
+    plan.read_verified(pb, served, report, "/home/me/d")  # the container's own root, not the playbook's
+    assert not report.ready and report.gates["files"].detail == "nothing deployed: /home/me/d/current does not exist"
 
 
 def test_dry_run_diff(tmp_path: Path) -> None:
