@@ -9,6 +9,8 @@ commands of a GPU Ray deployment are pinned in tests/unit/test_multinode.py.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,19 +85,47 @@ def current(box: LxdSandbox, name: str) -> str:
     return found.stdout.strip()
 
 
-def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
-    """READY with tau near K+1; a stale drafter config on the second node alone, and a killed
-    headless rank, each fail verify for the group and name that node; a drafter the target rejects
-    is refused, the group stopped everywhere and started again on the previous release, READY;
-    `rollback` starts the group on the release it goes back to and proves it (refused: back again);
-    `stop` leaves no vLLM process on either node."""
+@dataclass
+class Group:
+    """The two-container group of the tests below, deployed once and carried from test to test in
+    their order (each is one step, with its own time limit: as one test, the eight steps ran past
+    pytest's 600 s on a busy machine)."""
+
+    box: LxdSandbox
+    head: str
+    other: str
+    inventory: Path
+    work: Path  # shared by the steps: the state directory (and the digest key), playbook variants
+    first: Any = None  # the first deploy's report
+    good: str = ""  # the release READY on both nodes
+
+    def run(self, *args: str | Path) -> tuple[int, Any, str]:
+        return run(*args, "-i", self.inventory, tmp_path=self.work)
+
+
+@pytest.fixture(scope="class")
+def group(lxd_sandbox: LxdSandbox, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
     box = lxd_sandbox
     head, other = (n.name for n in box.nodes())
-    inv = pinned(box, tmp_path)
+    work = tmp_path_factory.mktemp("group")
+    g = Group(box, head, other, pinned(box, work), work)
     try:
-        code, report, err = run("deploy", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        code, report, err = g.run("deploy", PLAYBOOK)
         assert code == 0, (err[-3000:], report)
-        good = host(report, head)["release_id"]
+        g.first, g.good = report, host(report, head)["release_id"]
+        yield g
+    finally:
+        g.run("stop", PLAYBOOK)
+    assert venv_processes(box, head) == [] and venv_processes(box, other) == []  # stop leaves nothing
+
+
+class TestTwoContainerGroup:
+    """One deployment over two containers, step by step (the class's ``group``: stopped, and
+    checked to leave no process, when its last step is done)."""
+
+    def test_a_two_container_group_is_ready_through_its_head(self, group: Group) -> None:
+        """READY with tau near K+1, tensor parallel 2 spanning the containers, the READY record on both."""
+        box, head, other, report = group.box, group.head, group.other, group.first
         assert host(report, head)["gates"]["acceptance"]["mean_acceptance_length"] > K - 1
         assert "headless rank" in host(report, other)["gates"]["health"]["detail"]
         assert "through the head" in host(report, other)["gates"]["acceptance"]["detail"]
@@ -103,43 +133,47 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
         assert "Worker_TP1" in read(box, other, "/srv/dflash/logs/dflash-serve.log")
         for name in (head, other):
             record = json.loads(read(box, name, "/srv/dflash/ready.json"))
-            assert record["release_id"] == good and record["gates"]["group"]["nodes"] == [head, other]
-
-        code, report, err = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+            assert record["release_id"] == group.good and record["gates"]["group"]["nodes"] == [head, other]
+        code, report, _ = group.run("verify", PLAYBOOK)
         assert code == 0, report
 
-        # The incident, on one node of the group: the drafter config on disk is not what was pushed.
-        config = f"/srv/dflash/releases/{good}/drafter/config.json"
+    def test_a_stale_drafter_config_on_one_node_fails_the_group_and_deploy_repairs_it(self, group: Group) -> None:
+        """The incident, on one node of the group: the drafter config on disk is not what was pushed."""
+        box, head, other = group.box, group.head, group.other
+        config = f"/srv/dflash/releases/{group.good}/drafter/config.json"
         kept = read(box, other, config)
         stale = (REPO / "tests" / "data" / "stale-drafter-config.json").read_text()
         assert in_container(box, other, "python3", "-c", f"open({config!r}, 'w').write({stale!r})").returncode == 0
-        code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        code, report, _ = group.run("verify", PLAYBOOK)
         assert code == 1
         assert "drift" in host(report, other)["gates"]["files"]["detail"] and config in json.dumps(report)
         assert host(report, head)["gates"]["group"]["detail"] == f"group not ready: {other} failed its files gate"
         assert kept  # what the deploy below must put back
 
-        # deploy repairs it: the second node stages a new release, and the head (unchanged) stages
-        # the same release id too, so that the group stays on one release; then the group restarts.
-        code, report, err = run("deploy", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        # deploy repairs it: the second node stages a new release, and the head (unchanged) stages the
+        # same release id too, so that the group stays on one release; then the group restarts.
+        code, report, err = group.run("deploy", PLAYBOOK)
         assert code == 0, (err[-3000:], report)
         repaired = host(report, other)["release_id"]
-        assert repaired != good and host(report, head)["release_id"] == repaired
+        assert repaired != group.good and host(report, head)["release_id"] == repaired
         assert read(box, other, f"/srv/dflash/releases/{repaired}/drafter/config.json") == kept
-        good = repaired
+        group.good = repaired
 
-        # A headless rank that dies leaves the head looking healthy: verify must still fail the group.
+    def test_a_dead_rank_fails_the_group_and_a_wrong_mask_is_rolled_back_as_one_group(self, group: Group) -> None:
+        """A headless rank that dies leaves the head looking healthy: verify must still fail the group.
+        Then a drafter whose mask token is wrong (healthy, correct text, ~0% accepted) is refused, the
+        group stopped everywhere and started again on the release it ran, READY."""
+        box, head, other = group.box, group.head, group.other
         rank = json.loads(read(box, other, "/srv/dflash/run/dflash-serve.json"))["pid"]
         assert in_container(box, other, "kill", "-9", str(rank)).returncode == 0
-        code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        code, report, _ = group.run("verify", PLAYBOOK)
         assert code == 1
         assert host(report, other)["gates"]["health"] == {"ok": False, "detail": "headless rank is not running"}
         assert not host(report, head)["in_sync"]  # its group gate names the rank (or its engine died too)
 
-        # A drafter whose mask token is wrong: healthy, correct text, ~0% accepted -> refused.
         wrong = MODELS / "drafter-wrong-mask"
         bad = variant(
-            tmp_path,
+            group.work,
             "wrong-mask",
             **{
                 "drafter.config": str(wrong / "config.json"),
@@ -147,42 +181,42 @@ def test_two_container_group_ready_then_every_failure_names_its_node(lxd_sandbox
                 "models.drafter.path": str(wrong),
             },
         )
-        code, report, err = run("deploy", bad, "-i", inv, tmp_path=tmp_path)
+        code, report, _ = group.run("deploy", bad)
         assert code == 1, report
         acceptance = host(report, head)["gates"]["acceptance"]
         assert not acceptance["ok"] and acceptance["mean_acceptance_length"] < 2
         assert any("mask_token_id" in d for d in host(report, head)["diagnosis"])
         assert f"{head} failed its acceptance gate" in host(report, other)["gates"]["group"]["detail"]
         # Rolled back as one group: the good release current on both nodes, started and proven again.
-        back = f"rolled back: release {good} is current again on every node, healthy and READY"
+        back = f"rolled back: release {group.good} is current again on every node, healthy and READY"
         for name in (head, other):
             assert host(report, name)["gates"]["stopped"]["ok"]
             assert any(d.startswith(back) for d in host(report, name)["diagnosis"]), host(report, name)
-            assert current(box, name) == f"releases/{good}"
-        code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+            assert current(box, name) == f"releases/{group.good}"
+        code, report, _ = group.run("verify", PLAYBOOK)
         assert code == 0, report
 
-        # `orchestrate rollback --to` the release the group runs: kept running, proven, READY.
-        code, report, err = run("rollback", PLAYBOOK, "-i", inv, "--to", good, tmp_path=tmp_path)
+    def test_rollback_starts_the_group_on_the_release_it_goes_to_and_proves_it(self, group: Group) -> None:
+        """`rollback --to` the release the group runs: kept running, proven, READY. `rollback` to the
+        previous release (the wrong mask): started on both nodes, refused through the head, and the
+        good release started and proven again."""
+        box, head, other, good = group.box, group.head, group.other, group.good
+        code, report, err = group.run("rollback", PLAYBOOK, "--to", good)
         assert code == 0, (err, report)
         assert host(report, head)["gates"]["acceptance"]["mean_acceptance_length"] > K - 1
         for name in (head, other):
             assert host(report, name)["release_id"] == good and current(box, name) == f"releases/{good}"
             assert json.loads(read(box, name, "/srv/dflash/ready.json"))["release_id"] == good
 
-        # `orchestrate rollback` to the previous release (the wrong mask): the group is started on
-        # it on both nodes, refused through the head, and the good release started and proven again.
-        code, report, err = run("rollback", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        code, report, err = group.run("rollback", PLAYBOOK)
         assert code == 1, (err, report)
         assert not host(report, head)["gates"]["acceptance"]["ok"]
+        back = f"rolled back: release {good} is current again on every node, healthy and READY"
         for name in (head, other):
             assert any(d.startswith(back) for d in host(report, name)["diagnosis"]), host(report, name)
             assert current(box, name) == f"releases/{good}"
-        code, report, _ = run("verify", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
+        code, report, _ = group.run("verify", PLAYBOOK)
         assert code == 0, report
-    finally:
-        run("stop", PLAYBOOK, "-i", inv, tmp_path=tmp_path)
-    assert venv_processes(box, head) == [] and venv_processes(box, other) == []
 
 
 def test_one_node_failing_its_gate_stops_the_group_before_launch(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
