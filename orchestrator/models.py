@@ -15,7 +15,7 @@ from typing import Any
 
 from orchestrator import dflash, protocol, weights
 from orchestrator.playbook import Model, Playbook
-from orchestrator.results import GATE_MODELS, GATE_WEIGHTS, Gate, HostReport
+from orchestrator.results import GATE_FILES, GATE_MODELS, GATE_WEIGHTS, Gate, HostReport
 
 # The config fields a target's dimensions come from (top level, or under text_config).
 _TARGET_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size", "architectures", "model_type")
@@ -178,6 +178,44 @@ def read_models(
         detail = "; ".join(parts) + (f"; {len(links)} links in sync" if links else "")
         report.gates[GATE_MODELS] = Gate(True, "; ".join([detail, *said]), {"warnings": warnings} if warnings else {})
     return config
+
+
+def read_model_changes(
+    playbook: Playbook,
+    target: protocol.ModelFiles | None,
+    drafter: protocol.ModelFiles | None,
+    report: HostReport,
+) -> None:
+    """Dry run: what a deploy would do to the model directories, as the host holds them (None:
+    not readable there yet): files a push would send, and models whose files differ from what
+    the current release was proven with (either makes a new release). Added to the files gate's
+    words; the report then says it would change."""
+    from orchestrator import push
+
+    said = []
+    for model, found in ((playbook.models.target, target), (playbook.models.drafter, drafter)):
+        if model is None:
+            continue
+        on_host = {f.path: f.sha256 for f in found.files} if found is not None else {}
+        if model.push is not None:
+            local = [f for f in push.local_files(model.push) if on_host.get(f.rel) != f.sha256]
+            if local:
+                said.append(f"would push {len(local)} files ({_size(sum(f.size for f in local))}) to {model.path}")
+            wanted = {f.rel: f.sha256 for f in push.local_files(model.push)}
+        else:
+            wanted = model.manifest or on_host
+        if found is None:
+            said.append(f"{model.role} {model.path} cannot be read on the host yet")
+        elif found.pins is None:
+            said.append(f"{model.role} {model.path} is not what the current release serves: a new release pins it")
+        elif found.pins != wanted:
+            said.append(f"{model.role} {model.path} differs from what release {found.release_id} was proven with")
+    gate = report.gates.get(GATE_FILES)
+    if not said or gate is None or not gate.ok:  # files that could not be read are the news
+        return
+    files = [] if gate.detail == "dry run: no change" else [gate.detail.removeprefix("dry run: ")]
+    report.changed = True
+    report.gates[GATE_FILES] = Gate(True, "dry run: " + "; ".join(files + said))
 
 
 def mask_token_notes(playbook: Playbook, target: protocol.ModelFiles | None) -> list[dflash.Problem]:

@@ -232,7 +232,14 @@ def dry_run(scope: Scope) -> RunReport:
     def inspect(run: Run, node: Node) -> None:
         if run.locate(node):
             op = protocol.release_inspect(node.root, plan.paths(playbook))
-            plan.read_inspected(playbook, run.batch(node, [op])[op], node.report)
+            # The model directories too: a deploy that pushes weights or pins changed ones makes a
+            # new release even when no file of the release's own changed.
+            checks = plan.ModelChecks(playbook, node.root, record=False, tokens=False, findings=True)
+            answers = run.batch(node, [op, *checks.ops])
+            plan.read_inspected(playbook, answers[op], node.report)
+            target = answers.get(checks.target) if checks.target is not None else None
+            drafter = answers.get(checks.drafter) if checks.drafter is not None else None
+            models.read_model_changes(playbook, target, drafter, node.report)
 
     def work(run: Run, unit: Unit) -> None:
         unit.each(lambda node: inspect(run, node), GATE_FILES)

@@ -10,8 +10,19 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from orchestrator.deployment import Deployment
 from orchestrator.playbook import Playbook
-from tests.unit.localbox import DRAFTER_CONFIG, TARGET_CONFIG, Box, deploy, drafter_shapes, host, safetensors, verify
+from tests.unit.localbox import (
+    DRAFTER_CONFIG,
+    OPTIONS,
+    TARGET_CONFIG,
+    Box,
+    deploy,
+    drafter_shapes,
+    host,
+    safetensors,
+    verify,
+)
 
 STALE = dict(DRAFTER_CONFIG, dflash_config={"mask_token_id": 6, "target_layer_ids": [1]})
 
@@ -380,3 +391,25 @@ def test_a_safetensors_header_nested_past_any_parser_is_named_with_its_file(box:
     assert not solo.ready
     said = " ".join(g.detail for g in solo.gates.values())
     assert f"{drafter}/model.safetensors: the safetensors header is nested too deeply" in said
+
+
+def test_the_dry_run_says_what_a_deploy_would_do_to_the_models(box: Box) -> None:
+    """It said "no change" when the deploy would push model files or pin changed ones, both of which
+    make a new release; it says each now, and that the run would change the host."""
+    _, drafter = model_dirs(box)
+    local = box.dir / "local-drafter"
+    safetensors(local / "model.safetensors", drafter_shapes())
+    (local / "config.json").write_text(json.dumps(STALE))
+    dest = box.dir / "pushed" / "drafter"
+    pushing = with_models(box, "pushing", drafter={"path": str(dest), "push": str(local)})
+    looked = host(Deployment(pushing, box.inventory, OPTIONS).dry_run(), "solo")
+    assert looked.changed and "would push 2 files" in looked.gates["files"].detail
+    assert f"to {dest}" in looked.gates["files"].detail and not dest.exists()  # a dry run writes nothing
+    playbook = with_models(box)
+    assert deploy(box, playbook).ok
+    quiet = host(Deployment(playbook, box.inventory, OPTIONS).dry_run(), "solo")
+    assert not quiet.changed and quiet.gates["files"].detail == "dry run: no change"
+    (drafter / "model.safetensors").write_bytes((drafter / "model.safetensors").read_bytes() + b"\0")
+    looked = host(Deployment(playbook, box.inventory, OPTIONS).dry_run(), "solo")
+    assert looked.changed
+    assert f"drafter {drafter} differs from what release" in looked.gates["files"].detail
