@@ -16,6 +16,7 @@ Everything the agent writes lives under the deploy root the request names:
                                           each line signed with the controller's key
     <root>/releases/<id>/...              one immutable directory per release
     <root>/releases/<id>/.manifest.sha256 sha256sum(1) lines for every file of the release
+    <root>/releases/<id>/.sequence       its number in the root's order (pruning, listing)
     <root>/current  -> releases/<id>      what the server reads
     <root>/previous -> releases/<id>      where ``rollback`` goes
     <root>/ready.json                     the READY record (written with ``put``)
@@ -50,6 +51,7 @@ LINKS = ".links"  # a release's overlay links: "<path>\t<target>" lines
 MODELS = ".models.sha256"  # the model files a release was proven with: "<sha256>  <absolute path>"
 DIGESTS = ".digests"  # the digest cache of the deploy root
 STAGING_PREFIX = ".staging-"
+SEQUENCE = ".sequence"  # a release's place in its deploy root's order: 1 + the latest's, never a clock
 CHUNK = 1 << 20
 
 # Kept open for the life of the process: the flock is released when the batch ends.

@@ -13,6 +13,7 @@ from remote_agent.core import (
     MODELS,
     NONE,
     REF,
+    SEQUENCE,
     STAGING_PREFIX,
     OpError,
     _atomic_write,
@@ -190,7 +191,7 @@ def _extra_files(root_real, current, manifest, links):
     """Files in the served release that it does not record: planted (a generation_config.json
     that transformers and vLLM would read), or left from by hand."""
     release_dir = os.path.join(root_real, "releases", current)
-    known = set(manifest or {}) | set(links) | {MANIFEST, LINKS, MODELS}
+    known = set(manifest or {}) | set(links) | {MANIFEST, LINKS, MODELS, SEQUENCE}
     extra = []
     for dirpath, dirnames, filenames in os.walk(release_dir):
         rel_dir = os.path.relpath(dirpath, release_dir)
@@ -267,6 +268,24 @@ def _foreign(releases):
     return sorted(n for n in os.listdir(releases) if not n.startswith(".") and not _ours(releases, n))
 
 
+def _order(releases, name):
+    """Where a release stands in its root's order: by its sequence number, which no clock sets (a
+    host whose clock went back would otherwise prune its newest release as its oldest); releases
+    from before sequence numbers come first, by their time."""
+    path = os.path.join(releases, name)
+    try:
+        with _open_file(os.path.join(path, SEQUENCE)) as f:
+            return (1, int(f.read(32).decode("ascii").strip()), name)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return (0, os.lstat(path).st_mtime, name)
+
+
+def _next_sequence(releases):
+    """1 + the latest release's number (under the deploy-root lock, as every release is made)."""
+    orders = [_order(releases, n) for n in os.listdir(releases) if not n.startswith(".") and _ours(releases, n)]
+    return 1 + max([int(o[1]) for o in orders if o[0] == 1] + [0])
+
+
 def _prune(root_real, releases, keep):
     protected = set(
         x for x in (_link_target(root_real, "current", False), _link_target(root_real, "previous", False)) if x
@@ -275,7 +294,7 @@ def _prune(root_real, releases, keep):
     for name in os.listdir(releases):
         if name.startswith(".") or name in protected or not _ours(releases, name):
             continue
-        candidates.append((os.lstat(os.path.join(releases, name)).st_mtime, name))
+        candidates.append((_order(releases, name), name))
     candidates.sort()
     excess = len(candidates) + len(protected) - keep
     pruned = []
@@ -285,8 +304,10 @@ def _prune(root_real, releases, keep):
     return pruned
 
 
-def _stage_release(staging, files, wanted, links, models):
+def _stage_release(staging, files, wanted, links, models, sequence):
     os.mkdir(staging, 0o755)
+    number = b"%d\n" % sequence
+    _atomic_write(os.path.join(staging, SEQUENCE), number, _sha256(number), 0o644)
     for spec in files:
         if "\n" in spec["path"] or "\\" in spec["path"]:
             raise OpError("bad_request", "a file path may not hold a newline or a backslash", spec["path"])
@@ -409,7 +430,7 @@ def op_release_apply(req):
     else:
         staging = os.path.join(releases, "%s%s-%d" % (STAGING_PREFIX, release_id, os.getpid()))
         try:
-            _stage_release(staging, files, wanted, links, models)
+            _stage_release(staging, files, wanted, links, models, _next_sequence(releases))
             os.rename(staging, final_dir)
             _fsync_dir(releases)
         except OSError as exc:
@@ -558,8 +579,8 @@ def op_release_list(req):
     for name in names:
         path = os.path.join(releases, name)
         if not name.startswith(".") and _ours(releases, name):
-            items.append({"release_id": name, "mtime": os.stat(path).st_mtime})
-    items.sort(key=lambda r: r["mtime"])
+            items.append({"release_id": name, "mtime": os.stat(path).st_mtime, "order": _order(releases, name)})
+    items.sort(key=lambda r: r.pop("order"))
     return {
         "current": _link_target(root, "current"),
         "previous": _link_target(root, "previous"),

@@ -208,6 +208,25 @@ def test_release_apply_switches_keeps_previous_and_prunes(tmp_path: Path) -> Non
     assert (tmp_path / "current/a").read_bytes() == b"2"
 
 
+def test_the_order_of_releases_depends_on_no_clock(tmp_path: Path) -> None:
+    """A host whose clock went back a year after two releases (NTP, a restored VM): its releases'
+    times say the newest is the oldest, and pruning by time removed the newest. Each release now
+    holds its number in the root's order (1 + the latest's), which no clock sets."""
+    for name, content in (("r1", b"1"), ("r2", b"2")):
+        assert apply(tmp_path, name, keep=10, a=content)["ok"]
+    year = 365 * 24 * 3600
+    os.utime(tmp_path / "releases" / "r2", (time.time() - year, time.time() - year))  # as if made long ago
+    assert (tmp_path / "releases" / "r1" / ".sequence").read_text() == "1\n"
+    assert (tmp_path / "releases" / "r2" / ".sequence").read_text() == "2\n"
+    listed = run([{"op": "release_list", "root": str(tmp_path)}])[0]["result"]
+    assert [r["release_id"] for r in listed["releases"]] == ["r1", "r2"]
+    apply(tmp_path, "r3", keep=10, a=b"3")
+    os.utime(tmp_path / "releases" / "r3", (time.time() - 2 * year, time.time() - 2 * year))
+    r4 = apply(tmp_path, "r4", keep=3, a=b"4")["result"]
+    assert r4["pruned"] == ["r1"]  # the oldest by its number (by time it would have been r2)
+    assert sorted(os.listdir(tmp_path / "releases")) == ["r2", "r3", "r4"]
+
+
 def test_pruning_removes_a_release_tree_without_following_links(tmp_path: Path) -> None:
     root, outside = tmp_path / "root", tmp_path / "outside"
     outside.mkdir()
