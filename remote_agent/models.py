@@ -189,6 +189,28 @@ def _partial(path, digest):
     return os.path.join(os.path.dirname(path), ".%s.partial-%s" % (os.path.basename(path), digest[:16]))
 
 
+def _drop_partials(path, keep=None):
+    """Remove what cut uploads of ``path`` left for other contents than ``keep`` (a digest): once a
+    version of the file is whole in place, those prefixes serve nothing. Only names this agent
+    makes (``.<name>.partial-<16 hex>``, regular files) are touched."""
+    directory, base = os.path.dirname(path), os.path.basename(path)
+    prefix = ".%s.partial-" % base
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        tag = name[len(prefix) :] if name.startswith(prefix) else ""
+        if len(tag) != 16 or tag.strip("0123456789abcdef") or (keep is not None and tag == keep[:16]):
+            continue
+        found = os.path.join(directory, name)
+        try:
+            if stat.S_ISREG(os.lstat(found).st_mode):
+                os.unlink(found)
+        except OSError:
+            pass
+
+
 def _prefix_sha256(path, size):
     h = _builtin_sha256() if size <= CHUNK else __import__("hashlib").sha256()
     with _open_file(path) as f:
@@ -213,7 +235,9 @@ def op_upload_status(req):
         path, digest, size = _model_path(spec["path"]), spec["sha256"], spec["size"]
         have, _ = digests.digest(path)
         record = {"path": path, "present": have == digest, "partial": 0, "partial_sha256": None}
-        if not record["present"]:
+        if record["present"]:
+            _drop_partials(path)  # the push finds it whole: what earlier cut pushes left goes
+        else:
             try:
                 st = os.lstat(_partial(path, digest))
             except OSError:
@@ -313,4 +337,5 @@ def op_upload(req):
         if got != digest:
             raise OpError("drift", "read-back of %s: sha256 %s, expected %s" % (path, got, digest), path)
     digests.save()
+    _drop_partials(path)  # whole in place: cut uploads of other versions of it serve nothing now
     return {"path": path, "size": size, "sha256": digest, "written": size - offset}

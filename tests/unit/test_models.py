@@ -413,3 +413,24 @@ def test_the_dry_run_says_what_a_deploy_would_do_to_the_models(box: Box) -> None
     looked = host(Deployment(playbook, box.inventory, OPTIONS).dry_run(), "solo")
     assert looked.changed
     assert f"drafter {drafter} differs from what release" in looked.gates["files"].detail
+
+
+def test_many_small_files_push_in_few_execs_and_leave_no_stale_partials(box: Box) -> None:
+    """300 one-line files took an exec each; they now travel a batch at a time (256 files or
+    64 MiB). What a cut push left for an older version of a file goes once that file is whole."""
+    local = box.dir / "local-drafter"
+    safetensors(local / "model.safetensors", drafter_shapes())
+    (local / "config.json").write_text(json.dumps(STALE))
+    for i in range(300):
+        (local / f"shard-{i:03d}.txt").write_text(f"line {i}\n")
+    dest = box.dir / "pushed" / "drafter"
+    dest.mkdir(parents=True)
+    stale = dest / ".shard-000.txt.partial-0123456789abcdef"  # an earlier, cut push of other content
+    stale.write_text("lin")
+    model_dirs(box)
+    first = host(deploy(box, with_models(box, drafter={"path": str(dest), "push": str(local)})), "solo")
+    assert first.ready, first.gates
+    pushed = next(m for m in first.models if m["name"] == "drafter")["pushed"]
+    assert pushed["files"] == 302 and (dest / "shard-299.txt").read_text() == "line 299\n"
+    assert first.ssh["execs"] <= 10, first.ssh  # it was 300 execs and more for the push alone
+    assert not stale.exists() and not list(dest.glob(".*.partial-*"))
