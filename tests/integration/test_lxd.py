@@ -392,7 +392,16 @@ def test_watch_sees_the_founding_incident_replayed_on_real_vllm(lxd_sandbox: Lxd
         killed = in_container(lxd_sandbox, name, "systemctl", "kill", "--signal=KILL", record["unit"])
         assert killed.returncode == 0, killed.stderr
         down = watch.until("DOWN", lambda h: h["state"] == "DOWN", within=120)
-        assert down["reasons"][0] == "the server is not running", down
+        # A killed vLLM takes a moment to exit (its memory torn down): a round in that moment
+        # rightly says "pid N alive, but /health does not answer"; it is DOWN all the same, and
+        # once the process is gone the reason is that it is not running.
+        first = len(watch.seen)
+        gone = watch.until("the server gone", lambda h: h["reasons"][0] == "the server is not running", within=60)
+        assert down["reasons"][0] == "the server is not running" or down["reasons"][0].endswith(
+            "alive, but /health does not answer"
+        ), down
+        assert gone["state"] == "DOWN", gone
+        assert all(h["state"] == "DOWN" for r in watch.seen[first - 1 :] for h in r["hosts"]), watch.seen[first - 1 :]
         # --on-change runs once the round is printed: wait for the DOWN it is given.
         deadline = time.monotonic() + 60
         while not (told := [json.loads(line) for line in changes.read_text().splitlines()]) or told[-1]["to"] != "DOWN":
