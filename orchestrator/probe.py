@@ -20,12 +20,20 @@ NAMES = {
     f"{PREFIX}accepted_tokens": "accepted",
     f"{PREFIX}accepted_tokens_per_pos": "per_pos",
 }
+# The three a window's verdict is computed from: a server that shows some spec-decode counters
+# but not these can never be judged.
+REQUIRED = ("drafts", "draft_tokens", "accepted")
+# Output tokens, speculation or not: traffic that generates tokens and no drafts is traffic that
+# speculation does not run for.
+GENERATED = "vllm:generation_tokens_total"
+FAMILIES = (PREFIX, GENERATED.removesuffix("_total"))  # what a scrape is filtered to on the host
 
 
 # Why the acceptance numbers fail, as codes (``Gate.reason``; the diagnosis reads them).
 NO_SPECULATION = "no_speculation"  # no spec-decode counters, or no drafts: speculation is not running
 RESTARTED = "restarted"  # a counter went down: the server restarted between the scrapes
 UNREADABLE = "unreadable_metrics"  # /metrics says something that is not Prometheus' text format
+UNJUDGEABLE = "unjudgeable"  # the counters miss one the verdict needs, or contradict each other
 TOO_FEW_DRAFTS = "too_few_drafts"
 LOW_TAU = "low_mean_acceptance_length"
 LOW_RATE = "low_acceptance_rate"
@@ -56,6 +64,8 @@ class Counters:
     draft_tokens: float = 0.0
     accepted: float = 0.0
     per_pos: dict[int, float] = field(default_factory=dict)
+    generated: float | None = None  # vllm:generation_tokens (None: the server shows none)
+    shown: frozenset[str] = frozenset(NAMES.values())  # which of NAMES' counters the server shows
 
 
 # One sample line of the exposition format: name, {labels} (values may hold '}' when quoted),
@@ -66,30 +76,35 @@ _WANTED = {f"{name}_total": key for name, key in NAMES.items()}
 
 
 def parse(text: str) -> Counters | None:
-    """Spec-decode counters summed over every engine; None when the server exposes none.
+    """Spec-decode counters summed over every engine, and the generated tokens; None when the
+    server exposes no spec-decode counter.
 
-    Only the lines of these four counters are read (a watch round parses one scrape per host, and
+    Only the lines of these counters are read (a watch round parses one scrape per host, and
     prometheus_client's general parser cost ~2 ms of controller CPU a scrape); a malformed or
     non-finite one is a ``ProbeError``, never a number."""
     out = Counters()
-    seen = False
+    shown: set[str] = set()
     for line in text.split("\n"):
-        if not line.startswith(PREFIX):
+        if not line.startswith((PREFIX, GENERATED)):
             continue  # comments (# HELP / # TYPE), other families, blank lines
         found = _SAMPLE.fullmatch(line)
         if found is None:
             raise ProbeError(f"unreadable metrics line: {line[:120]!r}")
-        key = _WANTED.get(found.group(1))
-        if key is None:
+        name = found.group(1)
+        key = _WANTED.get(name)
+        if key is None and name != GENERATED:
             continue  # _created timestamps, other series of the prefix
         try:
             value = float(found.group(3))
         except ValueError:
             raise ProbeError(f"unreadable metrics value: {line[:120]!r}") from None
         if not math.isfinite(value) or value < 0:
-            raise ProbeError(f"a spec-decode counter is {found.group(3)}: {line[:120]!r}")
-        seen = True
+            raise ProbeError(f"a counter is {found.group(3)}: {line[:120]!r}")
         labels = _labels(found.group(2) or "", line)
+        if key is None:
+            out.generated = (out.generated or 0.0) + value
+            continue
+        shown.add(key)
         if key == "per_pos":
             position = labels.get("position", "0")
             if not position.isdigit():
@@ -97,7 +112,8 @@ def parse(text: str) -> Counters | None:
             out.per_pos[int(position)] = out.per_pos.get(int(position), 0.0) + value
         else:
             setattr(out, key, getattr(out, key) + value)
-    return out if seen else None
+    out.shown = frozenset(shown)
+    return out if shown else None
 
 
 def _labels(text: str, line: str) -> dict[str, str]:
@@ -133,12 +149,32 @@ def deltas(before: Counters, after: Counters) -> Counters | None:
         draft_tokens=after.draft_tokens - before.draft_tokens,
         accepted=after.accepted - before.accepted,
         per_pos={p: after.per_pos.get(p, 0.0) - before.per_pos.get(p, 0.0) for p in after.per_pos},
+        generated=after.generated - before.generated
+        if after.generated is not None and before.generated is not None
+        else None,
+        shown=after.shown,
     )
-    if any(v < 0 for v in (d.drafts, d.draft_tokens, d.accepted, *d.per_pos.values())):
+    if any(v < 0 for v in (d.drafts, d.draft_tokens, d.accepted, *d.per_pos.values(), d.generated or 0.0)):
         return None
     if any(p not in after.per_pos for p in before.per_pos):
         return None
     return d
+
+
+def unjudgeable(d: Counters) -> str | None:
+    """Why counter deltas can never give a verdict, however much traffic flows (None: they can).
+    A draft holds at least one token and accepts at most as many as it holds; a server that shows
+    some spec-decode counters must show the three the verdict is computed from."""
+    missing = [name for name, key in NAMES.items() if key in REQUIRED and key not in d.shown]
+    if missing:
+        return f"the server shows spec-decode counters but not {', '.join(missing)}"
+    if d.drafts > 0 and d.draft_tokens < d.drafts:
+        return f"{d.drafts:.0f} drafts but {d.draft_tokens:.0f} draft tokens: the spec-decode counters disagree"
+    if d.draft_tokens > 0 and d.drafts == 0:
+        return f"{d.draft_tokens:.0f} draft tokens in no draft: the spec-decode counters disagree"
+    if d.accepted > d.draft_tokens:
+        return f"{d.accepted:.0f} tokens accepted of {d.draft_tokens:.0f} drafted: the spec-decode counters disagree"
+    return None
 
 
 def acceptance(d: Counters) -> Acceptance | None:
@@ -169,6 +205,9 @@ def measure(before_text: str, after_text: str) -> Acceptance:
     d = deltas(before, after)
     if d is None:
         raise ProbeError("a spec-decode counter went down during the probe: the server restarted", RESTARTED)
+    why = unjudgeable(d)
+    if why is not None:
+        raise ProbeError(f"acceptance cannot be judged: {why}", UNJUDGEABLE)
     a = acceptance(d)
     if a is None:
         raise ProbeError("the probe produced no drafts: speculative decoding is not running", NO_SPECULATION)

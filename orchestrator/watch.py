@@ -12,7 +12,9 @@ A host's state, most urgent first:
 
     DOWN      the host or its server cannot be reached, is not running, or is unhealthy
     DEGRADED  live traffic is not accepting the drafter's tokens (the gate fails on a full window),
-              or speculation is not running at all
+              or speculation is not running at all, or the window can never be judged (counters
+              that miss one the verdict needs or contradict each other, tokens generated and none
+              drafted)
     DRIFT     the files served, the model files, or the READY record no longer match the release
               we proved
     READY     none of the above; acceptance proven on live traffic, or not yet refuted
@@ -202,7 +204,12 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
             d = probe.deltas(base, counters)
             assert d is not None  # base is at most last, which counters did not go below
             window_drafts = int(d.drafts)
-            a = probe.acceptance(d)
+            never = _never_judged(d, gate)
+            a = probe.acceptance(d) if never is None else None
+            if never is not None:
+                # However long it stays open, this window gives no verdict: said, never READY.
+                reasons.append(never)
+                live, blind = None, True
             if a is not None and a.drafts >= gate.min_drafts:
                 ok, detail, _ = probe.judge(
                     a, gate.min_mean_acceptance_length, gate.min_acceptance_rate, gate.min_drafts
@@ -273,6 +280,21 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
         rounds=w.rounds + 1,
     )
     return nxt, rnd, Transition(w.name, seen.at, w.state, state, rnd) if changed else None
+
+
+def _never_judged(d: probe.Counters, gate: AcceptanceGate) -> str | None:
+    """Why the open window can never be judged (None: it can, once enough drafts flow): counters
+    that miss one the verdict needs or contradict each other, or traffic that generates tokens
+    and no drafts (speculation does not run for it, so drafts never come)."""
+    why = probe.unjudgeable(d)
+    if why is not None:
+        return f"acceptance cannot be judged: {why}"
+    if d.drafts == 0 and d.generated is not None and d.generated >= gate.min_drafts:
+        return (
+            f"{d.generated:.0f} tokens generated since the window opened and none drafted: "
+            "speculative decoding is not running for this traffic"
+        )
+    return None
 
 
 def changed_fields(name: str, intended: bytes, found: bytes | None) -> list[str]:

@@ -148,7 +148,7 @@ class Watcher:
         ops: list[protocol.Op[Any]] = list(served.ops)
         metrics = None
         if served.status is not None and head:
-            metrics = protocol.metrics(playbook.serving.port, (probe.PREFIX,)).finding()
+            metrics = protocol.metrics(playbook.serving.port, probe.FAMILIES).finding()
             ops.append(metrics)
         try:
             answers = w.session.batch(ops)

@@ -311,14 +311,14 @@ class Watch:
         return self.proc.wait(60)
 
 
-def traffic(box: LxdSandbox, name: str, requests: int = 6) -> None:
+def traffic(box: LxdSandbox, name: str, requests: int = 6, max_tokens: int = 64) -> None:
     """A bounded load loop of completions from inside the container (the server listens on its
     loopback). Greedy: the tiny models are made for greedy decoding (sampled at vLLM's default
     temperature 1.0, even the good drafter's tokens are accepted about 10% of the time)."""
     script = (
         "import json, urllib.request\n"
         f"for i in range({requests}):\n"
-        "    body = json.dumps({'model': 'tiny', 'prompt': 'def f%d():' % i, 'max_tokens': 64,"
+        f"    body = json.dumps({{'model': 'tiny', 'prompt': 'def f%d():' % i, 'max_tokens': {max_tokens},"
         " 'temperature': 0}).encode()\n"
         "    req = urllib.request.Request('http://127.0.0.1:8000/v1/completions', body,"
         " {'Content-Type': 'application/json'})\n"
@@ -367,6 +367,16 @@ def test_watch_sees_the_founding_incident_replayed_on_real_vllm(lxd_sandbox: Lxd
         metrics = scrape(port)
         assert metrics[("dflash_orchestrator_host_state", "READY")] == 1
         assert metrics[("dflash_orchestrator_mean_acceptance_length_tokens", "")] > 7
+
+        # Traffic that speculation does not run for (one token each: the prefill makes it, no
+        # draft follows) can never fill a window: said, and not READY, until drafts flow again.
+        traffic(lxd_sandbox, name, requests=24, max_tokens=1)
+        blind = watch.until("a window that cannot be judged", lambda h: h["state"] != "READY", within=120)
+        assert blind["state"] == "DEGRADED", blind
+        assert any("and none drafted: speculative decoding is not running" in r for r in blind["reasons"]), blind
+        traffic(lxd_sandbox, name)
+        again = watch.until("READY on a judged window", lambda h: h["state"] == "READY" and h["live"], within=120)
+        assert again["live"]["mean_acceptance_length"] > 7, again
 
         stale = "/opt/dflash-orchestrator/tiny-models/drafter-wrong-mask/config.json"
         copied = in_container(lxd_sandbox, name, "cp", stale, "/srv/dflash/current/drafter/config.json")

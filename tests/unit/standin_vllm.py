@@ -64,12 +64,15 @@ def options(args: list[str]) -> tuple[dict[str, str], set[str]]:
 class Counters:
     def __init__(self, k: int, good: bool) -> None:
         self.k, self.good = k, good
-        self.drafts = self.draft_tokens = self.accepted = 0
+        self.drafts = self.draft_tokens = self.accepted = self.generated = 0
         self.per_pos = [0] * k
         self.lock = threading.Lock()
 
     def complete(self, tokens: int) -> None:
         with self.lock:
+            self.generated += tokens
+            # The first token comes from the prefill; a draft follows each step after it.
+            tokens -= 1
             drafts = math.ceil(tokens / (self.k + 1)) if self.good else tokens
             self.drafts += drafts
             self.draft_tokens += drafts * self.k
@@ -89,6 +92,10 @@ class Counters:
                 f"# TYPE vllm:spec_decode_num_{name} counter",
                 f"vllm:spec_decode_num_{name}_total{{{labels}}} {value}.0",
             ]
+        lines += [
+            "# TYPE vllm:generation_tokens counter",
+            f"vllm:generation_tokens_total{{{labels}}} {self.generated}.0",
+        ]
         lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
         for pos, value in enumerate(self.per_pos):
             lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{pos}"}} {value}.0')

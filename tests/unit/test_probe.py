@@ -60,22 +60,46 @@ def test_judge() -> None:
     assert probe.judge(good, 4.0, None, 60).reason == probe.TOO_FEW_DRAFTS
 
 
+def test_counters_that_can_never_be_judged_are_said_never_a_number() -> None:
+    """A server that shows some spec-decode counters but not one the verdict needs, or counters
+    that contradict each other. More tokens accepted than drafted used to pass the gate: tau 15
+    from a drafter of K = 7."""
+    ok = metrics(0, 0, 0, [0] * 7)
+    for after, why in (
+        (metrics(50, 350, 700, [50] * 7), "700 tokens accepted of 350 drafted: the spec-decode counters disagree"),
+        (metrics(50, 0, 0, [0] * 7), "50 drafts but 0 draft tokens"),
+        (metrics(0, 350, 0, [0] * 7), "350 draft tokens in no draft"),
+    ):
+        with pytest.raises(probe.ProbeError, match=why) as refused:
+            probe.measure(ok, after)
+        assert refused.value.reason == probe.UNJUDGEABLE
+    partial = "\n".join(line for line in metrics(50, 350, 300, [50] * 7).split("\n") if "draft_tokens" not in line)
+    with pytest.raises(probe.ProbeError, match="shows spec-decode counters but not vllm:spec_decode_num_draft_tokens"):
+        probe.measure(ok, partial)
+
+
 def reference(text: str) -> probe.Counters | None:
     """The same counters read by prometheus_client's own parser (what probe.parse must agree with)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out, seen = probe.Counters(), False
+    out, shown = probe.Counters(), set()
     for family in text_string_to_metric_families(text):
+        if family.name.removesuffix("_total") == probe.GENERATED.removesuffix("_total"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out.generated = (out.generated or 0.0) + sample.value
+            continue
         key = probe.NAMES.get(family.name) or probe.NAMES.get(family.name.removesuffix("_total"))
         for sample in family.samples if key else ():
             if sample.name.endswith("_total"):
-                seen = True
+                shown.add(key)
                 if key == "per_pos":
                     pos = int(sample.labels["position"])
                     out.per_pos[pos] = out.per_pos.get(pos, 0.0) + sample.value
                 else:
                     setattr(out, key, getattr(out, key) + sample.value)
-    return out if seen else None
+    out.shown = frozenset(shown)
+    return out if shown else None
 
 
 ODD = (
@@ -88,6 +112,10 @@ ODD = (
     "vllm:spec_decode_num_accepted_tokens_total{} 0.0\n"
     'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="3",engine="0"} 7\n'
     "vllm:num_requests_running 2\n"
+    "# TYPE vllm:generation_tokens counter\n"
+    'vllm:generation_tokens_total{engine="0",model_name="m"} 4.2e+04\n'
+    'vllm:generation_tokens_total{engine="1",model_name="m"} 8\n'
+    "vllm:generation_tokens_created 1.7e9\n"
 )
 
 

@@ -103,6 +103,34 @@ def test_a_new_server_pid_is_a_restart_even_when_the_counters_only_grew() -> Non
     assert r.live is None and r.window_drafts == 0  # the window starts at the new server's counters
 
 
+def test_a_window_that_can_never_be_judged_is_said_and_never_ready() -> None:
+    """Each of these left the window open and the host READY for ever: traffic that generates
+    tokens and no drafts (speculation does not run for it), a server that shows some spec-decode
+    counters but not one the verdict needs, counters that contradict each other."""
+    w, r, _ = step(HostWatch("gpu-a"), seen(0, probe.Counters(100, 700, 600, generated=1000)), GATE)
+    w, r, _ = step(w, seen(30, probe.Counters(100, 700, 600, generated=1049)), GATE)
+    assert r.state == READY  # 49 tokens: fewer than a window's drafts, so not yet said
+    w, r, t = step(w, seen(60, probe.Counters(100, 700, 600, generated=1050)), GATE)
+    assert r.state == DEGRADED and t is not None and (t.before, t.after) == (READY, DEGRADED)
+    assert r.reasons[0] == (
+        "50 tokens generated since the window opened and none drafted: speculative decoding is not running for this "
+        "traffic"
+    )
+    w, r, t = step(w, seen(90, probe.Counters(160, 1120, 960, generated=1500)), GATE)  # drafts flow again
+    assert r.state == READY and r.live is not None and r.live.ok and r.live.drafts == 60
+
+    for counters, why in (
+        (probe.Counters(60, 420, 360, shown=frozenset({"drafts", "accepted"})), "but not vllm:spec_decode_num_draft"),
+        (probe.Counters(60, 0, 0), "60 drafts but 0 draft tokens"),
+        (probe.Counters(0, 420, 0), "420 draft tokens in no draft"),
+        (probe.Counters(60, 420, 900), "900 tokens accepted of 420 drafted"),
+    ):
+        w, r, _ = step(HostWatch("gpu-a"), seen(0, probe.Counters(0, 0, 0)), GATE)
+        w, r, _ = step(w, seen(30, counters), GATE)
+        assert r.state == DEGRADED and r.live is None, (counters, r)
+        assert r.reasons[0].startswith("acceptance cannot be judged: ") and why in r.reasons[0], r.reasons
+
+
 def test_down_when_unreachable_or_unhealthy_and_no_counters_is_degraded() -> None:
     w, r, t = step(HostWatch("gpu-a"), Seen(0, error="connect to 10.0.0.9:22 timed out"), GATE)
     assert r.state == DOWN and r.reasons == ("connect to 10.0.0.9:22 timed out",) and t is not None
@@ -251,6 +279,29 @@ def test_the_founding_incident_replayed_under_watch(box: Box) -> None:
     finally:
         w.close()
     assert session_pid is not None and not alive(session_pid)  # the agent ends with the watch
+
+
+def test_traffic_that_speculation_does_not_run_for_is_said_through_the_real_agent(box: Box) -> None:
+    """One-token completions (the prefill makes the token, no draft follows): the window never fills,
+    and the host left READY was watched blind. Said once the tokens pass a window's drafts, then READY
+    on a judged window once drafts flow."""
+    playbook = box.playbook()
+    assert deploy(box, playbook).ok
+    w = watcher(box, playbook)
+    try:
+        assert w.round()[0][0].state == READY
+        complete(box, requests=playbook.gates.live.min_drafts, tokens=1)
+        (r,), (t,) = w.round()
+        assert (t.before, t.after) == (READY, DEGRADED) and r.live is None
+        assert (
+            f"{playbook.gates.live.min_drafts} tokens generated since the window opened and none drafted"
+            in r.reasons[0]
+        )
+        complete(box)
+        (r,), (t,) = w.round()
+        assert (t.before, t.after) == (DEGRADED, READY) and r.live is not None and r.live.ok
+    finally:
+        w.close()
 
 
 def test_a_killed_agent_is_replaced_in_the_same_round_and_said(box: Box) -> None:
