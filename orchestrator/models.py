@@ -185,11 +185,13 @@ def read_model_changes(
     target: protocol.ModelFiles | None,
     drafter: protocol.ModelFiles | None,
     report: HostReport,
+    failed: dict[str, str] | None = None,
 ) -> None:
     """Dry run: what a deploy would do to the model directories, as the host holds them (None:
-    not readable there yet): files a push would send, and models whose files differ from what
-    the current release was proven with (either makes a new release). Added to the files gate's
-    words; the report then says it would change."""
+    not readable there yet, or ``failed[role]`` says why it could not be read): files a push
+    would send, and models whose files differ from what the current release was proven with
+    (either makes a new release). Added to the files gate's words; the report then says it would
+    change."""
     from orchestrator import push
 
     said = []
@@ -204,7 +206,9 @@ def read_model_changes(
             wanted = {f.rel: f.sha256 for f in push.local_files(model.push)}
         else:
             wanted = model.manifest or on_host
-        if found is None:
+        if found is None and (failed or {}).get(model.role):
+            said.append(f"{model.role} {model.path}: {(failed or {})[model.role]}")
+        elif found is None:
             said.append(f"{model.role} {model.path} cannot be read on the host yet")
         elif found.pins is None:
             said.append(f"{model.role} {model.path} is not what the current release serves: a new release pins it")

@@ -239,7 +239,12 @@ def dry_run(scope: Scope) -> RunReport:
             plan.read_inspected(playbook, answers[op], node.report)
             target = answers.get(checks.target) if checks.target is not None else None
             drafter = answers.get(checks.drafter) if checks.drafter is not None else None
-            models.read_model_changes(playbook, target, drafter, node.report)
+            failed = {
+                role: f.describe()
+                for role, op in (("target", checks.target), ("drafter", checks.drafter))
+                if (f := answers.failure(op)) is not None
+            }
+            models.read_model_changes(playbook, target, drafter, node.report, failed)
 
     def work(run: Run, unit: Unit) -> None:
         unit.each(lambda node: inspect(run, node), GATE_FILES)

@@ -31,29 +31,160 @@ from remote_agent.core import (
 )
 from remote_agent.releases import _link_target, _read_models
 
+# What safetensors' reader (vLLM loads weights through its safe_open) requires of a file before it
+# gives a single tensor, from its read_metadata and Metadata.validate: a header length within
+# 100,000,000 and the file, UTF-8 JSON of an object, string metadata, and per tensor a
+# known dtype, a shape of sizes and data offsets that tile the data from byte 0 to the file's
+# end, each span exactly shape x dtype bytes. Checked here so that the weights gate never passes
+# a file the server would refuse to load (a truncated copy, a header edited by hand).
+HEADER_LIMIT = 100000000
+# safetensors 0.8's dtypes that torch (vLLM's) can hold, in bits: F6_E2M3 and F6_E3M2 parse but
+# no torch tensor takes them ("Dtype not understood" at load).
+DTYPE_BITS = {
+    "BOOL": 8,
+    "F4": 4,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+
+
+def _size_value(value):
+    """A JSON number as safetensors reads a size (an unsigned 64-bit integer), or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+        return None
+    return value
+
 
 def _safetensors_header(path):
-    """Tensor names, dtypes and shapes from a safetensors file's JSON header (never the tensors)."""
+    """Tensor names, dtypes and shapes from a safetensors file's JSON header (never the tensors),
+    once the header proves a file safetensors would load."""
     import json
 
+    def bad(message, *args):
+        return OpError("bad_weights", ("%s: " % path) + (message % args), path)
+
+    def not_json(text):
+        raise ValueError(text)
+
     with _open_file(path) as f:
+        total = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         size = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        if size <= 1 or size > 100 * CHUNK:
-            raise OpError("bad_weights", "%s is not a safetensors file (header length %d)" % (path, size), path)
-        try:
-            header = json.loads(f.read(size).decode("utf-8"))
-        except ValueError:
-            raise OpError("bad_weights", "%s: the safetensors header is not JSON" % path, path)
-        except RecursionError:  # a header nested past the parser's depth: not one safetensors writes
-            raise OpError("bad_weights", "%s: the safetensors header is nested too deeply" % path, path)
+        if size <= 1 or size > HEADER_LIMIT or 8 + size > total:
+            raise OpError(
+                "bad_weights",
+                "%s is not a safetensors file (header length %d, file of %d bytes)" % (path, size, total),
+                path,
+            )
+        data = f.read(size)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad("the safetensors header is not UTF-8")
+    try:
+        header = json.loads(text, parse_constant=not_json)  # NaN and Infinity are not JSON
+    except ValueError:
+        raise bad("the safetensors header is not JSON")
+    except RecursionError:  # a header nested past the parser's depth: not one safetensors writes
+        raise bad("the safetensors header is nested too deeply")
     if not isinstance(header, dict):
-        raise OpError("bad_weights", "%s: the safetensors header is not an object" % path, path)
-    tensors = {}
+        raise bad("the safetensors header is not an object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise bad("__metadata__ must map names to strings")
+    tensors, spans = {}, []
     for name, info in header.items():
-        if name != "__metadata__" and isinstance(info, dict):
-            tensors[name] = {"dtype": info.get("dtype"), "shape": info.get("shape")}
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise bad("tensor %r is not an object", name)
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+            raise bad("tensor %r has dtype %r, not one the server can load", name, dtype)
+        if not isinstance(shape, list) or any(_size_value(d) is None for d in shape):
+            raise bad("tensor %r has shape %r, not a list of sizes", name, shape)
+        if not isinstance(offsets, list) or len(offsets) != 2 or any(_size_value(o) is None for o in offsets):
+            raise bad("tensor %r has data_offsets %r, not [begin, end]", name, offsets)
+        spans.append((offsets[0], offsets[1], name, dtype, shape))
+        tensors[name] = {"dtype": dtype, "shape": shape}
+    end = 0
+    for begin, stop, name, dtype, shape in sorted(spans):
+        if begin != end or stop < begin:
+            raise bad("tensor %r has data_offsets [%d, %d]: the data before it ends at %d", name, begin, stop, end)
+        count = 1
+        for d in shape:
+            count *= d
+        bits = count * DTYPE_BITS[dtype]
+        if bits % 8:
+            raise bad("tensor %r is %s %r: %d bits, not whole bytes", name, dtype, shape, bits)
+        if stop - begin != bits // 8:
+            raise bad(
+                "tensor %r is %s %r, %d bytes, but its data_offsets hold %d",
+                name,
+                dtype,
+                shape,
+                bits // 8,
+                stop - begin,
+            )
+        end = stop
+    if 8 + size + end != total:
+        raise bad(
+            "the tensors' data ends at byte %d and the file at %d (%s)",
+            8 + size + end,
+            total,
+            "truncated" if total < 8 + size + end else "bytes after the last tensor",
+        )
     return tensors
+
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def _loaded_weights(source, names):
+    """The safetensors files vLLM's loader reads from a model directory: the top level's
+    ``*.safetensors`` (a glob: no subdirectory), and when the directory holds an index, only those
+    its weight_map names, every one of which must be there (vLLM 0.32, default_loader's
+    _prepare_weights and filter_duplicate_safetensors_files: a shard the index does not name is
+    never loaded, one it names and the directory lacks fails the load)."""
+    import json
+
+    names = [n for n in names if "/" not in n and n.endswith(".safetensors")]
+    index = os.path.join(source, WEIGHTS_INDEX)
+    text = _read_small(index, 16 * CHUNK)
+    if text is None:
+        return names
+    try:
+        weight_map = json.loads(text)["weight_map"]
+    except (ValueError, TypeError, KeyError, RecursionError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise OpError("bad_weights", "%s: no weight_map of tensor names to files (vLLM cannot read it)" % index, index)
+    named = set(weight_map.values())
+    missing = sorted(named - set(names))
+    if missing:
+        raise OpError(
+            "bad_weights",
+            "%s names %s, which the directory does not hold as a safetensors file (vLLM refuses to load it)"
+            % (index, ", ".join(missing)),
+            index,
+        )
+    return [n for n in names if n in named]
 
 
 @op(
@@ -105,9 +236,8 @@ def op_model_files(req):
         out["tokens"] = _name_tokens(source, [t for t in req["tokens"] if isinstance(t, int)])
     if req["headers"]:
         out["headers"] = dict(
-            (f["path"], _safetensors_header(os.path.join(source, f["path"])))
-            for f in files
-            if f["path"].endswith(".safetensors")
+            (name, _safetensors_header(os.path.join(source, name)))
+            for name in _loaded_weights(source, [f["path"] for f in files])
         )
     if req["record"]:
         digests.save()

@@ -23,6 +23,7 @@ import yaml
 
 from orchestrator.sandbox.lxdhosts import LxdSandbox
 from orchestrator.sandbox.sshhosts import SandboxHost, SshSandbox
+from tests.integration.vllm_starts import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401  (hooks)
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"

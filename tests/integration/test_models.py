@@ -182,6 +182,17 @@ def test_the_target_config_on_the_host_and_the_weights_are_checked_before_any_se
     gate = run.host(host)["gates"]["weights"]
     assert run.code == 1 and gate == {"ok": False, "detail": "num_hidden_layers: the weights hold 1 layers"}
 
+    # A copy cut short: its header is whole and agrees with the config, and vLLM refuses the file.
+    weights = sandbox.srv(host) / "models" / "checks" / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, size - 1)
+    run = cli(
+        "deploy", files_only(tmp_path, root_name, drafter, "cut"), "-i", sandbox.inventory, "--json", "--limit", host
+    )
+    said = " ".join(g["detail"] for g in run.host(host)["gates"].values())
+    assert run.code == 1 and f"ends at byte {size} and the file at {size - 1} (truncated)" in said, said
+    assert f"{drafter}/model.safetensors" in said
+
 
 def pushing(tmp_path: Path, root: str, local: Path, dest: str, name: str = "push") -> Path:
     path = book(tmp_path, root, dest, name)

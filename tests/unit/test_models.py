@@ -385,7 +385,7 @@ def test_a_safetensors_header_nested_past_any_parser_is_named_with_its_file(box:
     """The drafter's weights with a header of 100,000 nested lists: the weights gate names the
     file (it used to fail with the parser's RecursionError, naming no file)."""
     _, drafter = model_dirs(box)
-    raw = b"[" * 100_000 + b"]" * 100_000
+    raw = b'{"fc.weight": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     (drafter / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
     solo = host(deploy(box, with_models(box)), "solo")
     assert not solo.ready
@@ -409,10 +409,17 @@ def test_the_dry_run_says_what_a_deploy_would_do_to_the_models(box: Box) -> None
     assert deploy(box, playbook).ok
     quiet = host(Deployment(playbook, box.inventory, OPTIONS).dry_run(), "solo")
     assert not quiet.changed and quiet.gates["files"].detail == "dry run: no change"
-    (drafter / "model.safetensors").write_bytes((drafter / "model.safetensors").read_bytes() + b"\0")
+    weights = bytearray((drafter / "model.safetensors").read_bytes())
+    weights[-1] ^= 1  # a weight changed, the file still one vLLM loads
+    (drafter / "model.safetensors").write_bytes(bytes(weights))
     looked = host(Deployment(playbook, box.inventory, OPTIONS).dry_run(), "solo")
     assert looked.changed
     assert f"drafter {drafter} differs from what release" in looked.gates["files"].detail
+    # One vLLM would refuse: the dry run says why, not that the host cannot be read yet.
+    (drafter / "model.safetensors").write_bytes(bytes(weights) + b"\0")
+    looked = host(Deployment(playbook, box.inventory, OPTIONS).dry_run(), "solo")
+    assert "(bytes after the last tensor)" in looked.gates["files"].detail, looked.gates["files"].detail
+    assert "cannot be read on the host yet" not in looked.gates["files"].detail
 
 
 def test_many_small_files_push_in_few_execs_and_leave_no_stale_partials(box: Box) -> None:
