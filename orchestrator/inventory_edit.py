@@ -25,7 +25,6 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.tokens import CommentToken
-from ruamel.yaml.util import load_yaml_guess_indent
 
 from orchestrator.errors import InputError
 from orchestrator.inventory import Inventory, parse_inventory
@@ -45,16 +44,91 @@ class EditResult:
     written: bool
 
 
-def _yaml(text: str) -> tuple[YAML, Any]:
+@dataclass(frozen=True)
+class _Layout:
+    """What of a file's bytes the YAML writer does not keep by itself, kept around it: a
+    byte-order mark, CRLF line ends, the document markers, the indentation it guesses."""
+
+    bom: bool
+    crlf: bool
+    start: bool
+    end: bool
+    mapping: int
+    offset: int
+
+
+def _layout(text: str) -> _Layout:
+    body = text.removeprefix("\ufeff")
+    lines = body.split("\n")
+    crlf = body.count("\r\n") > 0 and body.count("\r\n") == body.count("\n")
+    content = [line.rstrip("\r") for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    mapping = offset = None
+    for here, there in zip(content, content[1:]):
+        key = here.split(" #", 1)[0].rstrip()
+        if not key.endswith(":") or key.lstrip().startswith("- "):
+            continue  # not a key that opens a block (or one inside a sequence item)
+        col, inner = len(here) - len(here.lstrip(" ")), len(there) - len(there.lstrip(" "))
+        if there.lstrip().startswith("- ") and offset is None and inner >= col:
+            offset = inner - col
+        elif not there.lstrip().startswith("- ") and mapping is None and inner > col:
+            mapping = inner - col
+    return _Layout(
+        bom=text.startswith("\ufeff"),
+        crlf=crlf,
+        start=bool(content) and content[0].startswith("---"),
+        end=bool(content) and content[-1].rstrip() == "...",
+        mapping=mapping or 2,
+        offset=offset or 0,
+    )
+
+
+def _yaml(text: str) -> tuple[YAML, Any, _Layout]:
+    layout = _layout(text)
+    yaml = YAML()
+    yaml.preserve_quotes = True
+    yaml.width = 4096  # never re-wrap long lines
+    yaml.indent(mapping=layout.mapping, sequence=layout.offset + 2, offset=layout.offset)
+    yaml.explicit_start = layout.start
+    yaml.explicit_end = layout.end
     try:
-        _, indent, block_seq_indent = load_yaml_guess_indent(text)
-        yaml = YAML()
-        yaml.preserve_quotes = True
-        yaml.width = 4096  # never re-wrap long lines
-        yaml.indent(mapping=indent or 2, sequence=(indent or 2) + (block_seq_indent or 0), offset=block_seq_indent or 0)
-        return yaml, yaml.load(text)
+        return yaml, yaml.load(_plain(text, layout)), layout
     except YAMLError as exc:
         raise InputError(f"invalid YAML: {exc}") from exc
+
+
+def _plain(text: str, layout: _Layout) -> str:
+    text = text.removeprefix("\ufeff")
+    return text.replace("\r\n", "\n") if layout.crlf else text
+
+
+def _dump(yaml: YAML, data: Any, layout: _Layout) -> str:
+    buffer = io.StringIO()
+    yaml.dump(data, buffer)
+    text = buffer.getvalue()
+    if layout.crlf:
+        text = text.replace("\n", "\r\n")
+    return ("\ufeff" if layout.bom else "") + text
+
+
+def _kept(before: str, yaml: YAML, data: Any, layout: _Layout, path: Path) -> None:
+    """An edit changes only the bytes it means to change: the file as the writer would write it
+    unedited must be the file as it is, else the edit would rewrite lines it does not touch
+    (another indentation, a comment on a document marker, mixed line ends). Refused, naming the
+    first such line, before anything is edited."""
+    unedited = _dump(yaml, data, layout)
+    if unedited == before:
+        return
+    old, new = before.split("\n"), unedited.split("\n")  # a line's "\r" is part of what differs
+    n = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    was = old[n] if n < len(old) else "(the end of the file)"
+    would = new[n] if n < len(new) else "(nothing)"
+    raise InputError(
+        f"an edit would also rewrite line {n + 1} ({was.rstrip(' ')[:80]!r} becomes {would.rstrip(' ')[:80]!r}): "
+        "the YAML writer cannot keep this file's layout there, so the edit is refused; edit the file by hand, "
+        "or lay that line out as the writer does",
+        file=str(path),
+        line=n + 1,
+    )
 
 
 def edit_inventory(path: Path, edit: Edit, dry_run: bool = False) -> EditResult:
@@ -103,18 +177,18 @@ def _locked(real: Path) -> Iterator[None]:
 
 def _edit(path: Path, edit: Edit, dry_run: bool) -> EditResult:
     try:
-        before = path.read_text(encoding="utf-8")
+        with path.open(encoding="utf-8", newline="") as f:  # line ends as they are (CRLF kept)
+            before = f.read()
     except FileNotFoundError:
         raise InputError("file not found", file=str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read: {exc}", file=str(path)) from exc
-    yaml, data = _yaml(before)
+    yaml, data, layout = _yaml(before)
     if not isinstance(data, CommentedMap):
         raise InputError("the inventory must be a mapping", file=str(path), line=1)
+    _kept(before, yaml, data, layout, path)
     summary = edit(data)
-    buffer = io.StringIO()
-    yaml.dump(data, buffer)
-    after = buffer.getvalue()
+    after = _dump(yaml, data, layout)
     validate_text(after, path)  # refuse before writing: the file stays as it was
     diff = "".join(
         difflib.unified_diff(
@@ -140,7 +214,7 @@ def _atomic_replace(path: Path, text: str) -> None:
     except OSError as exc:
         raise InputError(f"cannot write beside it: {exc.strerror or exc}", file=str(path)) from exc
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -207,3 +207,67 @@ def test_a_file_that_cannot_be_replaced_is_one_clear_error(inv: Path) -> None:
     finally:
         inv.parent.chmod(0o700)
     assert result.returncode == 2 and "cannot write" in result.stderr and "Traceback" not in result.stderr
+
+
+LAID_OUT = (
+    "---\n"
+    "known_hosts: ~/.ssh/known_hosts\n"
+    "hosts:\n"
+    "    gpu-a:      # four spaces a level, sequences indented under their key\n"
+    "        address: 192.0.2.10\n"
+    "        containers:\n"
+    "            serve-0:\n"
+    "                address: 10.10.0.2\n"
+    "                gpus: [0, 1]\n"
+    "                groups:\n"
+    "                    - serve\n"
+    "...\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("bom", "newline"),
+    [("", "\n"), ("", "\r\n"), ("\ufeff", "\n"), ("\ufeff", "\r\n")],
+    ids=["lf", "crlf", "bom", "bom-crlf"],
+)
+def test_an_edit_keeps_the_files_own_layout_byte_for_byte(tmp_path: Path, bom: str, newline: str) -> None:
+    """Four-space indentation, sequences indented under their key, document markers, CRLF line ends
+    and a byte-order mark: each edit used to rewrite every line (two spaces, LF, the markers and the
+    mark dropped). Only the edited lines change now, in the file's own layout."""
+    path = tmp_path / "inventory.yaml"
+    original = bom + LAID_OUT.replace("\n", newline)
+    path.write_bytes(original.encode())
+    run = cli("set", "hosts.gpu-a.containers.serve-0.gpus", "[2, 3]", "-i", path)
+    assert run.returncode == 0, run.stderr
+    after = path.read_bytes().decode()
+    assert after == original.replace("gpus: [0, 1]", "gpus: [2, 3]")
+    run = cli("add-container", "gpu-a", "serve-1", "--address", "10.10.0.3", "--gpus", "4", "-i", path)
+    assert run.returncode == 0, run.stderr
+    added = path.read_bytes().decode()
+    lines = ["            serve-1:", "                address: 10.10.0.3", "                gpus: [4]"]
+    assert added == after.replace(f"...{newline}", "".join(f"{line}{newline}" for line in lines) + f"...{newline}")
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "becomes"),
+    [
+        ("--- # the cluster\nhosts: {}\n", 1, "'--- # the cluster' becomes '---'"),
+        (
+            "hosts:\n  gpu-a:\n      address: 192.0.2.10\n      containers: {}\n  gpu-b:\n    address: 192.0.2.11\n",
+            3,
+            "'      address: 192.0.2.10' becomes '    address: 192.0.2.10'",
+        ),
+        ("hosts: {}\r\nknown_hosts: ~/.ssh/known_hosts\n", 1, "'hosts: {}\\r' becomes 'hosts: {}'"),
+    ],
+    ids=["a comment on the document marker", "two indentations in one file", "mixed line ends"],
+)
+def test_an_edit_that_would_rewrite_other_lines_is_refused(tmp_path: Path, text: str, line: int, becomes: str) -> None:
+    """Where the YAML writer cannot keep the file's layout, the edit is refused naming the first line
+    it would rewrite; the file stays byte-identical (it used to be rewritten whole)."""
+    path = tmp_path / "inventory.yaml"
+    path.write_bytes(text.encode())
+    run = cli("add-host", "gpu-c", "--address", "192.0.2.12", "-i", path)
+    assert run.returncode == 2, run.stdout
+    assert f"{path}:{line}: an edit would also rewrite line {line} (" in run.stderr, run.stderr
+    assert becomes in run.stderr
+    assert path.read_bytes() == text.encode()
