@@ -13,6 +13,7 @@ import contextlib
 import difflib
 import fcntl
 import io
+import itertools
 import os
 import stat
 import tempfile
@@ -63,7 +64,7 @@ def _layout(text: str) -> _Layout:
     crlf = body.count("\r\n") > 0 and body.count("\r\n") == body.count("\n")
     content = [line.rstrip("\r") for line in lines if line.strip() and not line.lstrip().startswith("#")]
     mapping = offset = None
-    for here, there in zip(content, content[1:]):
+    for here, there in itertools.pairwise(content):
         key = here.split(" #", 1)[0].rstrip()
         if not key.endswith(":") or key.lstrip().startswith("- "):
             continue  # not a key that opens a block (or one inside a sequence item)
@@ -119,7 +120,7 @@ def _kept(before: str, yaml: YAML, data: Any, layout: _Layout, path: Path) -> No
     if unedited == before:
         return
     old, new = before.split("\n"), unedited.split("\n")  # a line's "\r" is part of what differs
-    n = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    n = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
     was = old[n] if n < len(old) else "(the end of the file)"
     would = new[n] if n < len(new) else "(nothing)"
     raise InputError(
