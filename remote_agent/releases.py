@@ -247,9 +247,28 @@ def _rmtree_at(parent_fd, name):
 
 
 def _clean_staging(releases):
+    """Remove what a cut deploy left half-staged (under the deploy root's lock: no agent of ours is
+    staging now): only what is named as the agent names it, ``.staging-<release id>-<pid>``. An
+    operator's ``.staging-backup-2024/`` holding files and no sequence number is not ours and
+    stays (it was removed with the rest)."""
     for name in os.listdir(releases):
-        if name.startswith(STAGING_PREFIX):
-            _rmtree(os.path.join(releases, name), ignore_errors=True)
+        release_id, _, pid = name[len(STAGING_PREFIX) :].rpartition("-")
+        if not name.startswith(STAGING_PREFIX) or not pid.isdigit() or not release_id:
+            continue
+        try:
+            _check_release_id(release_id)
+        except OpError:
+            continue
+        path = os.path.join(releases, name)
+        try:
+            held = None if os.path.islink(path) else os.listdir(path)
+        except OSError:
+            continue
+        # The agent makes the directory and writes its sequence number first: what holds files
+        # and no number was not staged by us.
+        if held is None or (held and SEQUENCE not in held):
+            continue
+        _rmtree(path, ignore_errors=True)
 
 
 def _ours(releases, name):

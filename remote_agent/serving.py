@@ -22,6 +22,7 @@ from remote_agent.core import (
     _own_dir,
     _proc_start,
     _read_own,
+    _read_small,
     _root,
     _sha256,
     op,
@@ -224,6 +225,11 @@ def op_engine_check(req):
         return {"skipped": "the server already runs this command"}
     if len(argv) < 4 or argv[1] != "-c" or argv[3] != "serve":
         raise OpError("bad_request", "argv is not a `vllm serve` command of the serving Python")
+    if _systemd_is_init():
+        # The unit the launch would write, checked before anything serving is switched or stopped.
+        refused = _unit_not_ours(_unit_name(root, req["name"]))
+        if refused is not None:
+            raise OpError("unit_not_ours", refused, _unit_name(root, req["name"]))
     full = dict(os.environ)
     full.update(env)  # as the launch gives it
     try:
@@ -381,14 +387,78 @@ def _systemd_quote(text, expand_dollar=True):
     return '"%s"' % text
 
 
+UNIT_MARK = "managed by dflash-orchestrator"
+# Where systemd looks for a unit before /etc/systemd/system (a file there wins over ours), and
+# after it (a drop-in anywhere changes ours): systemd.unit(5), "Unit File Load Path".
+UNIT_DIRS_BEFORE = (
+    "/etc/systemd/system.control",
+    "/run/systemd/system.control",
+    "/run/systemd/transient",
+    "/run/systemd/generator.early",
+)
+UNIT_DIRS_AFTER = (
+    "/etc/systemd/system.attached",
+    "/run/systemd/system",
+    "/run/systemd/system.attached",
+    "/run/systemd/generator",
+    "/usr/local/lib/systemd/system",
+    "/usr/lib/systemd/system",
+    "/lib/systemd/system",
+    "/run/systemd/generator.late",
+)
+
+
+def _unit_name(root, name):
+    return "%s-%s.service" % (name, _sha256(root.encode())[:8])
+
+
+def _unit_not_ours(unit):
+    """Why the unit the tool writes would not be the tool's own (None: it would be). A file of
+    that name the tool did not write is never replaced; one that systemd would load before ours,
+    or a drop-in made for it (its own ``.d``, or a dash prefix of its name: ``dflash-.service.d``),
+    would run another command than the one the gates proved. Drop-ins for every service
+    (``service.d``, as LXC's) are left to the host."""
+    ours = os.path.join("/etc/systemd/system", unit)
+    try:
+        text = _read_small(ours, 1 << 16)
+    except OpError as exc:
+        return exc.message
+    if text is not None and UNIT_MARK not in text:
+        return "%s exists and was not written by dflash-orchestrator (left as it is)" % ours
+    for where in UNIT_DIRS_BEFORE:
+        if os.path.lexists(os.path.join(where, unit)):
+            return "%s would be loaded in place of the unit the tool writes" % os.path.join(where, unit)
+    stem = unit[: -len(".service")]
+    prefixes = ["%s-.service.d" % "-".join(stem.split("-")[:i]) for i in range(1, stem.count("-") + 1)]
+    for where in ("/etc/systemd/system", *UNIT_DIRS_BEFORE, *UNIT_DIRS_AFTER):
+        for dropins in [unit + ".d", *prefixes]:
+            path = os.path.join(where, dropins)
+            try:
+                confs = sorted(n for n in os.listdir(path) if n.endswith(".conf"))
+            except OSError:
+                continue
+            if confs:
+                return (
+                    "%s changes the unit the tool writes (%s): the server would not run the command the gates proved"
+                    % (
+                        path,
+                        ", ".join(confs),
+                    )
+                )
+    return None
+
+
 def _launch_unit(root, name, argv, extra_env, log_path, release_id, stop_timeout=30):
     """A systemd service written with the atomic protocol (0600: its environment may hold secrets)."""
     import subprocess
 
-    unit = "%s-%s.service" % (name, _sha256(root.encode())[:8])
+    unit = _unit_name(root, name)
+    refused = _unit_not_ours(unit)
+    if refused is not None:
+        raise OpError("unit_not_ours", refused, unit)
     lines = [
         "[Unit]",
-        "Description=vLLM DFlash server for %s (release %s), managed by dflash-orchestrator" % (root, release_id),
+        "Description=vLLM DFlash server for %s (release %s), %s" % (root, release_id, UNIT_MARK),
         "",
         "[Service]",
         "Type=simple",

@@ -3,6 +3,7 @@ cannot satisfy on this GPU-less machine, read-only model disks, and HTTPS with p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.inventory import LxdEndpoint
@@ -247,6 +249,48 @@ def test_real_vllm_in_a_container_becomes_ready_with_its_measured_tau(lxd_sandbo
     assert gone.stdout.strip() in ("inactive", "failed")
     leftover = in_container(lxd_sandbox, name, "pgrep", "-f", "vllm[.]entrypoints")
     assert leftover.returncode == 1, leftover  # every engine worker of the unit is gone (1: none matched)
+
+
+def test_a_systemd_unit_the_tool_did_not_write_is_never_replaced_or_run(
+    lxd_sandbox: LxdSandbox, tmp_path: Path
+) -> None:
+    """The unit the agent writes for a deploy root has a fixed name. An operator's file of that name
+    was overwritten, and a drop-in made for it (here one that hands the server another GPU) ran
+    another command than the one the gates proved. Both refused at the engine gate, before
+    anything serving is switched or stopped, naming the file; the files left byte-identical."""
+    name = lxd_sandbox.nodes()[0].name
+    demo = REPO / "playbooks" / "sandbox.yaml"
+    root = yaml.safe_load(demo.read_text())["deploy_root"]
+    unit = f"dflash-serve-{hashlib.sha256(root.encode()).hexdigest()[:8]}.service"
+    before = in_container(lxd_sandbox, name, "readlink", f"{root}/current").stdout
+    planted = {
+        f"/etc/systemd/system/{unit}": (
+            "[Service]\nExecStart=/usr/local/bin/their-server\n",
+            "exists and was not written by dflash-orchestrator (left as it is)",
+        ),
+        "/etc/systemd/system/dflash-.service.d/gpu.conf": (
+            "[Service]\nEnvironment=CUDA_VISIBLE_DEVICES=0\n",
+            "changes the unit the tool writes (gpu.conf): the server would not run the command the gates proved",
+        ),
+    }
+    for path, (text, said) in planted.items():
+        made = in_container(
+            lxd_sandbox, name, "sh", "-c", 'mkdir -p "$(dirname "$1")" && printf %s "$2" > "$1"', "-", path, text
+        )
+        assert made.returncode == 0, made.stderr
+        try:
+            code, report, _ = run(
+                "deploy", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path
+            )
+            engine = host(report, name)["gates"]["engine"]
+            named = path.rsplit("/", 1)[0] if path.endswith(".conf") else path  # a drop-in: its directory
+            assert code == 1 and not engine["ok"] and named in engine["detail"], engine
+            assert said in engine["detail"], engine
+            assert "health" not in host(report, name)["gates"], report  # nothing launched
+            assert in_container(lxd_sandbox, name, "cat", path).stdout == text  # left as it was
+            assert in_container(lxd_sandbox, name, "readlink", f"{root}/current").stdout == before
+        finally:
+            in_container(lxd_sandbox, name, "rm", "-f", path)
 
 
 def test_up_after_the_sandbox_state_was_lost_makes_the_leftover_containers_afresh(lxd_sandbox: LxdSandbox) -> None:

@@ -457,6 +457,34 @@ def test_pruning_removes_only_releases_the_tool_made(tmp_path: Path) -> None:
     assert [r["release_id"] for r in listed] == ["r2", "r3"]
 
 
+def test_only_what_a_cut_deploy_staged_is_cleaned_up(tmp_path: Path) -> None:
+    """Every ``.staging-*`` under releases/ used to be removed at the next deploy, an operator's
+    hidden backup with it. Now only what the agent names and starts as it stages (a release id, a
+    pid, its sequence number first, or nothing yet) goes; a link is never followed."""
+    apply(tmp_path, "r1", a=b"1")
+    releases = tmp_path / "releases"
+    cut = releases / ".staging-r2-4242"  # a deploy cut mid-staging: its number and one file
+    cut.mkdir()
+    (cut / ".sequence").write_text("2\n")
+    (cut / "a").write_bytes(b"half")
+    empty = releases / ".staging-r3-77"  # cut right after mkdir
+    empty.mkdir()
+    backup = releases / ".staging-backup-2024"  # named like ours, holding an operator's files
+    backup.mkdir()
+    (backup / "weights.bin").write_bytes(b"precious")
+    notes = releases / ".staging-notes"
+    notes.mkdir()
+    (notes / "todo").write_text("keep\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("keep\n")
+    (releases / ".staging-r4-99").symlink_to(elsewhere)
+    assert apply(tmp_path, "r5", a=b"5")["result"]["release_id"] == "r5"
+    assert not cut.exists() and not empty.exists()
+    assert (backup / "weights.bin").read_bytes() == b"precious" and (notes / "todo").read_text() == "keep\n"
+    assert (releases / ".staging-r4-99").is_symlink() and (elsewhere / "keep").read_text() == "keep\n"
+
+
 def test_a_retried_apply_of_the_same_release_says_it_changed(tmp_path: Path) -> None:
     """The first attempt finished but its answer was lost: the retry (same release id) finds its
     own release current and says so; another run with the same files finds no change."""
