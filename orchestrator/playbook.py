@@ -86,6 +86,7 @@ class Model:
     path: str  # absolute, as the server sees it (in LXD, usually a disk from the GPU host)
     manifest: dict[str, str] | None = None  # relative path -> sha256, from a local sha256sum file
     push: Path | None = None  # a local directory uploaded to ``path`` from the controller
+    replace: bool = False  # the push may replace files it did not put there (an operator's own)
 
 
 @dataclass(frozen=True)
@@ -352,7 +353,7 @@ def _models(f: Field, base: Path) -> Models:
     for role in ("target", "drafter"):
         if role not in f:
             continue
-        m = f[role].mapping({"path", "manifest", "push"}, required=frozenset({"path"}))
+        m = f[role].mapping({"path", "manifest", "push", "replace"}, required=frozenset({"path"}))
         path = m["path"].str()
         if not path.startswith("/") or posixpath.normpath(path) != path or path == "/":
             raise m["path"].error("expected an absolute, normalised directory other than /")
@@ -368,7 +369,10 @@ def _models(f: Field, base: Path) -> Models:
             push = push if push.is_absolute() else base / push
             if not push.is_dir():
                 raise m["push"].error(f"local directory {push} does not exist")
-        found[role] = Model(role, path, manifest, push)
+        replace = m["replace"].bool(False)
+        if replace and push is None:
+            raise m["replace"].error("replace: says what a push may replace; this model has no push:")
+        found[role] = Model(role, path, manifest, push, replace)
     if "target" in found and "drafter" in found and found["target"].path == found["drafter"].path:
         raise f["drafter"]["path"].error("the drafter and the target cannot share a model directory")
     return Models(found.get("target"), found.get("drafter"))

@@ -857,9 +857,17 @@ def _upload_state(v: dict[str, Any]) -> UploadState:
     )
 
 
-def upload_status(root: str, files: Sequence[tuple[str, int, str]]) -> Op[tuple[UploadState, ...]]:
-    """For each (path, size, sha256) to push: there already, or what a cut upload left of it."""
-    request = {"op": "upload_status", "root": root, "files": [{"path": p, "size": n, "sha256": d} for p, n, d in files]}
+def upload_status(
+    root: str, files: Sequence[tuple[str, int, str]], replace: bool = False
+) -> Op[tuple[UploadState, ...]]:
+    """For each (path, size, sha256) to push: there already, or what a cut upload left of it.
+    Refused when a file the push would replace was not put there by a push (unless ``replace``)."""
+    request = {
+        "op": "upload_status",
+        "root": root,
+        "files": [{"path": p, "size": n, "sha256": d} for p, n, d in files],
+        "replace": replace,
+    }
     return Op(request, lambda v: tuple(_upload_state(f) for f in _items(v, "files")), budget_s=MODEL_HASH_TIMEOUT)
 
 

@@ -158,7 +158,7 @@ def push(run: Run, node: Node, model: Model) -> Pushed:
     assert entry is not None
     if first:
         try:
-            entry["result"] = _push(run, where, local_files(model.push), node.name)
+            entry["result"] = _push(run, where, local_files(model.push), node.name, model.replace)
         except BaseException as exc:
             entry["error"] = exc
         finally:
@@ -169,12 +169,12 @@ def push(run: Run, node: Node, model: Model) -> Pushed:
     return entry["result"]  # type: ignore[no-any-return]
 
 
-def _push(run: Run, where: Destination, files: list[LocalFile], by: str) -> Pushed:
+def _push(run: Run, where: Destination, files: list[LocalFile], by: str, replace: bool = False) -> Pushed:
     started = time.monotonic()
     # The model directory keeps its own digest cache (hidden: never served, never linked), so a
     # GPU host needs no deploy root, and a no-change push is a stat per file.
     root = where.path
-    status = protocol.upload_status(root, [(f"{where.path}/{f.rel}", f.size, f.sha256) for f in files])
+    status = protocol.upload_status(root, [(f"{where.path}/{f.rel}", f.size, f.sha256) for f in files], replace)
     states = run.client.batch(where.target, [status])[status]
     sent = kept = resumed = 0
     todo: list[Upload] = []

@@ -354,14 +354,43 @@ def _prefix_sha256(path, size):
     return h.hexdigest()
 
 
-@op("upload_status", root=str, files=list)
+@op("upload_status", root=str, files=list, replace=bool)
 def op_upload_status(req):
     """For each file to push: already there (its digest matches), or how much of it an upload
-    cut short left behind, with the digest of that prefix (so the upload can resume after it)."""
+    cut short left behind, with the digest of that prefix (so the upload can resume after it).
+
+    A push replaces only what a push put there: a file at a path no push of this controller's
+    recorded in the directory's signed cache (an operator's own file, a model downloaded by
+    hand, a link) is refused before any byte is sent, unless ``replace`` (the playbook's
+    ``replace: true``). A file a push made and someone changed since is the push's to repair."""
     root = _root(req, create=False)
     digests = _digests(root)
+    pushed = set(entry[4] for entry in digests.known.values())  # the real paths pushes recorded
+    specs = items(req, "files", path=str, size=int, sha256=str)
+    if not req["replace"]:
+        foreign = []
+        for spec in specs:
+            path = _model_path(spec["path"])
+            # What already holds the bytes pushed is kept as it is, whoever made it; anything
+            # else at the path (a file, a link, a directory) is replaced only if a push made it.
+            theirs = os.path.lexists(path) and not {path, os.path.realpath(path)} & pushed
+            if theirs and digests.digest(path)[0] != spec["sha256"]:
+                foreign.append(path)
+        if foreign:
+            raise OpError(
+                "not_ours",
+                "%s %s not put there by a push of this controller's: a push replaces only what it "
+                "pushed (left as %s: remove %s, or set the model's replace: true)"
+                % (
+                    ", ".join(foreign[:5]) + (" and %d more" % (len(foreign) - 5) if len(foreign) > 5 else ""),
+                    "was" if len(foreign) == 1 else "were",
+                    "it is" if len(foreign) == 1 else "they are",
+                    "it" if len(foreign) == 1 else "them",
+                ),
+                foreign[0],
+            )
     out = []
-    for spec in items(req, "files", path=str, size=int, sha256=str):
+    for spec in specs:
         path, digest, size = _model_path(spec["path"]), spec["sha256"], spec["size"]
         have, _ = digests.digest(path)
         record = {"path": path, "present": have == digest, "partial": 0, "partial_sha256": None}

@@ -240,6 +240,35 @@ def test_a_2_gib_artifact_reaches_several_hosts_with_the_controllers_memory_flat
     assert all(h["models"][0]["pushed"]["bytes_sent"] == 0 for h in json.loads(again.stdout)["hosts"])
 
 
+def test_a_push_never_replaces_a_file_it_did_not_put_there(
+    sandbox: Sandbox,
+    cli,
+    tmp_path: Path,
+    root_name: str,  # type: ignore[no-untyped-def]
+) -> None:
+    """A push aimed at a directory that holds another model (a path mistyped, a directory reused)
+    used to replace every file that differed. On a real sshd host: refused before any byte goes,
+    naming the file, which is left byte-identical; ``replace: true`` takes the directory over."""
+    host = sandbox.names[6]
+    theirs = sandbox.srv(host) / "models" / "theirs"
+    theirs.mkdir(parents=True, exist_ok=True)
+    (theirs / "model.safetensors").write_bytes(b"their weights")
+    local = tmp_path / "artifact"
+    local.mkdir()
+    shutil.copy(MODELS / "drafter-good" / "model.safetensors", local / "model.safetensors")
+    pb = pushing(tmp_path, root_name, local, "/srv/models/theirs")
+    refused = cli("deploy", pb, "-i", sandbox.inventory, "--json", "--limit", host)
+    said = " ".join(g["detail"] for g in refused.host(host)["gates"].values())
+    assert refused.code == 1 and "/srv/models/theirs/model.safetensors was not put there by a push" in said, said
+    assert (theirs / "model.safetensors").read_bytes() == b"their weights"
+    data = json.loads(pb.read_text())
+    data["models"]["drafter"]["replace"] = True
+    pb.write_text(json.dumps(data))
+    taken = cli("deploy", pb, "-i", sandbox.inventory, "--json", "--limit", host)
+    assert taken.code == 0, taken.stdout[-2000:]
+    assert (theirs / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
+
+
 def test_a_push_cut_mid_file_resumes_from_what_landed(sandbox: Sandbox, tmp_path: Path, root_name: str) -> None:
     host = sandbox.host(sandbox.names[7])
     size = 256 << 20

@@ -283,6 +283,44 @@ def test_push_uploads_once_keeps_what_is_there_and_resumes_a_cut_upload(box: Box
     assert next(m for m in repaired.models if m["name"] == "drafter")["pushed"]["bytes_sent"] == 3 << 20
 
 
+def test_a_push_replaces_only_what_a_push_put_there(box: Box) -> None:
+    """A push to a directory that holds an operator's own files (another model downloaded by hand,
+    a path mistyped in the playbook) replaced every file that differed. Refused now before any
+    byte is sent, naming them, each left byte-identical; a link is not ours either. What a push made
+    and someone changed since is still repaired, and ``replace: true`` lets a push take over."""
+    local = box.dir / "local-drafter"
+    safetensors(local / "model.safetensors", drafter_shapes())
+    (local / "config.json").write_text(json.dumps(STALE))
+    (local / "tokenizer.json").write_text("{}")
+    dest = box.dir / "models" / "theirs"
+    dest.mkdir(parents=True)
+    (dest / "config.json").write_text('{"theirs": true}\n')
+    (box.dir / "their-tokenizer.json").write_text('{"theirs": true}')
+    (dest / "tokenizer.json").symlink_to(box.dir / "their-tokenizer.json")  # a link is not ours either
+    model_dirs(box)
+    playbook = with_models(box, "push", drafter={"path": str(dest), "push": str(local)})
+    refused = host(deploy(box, playbook), "solo")
+    said = " ".join(g.detail for g in refused.gates.values())
+    assert not refused.ready
+    assert f"{dest}/config.json, {dest}/tokenizer.json were not put there by a push of this controller's" in said
+    assert "set the model's replace: true" in said
+    assert (dest / "config.json").read_text() == '{"theirs": true}\n' and (dest / "tokenizer.json").is_symlink()
+    assert (box.dir / "their-tokenizer.json").read_text() == '{"theirs": true}'
+    assert not (dest / "model.safetensors").exists()  # refused before any byte was sent
+    assert not list(dest.glob(".*partial*"))
+
+    taking = with_models(box, "take", drafter={"path": str(dest), "push": str(local), "replace": True})
+    taken = host(deploy(box, taking), "solo")
+    assert taken.ready, taken.gates
+    assert (dest / "config.json").read_text() == json.dumps(STALE) and not (dest / "tokenizer.json").is_symlink()
+    assert (box.dir / "their-tokenizer.json").read_text() == '{"theirs": true}'  # the link replaced, not followed
+    # Pushed by us, then changed on the host: the push's to repair, without replace.
+    (dest / "config.json").write_text('{"edited": "by hand"}')
+    repaired = host(deploy(box, playbook), "solo")
+    assert repaired.ready, repaired.gates
+    assert (dest / "config.json").read_text() == json.dumps(STALE)
+
+
 def test_another_model_directory_is_pinned_afresh_not_drift(box: Box) -> None:
     """Pins belong to a directory: serving a drafter from another directory (another drafter, or a
     new download) records its digests; only a change inside a pinned directory is drift."""

@@ -146,6 +146,16 @@ def test_a_manifest_as_sha256sum_and_editors_write_it_is_read(tmp_path: Path) ->
         (f"{'a' * 64}  a\n", ("path: /models/T,", "path: models/T,"), "models.target.path: expected an absolute"),
         (f"{'a' * 64}  a\n", ("push: local-d", "push: nowhere"), "models.drafter.push: local directory"),
         (f"{'a' * 64}  a\n", ("path: /models/D,", "path: /models/T,"), "cannot share a model directory"),
+        (
+            f"{'a' * 64}  a\n",
+            ("push: local-d", "push: local-d, replace: 'true'"),
+            "models.drafter.replace: expected true",
+        ),
+        (
+            f"{'a' * 64}  a\n",
+            ("manifest: t.sha256}", "manifest: t.sha256, replace: true}"),
+            "models.target.replace: replace: says what a push may replace; this model has no push:",
+        ),
     ],
 )
 def test_bad_models_name_file_line_and_key(
