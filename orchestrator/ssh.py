@@ -82,10 +82,20 @@ def _quick_ack(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
 
 
+KEY_FILE_LIMIT = 1 << 20  # OpenSSH's MAX_KEY_FILE_SIZE (authfile.c)
+
+
 def _refuse_unprotected(path: Path) -> None:
     """A private key that others may read is refused, as OpenSSH refuses it ("UNPROTECTED
-    PRIVATE KEY FILE"): a credential anyone on the controller could copy is no credential."""
-    mode = os.stat(path).st_mode
+    PRIVATE KEY FILE"): a credential anyone on the controller could copy is no credential. A key
+    that is not a regular file (a FIFO would be read for ever, a link to /dev/zero without end),
+    or larger than OpenSSH reads, is refused before it is opened."""
+    st = os.stat(path)
+    mode = st.st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError("it is not a regular file (a key is read from a file; this one would not end)")
+    if st.st_size > KEY_FILE_LIMIT:
+        raise ValueError(f"it is {st.st_size} bytes, larger than a key file can be ({KEY_FILE_LIMIT})")
     if mode & 0o077:
         raise ValueError(
             f"others may read it (mode {stat.S_IMODE(mode):04o}), and OpenSSH refuses such a key: chmod 600 it"

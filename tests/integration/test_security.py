@@ -132,19 +132,31 @@ def test_one_host_reached_two_ways_is_not_two_containers(sandbox: Sandbox, cli, 
 def test_a_key_openssh_would_refuse_is_refused_in_one_line(
     sandbox: Sandbox, cli, tmp_path: Path, root_name: str
 ) -> None:  # type: ignore[no-untyped-def]
-    """A private key others may read (OpenSSH: "UNPROTECTED PRIVATE KEY FILE") and one that needs
-    a passphrase: each fails the connect gate with what to do, never a traceback (paramiko says a
-    passphrase is missing with a TypeError, which once escaped as 106 lines)."""
+    """A private key others may read (OpenSSH: "UNPROTECTED PRIVATE KEY FILE"), one that needs a
+    passphrase, and key files that are no file (a FIFO hung the run; a link to /dev/zero would be
+    read without end) or larger than OpenSSH reads: each fails the connect gate with what to do,
+    never a traceback or a hang (paramiko says a passphrase is missing with a TypeError, which once
+    escaped as 106 lines)."""
     a = sandbox.names[0]
     open_key = tmp_path / "open_key"
     open_key.write_bytes(Path(sandbox.box.client_key).read_bytes())
     open_key.chmod(0o644)
     locked_key = tmp_path / "locked_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "a passphrase", "-f", str(locked_key)], check=True)
+    fifo_key = tmp_path / "fifo_key"  # read for ever: the run hung at the connect
+    os.mkfifo(fifo_key, 0o600)
+    zero_key = tmp_path / "zero_key"
+    zero_key.symlink_to("/dev/zero")
+    big_key = tmp_path / "big_key"
+    big_key.write_bytes(b"#" * (2 << 20))
+    big_key.chmod(0o600)
     pb = write_playbook(tmp_path, root_name)
     for key, said in (
         (open_key, "others may read it (mode 0644), and OpenSSH refuses such a key: chmod 600 it"),
         (locked_key, "is protected by a passphrase: add it to ssh-agent (ssh-add)"),
+        (fifo_key, f"cannot load private key {fifo_key}: it is not a regular file"),
+        (zero_key, f"cannot load private key {zero_key}: it is not a regular file"),
+        (big_key, f"cannot load private key {big_key}: it is 2097152 bytes, larger than a key file can be"),
     ):
         body = f"  sandbox:\n    containers:\n      {a}: {{address: {sandbox.host(a).address}, key: {key}}}\n"
         run = cli("deploy", pb, "-i", inventory(tmp_path, sandbox, known_line(sandbox, a), body), "--json")
