@@ -43,6 +43,7 @@ from orchestrator.errors import (
     ConnectionLost,
     HostKeyChanged,
     HostKeyError,
+    InputError,
     TransportError,
     UnknownHostKey,
 )
@@ -125,12 +126,32 @@ class KnownHosts:
         self._hashed: list[tuple[bytes, bytes, _KnownKey]] = []
         self._lock = threading.Lock()
         self.accepted: list[str] = []
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            text = ""
+        text = self._read()
         for number, raw in enumerate(text.splitlines(), start=1):
             self._add_line(raw, number)
+
+    def _open(self, flags: int) -> int | None:
+        """The file, never opened so as to wait: a FIFO in its place would block the run for ever
+        (reading it, or writing to it with no reader). None when there is none."""
+        try:
+            fd = os.open(self.path, flags | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise InputError(f"cannot open: {exc.strerror or exc}", file=str(self.path)) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InputError("not a regular file: known_hosts is read and appended to as one", file=str(self.path))
+        os.set_blocking(fd, True)
+        return fd
+
+    def _read(self) -> str:
+        fd = self._open(os.O_RDONLY)
+        if fd is None:
+            return ""
+        with os.fdopen(fd, "rb") as f:
+            # A line that is not UTF-8 names no host we look up; OpenSSH skips what it cannot read.
+            return f.read().decode("utf-8", "replace")
 
     def _add_line(self, raw: str, number: int) -> None:
         parts = raw.split()
@@ -209,11 +230,18 @@ class KnownHosts:
             if any(e.blob == blob for e in self.lookup(name)):
                 return
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            with os.fdopen(fd, "a", encoding="utf-8") as f:
+            with contextlib.suppress(FileExistsError):  # made here, or there already (then checked)
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            fd = self._open(os.O_RDWR | os.O_APPEND)
+            assert fd is not None
+            with os.fdopen(fd, "r+b") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)
-                f.write(f"{name} {key_type} {blob}\n")
-            number = len(self.path.read_text(encoding="utf-8").splitlines())
+                size = os.fstat(fd).st_size
+                # A file whose last line has no newline (an editor's doing) would have the new entry
+                # joined to that line, and the key it holds lost: the newline goes first.
+                ends = size == 0 or os.pread(fd, 1, size - 1) == b"\n"
+                f.write(("" if ends else "\n").encode() + f"{name} {key_type} {blob}\n".encode())
+            number = len(self._read().splitlines())
             self._add_line(f"{name} {key_type} {blob}", number)
             self.accepted.append(f"{name} {fingerprint(key_type, blob)}")
 

@@ -165,6 +165,20 @@ def test_a_key_openssh_would_refuse_is_refused_in_one_line(
     assert not (sandbox.srv(a) / Path(root_name).name).exists()
 
 
+def test_a_known_hosts_that_is_no_file_is_one_clear_error_never_a_hang(
+    sandbox: Sandbox, cli, tmp_path: Path, root_name: str
+) -> None:  # type: ignore[no-untyped-def]
+    """known_hosts replaced by a FIFO: the run blocked for ever opening it. Now it is bad input,
+    said once before any host is touched."""
+    inv = inventory(tmp_path, sandbox, "")
+    (tmp_path / "known_hosts").unlink()
+    os.mkfifo(tmp_path / "known_hosts")
+    run = cli("deploy", write_playbook(tmp_path, root_name), "-i", inv, "--json", timeout=120)
+    assert run.code == 2 and "Traceback" not in run.stderr, run.stderr
+    assert f"{tmp_path / 'known_hosts'}: not a regular file: known_hosts is read and appended to" in run.stderr
+    assert not any((sandbox.srv(h.name) / Path(root_name).name).exists() for h in sandbox.hosts)
+
+
 def test_agent_refuses_paths_outside_the_deploy_root_over_ssh(sandbox: Sandbox, tmp_path: Path, root_name: str) -> None:
     inv = load_inventory(sandbox.inventory)
     target = inv.resolve([sandbox.names[0]])[0]

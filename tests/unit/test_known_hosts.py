@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import paramiko
 import pytest
 
-from orchestrator.errors import HostKeyChanged, UnknownHostKey
+from orchestrator.errors import HostKeyChanged, InputError, UnknownHostKey
 from orchestrator.ssh import KnownHosts
 
 
@@ -59,3 +60,25 @@ def test_hashed_entries_and_revoked_keys(tmp_path: Path) -> None:
 def test_host_name_form() -> None:
     assert KnownHosts.host_name("10.0.0.1", 22) == "10.0.0.1"
     assert KnownHosts.host_name("10.0.0.1", 2200) == "[10.0.0.1]:2200"
+
+
+def test_an_accepted_key_never_joins_the_last_line_and_a_fifo_never_hangs(tmp_path: Path) -> None:
+    """A known_hosts whose last line has no newline (an editor's doing) had the accepted entry
+    joined to it, and that host's key lost; a FIFO in its place blocked the run for ever; a line
+    that is not UTF-8 made every run fail with a traceback. Each is handled as OpenSSH would."""
+    a, blob_a = keypair(tmp_path, "a")
+    b, blob_b = keypair(tmp_path, "b")
+    kh = tmp_path / "known_hosts"
+    kh.write_bytes(b"\xff\xfe not text\n" + f"10.0.0.1 ssh-ed25519 {blob_a}".encode())  # no final newline
+    table = KnownHosts(kh)
+    table.check("h", "10.0.0.2", b, accept_new=True)
+    assert kh.read_bytes().endswith(f"10.0.0.1 ssh-ed25519 {blob_a}\n10.0.0.2 ssh-ed25519 {blob_b}\n".encode())
+    again = KnownHosts(kh)
+    again.check("h", "10.0.0.1", a, accept_new=False)  # the old entry still whole
+    again.check("h", "10.0.0.2", b, accept_new=False)
+
+    fifo = tmp_path / "fifo_known_hosts"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="not a regular file: known_hosts is read and appended to as one") as info:
+        KnownHosts(fifo)
+    assert str(fifo) in str(info.value)
