@@ -383,7 +383,9 @@ def scrape(port: int) -> dict[tuple[str, str], float]:
 
 
 def test_watch_sees_the_founding_incident_replayed_on_real_vllm(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
-    """READY with a live tau near K + 1 from production traffic; then, out of band, the stale drafter
+    """READY with a live tau near K + 1 from production traffic; one-token traffic (no draft follows
+    its prefill) said as a window that can never be judged (DEGRADED), READY again once drafts
+    flow; then, out of band, the stale drafter
     config lands (DRIFT, the changed field named), the server is restarted by hand with it (a
     restart, not negative acceptance) and traffic shows tau near 1 (DEGRADED, --on-change told);
     then the server killed (DOWN). Prometheus metrics scraped at READY and at DEGRADED."""
@@ -461,7 +463,11 @@ def test_watch_sees_the_founding_incident_replayed_on_real_vllm(lxd_sandbox: Lxd
         while not (told := [json.loads(line) for line in changes.read_text().splitlines()]) or told[-1]["to"] != "DOWN":
             assert time.monotonic() < deadline, told
             time.sleep(0.2)
-        assert [(c["from"], c["to"]) for c in told][:1] == [("READY", "DRIFT")]
+        assert [(c["from"], c["to"]) for c in told][:3] == [
+            ("READY", "DEGRADED"),
+            ("DEGRADED", "READY"),
+            ("READY", "DRIFT"),
+        ]
         assert ("DRIFT", "DEGRADED") in [(c["from"], c["to"]) for c in told]
         assert told[-1]["to"] == "DOWN" and told[-1]["evidence"]["host"] == name
     finally:
