@@ -103,6 +103,7 @@ class HostWatch:
     last_good: float | None = None  # the last round that found it READY
     release_id: str | None = None
     rounds: int = 0
+    undrafted: float = 0.0  # tokens generated since drafts last moved (this server)
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
     reasons: list[str] = []
     down = False
     restarted: str | None = None
-    base, base_at, last, live, pid = w.base, w.base_at, w.last, w.live, w.pid
+    base, base_at, last, live, pid, undrafted = w.base, w.base_at, w.last, w.live, w.pid, w.undrafted
     report = seen.report
     drift_count = 0
     if seen.error is not None or report is None:
@@ -200,11 +201,14 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
             if restarted is not None or base is None:
                 if restarted is not None:
                     live = None  # the old server's verdict says nothing of this one
-                base, base_at = counters, seen.at
+                base, base_at, undrafted = counters, seen.at, 0.0
+            step_d = probe.deltas(last, counters) if last is not None and restarted is None else None
+            if step_d is not None:
+                undrafted = 0.0 if step_d.drafts > 0 else undrafted + (step_d.generated or 0.0)
             d = probe.deltas(base, counters)
             assert d is not None  # base is at most last, which counters did not go below
             window_drafts = int(d.drafts)
-            never = _never_judged(d, gate)
+            never = _never_judged(d, undrafted, gate)
             a = probe.acceptance(d) if never is None else None
             if never is not None:
                 # However long it stays open, this window gives no verdict: said, never READY.
@@ -278,20 +282,22 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
         last_good=last_good,
         release_id=release_id,
         rounds=w.rounds + 1,
+        undrafted=undrafted,
     )
     return nxt, rnd, Transition(w.name, seen.at, w.state, state, rnd) if changed else None
 
 
-def _never_judged(d: probe.Counters, gate: AcceptanceGate) -> str | None:
+def _never_judged(d: probe.Counters, undrafted: float, gate: AcceptanceGate) -> str | None:
     """Why the open window can never be judged (None: it can, once enough drafts flow): counters
     that miss one the verdict needs or contradict each other, or traffic that generates tokens
-    and no drafts (speculation does not run for it, so drafts never come)."""
+    and no drafts (speculation does not run for it, so drafts never come). ``undrafted``: the
+    tokens generated since the drafts last moved, as many as a window's drafts at least."""
     why = probe.unjudgeable(d)
     if why is not None:
         return f"acceptance cannot be judged: {why}"
-    if d.drafts == 0 and d.generated is not None and d.generated >= gate.min_drafts:
+    if undrafted >= gate.min_drafts:
         return (
-            f"{d.generated:.0f} tokens generated since the window opened and none drafted: "
+            f"{undrafted:.0f} tokens generated since the last draft: "
             "speculative decoding is not running for this traffic"
         )
     return None
