@@ -181,57 +181,67 @@ SELECT = """
 import json, sys
 from vllm.model_executor.model_loader.weight_utils import filter_duplicate_safetensors_files
 import glob, os
-folder = sys.argv[1]
-files = glob.glob(os.path.join(folder, "*.safetensors"))
-try:
-    kept = filter_duplicate_safetensors_files(files, folder, "model.safetensors.index.json")
-    print(json.dumps(sorted(os.path.basename(f) for f in kept)))
-except Exception as exc:
-    print(json.dumps("%s" % type(exc).__name__))
+out = {}
+for folder in sys.argv[1:]:
+    files = glob.glob(os.path.join(folder, "*.safetensors"))
+    try:
+        kept = filter_duplicate_safetensors_files(files, folder, "model.safetensors.index.json")
+        out[folder] = sorted(os.path.basename(f) for f in kept)
+    except Exception as exc:
+        out[folder] = type(exc).__name__
+print(json.dumps(out))
 """
 
+DIRECTORIES: dict[str, tuple[list[str], object, list[str] | None]] = {
+    "one file": (["model.safetensors"], None, ["model.safetensors"]),
+    "two shards": (["a.safetensors", "b.safetensors"], None, ["a.safetensors", "b.safetensors"]),
+    "a shard the index does not name": (
+        ["a.safetensors", "planted.safetensors"],
+        {"x": "a.safetensors"},
+        ["a.safetensors"],
+    ),
+    "a shard named and absent": (["a.safetensors"], {"x": "a.safetensors", "y": "b.safetensors"}, None),
+    "no weight_map": (["a.safetensors"], [], None),
+    "a shard in a subdirectory": (["a.safetensors", "sub/c.safetensors"], None, ["a.safetensors"]),
+    "an index naming a subdirectory's shard": (
+        ["a.safetensors", "sub/c.safetensors"],
+        {"x": "sub/c.safetensors"},
+        None,
+    ),
+}
 
-@pytest.mark.parametrize(
-    ("shards", "index", "loaded"),
-    [
-        (["model.safetensors"], None, ["model.safetensors"]),
-        (["a.safetensors", "b.safetensors"], None, ["a.safetensors", "b.safetensors"]),
-        (["a.safetensors", "planted.safetensors"], {"x": "a.safetensors"}, ["a.safetensors"]),
-        (["a.safetensors"], {"x": "a.safetensors", "y": "b.safetensors"}, None),
-        (["a.safetensors"], [], None),
-        (["a.safetensors", "sub/c.safetensors"], None, ["a.safetensors"]),
-        (["a.safetensors", "sub/c.safetensors"], {"x": "sub/c.safetensors"}, None),
-    ],
-    ids=[
-        "one file",
-        "two shards",
-        "a shard the index does not name",
-        "a shard named and absent",
-        "no weight_map",
-        "a shard in a subdirectory",
-        "an index naming a subdirectory's shard",
-    ],
-)
-def test_the_files_loaded_are_those_vllms_loader_picks(
-    tmp_path: Path, shards: list[str], index: object, loaded: list[str] | None
-) -> None:
-    for shard in shards:
-        (tmp_path / shard).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / shard).write_bytes(b"")
-    if index is not None:
-        body = {"weight_map": index} if isinstance(index, dict) else {"not_a_weight_map": index}
-        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(body))
-    vllm = json.loads(
+
+@pytest.fixture(scope="module")
+def vllm_picks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
+    """Each directory made once, and what vLLM's loader picks from it (one import of vLLM)."""
+    made = {}
+    for n, (name, (shards, index, _)) in enumerate(DIRECTORIES.items()):
+        folder = tmp_path_factory.mktemp(f"weights-{n}")
+        for shard in shards:
+            (folder / shard).parent.mkdir(parents=True, exist_ok=True)
+            (folder / shard).write_bytes(b"")
+        if index is not None:
+            body = {"weight_map": index} if isinstance(index, dict) else {"not_a_weight_map": index}
+            (folder / "model.safetensors.index.json").write_text(json.dumps(body))
+        made[name] = folder
+    picked = json.loads(
         subprocess.run(
-            [str(VLLM / "bin" / "python"), "-c", SELECT, str(tmp_path)],
+            [str(VLLM / "bin" / "python"), "-c", SELECT, *map(str, made.values())],
             capture_output=True,
             text=True,
             check=True,
             timeout=300,
         ).stdout
     )
+    return {name: (folder, picked[str(folder)]) for name, folder in made.items()}
+
+
+@pytest.mark.parametrize("name", list(DIRECTORIES))
+def test_the_files_loaded_are_those_vllms_loader_picks(vllm_picks: dict[str, tuple[Path, object]], name: str) -> None:
+    shards, _, loaded = DIRECTORIES[name]
+    folder, vllm = vllm_picks[name]
     try:
-        ours: list[str] | None = sorted(_loaded_weights(str(tmp_path), shards))
+        ours: list[str] | None = sorted(_loaded_weights(str(folder), shards))
     except OpError as exc:
         assert exc.code == "bad_weights" and "model.safetensors.index.json" in exc.message
         ours = None
