@@ -8,15 +8,13 @@ target needs it, so paramiko is not imported for a run that is all local.
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.connector import Command, Connector, Counters, OnStderr, Result, RetryPolicy, Session, Stdin
-from orchestrator.errors import InputError
 from orchestrator.inventory import LOCAL, Inventory, Target
+from orchestrator.localfiles import KNOWN_HOSTS_IS_A_FILE, open_regular
 
 if TYPE_CHECKING:
     from orchestrator.local import LocalConnector
@@ -40,7 +38,9 @@ class Connections:
         # known_hosts is checked before any host is touched: one that is no file (a FIFO would
         # block the run opening it) is bad input, said once, not as every host's failure.
         if self.connector is None and any(c.connection != LOCAL for c in self.inventory.containers):
-            _check_known_hosts(self.inventory.known_hosts)
+            fd = open_regular(self.inventory.known_hosts, os.O_RDONLY, KNOWN_HOSTS_IS_A_FILE)
+            if fd is not None:
+                os.close(fd)
 
     def _for(self, target: Target) -> Connector:
         if self.connector is not None:
@@ -102,19 +102,3 @@ class Connections:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_known_hosts(path: Path) -> None:
-    """known_hosts, when there is one, is a regular file (opened without waiting on a FIFO)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return  # made by the first key accepted, or every host is unknown
-    except OSError as exc:
-        raise InputError(f"cannot open: {exc.strerror or exc}", file=str(path)) from exc
-    try:
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)
-    finally:
-        os.close(fd)
-    if not regular:
-        raise InputError("not a regular file: known_hosts is read and appended to as one", file=str(path))

@@ -80,3 +80,23 @@ def replace_file(real: Path, data: bytes, mode: int | None, what: str) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+KNOWN_HOSTS_IS_A_FILE = "known_hosts is read and appended to as one"
+
+
+def open_regular(path: Path, flags: int, what: str) -> int | None:
+    """A file descriptor of ``path`` opened with ``flags``, never so as to wait (a FIFO in its place
+    would block: reading it, or writing to it with no reader); None when there is none. Anything
+    but a regular file is bad input naming ``what`` it should be."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise InputError(f"cannot open: {exc.strerror or exc}", file=str(path)) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputError(f"not a regular file: {what}", file=str(path))
+    os.set_blocking(fd, True)
+    return fd

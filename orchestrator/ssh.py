@@ -43,11 +43,11 @@ from orchestrator.errors import (
     ConnectionLost,
     HostKeyChanged,
     HostKeyError,
-    InputError,
     TransportError,
     UnknownHostKey,
 )
 from orchestrator.inventory import Endpoint, Target
+from orchestrator.localfiles import KNOWN_HOSTS_IS_A_FILE, open_regular
 
 # paramiko logs the failures it raises (with tracebacks, from its own threads); with no logging
 # set up, Python's last-resort handler printed them over our progress lines. We report each
@@ -131,19 +131,7 @@ class KnownHosts:
             self._add_line(raw, number)
 
     def _open(self, flags: int) -> int | None:
-        """The file, never opened so as to wait: a FIFO in its place would block the run for ever
-        (reading it, or writing to it with no reader). None when there is none."""
-        try:
-            fd = os.open(self.path, flags | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise InputError(f"cannot open: {exc.strerror or exc}", file=str(self.path)) from exc
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise InputError("not a regular file: known_hosts is read and appended to as one", file=str(self.path))
-        os.set_blocking(fd, True)
-        return fd
+        return open_regular(self.path, flags, KNOWN_HOSTS_IS_A_FILE)
 
     def _read(self) -> str:
         fd = self._open(os.O_RDONLY)

@@ -15,6 +15,7 @@ import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,6 +130,19 @@ CASES: dict[str, Callable[[bytes], bytes]] = {
     "eight bytes": lambda raw: raw[:8],
 }
 
+
+def in_vllm_venv(program: str, *paths: Path) -> Any:
+    """What ``program`` prints as JSON, run by the vLLM venv's Python on ``paths``."""
+    run = subprocess.run(
+        [str(VLLM / "bin" / "python"), "-c", program, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return json.loads(run.stdout)
+
+
 TRUTH = """
 import json, sys
 from safetensors import safe_open
@@ -152,15 +166,7 @@ def test_the_header_reader_refuses_exactly_what_vllms_safetensors_refuses(tmp_pa
         path = tmp_path / f"{len(paths):02d}.safetensors"
         path.write_bytes(make(raw))
         paths[name] = path
-    truth = json.loads(
-        subprocess.run(
-            [str(VLLM / "bin" / "python"), "-c", TRUTH, *map(str, paths.values())],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=300,
-        ).stdout
-    )
+    truth = in_vllm_venv(TRUTH, *paths.values())
     disagree = {}
     refused = 0
     for name, path in paths.items():
@@ -224,15 +230,7 @@ def vllm_picks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path
             body = {"weight_map": index} if isinstance(index, dict) else {"not_a_weight_map": index}
             (folder / "model.safetensors.index.json").write_text(json.dumps(body))
         made[name] = folder
-    picked = json.loads(
-        subprocess.run(
-            [str(VLLM / "bin" / "python"), "-c", SELECT, *map(str, made.values())],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=300,
-        ).stdout
-    )
+    picked = in_vllm_venv(SELECT, *made.values())
     return {name: (folder, picked[str(folder)]) for name, folder in made.items()}
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.sandbox.processes import proc_start
 from orchestrator.serving import VLLM_CLI
 
 VENV_PYTHON = "vllm-venv/bin/python"
@@ -43,18 +44,11 @@ def _parent(pid: str) -> str:
     return stat.rsplit(")", 1)[1].split()[1]
 
 
-def _start_time(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
 def servers() -> Iterator[tuple[str, str]]:
     """(pid, start time) of every vLLM server process on this machine, its forks left out."""
     for pid in os.listdir("/proc"):
         if pid.isdigit() and _server(_cmdline(pid)) and not _server(_cmdline(_parent(pid))):
-            yield pid, _start_time(pid)
+            yield pid, proc_start(int(pid))
 
 
 class StartCounter:
