@@ -53,7 +53,8 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
     ``keep``: nothing changed, so a unit already running this release is kept and proven again.
     """
     playbook, head = run.playbook, unit.head
-    health, probe = plan.health_op(playbook, head.root, serving.SERVER), plan.probe_op(playbook)
+    host = serving.probe_host(playbook, head.target.container)
+    health, probe = plan.health_op(playbook, head.root, serving.SERVER, host), plan.probe_op(playbook, host)
     proof: list[protocol.Op[Any]] = [health, probe]
     together = unit.single  # no other node to wait for: start and proof in one exec
     kept = keep and not together and _all_running(run, unit, release)
@@ -134,16 +135,17 @@ def _launch_op(run: Run, unit: Unit, node: Node, release: str, keep: bool) -> pr
     """What a node starts: vLLM (a single host, or an ``mp`` rank), or Ray (None: a Ray head
     starts vLLM only once the cluster is up)."""
     playbook, port = run.playbook, run.playbook.serving.port
+    host = serving.probe_host(playbook, unit.head.target.container)
     if unit.single:
         command = serving.command(playbook, node.target.container, release)
-        return protocol.launch(node.root, serving.SERVER, command, release, port, keep_if_running=keep)
+        return protocol.launch(node.root, serving.SERVER, command, release, port, keep_if_running=keep, host=host)
     placement = unit.placement
     if unit.ray:
         command = serving.ray_command(playbook, placement, node.rank)
         return protocol.launch(node.root, serving.RAY, command, release, None)
     rank_command = serving.rank_command(playbook, placement, node.rank, release)
     assert rank_command is not None
-    return protocol.launch(node.root, serving.SERVER, rank_command, release, port if node.rank == 0 else None)
+    return protocol.launch(node.root, serving.SERVER, rank_command, release, port if node.rank == 0 else None, host=host)
 
 
 def _read_proof(run: Run, unit: Unit, healthy: protocol.Healthy, scrapes: protocol.Scrapes, kept: bool) -> bool:
@@ -203,7 +205,8 @@ def stop_all(run: Run, unit: Unit) -> None:
     """Stop vLLM and Ray on every node; a node where anything is left fails its ``stopped`` gate."""
 
     def stop(node: Node) -> None:
-        ops = [protocol.stop(node.root, name) for name in (serving.SERVER, serving.RAY)]
+        wait = run.playbook.serving.stop_timeout
+        ops = [protocol.stop(node.root, name, wait if name == serving.SERVER else 30.0) for name in (serving.SERVER, serving.RAY)]
         node.disturbed = True
         answers = run.batch(node, [run.lock(node), *ops])
         left = [op.request["name"] for op in ops if not answers[op].gone]
@@ -301,7 +304,8 @@ def _ray_cluster_then_vllm(run: Run, unit: Unit, release: str) -> bool:
         return False
     command = serving.rank_command(playbook, placement, 0, release)
     assert command is not None
-    launch = protocol.launch(head.root, serving.SERVER, command, release, playbook.serving.port)
+    host = serving.probe_host(playbook, head.target.container)
+    launch = protocol.launch(head.root, serving.SERVER, command, release, playbook.serving.port, host=host)
     try:
         answers = run.batch(head, [run.lock(head), launch])
     except AgentError as exc:

@@ -300,17 +300,17 @@ class Stage:
         ]
 
 
-def health_op(playbook: Playbook, root: str, name: str) -> protocol.Op[protocol.Healthy]:
+def health_op(playbook: Playbook, root: str, name: str, host: str = protocol.LOOPBACK) -> protocol.Op[protocol.Healthy]:
     """The wait for the server's health, within the playbook's start budget."""
     s = playbook.serving
-    return protocol.wait_health(root, name, s.port, s.model_name, s.startup_timeout)
+    return protocol.wait_health(root, name, s.port, s.model_name, s.startup_timeout, host=host)
 
 
-def probe_op(playbook: Playbook) -> protocol.Op[protocol.Scrapes]:
+def probe_op(playbook: Playbook, host: str = protocol.LOOPBACK) -> protocol.Op[protocol.Scrapes]:
     """The acceptance probe: greedy completions of the playbook's prompts (or the built-in mix)."""
     s, gate = playbook.serving, playbook.gates.acceptance
     prompts = gate.prompts or DEFAULT_PROBE_PROMPTS
-    return protocol.probe(s.port, s.model_name, prompts, gate.max_tokens, probe_timeout(playbook))
+    return protocol.probe(s.port, s.model_name, prompts, gate.max_tokens, probe_timeout(playbook), host=host)
 
 
 def paths(playbook: Playbook) -> list[str]:
@@ -684,7 +684,14 @@ class ServedChecks:
     through the overlay's links. ``tokens``: name the mask token too (not every watch round)."""
 
     def __init__(
-        self, playbook: Playbook, root: str, process: str, head: bool, rehash: bool = False, tokens: bool = True
+        self,
+        playbook: Playbook,
+        root: str,
+        process: str,
+        head: bool,
+        rehash: bool = False,
+        tokens: bool = True,
+        host: str = protocol.LOOPBACK,
     ) -> None:
         self.playbook, self.root = playbook, root
         self.served = protocol.release_verify(root, paths(playbook), rehash)
@@ -694,7 +701,7 @@ class ServedChecks:
         self.status: protocol.Op[protocol.Status] | None = None
         if playbook.serving.target is not None:
             port = playbook.serving.port if head else None
-            self.status = protocol.serving_status(root, process, port).finding()
+            self.status = protocol.serving_status(root, process, port, host=host).finding()
         self.ops: list[protocol.Op[Any]] = [self.served, *self.models.ops, *([self.status] if self.status else [])]
 
     def read(self, answers: protocol.Answers, report: HostReport, role: str | None) -> None:

@@ -20,6 +20,9 @@ rollout: {...}
 from __future__ import annotations
 
 import hashlib
+import math
+import re
+import urllib.parse
 import posixpath
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -134,12 +137,24 @@ class Serving:
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int = 1
     num_speculative_tokens: int = 15
-    host: str = "127.0.0.1"
+    # Where vLLM listens: an address, or "address" (the container's own, where a gateway on another
+    # machine reaches it). Unset: "address" with a gateway, else 127.0.0.1 (probes go through the
+    # agent either way). 0.0.0.0 only when written here.
+    host: str | None = None
     port: int = 8000
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 900.0
     multi_node: MultiNode | None = None
+    # vLLM's --shutdown-timeout: how long a stopping server finishes the requests it holds (vLLM's
+    # own default, 0, aborts them), and how long a drained host's in-flight requests are waited for.
+    drain_timeout: float = 0.0
+
+    @property
+    def stop_timeout(self) -> int:
+        """Our wait after SIGTERM (and the unit's TimeoutStopSec) before SIGKILL: longer than vLLM's
+        own drain, so that a graceful stop is never cut short by us."""
+        return 30 + math.ceil(self.drain_timeout)
 
 
 @dataclass(frozen=True)
@@ -175,11 +190,40 @@ class Gates:
 
 @dataclass(frozen=True)
 class Rollout:
-    """The rollout policy: canary hosts first, then batches, stopping past a failure budget."""
+    """The rollout policy: canary hosts first, then batches, stopping past a failure budget; with
+    a gateway, never fewer than ``min_in_rotation`` hosts serving."""
 
     canary: int = 0
     batch_size: int | None = None
     max_failures: int = 0
+    min_in_rotation: int = 0
+
+
+GATEWAY_KINDS = ("vllm-router", "haproxy", "endpoints-file", "command")
+# HAProxy's runtime API takes a line of commands split at ';' and spaces: a backend or server name
+# is a plain identifier, checked here so that no name can carry a second command.
+_HAPROXY_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """What sends users' requests to the servers: the adapter, where it runs (an inventory container,
+    reached as hosts are) and how it is told that a host leaves or comes back."""
+
+    kind: str
+    on: str  # the inventory container the gateway runs on (``connection: local`` for this machine)
+    url: str  # where clients send requests, as seen from ``on``: READY's probe goes through it
+    admin: str | None = None  # vllm-router: its admin API (default: ``url``)
+    socket: str | None = None  # haproxy: the runtime API's unix socket
+    backend: str | None = None  # haproxy: the backend that holds the servers
+    servers: dict[str, str] = field(default_factory=dict)  # haproxy: container -> server name
+    path: str | None = None  # endpoints-file: the file the router reads
+    command: tuple[str, ...] = ()  # command: the hook's argv
+    timeout_s: float = 10.0  # one call to the gateway
+
+    def server(self, container: str) -> str:
+        """The gateway's name for a container's server (HAProxy's server name, else the container's)."""
+        return self.servers.get(container, container)
 
 
 @dataclass(frozen=True)
@@ -199,6 +243,7 @@ class Playbook:
     gates: Gates
     rollout: Rollout
     models: Models = Models()
+    gateway: Gateway | None = None
 
     @property
     def release_files(self) -> tuple[FileSpec, ...]:
@@ -225,6 +270,7 @@ def load_playbook(path: Path | str) -> Playbook:
             "gates",
             "rollout",
             "models",
+            "gateway",
         },
         required=frozenset({"name", "deploy_root"}),
     )
@@ -305,6 +351,7 @@ def load_playbook(path: Path | str) -> Playbook:
         gates=_gates(top["gates"]),
         rollout=_rollout(top["rollout"]),
         models=models,
+        gateway=_gateway(top["gateway"], serving) if "gateway" in top else None,
     )
 
 
@@ -442,6 +489,7 @@ TOOL_FLAGS = {
     "master-addr": "serving.multi_node.master_addr",
     "master-port": "serving.multi_node.master_port",
     "headless": "serving.multi_node",
+    "shutdown-timeout": "serving.drain_timeout (our stop waits longer than it)",
     "config": "serving.extra_args itself (a file of arguments could hold any of these)",
 }
 _SHORT_FLAGS = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-dp": "data-parallel-size"}
@@ -505,6 +553,7 @@ def _serving(f: Field) -> Serving:
             "env",
             "startup_timeout",
             "multi_node",
+            "drain_timeout",
         }
     )
     multi_node = _multi_node(f["multi_node"]) if "multi_node" in f else None
@@ -519,12 +568,13 @@ def _serving(f: Field) -> Serving:
         tensor_parallel_size=tp,
         pipeline_parallel_size=f["pipeline_parallel_size"].int(Serving.pipeline_parallel_size, minimum=1),
         num_speculative_tokens=f["num_speculative_tokens"].int(Serving.num_speculative_tokens, minimum=1),
-        host=f["host"].str(Serving.host),
+        host=f["host"].str(None),
         port=f["port"].int(Serving.port, minimum=1, maximum=65535),
         extra_args=_extra_args(f["extra_args"]),
         env=_serving_env(f["env"]),
         startup_timeout=f["startup_timeout"].seconds(Serving.startup_timeout, minimum=1),
         multi_node=multi_node,
+        drain_timeout=f["drain_timeout"].seconds(Serving.drain_timeout, minimum=0),
     )
 
 
@@ -605,9 +655,71 @@ def _gates(f: Field) -> Gates:
 
 
 def _rollout(f: Field) -> Rollout:
-    f.mapping({"canary", "batch_size", "max_failures"})
+    f.mapping({"canary", "batch_size", "max_failures", "min_in_rotation"})
     return Rollout(
         canary=f["canary"].int(Rollout.canary, minimum=0),
         batch_size=f["batch_size"].int(None, minimum=1),
         max_failures=f["max_failures"].int(Rollout.max_failures, minimum=0),
+        min_in_rotation=f["min_in_rotation"].int(Rollout.min_in_rotation, minimum=0),
     )
+
+
+def _http_url(f: Field) -> str:
+    url: str = f.str()
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.query or parts.fragment or parts.username:
+        raise f.error(f"expected http://HOST:PORT (as seen from the gateway's host), got {url!r}")
+    try:
+        parts.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError as exc:
+        raise f.error(f"{url!r}: {exc}") from None
+    return url.rstrip("/")
+
+
+def _gateway(f: Field, serving: Serving) -> Gateway:
+    f.mapping(
+        {"kind", "on", "url", "admin", "socket", "backend", "servers", "path", "command", "timeout_s"},
+        required=frozenset({"kind", "on", "url"}),
+    )
+    kind = f["kind"].str()
+    if kind not in GATEWAY_KINDS:
+        raise f["kind"].error(f"expected one of {', '.join(GATEWAY_KINDS)}")
+    if serving.target is None:
+        raise f.error("a gateway sends traffic to servers: the playbook needs serving.target")
+    needs = {"haproxy": ("socket", "backend"), "endpoints-file": ("path",), "command": ("command",)}
+    for key in needs.get(kind, ()):
+        if key not in f:
+            raise f.error(f"a {kind} gateway needs '{key}'")
+    for key in {"admin", "socket", "backend", "servers", "path", "command"} - set(_GATEWAY_KEYS[kind]):
+        if key in f:
+            raise f[key].error(f"not a key of a {kind} gateway (its keys: {', '.join(_GATEWAY_KEYS[kind])})")
+    servers = f["servers"].str_map({})
+    for name in [f["backend"].str(None), *servers.values()]:
+        if name is not None and not _HAPROXY_NAME.fullmatch(name):
+            raise f.error(f"{name!r} is not an HAProxy name (letters, digits, '_.:-')")
+    for key in ("socket", "path"):
+        if key in f and not f[key].str().startswith("/"):
+            raise f[key].error("expected an absolute path on the gateway's host")
+    command = tuple(f["command"].str_list(()))
+    if "command" in f and not command:
+        raise f["command"].error("expected the hook's argv: [program, args...]")
+    return Gateway(
+        kind=kind,
+        on=f["on"].str(),
+        url=_http_url(f["url"]),
+        admin=_http_url(f["admin"]) if "admin" in f else None,
+        socket=f["socket"].str(None),
+        backend=f["backend"].str(None),
+        servers=servers,
+        path=f["path"].str(None),
+        command=command,
+        timeout_s=f["timeout_s"].seconds(Gateway.timeout_s, minimum=1),
+    )
+
+
+_GATEWAY_KEYS = {
+    "vllm-router": ("admin",),
+    "haproxy": ("socket", "backend", "servers"),
+    "endpoints-file": ("path",),
+    "command": ("command",),
+}

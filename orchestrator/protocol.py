@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 A = TypeVar("A")
 
+# Where the agent reaches a server that listens on loopback (the default ``serving.host``).
+LOOPBACK = "127.0.0.1"
+
 
 class AnswerError(ValueError):
     """An answer that does not have the shape its operation promises."""
@@ -753,9 +756,16 @@ def _engine(v: dict[str, Any]) -> Engine:
 
 
 def launch(
-    root: str, name: str, command: ServerCommand, release_id: str, port: int | None, keep_if_running: bool = False
+    root: str,
+    name: str,
+    command: ServerCommand,
+    release_id: str,
+    port: int | None,
+    keep_if_running: bool = False,
+    host: str = LOOPBACK,
 ) -> Op[Launched]:
-    """Start a supervised process (stopping the one started before under ``name``)."""
+    """Start a supervised process (stopping the one started before under ``name``); ``host`` and
+    ``port``: where it will listen (something else answering there is refused)."""
     request = {
         "op": "launch",
         "root": root,
@@ -763,6 +773,7 @@ def launch(
         "argv": list(command.argv),
         "env": dict(command.env),
         "release_id": release_id,
+        "host": host,
         "port": port,
         "stop_timeout": command.stop_timeout,
         "keep_if_running": keep_if_running,
@@ -786,9 +797,17 @@ def _stopped(v: dict[str, Any]) -> Stopped:
     return Stopped(_field(v, "stopped", int, optional=True), _field(v, "gone", bool))
 
 
-def wait_health(root: str, name: str, port: int, model: str, timeout: float) -> Op[Healthy]:
+def wait_health(root: str, name: str, port: int, model: str, timeout: float, host: str = LOOPBACK) -> Op[Healthy]:
     """Poll /health and /v1/models until healthy; fails at once if the process dies."""
-    request = {"op": "wait_health", "root": root, "name": name, "port": port, "model": model, "timeout": timeout}
+    request = {
+        "op": "wait_health",
+        "root": root,
+        "name": name,
+        "host": host,
+        "port": port,
+        "model": model,
+        "timeout": timeout,
+    }
     return Op(request, lambda v: Healthy(_field(v, "pid", int), _field(v, "waited_s", float)), budget_s=timeout)
 
 
@@ -805,10 +824,10 @@ def _status(v: dict[str, Any]) -> Status:
     return Status(process, _field(v, "health", int, optional=True), ready)
 
 
-def serving_status(root: str, name: str, port: int | None) -> Op[Status]:
+def serving_status(root: str, name: str, port: int | None, host: str = LOOPBACK) -> Op[Status]:
     """Read-only: the process started under ``name`` (alive?), its /health when a port is given
     (only a head serves HTTP), and the READY record."""
-    request = {"op": "serving_status", "root": root, "name": name, "port": port}
+    request = {"op": "serving_status", "root": root, "name": name, "host": host, "port": port}
     return Op(request, _status, budget_s=5.0 if port is not None else 0.0)
 
 
@@ -818,10 +837,13 @@ def command(argv: Sequence[str], timeout: float = 60.0, env: dict[str, str] | No
     return Op(request, lambda v: Output(_field(v, "returncode", int), _field(v, "output", str)), budget_s=timeout)
 
 
-def probe(port: int, model: str, prompts: Sequence[str], max_tokens: int, timeout: float) -> Op[Scrapes]:
+def probe(
+    port: int, model: str, prompts: Sequence[str], max_tokens: int, timeout: float, host: str = LOOPBACK
+) -> Op[Scrapes]:
     """Scrape /metrics, run the prompts (greedy, a fixed token budget), scrape again."""
     request = {
         "op": "probe",
+        "host": host,
         "port": port,
         "model": model,
         "prompts": list(prompts),
@@ -835,9 +857,9 @@ def _scrapes(v: dict[str, Any]) -> Scrapes:
     return Scrapes(_field(v, "before", str), _field(v, "after", str), _field(v, "seconds", float, optional=True))
 
 
-def metrics(port: int, prefixes: Sequence[str], timeout: float = 10.0) -> Op[str]:
+def metrics(port: int, prefixes: Sequence[str], timeout: float = 10.0, host: str = LOOPBACK) -> Op[str]:
     """The server's /metrics now, only the lines of the families named by ``prefixes``."""
-    request = {"op": "metrics", "port": port, "prefixes": list(prefixes), "timeout": timeout}
+    request = {"op": "metrics", "host": host, "port": port, "prefixes": list(prefixes), "timeout": timeout}
     return Op(request, lambda v: str(_field(v, "text", str)), budget_s=timeout)
 
 

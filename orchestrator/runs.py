@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator import launch, models, plan, protocol, push
+from orchestrator import launch, models, plan, protocol, push, serving
 from orchestrator.errors import AgentError, ArtifactError
 from orchestrator.results import (
     GATE_CONNECT,
@@ -187,13 +187,14 @@ def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False
         if not run.locate(node):
             return
         head = node.rank == 0
-        served = plan.ServedChecks(playbook, node.root, unit.process(node), head, rehash)
+        host = serving.probe_host(playbook, unit.head.target.container) if playbook.serving.target else protocol.LOOPBACK
+        served = plan.ServedChecks(playbook, node.root, unit.process(node), head, rehash, host=host)
         checks = plan.Checks(playbook, node.root, None, findings=True) if plan.Checks.wanted(playbook) else None
         gpu = plan.GpuChecks(playbook, node.root, node.target.container, len(unit.nodes))
         ops: list[protocol.Op[Any]] = [*served.ops, *(checks.ops if checks else []), *gpu.ops]
         probe = None
         if probe_acceptance and served.status is not None and head:
-            probe = plan.probe_op(playbook).finding()
+            probe = plan.probe_op(playbook, host).finding()
             ops.append(probe)
         answers = run.batch(node, ops)
         report = node.report

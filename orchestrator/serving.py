@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.errors import InputError
 from orchestrator.inventory import Container
 from orchestrator.placement import Placement
 from orchestrator.playbook import Playbook
@@ -59,6 +60,33 @@ def release_dir(root: str, release_id: str) -> str:
     return f"{root}/releases/{release_id}"
 
 
+def listen_host(playbook: Playbook, container: Container) -> str:
+    """Where a container's vLLM listens: ``serving.host``, where "address" (and, with a gateway,
+    no host at all) is the container's own address, the one its gateway reaches."""
+    host = playbook.serving.host
+    if host is None:
+        host = "address" if playbook.gateway is not None else "127.0.0.1"
+    if host != "address":
+        return host
+    if container.address is None:
+        why = "serving.host is 'address'" if playbook.serving.host else "a gateway reaches it"
+        raise InputError(f"{container.name} has no address to listen on ({why}): give it one in the inventory")
+    return container.address
+
+
+def probe_host(playbook: Playbook, container: Container) -> str:
+    """Where the agent on the container reaches its server: the listening address, loopback when
+    vLLM listens on every address."""
+    host = listen_host(playbook, container)
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def url(playbook: Playbook, container: Container) -> str:
+    """The server's base URL as a gateway reaches it."""
+    host = probe_host(playbook, container)
+    return f"http://{'[' + host + ']' if ':' in host else host}:{playbook.serving.port}"
+
+
 def command(playbook: Playbook, container: Container, release_id: str) -> ServerCommand:
     """The server of one container: `vllm serve` of the target with the drafter of this release, its
     tensor parallel size, port and the playbook's arguments, and its environment (offline, its
@@ -79,14 +107,24 @@ def command(playbook: Playbook, container: Container, release_id: str) -> Server
         "--tensor-parallel-size",
         str(tp),
         "--host",
-        s.host,
+        listen_host(playbook, container),
         "--port",
         str(s.port),
     ]
+    argv += graceful_args(playbook)
     argv += _speculative_args(playbook, container, release_id) + list(s.extra_args)
     env = {"HF_HUB_OFFLINE": "1", **start_budget(playbook), **gpu_env(container)}
     env.update(s.env)
-    return ServerCommand(tuple(argv), env)
+    return ServerCommand(tuple(argv), env, stop_timeout=s.stop_timeout)
+
+
+def graceful_args(playbook: Playbook) -> list[str]:
+    """vLLM's own drain on SIGTERM: with --shutdown-timeout N its API server stops taking requests
+    and its engine core finishes those it holds for up to N s (vLLM 0.32 ``v1/engine/core.py``
+    ``_handle_shutdown``: mode=drain); its default 0 aborts every one of them. The engine core
+    drains on its own SIGTERM too, so stopping the whole process group keeps them."""
+    drain = playbook.serving.drain_timeout
+    return ["--shutdown-timeout", str(math.ceil(drain))] if drain > 0 else []
 
 
 def resolved(playbook: Playbook, container: Container, release_id: str) -> dict[str, Any]:
@@ -96,7 +134,7 @@ def resolved(playbook: Playbook, container: Container, release_id: str) -> dict[
     want: dict[str, Any] = {
         "model": s.target,
         "served_model_name": [s.model_name],
-        "host": s.host,
+        "host": listen_host(playbook, container),
         "port": s.port,
         "tensor_parallel_size": s.tensor_parallel_size or max(1, len(container.gpus)),
         "pipeline_parallel_size": s.pipeline_parallel_size,
@@ -191,10 +229,11 @@ def rank_command(playbook: Playbook, placement: Placement, rank: int, release_id
         argv += ["--distributed-executor-backend", "ray"]
         env["RAY_ADDRESS"] = f"{placement.master_addr}:{multi.ray_port}"
     if rank == 0:
-        argv += ["--host", s.host, "--port", str(s.port)]
+        argv += ["--host", listen_host(playbook, placement.nodes[0].container), "--port", str(s.port)]
+        argv += graceful_args(playbook)
     argv += _speculative_args(playbook, placement.nodes[rank].container, release_id) + list(s.extra_args)
     env.update(s.env)
-    return ServerCommand(tuple(argv), env)
+    return ServerCommand(tuple(argv), env, stop_timeout=s.stop_timeout)
 
 
 # Ray's ports, pinned so that a firewall between the nodes can name them: GCS on ray_port, the

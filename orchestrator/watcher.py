@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from orchestrator import plan, probe, protocol
+from orchestrator import plan, probe, protocol, serving
 from orchestrator.agent_client import AgentSession
 from orchestrator.connections import Connections
 from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, TransportError
@@ -144,11 +144,12 @@ class Watcher:
         head = node.rank == 0
         # What verify checks too (the target's model files by the host's digest cache: a stat per
         # file), and on the head the production counters.
-        served = plan.ServedChecks(playbook, node.root, unit.process(node), head, tokens=False)
+        host = serving.probe_host(playbook, node.target.container) if head else protocol.LOOPBACK
+        served = plan.ServedChecks(playbook, node.root, unit.process(node), head, tokens=False, host=host)
         ops: list[protocol.Op[Any]] = list(served.ops)
         metrics = None
         if served.status is not None and head:
-            metrics = protocol.metrics(playbook.serving.port, probe.FAMILIES).finding()
+            metrics = protocol.metrics(playbook.serving.port, probe.FAMILIES, host=host).finding()
             ops.append(metrics)
         try:
             answers = w.session.batch(ops)

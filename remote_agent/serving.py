@@ -285,6 +285,7 @@ def op_engine_check(req):
     argv=list,
     env=dict,
     release_id=str,
+    host=str,
     port=(int, NONE),
     stop_timeout=NUMBER,
     keep_if_running=bool,
@@ -301,7 +302,7 @@ def op_launch(req):
     if req["keep_if_running"] and current and current["alive"] and current.get("command_sha256") == spec:
         return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}
     stopped = _stop(root, name, float(req["stop_timeout"]))
-    if req["port"] is not None and _port_answers(int(req["port"])):
+    if req["port"] is not None and _port_answers(req["host"], int(req["port"])):
         # Health and the probe would be answered by whatever holds it, and our server, unable to
         # bind, would look ready for as long as it takes to die.
         raise OpError(
@@ -338,11 +339,11 @@ def op_launch(req):
     return {"pid": pid, "log": log_path, "stopped": stopped, "kept": False, "supervisor": supervisor, "unit": unit}
 
 
-def _port_answers(port):
+def _port_answers(host, port):
     import socket
 
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
+        with socket.create_connection((host, port), timeout=2):
             return True
     except OSError:
         return False
@@ -504,7 +505,7 @@ class _Expired(Exception):
 HTTP_LIMIT = 64 << 20  # the largest answer read (a vLLM /metrics is a few hundred KB)
 
 
-def _http(port, method, path, body=None, timeout=30.0):
+def _http(port, method, path, body=None, timeout=30.0, host="127.0.0.1"):
     """One request to the local server and its whole answer, within ``timeout`` seconds in all.
 
     A socket timeout bounds each read only: a server that trickles a byte a second would hold
@@ -514,7 +515,7 @@ def _http(port, method, path, body=None, timeout=30.0):
     import urllib.error
     import urllib.request
 
-    url = "http://127.0.0.1:%d%s" % (int(port), path)
+    url = "http://%s:%d%s" % ("[%s]" % host if ":" in host else host, int(port), path)
     data = _dumps(body).encode("utf-8") if body is not None else None
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
 
@@ -545,7 +546,7 @@ def _bounded(raw):
     return raw.decode("utf-8", "replace")
 
 
-@op("wait_health", name=str, root=str, port=int, model=str, timeout=NUMBER)
+@op("wait_health", name=str, root=str, host=str, port=int, model=str, timeout=NUMBER)
 def op_wait_health(req):
     """Poll /health and /v1/models until healthy; fail at once when the process dies, or at the deadline."""
     import json
@@ -566,9 +567,9 @@ def op_wait_health(req):
                 % (time.monotonic() - started, log, _log_tail(log)),
                 log,
             )
-        status, text = _http(port, "GET", "/health", timeout=5)
+        status, text = _http(port, "GET", "/health", timeout=5, host=req["host"])
         if status == 200:
-            status, text = _http(port, "GET", "/v1/models", timeout=10)
+            status, text = _http(port, "GET", "/v1/models", timeout=10, host=req["host"])
             models = []
             if status == 200:
                 try:
@@ -604,7 +605,7 @@ def op_wait_health(req):
         delay = min(delay * 1.5, 5.0)
 
 
-@op("serving_status", name=str, root=str, port=(int, NONE))
+@op("serving_status", name=str, root=str, host=str, port=(int, NONE))
 def op_serving_status(req):
     """Read-only: the server we started (alive?), its health (when a port is given: only a head
     serves HTTP), and the READY record."""
@@ -614,7 +615,7 @@ def op_serving_status(req):
     record = _server(root, req["name"])
     health = None
     if record and record["alive"] and req["port"] is not None:
-        health, _ = _http(int(record.get("port") or req["port"]), "GET", "/health", timeout=5)
+        health, _ = _http(int(record.get("port") or req["port"]), "GET", "/health", timeout=5, host=req["host"])
     ready = None
     try:
         ready = json.loads(_read_own(os.path.join(root, "ready.json")) or b"null")  # a link: no record
@@ -625,13 +626,13 @@ def op_serving_status(req):
     return {"server": record, "health": health, "ready": ready}
 
 
-@op("probe", port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER)
+@op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER)
 def op_probe(req):
     """Scrape /metrics, run the probe prompts (greedy, fixed budget), scrape again."""
     import json
 
-    port, timeout = req["port"], float(req["timeout"])
-    before_status, before = _http(port, "GET", "/metrics", timeout=30)
+    port, timeout, host = req["port"], float(req["timeout"]), req["host"]
+    before_status, before = _http(port, "GET", "/metrics", timeout=30, host=host)
     if before_status != 200:
         raise OpError("probe", "GET /metrics failed: %s %s" % (before_status, before[:200]))
     completions = []
@@ -646,7 +647,7 @@ def op_probe(req):
             "temperature": 0,
             "ignore_eos": True,
         }
-        status, text = _http(port, "POST", "/v1/completions", body, timeout=timeout)
+        status, text = _http(port, "POST", "/v1/completions", body, timeout=timeout, host=host)
         if status != 200:
             raise OpError("probe", "completion failed: %s %s" % (status, text[:300]))
         try:
@@ -654,7 +655,7 @@ def op_probe(req):
         except ValueError:
             usage = {}
         completions.append({"tokens": usage.get("completion_tokens")})
-    after_status, after = _http(port, "GET", "/metrics", timeout=30)
+    after_status, after = _http(port, "GET", "/metrics", timeout=30, host=host)
     if after_status != 200:
         raise OpError("probe", "GET /metrics after the probe failed: %s %s" % (after_status, after[:200]))
     return {
@@ -665,11 +666,11 @@ def op_probe(req):
     }
 
 
-@op("metrics", port=int, prefixes=list, timeout=NUMBER)
+@op("metrics", host=str, port=int, prefixes=list, timeout=NUMBER)
 def op_metrics(req):
     """Read-only: the server's spec-decode counters as /metrics shows them now (only the lines of
     the families asked for: a vLLM scrape is mostly histograms nobody here reads)."""
-    status, text = _http(req["port"], "GET", "/metrics", timeout=float(req["timeout"]))
+    status, text = _http(req["port"], "GET", "/metrics", timeout=float(req["timeout"]), host=req["host"])
     if status != 200:
         raise OpError("metrics", "GET /metrics failed: %s %s" % (status, text[:200]))
     prefixes = tuple(req["prefixes"]) or ("",)

@@ -105,7 +105,7 @@ def test_agent_is_python38_compatible() -> None:
             {"op": "release_verify", "root": "/r", "files": [{"path": "a", "x": 1}], "rehash": False},
             "files\\[0\\]: unknown key 'x'",
         ),
-        ({"op": "serving_status", "root": "/r", "name": "s"}, "serving_status: 'port' is missing"),
+        ({"op": "serving_status", "root": "/r", "name": "s", "host": "127.0.0.1"}, "serving_status: 'port' is missing"),
     ],
 )
 def test_a_request_missing_a_key_is_refused_naming_it(op: dict[str, Any], why: str) -> None:
@@ -679,7 +679,7 @@ def test_a_server_that_trickles_its_answer_is_given_up_on_at_the_deadline() -> N
     exchange now has its deadline, whatever the server does."""
     server = Trickle()
     try:  # run() gives the agent 60 s: one that waits on the trickle fails the test there
-        (answer,) = run([{"op": "metrics", "port": server.port, "prefixes": [], "timeout": 2.0}])
+        (answer,) = run([{"op": "metrics", "host": "127.0.0.1", "port": server.port, "prefixes": [], "timeout": 2.0}])
     finally:
         server.close()
     assert not answer["ok"] and "no whole answer to GET /metrics within 2 s" in answer["error"]["message"]
