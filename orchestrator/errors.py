@@ -170,6 +170,11 @@ class ArtifactError(OrchestratorError):
     """A local model file to push could not be read (it changed or vanished since it was hashed)."""
 
 
+class GatewayError(OrchestratorError):
+    """The gateway in front of the servers could not be reached, refused, or answered what cannot
+    be read or believed: its own words, where it gave some."""
+
+
 class StateError(OrchestratorError):
     """The state database could not be opened, read or written."""
 

@@ -25,6 +25,7 @@ from orchestrator.results import (
     GATE_ACCEPTANCE,
     GATE_ENGINE,
     GATE_FILES,
+    GATE_GATEWAY,
     GATE_GROUP,
     GATE_HEALTH,
     GATE_READY,
@@ -36,15 +37,32 @@ from orchestrator.runner import Node, Run, Unit
 
 def serve(run: Run, unit: Unit) -> None:
     """Start the release the head's report names (unless the unit already runs it), prove it, and
-    record READY on every node; when that fails, go back to the release that was current."""
+    record READY on every node; when that fails, go back to the release that was current.
+
+    With a gateway, a server that will be restarted leaves its rotation first (drained), and READY
+    needs the gateway to send the host traffic again (``rotation``)."""
+    from orchestrator import rotation  # the gateway's steps, only for a playbook with one
+
     release = unit.head.report.release_id
     assert release is not None
     changed = {n.name for n in unit.nodes if n.report.changed}
+    if run.gateway is not None and changed and not rotation.drain(run, unit):
+        unit.fail_others([unit.head.name], "not launched")
+        return  # the gateway refused, or capacity would fall below its floor: nothing was stopped
     if start_and_prove(run, unit, release, switch=changed, keep=not changed):
-        write_ready(run, unit, release)
+        if run.gateway is None or rotation.admit(run, unit):
+            write_ready(run, unit, release)
+        else:
+            unit.fail_others([unit.head.name], "not served through the gateway")
+            unit.head.report.diagnosis.append(
+                "every gate passed on the host, but the gateway did not serve it: left out of rotation (see the gateway gate)"
+            )
     elif any(n.disturbed for n in unit.nodes):
         roll_back(run, unit)
-    # else the lock or the switch failed before anything was stopped or started: what ran, runs
+    elif run.gateway is not None:
+        # the lock, the switch or vLLM's verdict failed before anything was stopped or started:
+        # what ran, runs, and goes back into rotation
+        rotation.put_back(run, unit)
 
 
 def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: bool) -> bool:
@@ -145,7 +163,9 @@ def _launch_op(run: Run, unit: Unit, node: Node, release: str, keep: bool) -> pr
         return protocol.launch(node.root, serving.RAY, command, release, None)
     rank_command = serving.rank_command(playbook, placement, node.rank, release)
     assert rank_command is not None
-    return protocol.launch(node.root, serving.SERVER, rank_command, release, port if node.rank == 0 else None, host=host)
+    return protocol.launch(
+        node.root, serving.SERVER, rank_command, release, port if node.rank == 0 else None, host=host
+    )
 
 
 def _read_proof(run: Run, unit: Unit, healthy: protocol.Healthy, scrapes: protocol.Scrapes, kept: bool) -> bool:
@@ -206,7 +226,10 @@ def stop_all(run: Run, unit: Unit) -> None:
 
     def stop(node: Node) -> None:
         wait = run.playbook.serving.stop_timeout
-        ops = [protocol.stop(node.root, name, wait if name == serving.SERVER else 30.0) for name in (serving.SERVER, serving.RAY)]
+        ops = [
+            protocol.stop(node.root, name, wait if name == serving.SERVER else 30.0)
+            for name in (serving.SERVER, serving.RAY)
+        ]
         node.disturbed = True
         answers = run.batch(node, [run.lock(node), *ops])
         left = [op.request["name"] for op in ops if not answers[op].gone]
@@ -269,24 +292,45 @@ def roll_back(run: Run, unit: Unit) -> None:
             )
         else:
             line = f"no previous release to go back to: stopped{everywhere} (no vLLM or Ray process left)"
+        if unit.head.drained:
+            line += "; left out of the gateway's rotation (taken out before the stop)"
         for report in reports:
             report.diagnosis.append(line)
         return
     run.note(unit, f"rolling back to release {back}")
     again = unit.again()
     switch = {n.name for n in unit.nodes if n.report.changed}
-    if start_and_prove(run, again, back, switch, keep=False):
+    if start_and_prove(run, again, back, switch, keep=False) and _admitted(run, again, unit):
         write_ready(run, again, back)
         proof = again.head.report.gates[GATE_ACCEPTANCE].detail
         line = f"rolled back: release {back} is current again{everywhere}, healthy and READY ({proof})"
+    elif again.head.report.gates.get(GATE_ACCEPTANCE, Gate(False, "")).ok:
+        refused = again.head.report.gates[GATE_GATEWAY].detail
+        line = f"rolled back to release {back}, healthy, but not served through the gateway ({refused})"
     else:
         stop_all(run, again)
         why = "; ".join(
             f"{n.name}: {n.report.gates[gate].detail}" for n in again.nodes if (gate := n.report.failed_gate)
         )
         line = f"rolled back to release {back}, but it does not pass either ({why}): stopped"
+    if unit.head.drained and not again.head.report.gates.get(GATE_READY, Gate(False, "")).ok:
+        line += "; left out of the gateway's rotation (taken out before the stop)"
     for report in reports:
         report.diagnosis.append(line)
+
+
+def _admitted(run: Run, again: Unit, unit: Unit) -> bool:
+    """After a rollback proved the previous release: back into the gateway's rotation (the failed
+    attempt's drain is in ``unit``'s report)."""
+    if run.gateway is None:
+        return True
+    from orchestrator import rotation
+
+    drained = unit.head.report.gates.get(GATE_GATEWAY)
+    if drained is not None:
+        again.head.report.gates[GATE_GATEWAY] = drained
+    again.head.drained = unit.head.drained
+    return rotation.admit(run, again)
 
 
 def _ray_cluster_then_vllm(run: Run, unit: Unit, release: str) -> bool:

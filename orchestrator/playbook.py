@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import posixpath
 import re
 import urllib.parse
-import posixpath
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ DRAFTER_CONFIG = "config.json"
 DRAFTER_CONFIG_DEST = f"{DRAFTER_DIR}/{DRAFTER_CONFIG}"
 # Files larger than this are sent inline with the request; models belong on mounted volumes.
 MAX_FILE_BYTES = 64 * 1024 * 1024
+DRAIN_TIMEOUT_S = 60.0  # serving.drain_timeout behind a gateway, unless set
 KEEP_RELEASES = 5  # releases kept on a host (the current one and its predecessors) unless set
 
 
@@ -334,6 +335,10 @@ def load_playbook(path: Path | str) -> Playbook:
     if models.drafter is not None and drafter is None:
         raise top["models"]["drafter"].error("a drafter model needs drafter.config: the config its release serves")
 
+    gateway = _gateway(top["gateway"], serving) if "gateway" in top else None
+    if gateway is not None and "drain_timeout" not in top["serving"]:
+        # Behind a gateway a restart must not cost requests: drain by default.
+        serving = replace(serving, drain_timeout=DRAIN_TIMEOUT_S)
     if serving.multi_node is not None and "rollout" in top:
         raise top["rollout"].error("a multi-node deployment is one group, deployed whole: rollout does not apply")
     if not files and drafter is None:
@@ -351,7 +356,7 @@ def load_playbook(path: Path | str) -> Playbook:
         gates=_gates(top["gates"]),
         rollout=_rollout(top["rollout"]),
         models=models,
-        gateway=_gateway(top["gateway"], serving) if "gateway" in top else None,
+        gateway=gateway,
     )
 
 

@@ -94,12 +94,7 @@ def parse(text: str) -> Counters | None:
         key = _WANTED.get(name)
         if key is None and name != GENERATED:
             continue  # _created timestamps, other series of the prefix
-        try:
-            value = float(found.group(3))
-        except ValueError:
-            raise ProbeError(f"unreadable metrics value: {line[:120]!r}") from None
-        if not math.isfinite(value) or value < 0:
-            raise ProbeError(f"a counter is {found.group(3)}: {line[:120]!r}")
+        value = _value(found, line, "a counter")
         labels = _labels(found.group(2) or "", line)
         if key is None:
             out.generated = (out.generated or 0.0) + value
@@ -114,6 +109,31 @@ def parse(text: str) -> Counters | None:
             setattr(out, key, getattr(out, key) + value)
     out.shown = frozenset(shown)
     return out if shown else None
+
+
+def _value(found: re.Match[str], line: str, what: str) -> float:
+    """A sample's value: a finite number, never below 0 (counters and these gauges)."""
+    try:
+        value = float(found.group(3))
+    except ValueError:
+        raise ProbeError(f"unreadable metrics value: {line[:120]!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ProbeError(f"{what} is {found.group(3)}: {line[:120]!r}")
+    return value
+
+
+def total(text: str, name: str) -> float | None:
+    """The sum of one family's samples over every label set (every engine, every finish reason);
+    None when /metrics has none of it. A malformed or non-finite sample is a ``ProbeError``."""
+    found_any, sum_ = False, 0.0
+    for line in text.split("\n"):
+        if not line.startswith(name):
+            continue
+        found = _SAMPLE.fullmatch(line)
+        if found is None or found.group(1) != name:
+            continue  # another family with this prefix, or a line that is not a sample of it
+        found_any, sum_ = True, sum_ + _value(found, line, name)
+    return sum_ if found_any else None
 
 
 def _labels(text: str, line: str) -> dict[str, str]:

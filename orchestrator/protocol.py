@@ -33,6 +33,7 @@ from orchestrator.results import (
     GATE_BUILD,
     GATE_ENGINE,
     GATE_FILES,
+    GATE_GATEWAY,
     GATE_GPUS,
     GATE_HEALTH,
     GATE_LOADER,
@@ -831,9 +832,11 @@ def serving_status(root: str, name: str, port: int | None, host: str = LOOPBACK)
     return Op(request, _status, budget_s=5.0 if port is not None else 0.0)
 
 
-def command(argv: Sequence[str], timeout: float = 60.0, env: dict[str, str] | None = None) -> Op[Output]:
-    """Run a command to completion (``ray status``): its exit status and output."""
-    request = {"op": "command", "argv": list(argv), "env": dict(env or {}), "timeout": timeout}
+def command(
+    argv: Sequence[str], timeout: float = 60.0, env: dict[str, str] | None = None, stdin: str | None = None
+) -> Op[Output]:
+    """Run a command to completion (``ray status``, a gateway's hook): its exit status and output."""
+    request = {"op": "command", "argv": list(argv), "env": dict(env or {}), "timeout": timeout, "input": stdin}
     return Op(request, lambda v: Output(_field(v, "returncode", int), _field(v, "output", str)), budget_s=timeout)
 
 
@@ -999,6 +1002,51 @@ def nccl(root: str | None, python: str, count: int, env: dict[str, str], timeout
     return Op(request, _all_reduce, budget_s=timeout + 10.0)
 
 
+# --- the gateway: the router or load balancer in front of the servers, on its own host ----------
+
+
+@dataclass(frozen=True)
+class HttpAnswer:
+    """gateway_http: what the gateway answered (``status`` None: nothing did, ``text`` says why)."""
+
+    status: int | None
+    text: str
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One server in an endpoints file."""
+
+    name: str
+    url: str
+
+
+def gateway_socket(path: str, command: str, timeout: float) -> Op[str]:
+    """One command to a unix socket that answers and closes (HAProxy's runtime API): its answer."""
+    request = {"op": "gateway_socket", "path": path, "command": command, "timeout": timeout}
+    return Op(request, lambda v: str(_field(v, "text", str)), budget_s=timeout)
+
+
+def gateway_http(method: str, url: str, body: str | None, timeout: float) -> Op[HttpAnswer]:
+    """One HTTP exchange with the gateway, from its own host."""
+    request = {"op": "gateway_http", "method": method, "url": url, "body": body, "timeout": timeout}
+    reader = lambda v: HttpAnswer(_field(v, "status", int, optional=True), _field(v, "text", str))  # noqa: E731
+    return Op(request, reader, budget_s=timeout)
+
+
+def _endpoints(v: dict[str, Any]) -> tuple[Endpoint, ...]:
+    return tuple(Endpoint(_field(e, "name", str), _field(e, "url", str)) for e in _items(v, "endpoints"))
+
+
+def gateway_endpoints(
+    path: str, action: str, name: str | None, url: str | None, timeout: float
+) -> Op[tuple[Endpoint, ...]]:
+    """An endpoints file read, or a server added to it or removed from it under its lock: the
+    servers it lists after."""
+    request = {"op": "gateway_endpoints", "path": path, "action": action, "name": name, "url": url, "timeout": timeout}
+    return Op(request, _endpoints, budget_s=timeout)
+
+
 # --- the contract: one row per operation, in the agent's order --------------------------
 
 
@@ -1038,6 +1086,9 @@ OPS = (
     OpSpec("vllm_build", "checks", GATE_BUILD, "reading the vLLM build", vllm_build),
     OpSpec("gpus", "checks", GATE_GPUS, "checking its GPUs", gpus),
     OpSpec("nccl", "checks", GATE_GPUS, "all-reducing over its GPUs (NCCL)", nccl),
+    OpSpec("gateway_socket", "gateway", GATE_GATEWAY, "asking the gateway", gateway_socket),
+    OpSpec("gateway_http", "gateway", GATE_GATEWAY, "asking the gateway", gateway_http),
+    OpSpec("gateway_endpoints", "gateway", GATE_GATEWAY, "changing the endpoints file", gateway_endpoints),
 )
 SPECS = {spec.name: spec for spec in OPS}
 

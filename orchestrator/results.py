@@ -24,6 +24,7 @@ GATE_BUILD = "build"
 GATE_ENGINE = "engine"  # the installed vLLM's own verdict on the exact command, before launch
 GATE_HEALTH = "health"
 GATE_ACCEPTANCE = "acceptance"
+GATE_GATEWAY = "gateway"  # drained before the stop, and served through the gateway before READY
 GATE_READY = "ready"
 GATE_GROUP = "group"  # multi-node: what the other nodes of the group did
 GATE_RAY = "ray"

@@ -10,6 +10,7 @@ failed gate, never an exception; a group's other nodes then fail its ``group`` g
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import socket
 import threading
@@ -25,7 +26,15 @@ from orchestrator.agent_client import AgentClient, Event
 from orchestrator.connections import Connections
 from orchestrator.connector import Connector, RetryPolicy
 from orchestrator.containers import spec_for
-from orchestrator.errors import AgentError, AgentProtocolError, LxdError, OrchestratorError, TransportError
+from orchestrator.errors import (
+    AgentError,
+    AgentProtocolError,
+    GatewayError,
+    InputError,
+    LxdError,
+    OrchestratorError,
+    TransportError,
+)
 from orchestrator.inventory import Inventory, Target
 from orchestrator.placement import Placement, place
 from orchestrator.playbook import Playbook, Rollout
@@ -33,6 +42,7 @@ from orchestrator.results import (
     GATE_CONNECT,
     GATE_CONTAINERS,
     GATE_FILES,
+    GATE_GATEWAY,
     GATE_GROUP,
     GATE_INTERRUPTED,
     GATE_ROLLOUT,
@@ -136,6 +146,7 @@ class Node:
         self.staged: protocol.Applied | None = None  # this deploy's release_apply answer
         self.pid: int | None = None  # the proven process its READY record names
         self.disturbed = False  # something of it was stopped or started: a failure must roll back
+        self.drained = False  # taken out of the gateway's rotation by this run, not yet put back
 
     @property
     def name(self) -> str:
@@ -239,6 +250,8 @@ def guarded(report: HostReport, work: Callable[[], object], gate: str = GATE_FIL
         # An answer that cannot be read fails the gate of the op it was for, when one op's was.
         report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
         report.gates[exc.gate or gate] = Gate(False, str(exc).split(": ", 1)[-1])
+    except GatewayError as exc:
+        report.gates[GATE_GATEWAY] = Gate(False, str(exc))
     except OrchestratorError as exc:
         report.gates[gate] = Gate(False, str(exc))
 
@@ -320,6 +333,7 @@ class Run:
     # whose containers mount it): key -> the outcome, under its own lock.
     once: dict[Any, Any] = field(default_factory=dict)
     once_lock: threading.Lock = field(default_factory=threading.Lock)
+    gateway: Any = None  # gateway.GatewayClient: the router or load balancer in front, when the playbook has one
 
     def locate(self, node: Node) -> bool:
         """The containers gate, once per node per run; False when the node cannot be reached."""
@@ -376,6 +390,27 @@ def finish(submitted: Iterable[Future[Any]]) -> None:
             future.result()
 
 
+def _gateway_answers(run: Run, units: list[Unit], reports: list[HostReport]) -> bool:
+    """The gateway is asked first, before any host is touched: one that cannot be reached or
+    refuses stops the run with its words, and nothing is left drained."""
+    from orchestrator.gateway import GatewayClient, gateway_target  # only runs with a gateway need it
+
+    try:
+        run.gateway = GatewayClient(run.playbook, gateway_target(run.playbook, run.inventory), run.client)
+        run.observer.say(f"asking the {run.playbook.gateway.kind} gateway on {run.gateway.target.name}")  # type: ignore[union-attr]
+        servers = []
+        for unit in units:  # the command hook is asked of each server it will be told about
+            with contextlib.suppress(InputError):  # an address LXD gives only once it is located
+                servers.append(run.gateway.server(unit.head.target.container))
+        run.gateway.rotation(servers)
+    except (GatewayError, InputError, TransportError, AgentProtocolError) as exc:
+        for report in reports:
+            report.gates[GATE_GATEWAY] = Gate(False, f"the gateway: {exc}: no host was touched", reason="unreachable")
+            run.observer.host_done(report)
+        return False
+    return True
+
+
 def execute(
     kind: str,
     scope: Scope,
@@ -397,6 +432,10 @@ def execute(
             ContainerGate(inventory, playbook, ensure=kind == "deploy", skip=options.skip_containers),
             observer,
         )
+        asks_gateway = playbook.gateway is not None and playbook.serving.target is not None and kind != "dry-run"
+        if asks_gateway and not _gateway_answers(run, units, reports):
+            run_report.finished = time.time()
+            return run_report
 
         def one(unit: Unit) -> None:
             if options.interrupt.is_set():

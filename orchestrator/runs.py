@@ -187,7 +187,9 @@ def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False
         if not run.locate(node):
             return
         head = node.rank == 0
-        host = serving.probe_host(playbook, unit.head.target.container) if playbook.serving.target else protocol.LOOPBACK
+        host = (
+            serving.probe_host(playbook, unit.head.target.container) if playbook.serving.target else protocol.LOOPBACK
+        )
         served = plan.ServedChecks(playbook, node.root, unit.process(node), head, rehash, host=host)
         checks = plan.Checks(playbook, node.root, None, findings=True) if plan.Checks.wanted(playbook) else None
         gpu = plan.GpuChecks(playbook, node.root, node.target.container, len(unit.nodes))
@@ -208,6 +210,10 @@ def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False
 
     def work(run: Run, unit: Unit) -> None:
         unit.each(lambda node: check(run, unit, node), GATE_FILES)
+        if run.gateway is not None:
+            from orchestrator import rotation
+
+            rotation.judge(run, unit)
         if unit.single:
             return
         head = unit.head
@@ -259,6 +265,10 @@ def stop(scope: Scope) -> RunReport:
 
     def work(run: Run, unit: Unit) -> None:
         unit.each(run.locate, GATE_CONNECT)
+        if not unit.failed() and run.gateway is not None:
+            from orchestrator import rotation
+
+            rotation.take_out(run, unit)
         if not unit.failed():
             launch.stop_all(run, unit)
         unit.fail_others(unit.failed(), "group stop incomplete")

@@ -163,9 +163,10 @@ def _gone(root, name):
     return not record["alive"] and not _group_alive(record["pid"])
 
 
-@op("command", argv=list, env=dict, timeout=NUMBER)
+@op("command", argv=list, env=dict, timeout=NUMBER, input=(str, NONE))
 def op_command(req):
-    """Run a command to completion (e.g. ``ray status``) and return its exit status and output."""
+    """Run a command to completion (``ray status``, a gateway's hook with its request on stdin) and
+    return its exit status and output."""
     import subprocess
 
     argv = _argv(req)
@@ -174,7 +175,8 @@ def op_command(req):
     try:
         proc = subprocess.run(
             argv,
-            stdin=subprocess.DEVNULL,
+            input=req["input"].encode("utf-8") if req["input"] is not None else None,
+            stdin=subprocess.DEVNULL if req["input"] is None else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
@@ -506,7 +508,14 @@ HTTP_LIMIT = 64 << 20  # the largest answer read (a vLLM /metrics is a few hundr
 
 
 def _http(port, method, path, body=None, timeout=30.0, host="127.0.0.1"):
-    """One request to the local server and its whole answer, within ``timeout`` seconds in all.
+    """One request to the server and its whole answer, within ``timeout`` seconds in all."""
+    url = "http://%s:%d%s" % ("[%s]" % host if ":" in host else host, int(port), path)
+    data = _dumps(body).encode("utf-8") if body is not None else None
+    return _http_url(url, method, data, timeout)
+
+
+def _http_url(url, method, data=None, timeout=30.0, limit=None):
+    """One HTTP exchange and its whole answer, within ``timeout`` seconds in all.
 
     A socket timeout bounds each read only: a server that trickles a byte a second would hold
     the agent for ever (and a watch round with it, leaving one stuck agent a round). So the whole
@@ -515,9 +524,12 @@ def _http(port, method, path, body=None, timeout=30.0, host="127.0.0.1"):
     import urllib.error
     import urllib.request
 
-    url = "http://%s:%d%s" % ("[%s]" % host if ":" in host else host, int(port), path)
-    data = _dumps(body).encode("utf-8") if body is not None else None
+    limit = limit or HTTP_LIMIT
+    path = url.split("/", 3)[3] if url.count("/") >= 3 else ""
+    path = "/" + path
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    # Never through a proxy of the host's environment: the gateway and the server are reached directly.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def expire(signum, frame):
         raise _Expired()
@@ -526,10 +538,10 @@ def _http(port, method, path, body=None, timeout=30.0, host="127.0.0.1"):
     signal.setitimer(signal.ITIMER_REAL, max(float(timeout), 0.001))
     try:
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return response.status, _bounded(response.read(HTTP_LIMIT + 1))
+            with opener.open(request, timeout=timeout) as response:
+                return response.status, _bounded(response.read(limit + 1), limit)
         except urllib.error.HTTPError as exc:
-            return exc.code, _bounded(exc.read(HTTP_LIMIT + 1))
+            return exc.code, _bounded(exc.read(limit + 1), limit)
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             return None, str(reason)
@@ -540,9 +552,9 @@ def _http(port, method, path, body=None, timeout=30.0, host="127.0.0.1"):
         signal.signal(signal.SIGALRM, previous)
 
 
-def _bounded(raw):
-    if len(raw) > HTTP_LIMIT:
-        return raw[:HTTP_LIMIT].decode("utf-8", "replace") + "\n(cut at %d bytes)" % HTTP_LIMIT
+def _bounded(raw, limit):
+    if len(raw) > limit:
+        return raw[:limit].decode("utf-8", "replace") + "\n(cut at %d bytes)" % limit
     return raw.decode("utf-8", "replace")
 
 

@@ -141,14 +141,19 @@ class Box:
         return int(json.loads((self.root(name) / "run" / "dflash-serve.json").read_text())["pid"])
 
 
-def make_box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Box]:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the agent's compiled-code cache
+def serving_side(tmp_path: Path) -> None:
+    """``bin/python`` (the stand-in, as ``serving.python``) and ``target/config.json``."""
     (tmp_path / "bin").mkdir()
     python = tmp_path / "bin" / "python"
     python.write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN} "$@"\n')
     python.chmod(0o755)
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text(json.dumps(TARGET_CONFIG))
+
+
+def make_box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Box]:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the agent's compiled-code cache
+    serving_side(tmp_path)
     containers = {
         name: {"connection": "local", "deploy_root": str(tmp_path / "roots" / name), "python": sys.executable}
         for name in ("solo", "n0", "n1")

@@ -24,8 +24,11 @@ exact commands the agent runs (``serving.python`` points at it):
 
 Acceptance depends on the drafter config the server was given, as it does for real: every draft is
 accepted when ``dflash_config.mask_token_id`` is ``$STANDIN_GOOD_MASK``, none otherwise.
-``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load;
-``$STANDIN_START_DELAY`` seconds pass before it listens, as a model loads. SIGHUP
+``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load (a file
+``standin-refuse`` in a deploy root: only there);
+``$STANDIN_START_DELAY`` seconds pass before it listens, as a model loads. ``$STANDIN_TOKEN_S`` seconds pass per
+token of a completion. SIGTERM stops it as vLLM stops: with ``--shutdown-timeout N`` it takes no
+new request and finishes those in flight for up to N s, else it cuts them. SIGHUP
 stands in for a restart behind our back where the server runs as a plain process: the drafter
 config is read again and the counters start again at zero (the pid stays, so the pidfile still
 names it).
@@ -65,6 +68,7 @@ class Counters:
     def __init__(self, k: int, good: bool) -> None:
         self.k, self.good = k, good
         self.drafts = self.draft_tokens = self.accepted = self.generated = 0
+        self.running = self.finished = 0
         self.per_pos = [0] * k
         self.lock = threading.Lock()
 
@@ -95,6 +99,12 @@ class Counters:
         lines += [
             "# TYPE vllm:generation_tokens counter",
             f"vllm:generation_tokens_total{{{labels}}} {self.generated}.0",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {self.running}.0",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} 0.0",
+            "# TYPE vllm:request_success counter",
+            f'vllm:request_success_total{{{labels},finished_reason="length"}} {self.finished}.0',
         ]
         lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
         for pos, value in enumerate(self.per_pos):
@@ -115,6 +125,9 @@ def serve(args: list[str]) -> None:
         time.sleep(float(os.environ["STANDIN_START_DELAY"]))
     model = values.get("served-model-name", "dflash")
     spec = json.loads(values.get("speculative-config", "{}"))
+    if spec and (Path(spec["model"]).parents[2] / "standin-refuse").exists():
+        # A drafter this host's vLLM refuses, whatever the release (planted in one deploy root).
+        sys.exit("ValueError: the drafter's config is refused on this host (stand-in told to refuse)")
     k = int(spec.get("num_speculative_tokens", 15))
 
     def load() -> Counters:
@@ -123,6 +136,7 @@ def serve(args: list[str]) -> None:
         return Counters(k, str(mask) == os.environ.get("STANDIN_GOOD_MASK"))
 
     counters = load()
+    aborting = threading.Event()  # SIGTERM past --shutdown-timeout: requests in flight are cut
 
     def reload(*_: object) -> None:
         nonlocal counters
@@ -150,16 +164,44 @@ def serve(args: list[str]) -> None:
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
             tokens = int(body.get("max_tokens", 16))
-            counters.complete(tokens)
-            self._send(200, {"choices": [{"text": "C" * tokens}], "usage": {"completion_tokens": tokens}})
+            with counters.lock:
+                counters.running += 1
+            try:
+                done = 0
+                while done < tokens and not aborting.is_set():  # decoding, token by token
+                    time.sleep(float(os.environ.get("STANDIN_TOKEN_S", "0")))
+                    done += 1
+                counters.complete(max(done, 1))
+                # vLLM's abort on shutdown ends a request with what it has and finish_reason "abort"
+                reason = "length" if done == tokens else "abort"
+                choice = {"text": "C" * done, "finish_reason": reason}
+                self._send(200, {"choices": [choice], "usage": {"completion_tokens": done}})
+            finally:
+                with counters.lock:
+                    counters.running -= 1
+                    counters.finished += 1
 
         def log_message(self, *args: Any) -> None:
             pass
 
     server = ThreadingHTTPServer((values.get("host", "127.0.0.1"), int(values.get("port", "8000"))), Handler)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server.daemon_threads = True
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGHUP, reload)
-    server.serve_forever()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stopping.wait()
+    # As vLLM stops on SIGTERM: with --shutdown-timeout N it takes no new request and finishes
+    # those it holds for up to N s; without, every request in flight is cut.
+    server.shutdown()
+    server.server_close()
+    deadline = time.monotonic() + float(values.get("shutdown-timeout", "0"))
+    while counters.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    aborting.set()
+    while counters.running and time.monotonic() < deadline + 1:
+        time.sleep(0.01)  # the aborted requests answered
+    os._exit(0)
 
 
 H200 = Path(__file__).resolve().parent.parent / "data" / "gpu" / "h200"

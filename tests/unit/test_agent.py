@@ -135,7 +135,10 @@ def test_an_op_takes_an_earlier_answer_by_reference_and_never_one_that_did_not_r
     # A key whose spec takes no reference keeps the value it was given, whatever its shape.
     env = {"$ref": "release_list"}
     done = run(
-        [{"op": "release_list", "root": str(tmp_path)}, {"op": "command", "argv": ["true"], "env": env, "timeout": 5}]
+        [
+            {"op": "release_list", "root": str(tmp_path)},
+            {"op": "command", "argv": ["true"], "env": env, "timeout": 5, "input": None},
+        ]
     )
     assert done[1]["ok"], done
 

@@ -73,6 +73,9 @@ def build(name: str) -> protocol.Op[Any]:
         "command": (["ray", "status"],),
         "probe": (8000, "m", ["p"], 16, 60.0),
         "metrics": (8000, ["vllm:spec_decode_"]),
+        "gateway_socket": ("/run/haproxy/admin.sock", "show stat", 10.0),
+        "gateway_http": ("GET", "http://127.0.0.1:30000/workers", None, 10.0),
+        "gateway_endpoints": ("/etc/dflash/endpoints.json", "read", None, None, 10.0),
     }
     return protocol.SPECS[name].build(*args[name])
 

@@ -1,0 +1,259 @@
+"""Rollouts behind a real gateway: HAProxy (Debian's package) and vllm-router (PyPI) in front of
+three servers, a load generator sending requests through the gateway the whole time.
+
+A rolling deploy of a new release loses no request with the gateway in the playbook, and loses
+some without it (both numbers are asserted, so the test fails if draining stops working); a
+host refused after it was drained stays out of rotation and the rollout stops; a gateway that
+cannot be reached or refuses stops the deploy before any server is touched; verify finds a
+READY host left out of rotation. See ``gateway_parts`` for the parts and why the servers are
+the stand-in here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.results import RunReport
+from tests.integration.gateway_parts import HOSTS, Fleet, Haproxy, Load, Router, free_port, make_fleet, wait_for
+
+pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is installed by scripts/bootstrap")
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    yield from make_fleet(tmp_path)
+
+
+@pytest.fixture
+def haproxy(tmp_path: Path, fleet: Fleet) -> Iterator[Haproxy]:
+    proxy = Haproxy(tmp_path, free_port(), fleet.port).start()
+    yield proxy
+    proxy.stop()
+
+
+def haproxy_gateway(proxy: Haproxy) -> dict[str, object]:
+    return {
+        "kind": "haproxy",
+        "on": "gw",
+        "url": f"http://127.0.0.1:{proxy.port}",
+        "socket": str(proxy.socket),
+        "backend": "vllm",
+    }
+
+
+def by_name(report: RunReport) -> dict[str, object]:
+    return {h.name: h for h in report.hosts}
+
+
+def failures(report: RunReport) -> dict[str, str]:
+    return {h.name: f"{h.failed_gate}: {h.gates[h.failed_gate].detail}" for h in report.hosts if h.failed_gate}
+
+
+def test_a_rolling_deploy_behind_haproxy_loses_no_request_and_without_the_gateway_loses_some(
+    fleet: Fleet, haproxy: Haproxy
+) -> None:
+    gateway = haproxy_gateway(haproxy)
+    first = fleet.deploy(fleet.playbook(gateway))
+    assert first.ok, failures(first)
+    assert haproxy.status() == {name: "UP" for name in HOSTS}
+    for host in first.hosts:
+        assert "a request through" in host.gates["gateway"].detail, host.gates["gateway"]
+
+    load = Load(haproxy.port).start()
+    second = fleet.deploy(fleet.playbook(gateway, "release 2\n"))
+    load.stop()
+    assert second.ok, failures(second)
+    assert all(h.changed for h in second.hosts)
+    with_gateway = (load.sent, load.lost)
+    for host in second.hosts:
+        gate = host.gates["gateway"]
+        assert gate.data["in_flight_left"] == 0 and gate.data["drain_s"] >= 0, gate
+    assert haproxy.status() == {name: "UP" for name in HOSTS}
+
+    # The same rollout with the gateway left out of the playbook: nothing drains the host, vLLM's
+    # default stop cuts what it holds, and HAProxy sends to it until its check fails.
+    load = Load(haproxy.port).start()
+    third = fleet.deploy(fleet.playbook(None, "release 3\n"))
+    load.stop()
+    assert third.ok, failures(third)
+    without_gateway = (load.sent, load.lost)
+    print(
+        f"\nrequests sent/lost: with the gateway {with_gateway[0]}/{len(with_gateway[1])}, "
+        f"without {without_gateway[0]}/{len(without_gateway[1])}"
+    )
+    assert with_gateway[1] == [], with_gateway[1][:5]
+    assert with_gateway[0] > 30
+    assert without_gateway[1], "a rollout that drains nothing lost no request: the comparison shows nothing"
+
+
+def test_a_rolling_deploy_behind_vllm_router_loses_no_request(tmp_path: Path, fleet: Fleet) -> None:
+    router = Router(tmp_path, free_port()).start()
+    try:
+        gateway = {"kind": "vllm-router", "on": "gw", "url": f"http://127.0.0.1:{router.port}"}
+        first = fleet.deploy(fleet.playbook(gateway))
+        assert first.ok, failures(first)
+        urls = {f"http://{address}:{fleet.port}" for address in HOSTS.values()}
+        assert set(router.workers() or []) == urls
+
+        load = Load(router.port).start()
+        second = fleet.deploy(fleet.playbook(gateway, "release 2\n"))
+        load.stop()
+        assert second.ok, failures(second)
+        print(f"\nvllm-router: requests sent {load.sent}, lost {len(load.lost)}")
+        assert load.lost == [] and load.sent > 30, load.lost[:5]
+        assert set(router.workers() or []) == urls
+        # stop takes each host out of the router before its server ends
+        stopped = fleet.stop(fleet.playbook(gateway, "release 2\n"))
+        assert stopped.ok, failures(stopped)
+        assert router.workers() == []
+    finally:
+        router.stop()
+
+
+def test_a_host_refused_after_its_drain_stays_out_and_the_rotation_is_the_ready_hosts(
+    fleet: Fleet, haproxy: Haproxy
+) -> None:
+    gateway = haproxy_gateway(haproxy)
+    assert fleet.deploy(fleet.playbook(gateway)).ok
+    (fleet.root("g2") / "standin-refuse").write_text("")  # g2's vLLM now refuses the drafter
+    load = Load(haproxy.port).start()
+    report = fleet.deploy(fleet.playbook(gateway, "release 2\n"))
+    load.stop()
+    hosts = by_name(report)
+    assert hosts["g1"].ready
+    assert not hosts["g2"].ready and hosts["g2"].failed_gate == "health", failures(report)
+    assert "left out of the gateway's rotation" in " ".join(hosts["g2"].diagnosis), hosts["g2"].diagnosis
+    assert hosts["g3"].failed_gate == "rollout", failures(report)  # the failure budget (0) stopped it
+    # The gateway sends traffic exactly to the READY hosts: g1 (new release) and g3 (untouched).
+    assert haproxy.drained() == {"g1": False, "g2": True, "g3": False}
+    assert haproxy.status()["g1"] == "UP" and haproxy.status()["g3"] == "UP" and haproxy.status()["g2"] != "UP"
+    assert load.lost == [], load.lost[:5]
+    # verify says the same: g2 not READY and out (consistent), g1 and g3 READY and in.
+    verified = by_name(fleet.verify(fleet.playbook(gateway, "release 2\n")))
+    assert verified["g1"].gates["gateway"].ok and verified["g1"].gates["gateway"].data["in_rotation"]
+    assert verified["g2"].gates["gateway"].ok and not verified["g2"].gates["gateway"].data["in_rotation"]
+
+
+def test_an_unreachable_or_refusing_gateway_stops_the_deploy_before_any_server_is_touched(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    proxy = Haproxy(tmp_path, free_port(), fleet.port).start()
+    gateway = haproxy_gateway(proxy)
+    try:
+        assert fleet.deploy(fleet.playbook(gateway)).ok
+        pids = {name: fleet.pid(name) for name in HOSTS}
+
+        gone = dict(gateway, socket=str(tmp_path / "no-such.sock"))
+        report = fleet.deploy(fleet.playbook(gone, "release 2\n"))
+        assert not report.ok
+        for host in report.hosts:
+            assert list(host.gates) == ["gateway"], host.gates
+            assert (
+                "no-such.sock" in host.gates["gateway"].detail and "no host was touched" in host.gates["gateway"].detail
+            )
+        assert {name: fleet.pid(name) for name in HOSTS} == pids
+        assert all(
+            os.readlink(fleet.root(n) / "current").endswith(h.release_id or "") for n, h in by_name(report).items()
+        )
+    finally:
+        proxy.stop()
+
+    # A socket at user level reads the rotation but refuses every change: the first host's drain
+    # fails in HAProxy's words, its server is not stopped, and nothing else is touched.
+    refusing = Haproxy(tmp_path, free_port(), fleet.port, level="user").start()
+    try:
+        wait_for("HAProxy's checks", lambda: set(refusing.status().values()) == {"UP"})
+        report = fleet.deploy(fleet.playbook(haproxy_gateway(refusing), "release 3\n"))
+        assert not report.ok
+        g1 = by_name(report)["g1"]
+        assert (
+            g1.failed_gate == "gateway"
+            and "HAProxy refused `set server vllm/g1 state drain`" in g1.gates["gateway"].detail
+        )
+        assert "ermission denied" in g1.gates["gateway"].detail, g1.gates["gateway"].detail
+        assert {name: fleet.pid(name) for name in HOSTS} == pids
+        assert set(refusing.status().values()) == {"UP"}
+    finally:
+        refusing.stop()
+
+
+def test_verify_finds_a_ready_host_left_out_of_rotation(fleet: Fleet, haproxy: Haproxy) -> None:
+    gateway = haproxy_gateway(haproxy)
+    playbook = fleet.playbook(gateway)
+    assert fleet.deploy(playbook).ok
+    assert haproxy.command("set server vllm/g3 state maint").strip() == ""
+    report = fleet.verify(playbook)
+    g3 = by_name(report)["g3"]
+    assert not report.ok and g3.failed_gate == "gateway", failures(report)
+    assert g3.gates["gateway"].reason == "out_of_rotation" and "MAINT" in g3.gates["gateway"].detail
+    assert by_name(report)["g1"].ready
+    # a redeploy with nothing changed puts it back, proven through the gateway
+    again = fleet.deploy(playbook)
+    assert again.ok, failures(again)
+    assert haproxy.status()["g3"] == "UP"
+
+
+def test_min_in_rotation_is_never_broken(fleet: Fleet, haproxy: Haproxy) -> None:
+    """With every host needed in rotation, no host can be drained: the rollout says so and stops,
+    and every server keeps serving its release."""
+    gateway = haproxy_gateway(haproxy)
+    assert fleet.deploy(fleet.playbook(gateway)).ok
+    pids = {name: fleet.pid(name) for name in HOSTS}
+    playbook = fleet.playbook(gateway, "release 2\n", rollout={"batch_size": 1, "min_in_rotation": 3})
+    report = fleet.deploy(playbook)
+    g1 = by_name(report)["g1"]
+    assert g1.failed_gate == "gateway" and g1.gates["gateway"].reason == "min_in_rotation", failures(report)
+    assert "2 other hosts serve, and rollout.min_in_rotation is 3" in g1.gates["gateway"].detail
+    assert by_name(report)["g2"].failed_gate == "rollout"
+    assert {name: fleet.pid(name) for name in HOSTS} == pids
+    assert haproxy.status() == {name: "UP" for name in HOSTS}
+
+
+def test_the_command_hook_and_the_endpoints_file(tmp_path: Path, fleet: Fleet, haproxy: Haproxy) -> None:
+    """The two adapters for anything else: a hook given the host's JSON on stdin (here one that
+    drives HAProxy's socket, as a site's own script would), and an endpoints file on the gateway's
+    host written with the atomic protocol (a router that watches it sees every change whole)."""
+    hook = tmp_path / "lb-hook"
+    hook.write_text(f"""#!{sys.executable}
+import json, socket, sys
+request = json.load(sys.stdin)
+name, action = request["host"]["name"], request["action"]
+def ask(line):
+    s = socket.socket(socket.AF_UNIX); s.connect({str(haproxy.socket)!r}); s.sendall(line.encode() + b"\\n")
+    out = b"".join(iter(lambda: s.recv(65536), b"")); s.close(); return out.decode()
+if action != "status":
+    said = ask("set server vllm/%s state %s" % (name, "ready" if action == "in" else "drain")).strip()
+    if said:
+        sys.exit(said)
+head, *rows = ask("show stat").lstrip("# ").splitlines()
+row = next(dict(zip(head.split(","), r.split(","))) for r in rows if r.startswith("vllm,%s," % name))
+print("asked", action, "of", name)
+print(json.dumps({{"in_rotation": row["status"].startswith("UP"), "in_flight": int(row["scur"])}}))
+""")
+    hook.chmod(0o755)
+    gateway = {"kind": "command", "on": "gw", "url": f"http://127.0.0.1:{haproxy.port}", "command": [str(hook)]}
+    assert fleet.deploy(fleet.playbook(gateway)).ok
+    load = Load(haproxy.port).start()
+    report = fleet.deploy(fleet.playbook(gateway, "release 2\n"))
+    load.stop()
+    assert report.ok, failures(report)
+    assert load.lost == [], load.lost[:5]
+    assert all(h.gates["gateway"].data["in_flight_left"] == 0 for h in report.hosts)
+
+    endpoints = tmp_path / "gw" / "endpoints.json"
+    endpoints.parent.mkdir()
+    gateway = {"kind": "endpoints-file", "on": "gw", "url": f"http://127.0.0.1:{haproxy.port}", "path": str(endpoints)}
+    report = fleet.deploy(fleet.playbook(gateway, "release 3\n"))
+    assert report.ok, failures(report)
+    listed = json.loads(endpoints.read_text())["endpoints"]
+    assert listed == [{"name": n, "url": f"http://{a}:{fleet.port}"} for n, a in sorted(HOSTS.items())]
+    stopped = fleet.stop(fleet.playbook(gateway, "release 3\n"))
+    assert stopped.ok
+    assert json.loads(endpoints.read_text()) == {"endpoints": []}
