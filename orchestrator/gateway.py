@@ -286,15 +286,16 @@ ADAPTERS: dict[str, type[Adapter]] = {
 def gateway_target(playbook: Playbook, inventory: Inventory) -> Target:
     """The container the gateway runs on, reached as hosts are."""
     assert playbook.gateway is not None
-    found = [t for t in inventory.resolve([playbook.gateway.on]) if t.name == playbook.gateway.on]
+    found = [t for t in inventory.resolve([playbook.gateway.runs_on]) if t.name == playbook.gateway.runs_on]
     if not found:
         raise InputError(
-            f"gateway.on: '{playbook.gateway.on}' must name one container of the inventory", file=str(playbook.file)
+            f"gateway.runs_on: '{playbook.gateway.runs_on}' must name one container of the inventory",
+            file=str(playbook.file),
         )
     target = found[0]
     if target.container.address is None and target.container.connection != "local":
         raise InputError(
-            f"gateway.on: {target.name} needs an address in the inventory (or connection: local)",
+            f"gateway.runs_on: {target.name} needs an address in the inventory (or connection: local)",
             file=str(playbook.file),
         )
     return target

@@ -212,7 +212,7 @@ class Gateway:
     reached as hosts are) and how it is told that a host leaves or comes back."""
 
     kind: str
-    on: str  # the inventory container the gateway runs on (``connection: local`` for this machine)
+    runs_on: str  # the inventory container the gateway runs on (``connection: local`` for this machine)
     url: str  # where clients send requests, as seen from ``on``: READY's probe goes through it
     admin: str | None = None  # vllm-router: its admin API (default: ``url``)
     socket: str | None = None  # haproxy: the runtime API's unix socket
@@ -683,8 +683,8 @@ def _http_url(f: Field) -> str:
 
 def _gateway(f: Field, serving: Serving) -> Gateway:
     f.mapping(
-        {"kind", "on", "url", "admin", "socket", "backend", "servers", "path", "command", "timeout_s"},
-        required=frozenset({"kind", "on", "url"}),
+        {"kind", "runs_on", "url", "admin", "socket", "backend", "servers", "path", "command", "timeout_s"},
+        required=frozenset({"kind", "runs_on", "url"}),
     )
     kind = f["kind"].str()
     if kind not in GATEWAY_KINDS:
@@ -710,7 +710,7 @@ def _gateway(f: Field, serving: Serving) -> Gateway:
         raise f["command"].error("expected the hook's argv: [program, args...]")
     return Gateway(
         kind=kind,
-        on=f["on"].str(),
+        runs_on=f["runs_on"].str(),
         url=_http_url(f["url"]),
         admin=_http_url(f["admin"]) if "admin" in f else None,
         socket=f["socket"].str(None),

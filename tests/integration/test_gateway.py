@@ -41,7 +41,7 @@ def haproxy(tmp_path: Path, fleet: Fleet) -> Iterator[Haproxy]:
 def haproxy_gateway(proxy: Haproxy) -> dict[str, object]:
     return {
         "kind": "haproxy",
-        "on": "gw",
+        "runs_on": "gw",
         "url": f"http://127.0.0.1:{proxy.port}",
         "socket": str(proxy.socket),
         "backend": "vllm",
@@ -96,7 +96,7 @@ def test_a_rolling_deploy_behind_haproxy_loses_no_request_and_without_the_gatewa
 def test_a_rolling_deploy_behind_vllm_router_loses_no_request(tmp_path: Path, fleet: Fleet) -> None:
     router = Router(tmp_path, free_port()).start()
     try:
-        gateway = {"kind": "vllm-router", "on": "gw", "url": f"http://127.0.0.1:{router.port}"}
+        gateway = {"kind": "vllm-router", "runs_on": "gw", "url": f"http://127.0.0.1:{router.port}"}
         first = fleet.deploy(fleet.playbook(gateway))
         assert first.ok, failures(first)
         urls = {f"http://{address}:{fleet.port}" for address in HOSTS.values()}
@@ -238,7 +238,7 @@ print("asked", action, "of", name)
 print(json.dumps({{"in_rotation": row["status"].startswith("UP"), "in_flight": int(row["scur"])}}))
 """)
     hook.chmod(0o755)
-    gateway = {"kind": "command", "on": "gw", "url": f"http://127.0.0.1:{haproxy.port}", "command": [str(hook)]}
+    gateway = {"kind": "command", "runs_on": "gw", "url": f"http://127.0.0.1:{haproxy.port}", "command": [str(hook)]}
     assert fleet.deploy(fleet.playbook(gateway)).ok
     load = Load(haproxy.port).start()
     report = fleet.deploy(fleet.playbook(gateway, "release 2\n"))
@@ -249,7 +249,12 @@ print(json.dumps({{"in_rotation": row["status"].startswith("UP"), "in_flight": i
 
     endpoints = tmp_path / "gw" / "endpoints.json"
     endpoints.parent.mkdir()
-    gateway = {"kind": "endpoints-file", "on": "gw", "url": f"http://127.0.0.1:{haproxy.port}", "path": str(endpoints)}
+    gateway = {
+        "kind": "endpoints-file",
+        "runs_on": "gw",
+        "url": f"http://127.0.0.1:{haproxy.port}",
+        "path": str(endpoints),
+    }
     report = fleet.deploy(fleet.playbook(gateway, "release 3\n"))
     assert report.ok, failures(report)
     listed = json.loads(endpoints.read_text())["endpoints"]

@@ -1,0 +1,358 @@
+"""The gateway's adapters, pure: the commands each sends, the readers of each gateway's answers
+(hostile ones included), the playbook's ``gateway:`` block, and the agent's gateway ops run for
+real (a unix socket that answers, an endpoints file changed under its lock). Whole rollouts
+against real HAProxy and vllm-router are in ``tests/integration/test_gateway.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator import gateway, protocol, serving
+from orchestrator.errors import GatewayError, InputError
+from orchestrator.inventory import Container, SshSettings
+from orchestrator.playbook import Gateway, load_playbook
+from tests.unit.test_agent import run
+
+STAT_HEAD = (
+    "# pxname,svname,qcur,qmax,scur,smax,slim,stot,bin,bout,dreq,dresp,ereq,econ,eresp,wretr,wredis,status,weight,act\n"
+)
+
+
+def stat_row(px: str, sv: str, scur: int, status: str, weight: int = 1, qcur: int = 0) -> str:
+    return f"{px},{sv},{qcur},0,{scur},3,,10,0,0,0,0,,0,0,0,0,{status},{weight},1\n"
+
+
+def test_haproxy_show_stat_reads_rotation_and_in_flight_of_its_backend_only() -> None:
+    text = (
+        STAT_HEAD
+        + stat_row("users", "FRONTEND", 9, "OPEN")
+        + stat_row("vllm", "g1", 2, "UP", qcur=1)
+        + stat_row("vllm", "g2", 1, "DRAIN")
+        + stat_row("vllm", "g3", 0, "MAINT")
+        + stat_row("vllm", "g4", 0, "UP", weight=0)
+        + stat_row("vllm", "g5", 0, "no check")
+        + stat_row("vllm", "g6", 0, "DOWN 1/2")
+        + stat_row("vllm", "BACKEND", 3, "UP")
+        + stat_row("other", "g1", 7, "DOWN")
+        + "\n"
+    )
+    rotation = gateway.read_haproxy_stat(text, "vllm")
+    assert {k: (m.in_rotation, m.in_flight) for k, m in rotation.members.items()} == {
+        "g1": (True, 3),
+        "g2": (False, 1),
+        "g3": (False, 0),
+        "g4": (False, 0),  # UP at weight 0 takes no new request
+        "g5": (True, 0),
+        "g6": (False, 0),
+    }
+    assert rotation.serving() == 2 and rotation.serving(besides="g1") == 1
+    server = gateway.Server("g9", "g9", "http://10.0.0.9:8000")
+    assert rotation.of(server) == gateway.Member("g9", False, None, "absent")
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("Unknown command. Please enter one of the following commands only :\n  help\n", "did not answer with its CSV"),
+        ("", "did not answer with its CSV"),
+        ("# pxname,svname,status\nvllm,g1,UP\n", "no column qcur, scur, weight"),
+        (STAT_HEAD + stat_row("other", "g1", 0, "UP"), "no backend 'vllm'"),
+        (STAT_HEAD + "vllm,g1,x,0,y,3,,10,0,0,0,0,,0,0,0,0,UP,1,1\n", "is not numbers"),
+    ],
+)
+def test_haproxy_answers_that_cannot_be_read_are_gateway_errors(text: str, said: str) -> None:
+    with pytest.raises(GatewayError, match=said):
+        gateway.read_haproxy_stat(text, "vllm")
+
+
+def test_haproxy_changes_answer_nothing_when_they_work_and_their_words_when_refused() -> None:
+    gateway.haproxy_changed("\n", "set server vllm/g1 state drain")
+    with pytest.raises(GatewayError, match=r"HAProxy refused `set server vllm/g9 state drain`: No such server\."):
+        gateway.haproxy_changed("No such server.\n\n", "set server vllm/g9 state drain")
+
+
+def test_vllm_router_workers_and_their_loads() -> None:
+    text = json.dumps(
+        {
+            "workers": [
+                {"url": "http://10.0.0.1:8000", "load": 2, "is_healthy": True},
+                {"url": "http://10.0.0.2:8000", "load": -1, "is_healthy": True},
+                {"url": "http://10.0.0.3:8000", "load": True, "is_healthy": False},
+            ]
+        }
+    )
+    rotation = gateway.read_router_workers(200, text)
+    assert {k: (m.in_rotation, m.in_flight) for k, m in rotation.members.items()} == {
+        "http://10.0.0.1:8000": (True, 2),
+        "http://10.0.0.2:8000": (True, None),  # -1: the router does not know
+        "http://10.0.0.3:8000": (False, None),  # a bool is not a load; unhealthy takes no traffic
+    }
+    assert gateway.read_router_urls(200, '{"urls": ["http://a:1"]}').members["http://a:1"].in_rotation
+
+
+@pytest.mark.parametrize(
+    ("status", "text", "said"),
+    [
+        (None, "[Errno 111] Connection refused", "no answer .*Connection refused"),
+        (500, "boom", "HTTP 500: boom"),
+        (200, "<html>", "is not JSON"),
+        (200, '{"workers": {}}', "is not"),
+        (200, '{"workers": [{"load": 1}]}', "without a url"),
+        (200, "[]", "is not"),
+    ],
+)
+def test_vllm_router_answers_that_cannot_be_read(status: int | None, text: str, said: str) -> None:
+    with pytest.raises(GatewayError, match=said):
+        gateway.read_router_workers(status, text)
+
+
+def test_vllm_router_is_asked_with_the_worker_url_quoted() -> None:
+    adapter = gateway.RouterAdapter(Gateway("vllm-router", "gw", "http://127.0.0.1:30000"))
+    server = gateway.Server("g1", "http://10.0.0.1:8000", "http://10.0.0.1:8000")
+    op, check = adapter.change(server, into=False)
+    assert op.request["method"] == "POST"
+    assert op.request["url"] == "http://127.0.0.1:30000/remove_worker?url=http%3A%2F%2F10.0.0.1%3A8000"
+    check(protocol.HttpAnswer(200, "Successfully removed worker"))
+    with pytest.raises(GatewayError, match="HTTP 400"):
+        check(protocol.HttpAnswer(400, "bad url"))
+    admin = gateway.RouterAdapter(
+        Gateway("vllm-router", "gw", "http://127.0.0.1:30000", admin="http://127.0.0.1:30001")
+    )
+    assert admin.change(server, into=True)[0].request["url"].startswith("http://127.0.0.1:30001/add_worker?url=")
+
+
+def test_haproxy_commands_name_the_backend_and_server() -> None:
+    spec = Gateway("haproxy", "gw", "http://127.0.0.1:80", socket="/run/h.sock", backend="vllm", servers={"g1": "s-1"})
+    adapter = gateway.HaproxyAdapter(spec)
+    server = gateway.Server("g1", adapter.key("g1", "http://x:1"), "http://x:1")
+    assert server.key == "s-1"
+    op, _ = adapter.change(server, into=False)
+    assert op.request == {
+        "op": "gateway_socket",
+        "path": "/run/h.sock",
+        "command": "set server vllm/s-1 state drain",
+        "timeout": 10.0,
+    }
+    assert adapter.change(server, into=True)[0].request["command"] == "set server vllm/s-1 state ready"
+
+
+def output(code: int, text: str) -> protocol.Output:
+    return protocol.Output(code, text)
+
+
+def test_the_command_hook_gets_the_host_on_stdin_and_must_say_where_it_stands() -> None:
+    server = gateway.Server("g1", "g1", "http://10.0.0.1:8000")
+    assert json.loads(gateway.hook_request("out", server)) == {
+        "action": "out",
+        "host": {"name": "g1", "url": "http://10.0.0.1:8000", "address": "10.0.0.1", "port": 8000},
+    }
+    member = gateway.read_hook(output(0, 'draining g1\n{"in_rotation": false, "in_flight": 3}\n'), "out", server)
+    assert (member.in_rotation, member.in_flight) == (False, 3)
+    for code, text, said in [
+        (3, "lb says no", "exited 3: lb says no"),
+        (0, "ok", "must end with"),
+        (0, '{"in_rotation": "yes"}', "must end with"),
+        (0, '{"in_rotation": true, "in_flight": true}', "must end with"),
+        (0, '{"in_rotation": true, "in_flight": -1}', "must end with"),
+        (0, "", "must end with"),
+    ]:
+        with pytest.raises(GatewayError, match=said):
+            gateway.read_hook(output(code, text), "out", server)
+
+
+# --- the playbook's gateway: block ------------------------------------------------------------
+
+BOOK = """\
+name: gw
+targets: [all]
+deploy_root: /srv/dflash
+drafter: {{config: drafter.json}}
+serving: {{python: /opt/vllm/bin/python, target: /models/t{serving}}}
+gateway: {gateway}
+"""
+
+
+def book(tmp_path: Path, gateway_yaml: str, serving_yaml: str = "") -> Path:
+    (tmp_path / "drafter.json").write_text('{"model_type": "qwen3"}\n')
+    path = tmp_path / "pb.yaml"
+    path.write_text(BOOK.format(gateway=gateway_yaml, serving=serving_yaml))
+    return path
+
+
+def test_a_gateway_defaults_drain_and_listening_to_what_a_gateway_needs(tmp_path: Path) -> None:
+    pb = load_playbook(book(tmp_path, "{kind: vllm-router, runs_on: gw, url: 'http://127.0.0.1:30000/'}"))
+    assert pb.gateway == Gateway("vllm-router", "gw", "http://127.0.0.1:30000")
+    assert pb.serving.drain_timeout == 60.0 and pb.serving.stop_timeout == 90
+    container = Container("g1", "box", "10.0.0.5", SshSettings())
+    command = serving.command(pb, container, "R1")
+    argv = list(command.argv)
+    assert argv[argv.index("--host") + 1] == "10.0.0.5"  # the container's own address, never 0.0.0.0
+    assert argv[argv.index("--shutdown-timeout") + 1] == "60"
+    assert command.stop_timeout == 90  # our SIGKILL (and TimeoutStopSec) after vLLM's own drain
+    assert serving.url(pb, container) == "http://10.0.0.5:8000"
+    with pytest.raises(InputError, match="g1 has no address to listen on"):
+        serving.command(pb, Container("g1", "box", None, SshSettings()), "R1")
+
+
+def test_without_a_gateway_the_server_stays_on_loopback_and_vllms_own_stop(tmp_path: Path) -> None:
+    (tmp_path / "drafter.json").write_text('{"model_type": "qwen3"}\n')
+    path = tmp_path / "pb.yaml"
+    path.write_text(BOOK.split("gateway:")[0].format(serving=""))
+    pb = load_playbook(path)
+    argv = list(serving.command(pb, Container("g1", "box", "10.0.0.5", SshSettings()), "R1").argv)
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--shutdown-timeout" not in argv
+    path.write_text(BOOK.split("gateway:")[0].format(serving=", host: 0.0.0.0, drain_timeout: 5"))
+    pb = load_playbook(path)
+    container = Container("g1", "box", "10.0.0.5", SshSettings())
+    assert serving.probe_host(pb, container) == "127.0.0.1"  # asked for every address: probes on loopback
+    assert serving.command(pb, container, "R1").argv[-4:-2] == ("--shutdown-timeout", "5")
+
+
+@pytest.mark.parametrize(
+    ("gateway_yaml", "serving_yaml", "said"),
+    [
+        ("{kind: nginx, runs_on: gw, url: 'http://a:1'}", "", "gateway.kind: expected one of vllm-router, haproxy"),
+        ("{kind: haproxy, runs_on: gw, url: 'http://a:1', backend: b}", "", "a haproxy gateway needs 'socket'"),
+        (
+            "{kind: haproxy, runs_on: gw, url: 'http://a:1', socket: s, backend: b}",
+            "",
+            "gateway.socket: expected an absolute path",
+        ),
+        (
+            "{kind: haproxy, runs_on: gw, url: 'http://a:1', socket: /s, backend: 'b; disable server b/x'}",
+            "",
+            "is not an HAProxy name",
+        ),
+        (
+            "{kind: haproxy, runs_on: gw, url: 'http://a:1', socket: /s, backend: b, servers: {g1: 'a b'}}",
+            "",
+            "'a b' is not an HAProxy name",
+        ),
+        (
+            "{kind: vllm-router, runs_on: gw, url: 'http://a:1', socket: /s}",
+            "",
+            "gateway.socket: not a key of a vllm-router gateway",
+        ),
+        ("{kind: vllm-router, runs_on: gw, url: 'https://a:1'}", "", r"gateway.url: expected http://HOST:PORT"),
+        ("{kind: vllm-router, runs_on: gw, url: 'http://a:x'}", "", r"gateway.url: 'http://a:x'"),
+        ("{kind: vllm-router, runs_on: gw, url: 'http://u:p@a:1'}", "", r"gateway.url: expected http://HOST:PORT"),
+        ("{kind: vllm-router, runs_on: gw}", "", "missing required key 'url'"),
+        (
+            "{kind: command, runs_on: gw, url: 'http://a:1', command: []}",
+            "",
+            "gateway.command: expected the hook's argv",
+        ),
+        ("{kind: vllm-router, runs_on: gw, url: 'http://a:1', timeout_s: 0}", "", "gateway.timeout_s"),
+        (
+            "{kind: vllm-router, runs_on: gw, url: 'http://a:1'}",
+            ", extra_args: [--shutdown-timeout, '5']",
+            "serving.drain_timeout",
+        ),
+    ],
+)
+def test_a_bad_gateway_block_is_one_error_naming_the_key(
+    tmp_path: Path, gateway_yaml: str, serving_yaml: str, said: str
+) -> None:
+    with pytest.raises(InputError, match=said) as caught:
+        load_playbook(book(tmp_path, gateway_yaml, serving_yaml))
+    assert "pb.yaml:" in str(caught.value)
+
+
+# --- the agent's gateway ops, run for real ----------------------------------------------------
+
+
+@pytest.fixture
+def runtime_api(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
+    """A unix socket that answers each command as HAProxy's runtime API does (then closes), and
+    records what it was sent."""
+    path = tmp_path / "admin.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen()
+    seen: list[str] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                line = conn.recv(4096).decode()
+                seen.append(line)
+                conn.sendall(b"No such server.\n\n" if "g9" in line else b"\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield path, seen
+    listener.close()
+
+
+def test_the_socket_op_sends_one_command_and_returns_the_answer(runtime_api: tuple[Path, list[str]]) -> None:
+    path, seen = runtime_api
+    ok, refused = run(
+        [
+            {"op": "gateway_socket", "path": str(path), "command": "set server vllm/g1 state drain", "timeout": 5},
+            {"op": "gateway_socket", "path": str(path), "command": "set server vllm/g9 state drain", "timeout": 5},
+        ]
+    )
+    (two,) = run([{"op": "gateway_socket", "path": str(path), "command": "show stat; shutdown sessions", "timeout": 5}])
+    (missing,) = run([{"op": "gateway_socket", "path": str(path) + ".gone", "command": "show stat", "timeout": 5}])
+    assert ok["ok"] and ok["result"]["text"] == "\n"
+    assert refused["ok"] and refused["result"]["text"].startswith("No such server.")
+    assert not two["ok"] and two["error"]["code"] == "bad_request"
+    assert not missing["ok"] and missing["error"]["path"] == str(path) + ".gone"
+    assert seen == ["set server vllm/g1 state drain\n", "set server vllm/g9 state drain\n"]
+
+
+def endpoints_op(path: Path, action: str, name: str | None = None, url: str | None = None) -> dict[str, Any]:
+    return {"op": "gateway_endpoints", "path": str(path), "action": action, "name": name, "url": url, "timeout": 5}
+
+
+def test_the_endpoints_file_is_changed_whole_and_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "endpoints.json"
+    results = run(
+        [
+            endpoints_op(path, "read"),
+            endpoints_op(path, "add", "g2", "http://10.0.0.2:8000"),
+            endpoints_op(path, "add", "g1", "http://10.0.0.1:8000"),
+            endpoints_op(path, "add", "g1", "http://10.0.0.1:8000"),
+            endpoints_op(path, "remove", "g2"),
+        ]
+    )
+    assert [r["ok"] for r in results] == [True] * 5
+    assert results[0]["result"] == {"endpoints": [], "changed": False}
+    assert [e["name"] for e in results[2]["result"]["endpoints"]] == ["g1", "g2"]
+    assert results[3]["result"]["changed"] is False
+    assert json.loads(path.read_text()) == {"endpoints": [{"name": "g1", "url": "http://10.0.0.1:8000"}]}
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"endpoints": {"g1": 1}}', b'{"endpoints": [{"name": 1}]}', b"[]"])
+def test_an_endpoints_file_we_cannot_read_is_left_as_it_is(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "endpoints.json"
+    path.write_bytes(content)
+    (result,) = run([endpoints_op(path, "add", "g1", "http://10.0.0.1:8000")])
+    assert not result["ok"] and "left as it is" in result["error"]["message"]
+    assert path.read_bytes() == content
+
+
+def test_endpoints_changed_at_once_by_two_agents_are_all_kept(tmp_path: Path) -> None:
+    path = tmp_path / "endpoints.json"
+    names = [f"g{i}" for i in range(8)]
+    threads = [
+        threading.Thread(target=run, args=([endpoints_op(path, "add", n, f"http://10.0.0.{i}:8000")],))
+        for i, n in enumerate(names)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [e["name"] for e in json.loads(path.read_text())["endpoints"]] == names
