@@ -89,14 +89,15 @@ class Observer:
         """A line about the run as a whole (a group's steps, a push's progress)."""
 
 
-def step_of(host: str, event: Event) -> Step:
-    """The agent's event in the user's words."""
+def step_of(host: str, event: Event, bound: float | None = None) -> Step:
+    """The agent's event in the user's words; ``bound``: how long the op may take at most (said,
+    so that a long step under load is seen to be bounded, not hung)."""
     what = protocol.words(event.op)
     if event.op == "wait_health" and event.elapsed_s is not None:
         return Step(host, what, event.log or "", event.elapsed_s)
     if event.op == "probe" and event.done is not None and event.of:
         return Step(host, what, f"prompt {event.done + 1} of {event.of}")
-    return Step(host, what)
+    return Step(host, what, f"at most {bound:.0f} s" if bound else "")
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,10 @@ class Run:
 
     def batch(self, node: Node, ops: list[protocol.Op[Any]]) -> protocol.Answers:
         """One round trip to a node; it answered, so it is connected."""
-        events = (lambda e: self.observer.step(step_of(node.name, e))) if self.observer.watching else None
+        bounds = {op.name: op.budget_s for op in ops}
+        events = (
+            (lambda e: self.observer.step(step_of(node.name, e, bounds.get(e.op)))) if self.observer.watching else None
+        )
         answers = self.client.batch(node.target, ops, events=events)
         node.report.gates.setdefault(GATE_CONNECT, Gate(True, "connected"))
         return answers

@@ -6,7 +6,7 @@ the NCCL preflight. Each runs a helper program (``remote_agent/helpers/``) with 
 interpreter, in a process of its own: the agent itself imports nothing heavy.
 """
 
-from remote_agent.core import NONE, NUMBER, REF, OpError, _helper, _inside, _missing, _root, op, os
+from remote_agent.core import NONE, NUMBER, REF, OpError, _helper, _inside, _missing, _root, _run_bounded, op, os
 from remote_agent.serving import _server
 
 
@@ -20,23 +20,19 @@ def _serving_python(req, script, args):
         raise OpError("bad_request", "python (the serving interpreter) is required")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
     try:
-        proc = subprocess.run(
-            [python, "-c", script, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            timeout=float(req["timeout"]),
-            env=env,
-        )
+        code, out, err = _run_bounded([python, "-c", script, *args], float(req["timeout"]), env=env)
     except FileNotFoundError:
         raise OpError("no_python", _missing("serving interpreter", python), python)
     except subprocess.TimeoutExpired:
-        raise OpError("timeout", "serving interpreter %s did not answer in time" % python, python)
-    lines = proc.stdout.decode("utf-8", "replace").strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = " / ".join(proc.stderr.decode("utf-8", "replace").strip().splitlines()[-3:])
         raise OpError(
-            "serving_python", "%s failed (exit %d): %s" % (python, proc.returncode, tail or "no output"), python
+            "timeout",
+            "serving interpreter %s did not answer in %g s (stopped)" % (python, float(req["timeout"])),
+            python,
         )
+    lines = out.decode("utf-8", "replace").strip().splitlines()
+    if code != 0 or not lines:
+        tail = " / ".join(err.decode("utf-8", "replace").strip().splitlines()[-3:])
+        raise OpError("serving_python", "%s failed (exit %d): %s" % (python, code, tail or "no output"), python)
     return json.loads(lines[-1])
 
 

@@ -127,6 +127,40 @@ def _helper(name):
     return HELPERS[name]
 
 
+def _run_bounded(argv, timeout, env=None, cwd=None, data=None, merge=False):
+    """A program run to completion within ``timeout`` seconds: (exit status, stdout, stderr).
+
+    It runs in a session of its own, and at the deadline its whole process group is killed:
+    subprocess.run kills the child alone and then waits for its pipes, which a grandchild that
+    inherited them (a compile worker, a shell's background job) holds open for as long as it
+    lives, so the op would outlive its bound. Raises ``subprocess.TimeoutExpired``."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(data, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:  # a grandchild that left the group: its pipes go with us
+            proc.kill()
+        raise
+    return proc.returncode, out, err or b""
+
+
 def check(where, spec, value):
     """``value`` if it is an object with every key of ``spec``, each of its types, and no other;
     else a ``bad_request`` naming the key (``where``: the op, or the list and item it is in)."""

@@ -24,6 +24,7 @@ from remote_agent.core import (
     _read_own,
     _read_small,
     _root,
+    _run_bounded,
     _sha256,
     op,
     os,
@@ -172,21 +173,14 @@ def op_command(req):
     argv = _argv(req)
     env = dict(os.environ)
     env.update(req["env"])
+    data = req["input"].encode("utf-8") if req["input"] is not None else None
     try:
-        proc = subprocess.run(
-            argv,
-            input=req["input"].encode("utf-8") if req["input"] is not None else None,
-            stdin=subprocess.DEVNULL if req["input"] is None else None,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            timeout=float(req["timeout"]),
-        )
+        code, out, _ = _run_bounded(argv, float(req["timeout"]), env=env, data=data, merge=True)
     except OSError as exc:
         raise _os_error("command", exc, argv[0])
     except subprocess.TimeoutExpired:
         raise OpError("timeout", "%s did not finish in %s s" % (argv[0], req["timeout"]), argv[0])
-    return {"returncode": proc.returncode, "output": proc.stdout[-16384:].decode("utf-8", "replace")}
+    return {"returncode": code, "output": out[-16384:].decode("utf-8", "replace")}
 
 
 def _argv(req):
@@ -235,20 +229,14 @@ def op_engine_check(req):
     full = dict(os.environ)
     full.update(env)  # as the launch gives it
     try:
-        proc = subprocess.run(
-            [argv[0], "-c", _helper("engine_check"), *argv[3:]],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=full,
-            cwd=root,
-            timeout=float(req["timeout"]),
+        code, stdout, stderr = _run_bounded(
+            [argv[0], "-c", _helper("engine_check"), *argv[3:]], float(req["timeout"]), env=full, cwd=root
         )
     except FileNotFoundError:
         raise OpError("no_python", _missing("serving interpreter", argv[0]), argv[0])
     except subprocess.TimeoutExpired:
         raise OpError("timeout", "vLLM did not finish checking its configuration in %d s" % req["timeout"], argv[0])
-    out = proc.stdout.decode("utf-8", "replace")
+    out = stdout.decode("utf-8", "replace")
     verdict = None
     for line in out.splitlines():
         if line.startswith(ENGINE_MARK):
@@ -258,8 +246,8 @@ def op_engine_check(req):
                 verdict = None
     if not isinstance(verdict, dict):
         # vLLM's parser exits before any configuration (exit 2, its usage error on stderr).
-        said = [x for x in proc.stderr.decode("utf-8", "replace").strip().splitlines() if x.strip()]
-        raise OpError("engine_refused", "vLLM exited %d: %s" % (proc.returncode, " / ".join(said[-2:]) or "no output"))
+        said = [x for x in stderr.decode("utf-8", "replace").strip().splitlines() if x.strip()]
+        raise OpError("engine_refused", "vLLM exited %d: %s" % (code, " / ".join(said[-2:]) or "no output"))
     if not verdict.get("ok"):
         stages = {"import": "cannot be imported", "config": "refuses the command"}
         what = stages.get(str(verdict.get("stage")), "refuses")

@@ -356,3 +356,25 @@ def test_endpoints_changed_at_once_by_two_agents_are_all_kept(tmp_path: Path) ->
     for t in threads:
         t.join(60)
     assert [e["name"] for e in json.loads(path.read_text())["endpoints"]] == names
+
+
+@pytest.mark.parametrize("op", ["vllm_build", "command"])
+def test_a_program_whose_child_holds_its_output_is_ended_at_the_bound(tmp_path: Path, op: str) -> None:
+    """A serving interpreter or a gateway hook that leaves a process behind holding its output
+    (a compile worker, a shell's background job): subprocess.run would kill the program and then
+    wait for that process's pipe for as long as it lives. The op ends at its bound and the whole
+    process group goes with it. (run() gives the agent 60 s: an op that waits fails the test there.)"""
+    script = tmp_path / "holds"
+    script.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {tmp_path}/child\nsleep 600\n")
+    script.chmod(0o755)
+    request: dict[str, Any] = (
+        {"op": "vllm_build", "python": str(script), "timeout": 2}
+        if op == "vllm_build"
+        else {"op": "command", "argv": [str(script)], "env": {}, "timeout": 2, "input": "{}"}
+    )
+    (result,) = run([request])
+    assert not result["ok"] and result["error"]["code"] == "timeout", result
+    child = int((tmp_path / "child").read_text())
+    from tests.unit.localbox import alive
+
+    assert not alive(child)
