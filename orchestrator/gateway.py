@@ -46,6 +46,7 @@ class Member:
     in_rotation: bool
     in_flight: int | None  # requests the gateway holds on it (None: this gateway does not say)
     status: str  # the gateway's own word for it ("UP", "DRAIN", "healthy", "listed", ...)
+    errors: int | None = None  # answers the gateway counted as failed from it, ever (HAProxy)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,12 @@ def read_haproxy_stat(text: str, backend: str) -> Rotation:
         except ValueError:
             raise GatewayError(f"HAProxy's `show stat` row for {backend}/{name} is not numbers: {row[:8]}") from None
         serving_now = (status.startswith("UP") or status == "no check") and weight > 0
-        members[name] = Member(name, serving_now, in_flight, status)
+        # Failed answers: responses cut or refused (eresp) and 5xx sent back (hrsp_5xx), when shown.
+        errors = None
+        if "eresp" in columns and "hrsp_5xx" in columns:
+            counts = [row[columns[c]] for c in ("eresp", "hrsp_5xx")]
+            errors = sum(int(c) for c in counts if c.isdigit())
+        members[name] = Member(name, serving_now, in_flight, status, errors)
     if not found:
         raise GatewayError(f"HAProxy has no backend {backend!r} (`show stat` lists none by that name)")
     return Rotation(members)

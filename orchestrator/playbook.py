@@ -198,6 +198,9 @@ class Rollout:
     batch_size: int | None = None
     max_failures: int = 0
     min_in_rotation: int = 0
+    # After the canary: its live acceptance (and its errors at the gateway) watched this long
+    # before the next batch; a canary that degrades is rolled back and the rollout stops.
+    bake_s: float = 0.0
 
 
 GATEWAY_KINDS = ("vllm-router", "haproxy", "endpoints-file", "command")
@@ -660,13 +663,17 @@ def _gates(f: Field) -> Gates:
 
 
 def _rollout(f: Field) -> Rollout:
-    f.mapping({"canary", "batch_size", "max_failures", "min_in_rotation"})
-    return Rollout(
+    f.mapping({"canary", "batch_size", "max_failures", "min_in_rotation", "bake_s"})
+    rollout = Rollout(
         canary=f["canary"].int(Rollout.canary, minimum=0),
         batch_size=f["batch_size"].int(None, minimum=1),
         max_failures=f["max_failures"].int(Rollout.max_failures, minimum=0),
         min_in_rotation=f["min_in_rotation"].int(Rollout.min_in_rotation, minimum=0),
+        bake_s=f["bake_s"].seconds(Rollout.bake_s, minimum=0),
     )
+    if rollout.bake_s and not rollout.canary:
+        raise f["bake_s"].error("a bake watches the canary: set rollout.canary too")
+    return rollout
 
 
 def _http_url(f: Field) -> str:

@@ -26,6 +26,7 @@ GATE_HEALTH = "health"
 GATE_ACCEPTANCE = "acceptance"
 GATE_GATEWAY = "gateway"  # drained before the stop, and served through the gateway before READY
 GATE_READY = "ready"
+GATE_BAKE = "bake"  # the canary's live acceptance and gateway errors, watched before the next batch
 GATE_GROUP = "group"  # multi-node: what the other nodes of the group did
 GATE_RAY = "ray"
 GATE_ROLLOUT = "rollout"

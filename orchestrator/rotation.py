@@ -20,7 +20,7 @@ from orchestrator import probe, protocol, serving
 from orchestrator.errors import AgentError, GatewayError, InputError
 from orchestrator.gateway import GatewayClient, Server
 from orchestrator.probe import ProbeError
-from orchestrator.results import GATE_GATEWAY, Gate
+from orchestrator.results import GATE_BAKE, GATE_GATEWAY, Gate
 from orchestrator.runner import Node, Run, Unit
 
 # How long a server put back may take to be sent traffic (HAProxy's health checks pass, a router
@@ -234,3 +234,69 @@ def take_out(run: Run, unit: Unit) -> None:
     with gateway.changing:
         member = gateway.put(server, into=False)
     head.report.gates[GATE_GATEWAY] = Gate(True, f"taken out of the gateway's rotation ({member.status})")
+
+
+# How often a bake reads the canary's counters.
+BAKE_POLL_S = 1.0
+
+
+def bake(run: Run, units: list[Unit]) -> list[str]:
+    """After the canary batch: watch each READY canary for ``rollout.bake_s`` with the traffic it
+    gets (its live acceptance since the bake began, or since it restarted, against the live gate;
+    its failed answers at the gateway). Each canary's ``bake`` gate says what was seen; a canary
+    that degrades is taken out, rolled back, and the names of those are returned."""
+    playbook = run.playbook
+    live = playbook.gates.live
+    canaries = [u for u in units if u.head.report.ready]
+    watched: dict[str, dict[str, Any]] = {}
+    for unit in canaries:
+        head = unit.head
+        server = run.gateway.server(head.target.container) if run.gateway is not None else None
+        errors = run.gateway.rotation([server]).of(server).errors if server is not None else None
+        watched[head.name] = {"base": _host_metrics(run, head, probe.FAMILIES), "errors": errors, "restarts": 0}
+    deadline = time.monotonic() + playbook.rollout.bake_s
+    degraded: dict[str, str] = {}
+    while True:
+        for unit in canaries:
+            head = unit.head
+            if head.name in degraded:
+                continue
+            seen = watched[head.name]
+            run.step(head, "baking", f"{max(0.0, deadline - time.monotonic()):.0f} s left")
+            try:
+                now = _host_metrics(run, head, probe.FAMILIES)
+            except AgentError as exc:
+                degraded[head.name] = f"its server stopped answering: {exc.failure.describe()}"
+                continue
+            try:
+                seen["acceptance"] = probe.measure(seen["base"], now)
+            except ProbeError as exc:
+                if exc.reason == probe.RESTARTED:
+                    seen["base"], seen["restarts"] = now, seen["restarts"] + 1  # judge what follows
+                seen.pop("acceptance", None)
+            a = seen.get("acceptance")
+            if a is not None and a.drafts >= live.min_drafts:
+                verdict = probe.judge(a, live.min_mean_acceptance_length, live.min_acceptance_rate, live.min_drafts)
+                if not verdict.ok:
+                    degraded[head.name] = f"live acceptance fell: {verdict.detail}"
+            if run.gateway is not None and seen["errors"] is not None:
+                server = run.gateway.server(head.target.container)
+                errors = run.gateway.rotation([server]).of(server).errors or 0
+                if errors > seen["errors"]:
+                    degraded[head.name] = f"the gateway counted {errors - seen['errors']} failed answers from it"
+        if time.monotonic() + BAKE_POLL_S > deadline or len(degraded) == len(canaries):
+            break
+        time.sleep(BAKE_POLL_S)  # the canary's traffic accrues: read it again
+    for unit in canaries:
+        head, seen = unit.head, watched[unit.head.name]
+        a = seen.get("acceptance")
+        said = (
+            f"tau {a.mean_acceptance_length:.2f} over {a.drafts} drafts" if a is not None else "no drafts to judge"
+        ) + (f", {seen['restarts']} restarts" if seen["restarts"] else "")
+        if head.name in degraded:
+            head.report.gates[GATE_BAKE] = Gate(
+                False, f"degraded within {playbook.rollout.bake_s:g} s: {degraded[head.name]}", reason="degraded"
+            )
+        else:
+            head.report.gates[GATE_BAKE] = Gate(True, f"baked {playbook.rollout.bake_s:g} s on live traffic: {said}")
+    return sorted(degraded)

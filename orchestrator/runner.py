@@ -422,8 +422,10 @@ def execute(
     work: Work,
     release_id: str | None = None,
     rollout: Rollout | None = None,
+    after_canary: Callable[[Run, list[Unit]], str | None] | None = None,
 ) -> RunReport:
-    """Run ``work`` on every unit, at most ``forks`` at once, batch by batch per the rollout."""
+    """Run ``work`` on every unit, at most ``forks`` at once, batch by batch per the rollout;
+    ``after_canary``: run on the canary batch once it is done, saying why the rollout stops (or None)."""
     playbook, inventory, options, observer = scope.playbook, scope.inventory, scope.options, scope.observer
     reports = [n.report for u in units for n in u.nodes]
     run_report = RunReport(kind, str(playbook.file), str(inventory.file), release_id, reports, time.time())
@@ -474,7 +476,15 @@ def execute(
                             )
                     break
                 finish(pool.submit(one, by_name[n]) for n in batch)
+                stopped = None
+                if index == 0 and rollout and rollout.canary and after_canary is not None and len(batches) > 1:
+                    stopped = after_canary(run, [by_name[n] for n in batch])
                 failures += sum(not n.report.ready for name in batch for n in by_name[name].nodes)
+                if stopped is not None:
+                    for unit in (by_name[n] for b in batches[index + 1 :] for n in b):
+                        for node in unit.nodes:
+                            node.report.gates[GATE_ROLLOUT] = Gate(False, f"not attempted: {stopped}")
+                    break
         except BaseException:
             # A second Ctrl-C: stop waiting. Hosts in flight end at their own deadlines, and each
             # step on a host is atomic, so the next run finds every host consistent.

@@ -55,9 +55,31 @@ def deploy(scope: Scope) -> RunReport:
         else:
             unit.each(lambda node: _switch_staged(run, node), GATE_FILES)
 
-    report = execute("deploy", scope, units, work, release_id, playbook.rollout)
+    report = execute(
+        "deploy", scope, units, work, release_id, playbook.rollout, _bake if playbook.rollout.bake_s else None
+    )
     report.lint = problems
     return report
+
+
+def _bake(run: Run, canaries: list[Unit]) -> str | None:
+    """The canary batch on live traffic for ``rollout.bake_s``: a canary that degrades is taken out
+    of rotation and rolled back, and the rollout stops there."""
+    from orchestrator import rotation
+
+    ready = [u for u in canaries if u.head.report.ready]
+    if not ready:
+        return None  # the failure budget decides
+    run.say(f"baking the canary ({', '.join(u.head.name for u in ready)}) for {run.playbook.rollout.bake_s:g} s")
+    degraded = rotation.bake(run, ready)
+    for unit in (u for u in ready if u.head.name in degraded):
+        if run.gateway is not None:
+            rotation.take_out(run, unit)
+            unit.head.drained = True
+        launch.roll_back(run, unit)
+    if degraded:
+        return f"the canary {', '.join(degraded)} degraded while it baked, and was rolled back"
+    return None
 
 
 def _stage(run: Run, unit: Unit, release_id: str) -> bool:

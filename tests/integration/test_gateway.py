@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -262,3 +264,54 @@ print(json.dumps({{"in_rotation": row["status"].startswith("UP"), "in_flight": i
     stopped = fleet.stop(fleet.playbook(gateway, "release 3\n"))
     assert stopped.ok
     assert json.loads(endpoints.read_text()) == {"endpoints": []}
+
+
+def test_a_canary_that_degrades_while_it_bakes_is_rolled_back_and_the_rollout_stops(
+    fleet: Fleet, haproxy: Haproxy
+) -> None:
+    """The canary passes every gate, then its acceptance on live traffic falls (its drafter config
+    changed under it and the server re-read it, as the founding incident's stale file would): the
+    bake sees it, the canary goes back to the release before, and no other host is touched."""
+    gateway = haproxy_gateway(haproxy)
+    top = {
+        "rollout": {"canary": 1, "batch_size": 1, "bake_s": 8},
+        "gates": {
+            "acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 10, "max_tokens": 32},
+            "live": {"min_mean_acceptance_length": 2.0, "min_drafts": 20},
+        },
+    }
+    first = fleet.deploy(fleet.playbook(gateway, **top))
+    assert first.ok, failures(first)
+    old = first.hosts[0].release_id
+    pids = {name: fleet.pid(name) for name in ("g2", "g3")}
+
+    def ready_release() -> str | None:
+        record = json.loads((fleet.root("g1") / "ready.json").read_text())
+        return record["release_id"] if record["release_id"] != old else None
+
+    def break_the_canary() -> None:
+        new = wait_for("the canary READY on the new release", ready_release, timeout=60)
+        config = fleet.root("g1") / "releases" / new / "drafter" / "config.json"
+        drafter = json.loads(config.read_text())
+        drafter["dflash_config"]["mask_token_id"] = 0
+        config.write_text(json.dumps(drafter))
+        os.kill(fleet.pid("g1"), signal.SIGHUP)  # the server reads its drafter config again
+
+    load = Load(haproxy.port).start()
+    saboteur = threading.Thread(target=break_the_canary)
+    saboteur.start()
+    report = fleet.deploy(fleet.playbook(gateway, "release 2\n", **top))
+    saboteur.join(60)
+    load.stop()
+    hosts = by_name(report)
+    g1 = hosts["g1"]
+    assert (
+        g1.failed_gate == "bake" and "live acceptance fell: mean acceptance length 1.00" in g1.gates["bake"].detail
+    ), failures(report)
+    assert f"rolled back: release {old} is current again" in " ".join(g1.diagnosis), g1.diagnosis
+    assert os.readlink(fleet.root("g1") / "current").endswith(old or "?")
+    for name in ("g2", "g3"):
+        assert hosts[name].failed_gate == "rollout" and "the canary g1 degraded" in hosts[name].gates["rollout"].detail
+    assert {name: fleet.pid(name) for name in ("g2", "g3")} == pids
+    assert haproxy.status() == {name: "UP" for name in HOSTS}
+    assert load.lost == [], load.lost[:5]
