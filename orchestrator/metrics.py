@@ -68,6 +68,11 @@ class WatchCollector(Collector):
             f"{PREFIX}last_round_timestamp_seconds", "When the last watch round read the host.", labels=["host"]
         )
         release = InfoMetricFamily(f"{PREFIX}release", "The release current on the host.", labels=["host"])
+        rotation = GaugeMetricFamily(
+            f"{PREFIX}in_rotation",
+            "1 when the playbook's gateway sends the host users' requests, 0 when not (absent: no gateway).",
+            labels=["host"],
+        )
         for r in rounds:
             state.add_metric([r.host], {s: s == r.state for s in STATES})
             if r.live is not None:
@@ -81,7 +86,9 @@ class WatchCollector(Collector):
                 age.add_metric([r.host], max(0.0, now - r.last_good))
             stamp.add_metric([r.host], r.at)
             release.add_metric([r.host], {"release_id": r.release_id or ""})
-        yield from (state, tau, rate, drafts, open_drafts, drift, age, stamp, release)
+            if r.in_rotation is not None:
+                rotation.add_metric([r.host], float(r.in_rotation))
+        yield from (state, tau, rate, drafts, open_drafts, drift, age, stamp, release, rotation)
 
 
 def serve(collector: WatchCollector, port: int, address: str) -> Any:

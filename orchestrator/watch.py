@@ -17,6 +17,9 @@ A host's state, most urgent first:
               drafted)
     DRIFT     the files served, the model files, or the READY record no longer match the release
               we proved
+    OUT_OF_ROTATION  all of the above holds, but the playbook's gateway sends the host no traffic
+              (taken out and never put back: capacity lost); a host in rotation that is DOWN,
+              DEGRADED or DRIFT says that users' requests reach it
     READY     none of the above; acceptance proven on live traffic, or not yet refuted
 
 DEGRADED outranks DRIFT: the founding incident was both (a stale drafter config), and what it
@@ -34,7 +37,8 @@ from orchestrator.playbook import AcceptanceGate
 from orchestrator.results import GATE_FILES, GATE_HEALTH, GATE_MODELS, GATE_READY, HostReport
 
 READY, DEGRADED, DRIFT, DOWN = "READY", "DEGRADED", "DRIFT", "DOWN"
-STATES = (READY, DEGRADED, DRIFT, DOWN)
+OUT_OF_ROTATION = "OUT_OF_ROTATION"
+STATES = (READY, DEGRADED, DRIFT, OUT_OF_ROTATION, DOWN)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class Seen:
     changed_fields: tuple[str, ...] = ()  # in drifted JSON files, named: "config.json: a.b 1 -> 2"
     notes: tuple[str, ...] = ()  # said with the round, whatever the state (a reconnect)
     group_down: tuple[str, ...] = ()  # the other nodes of its multi-node group that are down
+    # The gateway's view of a head (with a gateway in the playbook): in rotation, in its words;
+    # or why it could not be read.
+    in_rotation: bool | None = None
+    rotation_status: str = ""
 
     @property
     def down(self) -> bool:
@@ -122,6 +130,7 @@ class Round:
     restarted: str | None
     last_good: float | None
     gates: dict[str, Any] = field(default_factory=dict)
+    in_rotation: bool | None = None  # at the gateway (None: no gateway, or it could not say)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -137,6 +146,7 @@ class Round:
             "restarted": self.restarted,
             "last_good": self.last_good,
             "gates": self.gates,
+            "in_rotation": self.in_rotation,
         }
 
 
@@ -250,8 +260,15 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
         state = DEGRADED
     elif drifted:
         state = DRIFT
+    elif seen.in_rotation is False:
+        state = OUT_OF_ROTATION
+        reasons.append(f"READY but out of the gateway's rotation ({seen.rotation_status}): it serves no user")
     else:
         state = READY
+    if seen.in_rotation is True and state != READY:
+        reasons.append(f"in the gateway's rotation ({seen.rotation_status}): users' requests reach it")
+    elif seen.in_rotation is None and seen.rotation_status:
+        reasons.append(f"the gateway: {seen.rotation_status}")
     last_good = seen.at if state == READY else w.last_good
     release_id = report.release_id if report is not None and not seen.error else w.release_id
     gates = {k: g.to_json() for k, g in report.gates.items()} if report is not None else {}
@@ -268,6 +285,7 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
         restarted=restarted,
         last_good=last_good,
         gates=gates,
+        in_rotation=seen.in_rotation,
     )
     changed = state != w.state
     nxt = replace(

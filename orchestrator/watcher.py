@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from orchestrator import plan, probe, protocol, serving
-from orchestrator.agent_client import AgentSession
+from orchestrator.agent_client import AgentClient, AgentSession
 from orchestrator.connections import Connections
 from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, TransportError
 from orchestrator.inventory import Target
@@ -58,6 +58,7 @@ class Watcher:
         self.containers = ContainerGate(inventory, playbook, ensure=False, skip=options.skip_containers)
         self.watched = [_Watched(n, u) for u in units_for(playbook, inventory, list(scope.targets)) for n in u.nodes]
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(options.forks, len(self.watched))))
+        self._gateway: Any = None  # gateway.GatewayClient, made on the first round that needs it
 
     def round(self) -> tuple[list[Round], list[Transition]]:
         """One round over every node at once: each node's round, and the transitions it showed."""
@@ -70,6 +71,8 @@ class Watcher:
                 others = tuple(n.name for n in w.unit.nodes if n.name in down and n.name != w.node.name)
                 if others:
                     seen[i] = replace(seen[i], group_down=others)
+        if self.playbook.gateway is not None:
+            seen = self._rotation(seen)
         rounds, transitions = [], []
         for w, s in zip(self.watched, seen, strict=True):
             w.host, rnd, change = step(w.host, s, self.playbook.gates.live)
@@ -77,6 +80,28 @@ class Watcher:
             if change is not None:
                 transitions.append(change)
         return rounds, transitions
+
+    def _rotation(self, seen: list[Seen]) -> list[Seen]:
+        """The gateway's rotation, read once a round from its host, on every head's round."""
+        from orchestrator.gateway import GatewayClient, gateway_target
+
+        heads = [(i, w) for i, w in enumerate(self.watched) if w.node.rank == 0]
+        try:
+            if self._gateway is None:
+                target = gateway_target(self.playbook, self.connections.inventory)
+                self._gateway = GatewayClient(self.playbook, target, AgentClient(self.connections, self.key))
+            servers = {i: self._gateway.server(w.node.target.container) for i, w in heads}
+            rotation = self._gateway.rotation(list(servers.values()))
+        except OrchestratorError as exc:
+            return [
+                replace(s, rotation_status=f"cannot be read: {exc}") if i in dict(heads) else s
+                for i, s in enumerate(seen)
+            ]
+        out = list(seen)
+        for i, server in servers.items():
+            member = rotation.of(server)
+            out[i] = replace(out[i], in_rotation=member.in_rotation, rotation_status=member.status)
+        return out
 
     def close(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=not wait)

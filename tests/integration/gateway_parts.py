@@ -307,6 +307,17 @@ class Fleet:
 
         return Deployment(playbook, load_inventory(self.inventory), OPTIONS).stop()
 
+    def watch_round(self, playbook: Playbook) -> dict[str, Any]:
+        """One watch round: each host's round, by name."""
+        from orchestrator.inventory import load_inventory
+
+        watcher = Deployment(playbook, load_inventory(self.inventory), OPTIONS).watcher()
+        try:
+            rounds, _ = watcher.round()
+        finally:
+            watcher.close()
+        return {r.host: r for r in rounds}
+
     def pid(self, name: str) -> int:
         return int(json.loads((self.root(name) / "run" / "dflash-serve.json").read_text())["pid"])
 

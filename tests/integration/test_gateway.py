@@ -61,31 +61,30 @@ def failures(report: RunReport) -> dict[str, str]:
 def test_a_rolling_deploy_behind_haproxy_loses_no_request_and_without_the_gateway_loses_some(
     fleet: Fleet, haproxy: Haproxy
 ) -> None:
-    gateway = haproxy_gateway(haproxy)
-    first = fleet.deploy(fleet.playbook(gateway))
+    """Both rollouts replace servers started with vLLM's default stop (abort what it holds): the one
+    with the gateway in the playbook drains each host at HAProxy first and loses nothing."""
+    first = fleet.deploy(fleet.playbook(None))  # no gateway, no drain: servers that abort on SIGTERM
     assert first.ok, failures(first)
-    assert haproxy.status() == {name: "UP" for name in HOSTS}
-    for host in first.hosts:
-        assert "a request through" in host.gates["gateway"].detail, host.gates["gateway"]
+    wait_for("HAProxy's checks", lambda: haproxy.status() == {name: "UP" for name in HOSTS})
 
     load = Load(haproxy.port).start()
-    second = fleet.deploy(fleet.playbook(gateway, "release 2\n"))
+    second = fleet.deploy(fleet.playbook(None, "release 2\n"))
     load.stop()
-    assert second.ok, failures(second)
-    assert all(h.changed for h in second.hosts)
+    assert second.ok and all(h.changed for h in second.hosts), failures(second)
+    without_gateway = (load.sent, load.lost)
+    wait_for("HAProxy's checks", lambda: haproxy.status() == {name: "UP" for name in HOSTS})
+
+    gateway = haproxy_gateway(haproxy)
+    load = Load(haproxy.port).start()
+    third = fleet.deploy(fleet.playbook(gateway, "release 3\n"))
+    load.stop()
+    assert third.ok and all(h.changed for h in third.hosts), failures(third)
     with_gateway = (load.sent, load.lost)
-    for host in second.hosts:
+    for host in third.hosts:
         gate = host.gates["gateway"]
         assert gate.data["in_flight_left"] == 0 and gate.data["drain_s"] >= 0, gate
+        assert "a request through" in gate.detail, gate
     assert haproxy.status() == {name: "UP" for name in HOSTS}
-
-    # The same rollout with the gateway left out of the playbook: nothing drains the host, vLLM's
-    # default stop cuts what it holds, and HAProxy sends to it until its check fails.
-    load = Load(haproxy.port).start()
-    third = fleet.deploy(fleet.playbook(None, "release 3\n"))
-    load.stop()
-    assert third.ok, failures(third)
-    without_gateway = (load.sent, load.lost)
     print(
         f"\nrequests sent/lost: with the gateway {with_gateway[0]}/{len(with_gateway[1])}, "
         f"without {without_gateway[0]}/{len(without_gateway[1])}"
@@ -196,6 +195,9 @@ def test_verify_finds_a_ready_host_left_out_of_rotation(fleet: Fleet, haproxy: H
     assert not report.ok and g3.failed_gate == "gateway", failures(report)
     assert g3.gates["gateway"].reason == "out_of_rotation" and "MAINT" in g3.gates["gateway"].detail
     assert by_name(report)["g1"].ready
+    rounds = fleet.watch_round(playbook)  # watch says it too, as its own state
+    assert rounds["g3"].state == "OUT_OF_ROTATION" and rounds["g3"].in_rotation is False, rounds["g3"].reasons
+    assert rounds["g1"].state == "READY" and rounds["g1"].in_rotation is True
     # a redeploy with nothing changed puts it back, proven through the gateway
     again = fleet.deploy(playbook)
     assert again.ok, failures(again)

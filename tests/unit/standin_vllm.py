@@ -193,9 +193,12 @@ def serve(args: list[str]) -> None:
     stopping.wait()
     # As vLLM stops on SIGTERM: with --shutdown-timeout N it takes no new request and finishes
     # those it holds for up to N s; without, every request in flight is cut.
+    grace = float(values.get("shutdown-timeout", "0"))
+    if not grace:
+        aborting.set()  # vLLM's default: every request in flight is cut at once
     server.shutdown()
     server.server_close()
-    deadline = time.monotonic() + float(values.get("shutdown-timeout", "0"))
+    deadline = time.monotonic() + grace
     while counters.running and time.monotonic() < deadline:
         time.sleep(0.05)
     aborting.set()

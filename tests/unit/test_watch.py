@@ -587,3 +587,18 @@ def test_on_change_runs_beside_the_rounds_never_inside_them(box: Box, tmp_path: 
             os.close(go)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) >= 0 and len(after) == 2
+
+
+def test_ready_out_of_the_gateways_rotation_is_its_own_state_and_in_rotation_is_said_when_not_ready() -> None:
+    w, r, t = step(HostWatch("gpu-a"), seen(0, counters(0, 0), in_rotation=False, rotation_status="DRAIN"), GATE)
+    assert r.state == "OUT_OF_ROTATION" and r.in_rotation is False and t is not None
+    assert "READY but out of the gateway's rotation (DRAIN): it serves no user" in r.reasons
+    assert r.to_json()["in_rotation"] is False
+    w, r, t = step(w, seen(1, counters(0, 0), in_rotation=True, rotation_status="UP"), GATE)
+    assert r.state == "READY" and t is not None and t.after == "READY"
+    w, r, _ = step(
+        w, seen(2, counters(0, 0), in_rotation=True, rotation_status="UP", report=report(healthy=False)), GATE
+    )
+    assert r.state == "DOWN" and "in the gateway's rotation (UP): users' requests reach it" in r.reasons
+    _, r, _ = step(w, seen(3, counters(0, 0), rotation_status="cannot be read: refused"), GATE)
+    assert "the gateway: cannot be read: refused" in r.reasons and r.in_rotation is None
