@@ -98,6 +98,10 @@ class Deployment:
 
     def __post_init__(self) -> None:
         self.targets = tuple(select_targets(self.playbook, self.inventory, self.limit))
+        if self.playbook.gateway is not None:
+            from orchestrator.gateway import gateway_target
+
+            gateway_target(self.playbook, self.inventory)  # a gateway the inventory cannot reach is bad input
 
     @property
     def scope(self) -> Scope:

@@ -292,17 +292,20 @@ ADAPTERS: dict[str, type[Adapter]] = {
 def gateway_target(playbook: Playbook, inventory: Inventory) -> Target:
     """The container the gateway runs on, reached as hosts are."""
     assert playbook.gateway is not None
-    found = [t for t in inventory.resolve([playbook.gateway.runs_on]) if t.name == playbook.gateway.runs_on]
+    name = playbook.gateway.runs_on
+    found = [inventory.target(c) for c in inventory.containers if c.name == name]
     if not found:
         raise InputError(
-            f"gateway.runs_on: '{playbook.gateway.runs_on}' must name one container of the inventory",
+            f"'{name}' is not a container of {inventory.file} (the gateway's host)",
             file=str(playbook.file),
+            key="gateway.runs_on",
         )
     target = found[0]
     if target.container.address is None and target.container.connection != "local":
         raise InputError(
-            f"gateway.runs_on: {target.name} needs an address in the inventory (or connection: local)",
+            f"{name} needs an address in {inventory.file} (or connection: local): the gateway is reached there",
             file=str(playbook.file),
+            key="gateway.runs_on",
         )
     return target
 

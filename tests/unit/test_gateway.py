@@ -378,3 +378,18 @@ def test_a_program_whose_child_holds_its_output_is_ended_at_the_bound(tmp_path: 
     from tests.unit.localbox import alive
 
     assert not alive(child)
+
+
+def test_a_gateway_on_no_container_of_the_inventory_is_bad_input_before_anything_runs(tmp_path: Path) -> None:
+    from orchestrator.deployment import Deployment
+    from orchestrator.inventory import load_inventory
+
+    (tmp_path / "inventory.yaml").write_text(
+        "hosts:\n  box:\n    containers:\n      g1: {connection: local, address: 127.0.0.11}\n"
+    )
+    inventory = load_inventory(tmp_path / "inventory.yaml")
+    for on, said in (("gw", "'gw' is not a container of"), ("box", "'box' is not a container of")):
+        pb = load_playbook(book(tmp_path, f"{{kind: vllm-router, runs_on: {on}, url: 'http://127.0.0.1:30000'}}"))
+        with pytest.raises(InputError, match=said) as caught:
+            Deployment(pb, inventory)
+        assert caught.value.exit_code == 2 and caught.value.key == "gateway.runs_on"
