@@ -68,7 +68,7 @@ class Counters:
     def __init__(self, k: int, good: bool) -> None:
         self.k, self.good = k, good
         self.drafts = self.draft_tokens = self.accepted = self.generated = 0
-        self.running = self.finished = 0
+        self.finished = 0
         self.per_pos = [0] * k
         self.lock = threading.Lock()
 
@@ -84,7 +84,7 @@ class Counters:
                 self.accepted += drafts * self.k
                 self.per_pos = [p + drafts for p in self.per_pos]
 
-    def text(self, model: str) -> str:
+    def text(self, model: str, running: int = 0) -> str:
         labels = f'engine="0",model_name="{model}"'
         lines = []
         for name, value in (
@@ -100,7 +100,7 @@ class Counters:
             "# TYPE vllm:generation_tokens counter",
             f"vllm:generation_tokens_total{{{labels}}} {self.generated}.0",
             "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{labels}}} {self.running}.0",
+            f"vllm:num_requests_running{{{labels}}} {running}.0",
             "# TYPE vllm:num_requests_waiting gauge",
             f"vllm:num_requests_waiting{{{labels}}} 0.0",
             "# TYPE vllm:request_success counter",
@@ -137,6 +137,7 @@ def serve(args: list[str]) -> None:
 
     counters = load()
     aborting = threading.Event()  # SIGTERM past --shutdown-timeout: requests in flight are cut
+    inflight, inflight_lock = [0], threading.Lock()  # requests in flight, whatever SIGHUP resets
 
     def reload(*_: object) -> None:
         nonlocal counters
@@ -157,29 +158,31 @@ def serve(args: list[str]) -> None:
             elif self.path == "/v1/models":
                 self._send(200, {"data": [{"id": model}]})
             elif self.path == "/metrics":
-                self._send(200, counters.text(model), "text/plain; version=0.0.4")
+                self._send(200, counters.text(model, inflight[0]), "text/plain; version=0.0.4")
             else:
                 self._send(404, {"error": "not found"})
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
             tokens = int(body.get("max_tokens", 16))
-            with counters.lock:
-                counters.running += 1
+            c = counters  # the request's own, though a SIGHUP starts new counters meanwhile
+            with inflight_lock:
+                inflight[0] += 1
             try:
                 done = 0
                 while done < tokens and not aborting.is_set():  # decoding, token by token
                     time.sleep(float(os.environ.get("STANDIN_TOKEN_S", "0")))
                     done += 1
-                counters.complete(max(done, 1))
+                c.complete(max(done, 1))
                 # vLLM's abort on shutdown ends a request with what it has and finish_reason "abort"
                 reason = "length" if done == tokens else "abort"
                 choice = {"text": "C" * done, "finish_reason": reason}
                 self._send(200, {"choices": [choice], "usage": {"completion_tokens": done}})
             finally:
-                with counters.lock:
-                    counters.running -= 1
-                    counters.finished += 1
+                with c.lock:
+                    c.finished += 1
+                with inflight_lock:
+                    inflight[0] -= 1
 
         def log_message(self, *args: Any) -> None:
             pass
@@ -199,10 +202,10 @@ def serve(args: list[str]) -> None:
     server.shutdown()
     server.server_close()
     deadline = time.monotonic() + grace
-    while counters.running and time.monotonic() < deadline:
+    while inflight[0] and time.monotonic() < deadline:
         time.sleep(0.05)
     aborting.set()
-    while counters.running and time.monotonic() < deadline + 1:
+    while inflight[0] and time.monotonic() < deadline + 1:
         time.sleep(0.01)  # the aborted requests answered
     os._exit(0)
 
