@@ -549,11 +549,20 @@ def read_engine(engine: protocol.Engine, report: HostReport) -> None:
         return
     drafter = f", drafter {', '.join(engine.drafter)}" if engine.drafter else ""
     runner = f", {engine.runner.upper()} model runner" if engine.runner else ""
+    made = [RUNNER_CHECKS.get(name, name) for name, verdict in engine.checks if verdict == "ok"]
+    before = f"; before weights: {', '.join(made)}" if made else ""
     report.gates[GATE_ENGINE] = Gate(
         True,
-        f"vLLM {engine.version} accepts the command: target {', '.join(engine.target) or '?'}{drafter}{runner}",
-        {"seconds": engine.seconds},
+        f"vLLM {engine.version} accepts the command: target {', '.join(engine.target) or '?'}{drafter}{runner}{before}",
+        {"seconds": engine.seconds, "checks": dict(engine.checks)},
     )
+
+
+# The model runner's checks the engine gate has vLLM make before weights, in the user's words.
+RUNNER_CHECKS = {
+    "mask_token": "the drafter's mask token",
+    "aux_hidden_states_over_pp": "the target's taps across pipeline stages",
+}
 
 
 def read_health(healthy: protocol.Healthy, kept: bool, report: HostReport) -> None:

@@ -705,6 +705,9 @@ class Engine:
     drafter: tuple[str, ...] = ()  # ... and for the drafter
     runner: str | None = None  # "v1" / "v2": the model runner its configuration chose
     seconds: float = 0.0
+    # The model runner's checks made before weights (mask token, taps across pipeline stages):
+    # "ok", or "skipped: why" where this vLLM's code is not the shape the check knows.
+    checks: tuple[tuple[str, str], ...] = ()
 
 
 # vLLM's import alone takes seconds to a minute on a cold host (40 s seen on an H200's first start).
@@ -746,6 +749,9 @@ def _engine(v: dict[str, Any]) -> Engine:
     runner = _field(v, "runner", str, optional=True)
     if runner not in (None, "v1", "v2"):
         raise AnswerError(f"'runner' is {runner!r}")
+    checks = _field(v, "checks", dict, optional=True) or {}
+    if not all(isinstance(k, str) and isinstance(c, str) for k, c in checks.items()):
+        raise AnswerError("'checks' is not a mapping of names to verdicts")
     return Engine(
         None,
         _field(v, "version", str),
@@ -753,6 +759,7 @@ def _engine(v: dict[str, Any]) -> Engine:
         _names(v, "drafter"),
         runner,
         _field(v, "seconds", float),
+        tuple(sorted(checks.items())),
     )
 
 

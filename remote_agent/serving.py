@@ -255,7 +255,11 @@ def op_engine_check(req):
         said = [x for x in stderr.decode("utf-8", "replace").strip().splitlines() if x.strip()]
         raise OpError("engine_refused", "vLLM exited %d: %s" % (code, " / ".join(said[-2:]) or "no output"))
     if not verdict.get("ok"):
-        stages = {"import": "cannot be imported", "config": "refuses the command"}
+        stages = {
+            "import": "cannot be imported",
+            "config": "refuses the command",
+            "runner": "refuses the command as its model runner starts",
+        }
         what = stages.get(str(verdict.get("stage")), "refuses")
         name = "vLLM %s" % verdict["version"] if verdict.get("version") else "vLLM"
         raise OpError("engine_refused", "%s %s: %s: %s" % (name, what, verdict.get("error"), verdict.get("message")))

@@ -1,13 +1,19 @@
 """Run by the serving Python with the server's own CLI arguments (``serve <target> ...``) and
 environment: vLLM parses them and builds its configuration as `vllm serve` would (the model,
-speculative, parallel, cache and scheduler configs, the architectures it resolves), then stops
-before any engine, weight or GPU memory. Its verdict is the last line of stdout after a marker;
-a refusal carries vLLM's own words. Standard library besides vLLM; Python 3.8+.
+speculative, parallel, cache and scheduler configs, the architectures it resolves), then makes,
+with vLLM's own functions, the checks its model runner makes before it loads weights (the
+drafter's mask token as the proposer reads it; a target's decoder able to pass hidden states
+across pipeline stages), then stops before any engine, weight or GPU memory. Its verdict is the
+last line of stdout after a marker; a refusal carries vLLM's own words. Standard library besides
+vLLM; Python 3.8+.
 """
 
+import ast
 import importlib.metadata
+import inspect
 import json
 import sys
+import textwrap
 import time
 
 MARK = "@@dflash-engine@@"
@@ -67,6 +73,20 @@ def check(args):
     spec = config.speculative_config
     draft = getattr(spec, "draft_model_config", None)
     runner = getattr(config, "use_v2_model_runner", None)
+    try:
+        made = runner_checks(config, runner)
+    except Refused as refused:
+        say(
+            {
+                "ok": False,
+                "stage": "runner",
+                "error": refused.error,
+                "message": refused.message,
+                "version": vllm.__version__,
+                "runner": None if runner is None else ("v2" if runner else "v1"),
+            }
+        )
+        sys.exit(0)
     parallel = config.parallel_config
     names = getattr(args, "served_model_name", None)
     say(
@@ -76,6 +96,7 @@ def check(args):
             "target": list(config.model_config.architectures or []),
             "drafter": list(getattr(draft, "architectures", None) or []),
             "runner": None if runner is None else ("v2" if runner else "v1"),
+            "checks": made,
             # What it would serve, as its own parser and configuration resolved every spelling.
             "resolved": {
                 "model": args.model,
@@ -92,6 +113,131 @@ def check(args):
         }
     )
     sys.exit(0)
+
+
+class Refused(Exception):
+    """A check of the model runner failed: vLLM's exception type and words."""
+
+    def __init__(self, exc):
+        Exception.__init__(self, str(exc))
+        self.error, self.message = type(exc).__name__, words(exc)
+
+
+# What vLLM raises when it refuses a configuration; anything else means this version's code is
+# not the shape the check expects, and the check is said to be not made rather than failed.
+REFUSALS = (ValueError, NotImplementedError, AssertionError)
+
+
+def runner_checks(config, v2):
+    """The model runner's checks that need no weights, each made by vLLM's own function on the
+    configuration it just built. Returns what was checked, and what could not be (this vLLM's code
+    is not the shape the check knows): {"name": "ok" | "skipped: why"}."""
+    made = {}
+    spec = config.speculative_config
+    if spec is None:
+        return made
+    if getattr(spec, "parallel_drafting", False):
+        made["mask_token"] = _mask_token(spec, v2)
+    method = getattr(spec, "method", None)
+    if v2 and config.parallel_config.pipeline_parallel_size > 1 and method in ("eagle3", "dflash", "dspark"):
+        made["aux_hidden_states_over_pp"] = _pipeline_taps(config, method)
+    return made
+
+
+def _mask_token(spec, v2):
+    """The proposer's mask token for parallel drafting, read as the runner's proposer reads it when
+    it is built (V2: spec_decode/utils.py get_parallel_drafting_token_id; V1: llm_base_proposer's
+    _init_parallel_drafting_params): a drafter whose token vLLM does not find refuses to start."""
+    hf = spec.draft_model_config.hf_config
+    try:
+        if v2:
+            from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+            get_parallel_drafting_token_id(hf)
+        else:
+            from vllm.v1.spec_decode import llm_base_proposer
+
+            # SpecDecodeBaseProposer in 0.32, LLMBaseProposer in others: the class that has it
+            owners = [
+                c
+                for c in vars(llm_base_proposer).values()
+                if isinstance(c, type) and "_init_parallel_drafting_params" in c.__dict__
+            ]
+            if not owners:
+                return "skipped: no proposer reads the mask token in this vLLM"
+            shell = owners[0].__new__(owners[0])
+            shell.draft_model_config = spec.draft_model_config
+            shell.pass_hidden_states_to_model = False  # nothing allocated
+            owners[0]._init_parallel_drafting_params(shell)
+    except ImportError as exc:
+        return "skipped: %s" % words(exc)
+    except REFUSALS as exc:
+        raise Refused(exc)
+    except Exception as exc:  # this version's proposer needs more than the config
+        return "skipped: %s: %s" % (type(exc).__name__, words(exc))
+    return "ok"
+
+
+def _built_class(cls, attribute):
+    """The class ``cls.__init__`` (or an ancestor's) assigns to ``self.<attribute>``, read from its
+    source: the model's modules without building them."""
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        scope = vars(sys.modules[klass.__module__])
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+                continue
+            for target in node.targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and target.attr == attribute
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"
+                    and isinstance(node.value.func, ast.Name)
+                    and isinstance(scope.get(node.value.func.id), type)
+                ):
+                    return scope[node.value.func.id]
+    return None
+
+
+def _shell(cls):
+    """An unbuilt instance of a model class whose language model and decoder are their classes:
+    enough for vLLM's runner to look up class attributes on them, with no weight or tensor."""
+    obj = cls.__new__(cls)
+    for attribute in ("language_model", "model"):
+        inner = _built_class(cls, attribute)
+        if inner is not None:
+            obj.__dict__[attribute] = _shell(inner) if attribute == "language_model" else inner
+    return obj
+
+
+def _pipeline_taps(config, method):
+    """V2 model runner, pipeline parallelism: the target's decoder must pass the drafter's hidden
+    states between stages (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+    verify_supports_aux_hidden_states_over_pp, raised only once the model is loaded)."""
+    try:
+        from vllm.model_executor.model_loader.utils import get_model_architecture
+        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import verify_supports_aux_hidden_states_over_pp
+    except ImportError as exc:
+        return "skipped: %s" % words(exc)
+    try:
+        cls, _ = get_model_architecture(config.model_config)
+        model = _shell(cls)
+    except Exception as exc:  # the class cannot be resolved or read here
+        return "skipped: %s: %s" % (type(exc).__name__, words(exc))
+    try:
+        verify_supports_aux_hidden_states_over_pp(model, method)
+    except REFUSALS as exc:
+        raise Refused(exc)
+    except Exception as exc:
+        return "skipped: %s: %s" % (type(exc).__name__, words(exc))
+    return "ok"
 
 
 serve.ServeSubcommand.cmd = staticmethod(check)

@@ -108,7 +108,10 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
         ready = json.loads((base / "ready.json").read_text())
         assert ready["release_id"] == good.json["release_id"] == os.readlink(base / "current").split("/")[1]
         engine = report["gates"]["engine"]
-        assert engine["ok"] and engine["detail"].startswith("vLLM 0.32.0 accepts the command: target Qwen3ForCausalLM")
+        assert engine["ok"] and engine["detail"] == (
+            "vLLM 0.32.0 accepts the command: target Qwen3ForCausalLM, drafter DFlashDraftModel, V1 model runner; "
+            "before weights: the drafter's mask token"
+        )
         server = json.loads((base / "run" / "dflash-serve.json").read_text())["pid"]
 
         # vLLM's own configuration refuses a command lint cannot judge (the target's 2 heads over

