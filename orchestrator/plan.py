@@ -65,6 +65,7 @@ def lint_playbook(playbook: Playbook) -> list[dflash.Problem]:
         playbook.drafter.target,
         playbook.drafter.reference,
         num_speculative_tokens=playbook.serving.num_speculative_tokens,
+        pipeline_parallel_size=playbook.serving.pipeline_parallel_size if playbook.serving.speculative else 1,
     )
 
 

@@ -8,6 +8,7 @@ last line of stdout after a marker; a refusal carries vLLM's own words. Standard
 vLLM; Python 3.8+.
 """
 
+import argparse
 import ast
 import importlib.metadata
 import inspect
@@ -132,7 +133,7 @@ def runner_checks(config, v2):
     """The model runner's checks that need no weights, each made by vLLM's own function on the
     configuration it just built. Returns what was checked, and what could not be (this vLLM's code
     is not the shape the check knows): {"name": "ok" | "skipped: why"}."""
-    made = {}
+    made = {}  # type: dict
     spec = config.speculative_config
     if spec is None:
         return made
@@ -159,16 +160,15 @@ def _mask_token(spec, v2):
 
             # SpecDecodeBaseProposer in 0.32, LLMBaseProposer in others: the class that has it
             owners = [
-                c
+                c.__dict__["_init_parallel_drafting_params"]
                 for c in vars(llm_base_proposer).values()
                 if isinstance(c, type) and "_init_parallel_drafting_params" in c.__dict__
             ]
             if not owners:
                 return "skipped: no proposer reads the mask token in this vLLM"
-            shell = owners[0].__new__(owners[0])
-            shell.draft_model_config = spec.draft_model_config
-            shell.pass_hidden_states_to_model = False  # nothing allocated
-            owners[0]._init_parallel_drafting_params(shell)
+            # the proposer's own method on a shell holding only what it reads
+            shell = argparse.Namespace(draft_model_config=spec.draft_model_config, pass_hidden_states_to_model=False)
+            owners[0](shell)
     except ImportError as exc:
         return "skipped: %s" % words(exc)
     except REFUSALS as exc:

@@ -75,8 +75,13 @@ def test_target_dimensions_come_from_text_config_of_multimodal_wrappers() -> Non
     ("changes", "field", "fragment"),
     [
         ({"architectures": ["Qwen3ForCausalLM"]}, "architectures", "only these architectures"),
-        ({"architectures": ["DFlashDraftModel", "DFlash2DraftModel"]}, "architectures", "only these architectures"),
-        ({"model_type": "llama"}, "model_type", "Qwen3Config"),
+        ({"architectures": ["Qwen3DraftModel"]}, "architectures", "asks its registry for DFlashQwen3DraftModel"),
+        ({"architectures": "DFlashDraftModel"}, "architectures", "a list of architectures"),
+        (
+            {"dflash_config__mask_token_id": dflash, "eagle_config": {"mask_token_id": 248070}},
+            "eagle_config.mask_token_id",
+            "vLLM refuses to start",
+        ),
         ({"dflash_config__mask_token_id": dflash}, "dflash_config.mask_token_id", "vLLM refuses to start"),
         ({"dflash_config__mask_token_id": 248320}, "dflash_config.mask_token_id", "outside the target vocabulary"),
         (
@@ -263,17 +268,16 @@ def warnings(problems: list[dflash.Problem]) -> dict[str, dflash.Problem]:
 
 def test_every_layout_vllm_reads_lints_clean() -> None:
     """DFlash2 drafters, the speculators layout, the block inside dflash_config and the mask token
-    at the top level or in eagle_config are all read by vLLM (0.32.0: registry.py, speculators/
-    algos.py, qwen3_dflash.py): none of them is an error."""
+    at the top level are all read by vLLM (0.32.0: registry.py, speculators/algos.py,
+    qwen3_dflash.py, the proposers): none of them is an error. A mask token only in eagle_config is
+    (its own test above): the model reads it there, the proposer does not."""
     top_mask = {k: v for k, v in Q8_DRAFTER.items() if k != "dflash_config"}
     top_mask["mask_token_id"] = Q8_DRAFTER["dflash_config"]["mask_token_id"]
     top_mask["dflash_config"] = {"target_layer_ids": Q8_DRAFTER["dflash_config"]["target_layer_ids"]}
-    eagle = {k: v for k, v in top_mask.items() if k != "mask_token_id"}
-    eagle["eagle_config"] = {"mask_token_id": top_mask["mask_token_id"]}
     inner_block = {**Q8_DRAFTER, "dflash_config": {**Q8_DRAFTER["dflash_config"], "block_size": 16}}
     del inner_block["block_size"]
     no_depth = {k: v for k, v in Q8_DRAFTER.items() if k != "num_target_layers"}
-    for drafter in (DFLASH2, SPECULATORS, speculators(Q8_DRAFTER, "dflash2"), top_mask, eagle, inner_block, no_depth):
+    for drafter in (DFLASH2, SPECULATORS, speculators(Q8_DRAFTER, "dflash2"), top_mask, inner_block, no_depth):
         assert dflash.lint(drafter, Q8_TARGET, None, "0.33.0", 15) == [], drafter
 
 
@@ -327,3 +331,46 @@ def test_mask_token_id_is_found_in_every_layout() -> None:
     assert dflash.mask_token_id({"speculators_model_type": "dflash", "mask_token_id": 9}) == 9
     assert dflash.mask_token_id({"dflash_config": {"mask_token_id": "151669"}}) is None
     assert dflash.mask_token_id({}) is None
+
+
+def test_drafter_architectures_are_judged_by_the_rule_vllm_uses() -> None:
+    """vLLM names a dflash drafter's architecture X as DFlashX unless it names DFlash already, then
+    asks its registry (0.32.0: eagle.py, registry.py); what a version's registry lacks refuses."""
+    for arch in ("DFlashDraftModel", "DFlash2DraftModel", "LagunaForCausalLM", "MuseGlimmerAssistantModel"):
+        assert "architectures" not in errors(dflash.lint(edited(architectures=[arch]), TARGET)), arch
+    assert dflash.vllm_architecture("LagunaForCausalLM") == "DFlashLagunaForCausalLM"
+    assert dflash.vllm_architecture("LiLiCorrDraftModel") == "LiLiCorrDraftModel"
+    old = errors(dflash.lint(edited(architectures=["LagunaForCausalLM"]), TARGET, vllm_version="0.31.0"))
+    assert (
+        old["architectures"].message
+        == "DFlashLagunaForCausalLM is registered from vLLM 0.32.0: 0.31.0 refuses to start"
+    )
+    dflash2 = errors(dflash.lint(edited(architectures=["DFlash2DraftModel"]), TARGET, vllm_version="0.27.0"))
+    assert "registered from vLLM 0.28.0" in dflash2["architectures"].message
+
+
+def test_another_config_class_is_a_warning_that_names_it() -> None:
+    found = {p.field: p for p in dflash.lint(edited(model_type="gpt_oss"), TARGET)}
+    assert found["model_type"].severity == "warning" and "'gpt_oss' config class" in found["model_type"].message
+
+
+def test_pipeline_parallel_dflash_is_refused_for_targets_that_cannot_pass_taps_between_stages() -> None:
+    """vLLM 0.30+ (V2 runner) refuses DFlash x PP unless the target's decoder declares
+    supports_aux_hidden_states_over_pp (Qwen2/Qwen3 dense and Llama do, the Qwen3.5/3.6 family not);
+    the engine gate holds the same verdict to real vLLM (tests/integration/test_engine_gate.py)."""
+    found = errors(dflash.lint(GOOD, TARGET, REFERENCE, "0.32.0", 15, pipeline_parallel_size=2))
+    problem = found["serving.pipeline_parallel_size"]
+    assert "Qwen3_5ForConditionalGeneration does not pass the drafter's hidden states" in problem.message
+    assert problem.vllm == dflash.REFUSES_TO_START and problem.expected == 1
+    assert "serving.pipeline_parallel_size" not in errors(
+        dflash.lint(GOOD, TARGET, REFERENCE, "0.29.0", 15, pipeline_parallel_size=2)
+    )
+    dense = dflash.lint(Q8_DRAFTER, Q8_TARGET, None, "0.32.0", 15, pipeline_parallel_size=2)
+    assert not [p for p in dense if p.field == "serving.pipeline_parallel_size"]
+    unknown = dict(Q8_TARGET, architectures=["GraniteForCausalLM"])
+    (said,) = [
+        p
+        for p in dflash.lint(Q8_DRAFTER, unknown, None, None, 15, pipeline_parallel_size=2)
+        if p.field == "serving.pipeline_parallel_size"
+    ]
+    assert said.severity == "warning" and "engine gate" in said.message

