@@ -23,15 +23,16 @@ ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 # vLLM's own rule: EAGLEConfig names a dflash drafter's architecture X as DFlashX unless it already
 # starts or ends with "DFlash" (or is LiLiCorrDraftModel), and the registry must know the result
 # (vLLM 0.32.0 transformers_utils/configs/eagle.py; model_executor/models/registry.py
-# _SPECULATIVE_DECODING_MODELS). The registry's DFlash entries, with the first version that has
-# each (the wheels' registries).
-DFLASH_REGISTRY = {
+# _SPECULATIVE_DECODING_MODELS). The registry's DFlash entries in 0.32.0, with the first version
+# that has each where the wheels were read (None: in 0.32.0; earlier versions not read, so not
+# refused on them).
+DFLASH_REGISTRY: dict[str, str | None] = {
     "DFlashDraftModel": "0.20.0",
     "DFlash2DraftModel": "0.28.0",
-    "LiLiCorrDraftModel": "0.32.0",
-    "DFlashLagunaForCausalLM": "0.32.0",
-    "DFlashMuseGlimmerAssistantModel": "0.32.0",
-    "MuseGlimmerAssistantModel": "0.32.0",
+    "LiLiCorrDraftModel": None,
+    "DFlashLagunaForCausalLM": None,
+    "DFlashMuseGlimmerAssistantModel": None,
+    "MuseGlimmerAssistantModel": None,
 }
 
 
@@ -368,15 +369,16 @@ def _architecture(f: Facts) -> Iterator[Problem]:
         return
     # vLLM's registry takes the first of the list it knows
     asked = next((vllm_architecture(a) for a in archs if vllm_architecture(a) in DFLASH_REGISTRY), None)
-    first = DFLASH_REGISTRY.get(asked or "")
-    if asked is None or first is None:
+    if asked is None:
         renamed = [vllm_architecture(a) for a in archs if vllm_architecture(a) != a]
         said = f" (vLLM asks its registry for {', '.join(renamed)})" if renamed else ""
         yield Problem(
             "architectures", "error", f"vLLM maps only these architectures to its DFlash models{said} and refuses "
             "to start", known, archs, vllm=REFUSES_TO_START,
         )  # fmt: skip
-    elif f.vllm_version is not None and not _version_at_least(f.vllm_version, first):
+        return
+    first = DFLASH_REGISTRY[asked]
+    if first is not None and f.vllm_version is not None and not _version_at_least(f.vllm_version, first):
         yield Problem(
             "architectures", "error", f"{asked} is registered from vLLM {first}: {f.vllm_version} refuses to start",
             actual=archs, fix=f"install vLLM >= {first}", vllm=REFUSES_TO_START,
