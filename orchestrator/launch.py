@@ -73,7 +73,10 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
     playbook, head = run.playbook, unit.head
     host = serving.probe_host(playbook, head.target.container)
     health, probe = plan.health_op(playbook, head.root, serving.SERVER, host), plan.probe_op(playbook, host)
-    proof: list[protocol.Op[Any]] = [health, probe]
+    # The READY record the head held before this run: the probe is held to its tau. Read with
+    # the proof, before this run writes its own.
+    record = protocol.serving_status(head.root, serving.SERVER, None)
+    proof: list[protocol.Op[Any]] = [record, health, probe]
     together = unit.single  # no other node to wait for: start and proof in one exec
     kept = keep and not together and _all_running(run, unit, release)
     if not together and not kept:
@@ -122,7 +125,7 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
         plan.read_started(playbook, answers.get(switch_op) if switch_op else None, node.report)
         if together:
             assert launch is not None
-            _read_proof(run, unit, answers[health], answers[probe], answers[launch].kept)
+            _read_proof(run, unit, answers[health], answers[probe], answers[launch].kept, answers[record].ready)
         elif launch is not None:
             node.report.gates[GATE_GROUP] = Gate(
                 True, f"rank {node.rank} ({unit.role(node)}) started, pid {answers[launch].pid}"
@@ -144,7 +147,7 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
     except AgentError as exc:
         _proof_failed(run, unit, exc.failure)
         return False
-    if not _read_proof(run, unit, answers[health], answers[probe], kept):
+    if not _read_proof(run, unit, answers[health], answers[probe], kept, answers[record].ready):
         return False
     return _ranks_alive(run, unit)
 
@@ -168,11 +171,18 @@ def _launch_op(run: Run, unit: Unit, node: Node, release: str, keep: bool) -> pr
     )
 
 
-def _read_proof(run: Run, unit: Unit, healthy: protocol.Healthy, scrapes: protocol.Scrapes, kept: bool) -> bool:
+def _read_proof(
+    run: Run,
+    unit: Unit,
+    healthy: protocol.Healthy,
+    scrapes: protocol.Scrapes,
+    kept: bool,
+    last_ready: dict[str, Any] | None,
+) -> bool:
     head = unit.head
     head.pid = healthy.pid
     plan.read_health(healthy, kept, head.report)
-    plan.read_probe(run.playbook, scrapes, head.report)
+    plan.read_probe(run.playbook, scrapes, head.report, last_ready)
     if head.report.gates[GATE_ACCEPTANCE].ok:
         return True
     head.report.diagnosis = plan.diagnose(run.playbook, head.report)

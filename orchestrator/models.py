@@ -10,6 +10,7 @@ where the server reads it, and the drafter linted against that one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -67,6 +68,10 @@ def _summary(model: Model, found: protocol.ModelFiles, drift: list[str], changed
         "changed": changed,
         "verified": "hashed" if any(f.verified == "hashed" for f in found.files) else "cached",
         "drift": drift,
+        # the directory as one digest: the acceptance history follows it
+        "sha256": hashlib.sha256(
+            "".join(f"{f.sha256}  {f.path}\n" for f in sorted(found.files, key=lambda f: f.path)).encode()
+        ).hexdigest(),
     }
 
 

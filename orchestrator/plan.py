@@ -7,6 +7,8 @@ Every function here is pure: the answers come in typed (``protocol``), the gates
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -647,8 +649,12 @@ def rollout_batches(names: list[str], canary: int, batch_size: int | None) -> li
     return [b for b in batches if b]
 
 
-def read_probe(playbook: Playbook, scrapes: protocol.Scrapes, report: HostReport) -> None:
-    """The acceptance gate from the probe's two scrapes."""
+def read_probe(
+    playbook: Playbook, scrapes: protocol.Scrapes, report: HostReport, last_ready: dict[str, Any] | None = None
+) -> None:
+    """The acceptance gate from the probe's two scrapes, held to the absolute thresholds and to
+    ``last_ready`` (the READY record the host held before this run): the same target and drafter
+    weights, prompts and K may not have fallen more than ``max_regression`` below its tau."""
     gate = playbook.gates.acceptance
     try:
         a = probe.measure(scrapes.before, scrapes.after)
@@ -656,19 +662,76 @@ def read_probe(playbook: Playbook, scrapes: protocol.Scrapes, report: HostReport
         report.gates[GATE_ACCEPTANCE] = Gate(False, str(exc), reason=exc.reason)
         return
     ok, detail, reason = probe.judge(a, gate.min_mean_acceptance_length, gate.min_acceptance_rate, gate.min_drafts)
-    report.gates[GATE_ACCEPTANCE] = Gate(
-        ok,
-        detail,
-        {
-            "mean_acceptance_length": round(a.mean_acceptance_length, 3),
-            "mean_acceptance_length_low": round(a.mean_acceptance_length_low, 3),
-            "acceptance_rate": round(a.rate, 4),
-            "drafts": a.drafts,
-            "per_position": [round(p, 3) for p in a.per_position],
-            "seconds": scrapes.seconds,
-        },
-        reason,
-    )
+    tau = round(a.mean_acceptance_length, 3)
+    data: dict[str, Any] = {
+        "mean_acceptance_length": tau,
+        "mean_acceptance_length_low": round(a.mean_acceptance_length_low, 3),
+        "acceptance_rate": round(a.rate, 4),
+        "drafts": a.drafts,
+        "per_position": [round(p, 3) for p in a.per_position],
+        "seconds": scrapes.seconds,
+        # what makes two probes comparable: the same K, prompts and budget, target and weights
+        "num_speculative_tokens": playbook.serving.num_speculative_tokens,
+        "prompts_sha256": prompts_digest(playbook),
+        "history": history_key(playbook, report),
+    }
+    if ok:
+        ok, said = regression(gate.max_regression, data, last_ready)
+        data["regression"] = said
+        if not ok:
+            detail, reason = said, "acceptance_regressed"
+    report.gates[GATE_ACCEPTANCE] = Gate(ok, detail, data, reason)
+
+
+def prompts_digest(playbook: Playbook) -> str:
+    """The probe's prompts and token budget, as one digest: only probes of the same set compare."""
+    gate = playbook.gates.acceptance
+    body = {"prompts": list(gate.prompts or DEFAULT_PROBE_PROMPTS), "max_tokens": gate.max_tokens}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# Files that hold weights (what a drafter is), as against its config and the release's other files.
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def history_key(playbook: Playbook, report: HostReport) -> str:
+    """The acceptance history a probe belongs to: the target and the drafter's weights (the models'
+    paths and digests, and weight files the release pushes). A drafter config, a flag or a vLLM
+    upgrade stays in the history, and is what the regression check is for."""
+    body = {
+        "target": playbook.serving.target,
+        "models": sorted((m.get("name"), m.get("path"), m.get("sha256")) for m in report.models),
+        "weights": sorted((f.dest, f.sha256) for f in report.files if f.dest.endswith(_WEIGHTS)),
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def regression(max_regression: float, now: dict[str, Any], last_ready: dict[str, Any] | None) -> tuple[bool, str]:
+    """``now`` (the acceptance gate's data) against the last READY record's: the same history,
+    K and prompts, and tau not more than ``max_regression`` below; else why nothing was compared."""
+    gates = (last_ready or {}).get("gates")
+    before = gates.get(GATE_ACCEPTANCE) if isinstance(gates, dict) else None
+    release = (last_ready or {}).get("release_id")
+    if not isinstance(before, dict) or not isinstance(before.get("mean_acceptance_length"), (int, float)):
+        return True, "no earlier READY record with a probe: this starts the acceptance history"
+    if before.get("history") != now["history"]:
+        return True, f"a new acceptance history: the target or the drafter's weights differ from release {release}'s"
+    if before.get("num_speculative_tokens") != now["num_speculative_tokens"]:
+        return True, (
+            f"a new acceptance history: K is {now['num_speculative_tokens']}, release {release} was probed with "
+            f"{before.get('num_speculative_tokens')}"
+        )
+    if before.get("prompts_sha256") != now["prompts_sha256"]:
+        return True, f"a new acceptance history: the probe's prompts differ from release {release}'s"
+    then, tau = float(before["mean_acceptance_length"]), float(now["mean_acceptance_length"])
+    floor = then * (1 - max_regression)
+    if tau < floor:
+        return False, (
+            f"tau {tau:.2f} fell {1 - tau / then:.0%} below the {then:.2f} of the last READY release {release} "
+            f"(the same target and drafter weights, prompts and K; at most {max_regression:.0%}: "
+            "gates.acceptance.max_regression)"
+        )
+    return True, f"tau {tau:.2f} against {then:.2f} of the last READY release {release} (floor {floor:.2f})"
 
 
 def read_failures(answers: protocol.Answers, report: HostReport, besides: Sequence[protocol.Op[Any]] = ()) -> None:

@@ -168,6 +168,9 @@ class AcceptanceGate:
     min_drafts: int = 50
     prompts: tuple[str, ...] = ()
     max_tokens: int = 128
+    # A new release of the same target and drafter weights, probed with the same prompts and K,
+    # may not fall more than this fraction below the last READY release's tau.
+    max_regression: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -638,14 +641,19 @@ def _gates(f: Field) -> Gates:
     f.mapping({"acceptance", "nccl", "live"})
     nccl = f["nccl"].mapping({"min_busbw_gbps", "timeout_s"})
     a = f["acceptance"].mapping(
-        {"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts", "prompts", "max_tokens"}
+        {"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts", "prompts", "max_tokens", "max_regression"}
     )
+    regression = a["max_regression"].number(AcceptanceGate.max_regression)
+    if not 0 <= regression < 1:
+        # tau never falls by its whole value (it is at least 1): 1 or more could never fail
+        raise a["max_regression"].error(f"a fraction from 0 up to (not including) 1, got {regression:g}")
     acceptance = AcceptanceGate(
         min_mean_acceptance_length=_tau(a["min_mean_acceptance_length"], AcceptanceGate.min_mean_acceptance_length),
         min_acceptance_rate=_rate(a["min_acceptance_rate"], None),
         min_drafts=a["min_drafts"].int(AcceptanceGate.min_drafts, minimum=1),
         prompts=a["prompts"].str_list(()),
         max_tokens=a["max_tokens"].int(AcceptanceGate.max_tokens, minimum=1, maximum=4096),
+        max_regression=regression,
     )
     live = f["live"].mapping({"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts"})
     return Gates(

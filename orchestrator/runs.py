@@ -227,7 +227,9 @@ def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False
             plan.read_checks(playbook, answers.get(checks.loader), answers.get(checks.build), report)
         gpu.read(answers, report)
         if probe is not None and probe in answers:
-            plan.read_probe(playbook, answers[probe], report)
+            # held to the READY record's own probe: a fall since READY is found here too
+            record = answers.get(served.status) if served.status is not None else None
+            plan.read_probe(playbook, answers[probe], report, record.ready if record is not None else None)
         plan.read_failures(answers, report)
 
     def work(run: Run, unit: Unit) -> None:

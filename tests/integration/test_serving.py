@@ -35,18 +35,18 @@ def vllm_installed() -> None:
 def playbook(
     tmp_path: Path,
     root: str,
-    drafter: str,
+    drafter: str | Path,
     speculative: bool = True,
     prompts: list[str] | None = None,
     **serving: Any,
 ) -> Path:
-    d = MODELS / drafter
+    d = drafter if isinstance(drafter, Path) else MODELS / drafter
     tmp_path.mkdir(parents=True, exist_ok=True)
     gates: dict[str, Any] = {"acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 20, "max_tokens": 64}}
     if prompts:
         gates["acceptance"]["prompts"] = prompts
     book = {
-        "name": f"tiny-{drafter}",
+        "name": f"tiny-{d.name}",
         "targets": ["all"],
         "deploy_root": root,
         "files": [{"src": str(d / "model.safetensors"), "dest": "drafter/model.safetensors"}],
@@ -65,7 +65,7 @@ def playbook(
         },
         "gates": gates,
     }
-    path = tmp_path / ("-".join([drafter, str(speculative), *(f"{k}{v}" for k, v in serving.items())]) + ".yaml")
+    path = tmp_path / ("-".join([d.name, str(speculative), *(f"{k}{v}" for k, v in serving.items())]) + ".yaml")
     path.write_text(json.dumps(book))  # JSON is YAML
     return path
 
@@ -181,13 +181,35 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
         )
         assert probed.code == 0 and probed.host(host)["gates"]["acceptance"]["mean_acceptance_length"] > K
 
-        # `orchestrate rollback` goes back to the previous release (the wrong mask, now) and proves
-        # it like a deploy: refused by the probe, and the good release started and READY again.
+        # The same drafter weights with a sliding window narrower than they were trained with:
+        # tau about 5 on real vLLM, above the gate's 4.0, but far below the last READY release's.
+        narrow = tmp_path / "drafter-narrow"
+        narrow.mkdir()
+        config = json.loads((MODELS / "drafter-good" / "config.json").read_text())
+        config.update(layer_types=["sliding_attention"], sliding_window=6, use_sliding_window=True)
+        (narrow / "config.json").write_text(json.dumps(config))
+        (narrow / "model.safetensors").write_bytes((MODELS / "drafter-good" / "model.safetensors").read_bytes())
+        fell = cli(
+            "deploy", playbook(tmp_path, root_name, narrow), "-i", sandbox.inventory, "--json", "--limit", host,
+            timeout=900,
+        )  # fmt: skip
+        report = fell.host(host)
+        acceptance = report["gates"]["acceptance"]
+        assert fell.code == 1 and not acceptance["ok"] and acceptance["reason"] == "acceptance_regressed", report
+        good_tau = good.host(host)["gates"]["acceptance"]["mean_acceptance_length"]
+        assert 4.0 < acceptance["mean_acceptance_length"] < 0.9 * good_tau
+        assert acceptance["detail"].startswith(f"tau {acceptance['mean_acceptance_length']:.2f} fell ")
+        assert f"below the {good_tau:.2f} of the last READY release {good.json['release_id']}" in acceptance["detail"]
+        assert json.loads((base / "ready.json").read_text())["release_id"] == good.json["release_id"]
+
+        # `orchestrate rollback` goes back to the previous release (the narrow window, now) and
+        # proves it like a deploy: refused by its history, and the good release READY again.
         good_pb = playbook(tmp_path, root_name, "drafter-good")
         refused = cli("rollback", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, timeout=900)
         report = refused.host(host)
-        assert refused.code == 1 and report["release_id"] == bad.json["release_id"], report
+        assert refused.code == 1 and report["release_id"] == fell.json["release_id"], report
         assert report["gates"]["health"]["ok"] and not report["gates"]["acceptance"]["ok"], report
+        assert report["gates"]["acceptance"]["reason"] == "acceptance_regressed"
         rolled = f"rolled back: release {good.json['release_id']} is current again, healthy and READY"
         assert any(d.startswith(rolled) for d in report["diagnosis"]), report["diagnosis"]
         assert os.readlink(base / "current") == f"releases/{good.json['release_id']}"
@@ -205,6 +227,8 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
             and report["previous_release_id"] == second.json["release_id"]
         )
         assert report["gates"]["acceptance"]["mean_acceptance_length"] > K and report["gates"]["ready"]["ok"]
+        # an unchanged drafter is held to its own history, and passes
+        assert report["gates"]["acceptance"]["regression"].startswith("tau ")
         ready = json.loads((base / "ready.json").read_text())
         assert ready["release_id"] == good.json["release_id"] and ready["pid"] != pid  # a new server, on it
         assert os.readlink(base / "current") == f"releases/{good.json['release_id']}"

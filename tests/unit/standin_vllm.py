@@ -23,7 +23,9 @@ exact commands the agent runs (``serving.python`` points at it):
   record the environment it was given in.
 
 Acceptance depends on the drafter config the server was given, as it does for real: every draft is
-accepted when ``dflash_config.mask_token_id`` is ``$STANDIN_GOOD_MASK``, none otherwise.
+accepted when ``dflash_config.mask_token_id`` is ``$STANDIN_GOOD_MASK``, none otherwise;
+``$STANDIN_ACCEPTED`` (a setting of the server, as a flag or a vLLM upgrade would be) accepts only
+the first N positions of each good draft.
 ``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load (a file
 ``standin-refuse`` in a deploy root: only there);
 ``$STANDIN_START_DELAY`` seconds pass before it listens, as a model loads. ``$STANDIN_TOKEN_S`` seconds pass per
@@ -65,8 +67,9 @@ def options(args: list[str]) -> tuple[dict[str, str], set[str]]:
 
 
 class Counters:
-    def __init__(self, k: int, good: bool) -> None:
+    def __init__(self, k: int, good: bool, accepted: int | None = None) -> None:
         self.k, self.good = k, good
+        self.a = k if accepted is None else max(0, min(k, accepted))  # positions accepted per draft
         self.drafts = self.draft_tokens = self.accepted = self.generated = 0
         self.finished = 0
         self.per_pos = [0] * k
@@ -77,12 +80,12 @@ class Counters:
             self.generated += tokens
             # The first token comes from the prefill; a draft follows each step after it.
             tokens -= 1
-            drafts = math.ceil(tokens / (self.k + 1)) if self.good else tokens
+            drafts = math.ceil(tokens / (self.a + 1)) if self.good else tokens
             self.drafts += drafts
             self.draft_tokens += drafts * self.k
             if self.good:
-                self.accepted += drafts * self.k
-                self.per_pos = [p + drafts for p in self.per_pos]
+                self.accepted += drafts * self.a
+                self.per_pos = [p + (drafts if i < self.a else 0) for i, p in enumerate(self.per_pos)]
 
     def text(self, model: str, running: int = 0) -> str:
         labels = f'engine="0",model_name="{model}"'
@@ -133,7 +136,8 @@ def serve(args: list[str]) -> None:
     def load() -> Counters:
         drafter = json.loads((Path(spec["model"]) / "config.json").read_text()) if spec else {}
         mask = (drafter.get("dflash_config") or {}).get("mask_token_id")
-        return Counters(k, str(mask) == os.environ.get("STANDIN_GOOD_MASK"))
+        accepted = os.environ.get("STANDIN_ACCEPTED")
+        return Counters(k, str(mask) == os.environ.get("STANDIN_GOOD_MASK"), int(accepted) if accepted else None)
 
     counters = load()
     aborting = threading.Event()  # SIGTERM past --shutdown-timeout: requests in flight are cut

@@ -161,6 +161,13 @@ for key, value, expected in (
     ("acceptance: {min_acceptance_rate: 0}", "acceptance.min_acceptance_rate", "must be above 0, got 0"),
     ("live: {min_acceptance_rate: 0.0}", "live.min_acceptance_rate", "must be above 0"),
     ("nccl: {min_busbw_gbps: 0}", "nccl.min_busbw_gbps", "must be above 0, got 0: 0 GB/s cannot fail"),
+    (
+        "acceptance: {max_regression: 1}",
+        "acceptance.max_regression",
+        "a fraction from 0 up to (not including) 1, got 1",
+    ),
+    ("acceptance: {max_regression: -0.1}", "acceptance.max_regression", "a fraction from 0 up to (not including) 1"),
+    ("acceptance: {max_regression: 1.5}", "acceptance.max_regression", "a fraction from 0 up to"),
 ):
     PLAYBOOK_CASES[f"a threshold that cannot fail: {key}"] = (
         PLAYBOOK + "gates: {" + key + "}\n",

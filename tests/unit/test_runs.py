@@ -585,3 +585,52 @@ def test_verify_and_the_dry_run_never_write_not_even_the_deploy_root(box: Box) -
     refused = rollback(box, load_playbook(box.dir / "files.yaml"))  # files only: the same first look
     assert host(refused, "solo").gates["files"].detail == "there is no previous release to go back to"
     assert not box.root("solo").exists()
+
+
+def test_a_release_whose_tau_fell_against_the_last_ready_one_is_refused_and_rolled_back(box: Box) -> None:
+    """Acceptance held to its history: the same target and drafter weights, prompts and K, with a
+    setting of the server that costs acceptance (the stand-in's STANDIN_ACCEPTED, as a flag or a
+    vLLM upgrade would) but stays above the absolute threshold, is refused with both numbers."""
+    env = {"STANDIN_GOOD_MASK": str(GOOD_MASK)}
+    good_pb = box.playbook(env=env)
+    first = deploy(box, good_pb)
+    solo = host(first, "solo")
+    assert first.ok, solo.gates
+    data = solo.gates["acceptance"].data
+    assert data["regression"] == "no earlier READY record with a probe: this starts the acceptance history"
+    assert data["num_speculative_tokens"] == K and len(data["history"]) == len(data["prompts_sha256"]) == 64
+    ready = json.loads((box.root("solo") / "ready.json").read_text())
+    assert ready["gates"]["acceptance"]["mean_acceptance_length"] == K + 1  # the history lives on the host
+
+    # tau 7 against 8: above the gate's 4.0, but 12% below the last READY release (at most 10%).
+    slower = deploy(box, box.playbook("slower", env={**env, "STANDIN_ACCEPTED": str(K - 1)}))
+    solo = host(slower, "solo")
+    assert (
+        not slower.ok and solo.failed_gate == "acceptance" and solo.gates["acceptance"].reason == "acceptance_regressed"
+    )
+    assert solo.gates["acceptance"].detail == (
+        f"tau 7.00 fell 12% below the 8.00 of the last READY release {first.release_id} (the same target and "
+        "drafter weights, prompts and K; at most 10%: gates.acceptance.max_regression)"
+    )
+    assert box.current("solo") == f"releases/{first.release_id}"  # rolled back to what was READY
+    assert json.loads((box.root("solo") / "ready.json").read_text())["release_id"] == first.release_id
+
+    # With a looser tolerance the same release passes, and says what it was compared with.
+    loose = box.playbook(
+        "loose", env={**env, "STANDIN_ACCEPTED": str(K - 1)}, top={"gates": {"acceptance": {
+            "min_mean_acceptance_length": 4.0, "min_drafts": 10, "max_tokens": 32, "max_regression": 0.2}}},
+    )  # fmt: skip
+    passed = deploy(box, loose)
+    assert passed.ok, host(passed, "solo").gates
+    assert host(passed, "solo").gates["acceptance"].data["regression"] == (
+        f"tau 7.00 against 8.00 of the last READY release {first.release_id} (floor 6.40)"
+    )
+    # An unchanged redeploy is held to the 7.00 it now has, and passes.
+    again = deploy(box, loose)
+    assert again.ok and host(again, "solo").gates["acceptance"].data["regression"].startswith("tau 7.00 against 7.00")
+
+    # Another K starts a new history, said; so do other prompts.
+    other_k = deploy(box, box.playbook("k5", env=env, num_speculative_tokens=5))
+    assert other_k.ok and host(other_k, "solo").gates["acceptance"].data["regression"] == (
+        f"a new acceptance history: K is 5, release {host(again, 'solo').release_id} was probed with {K}"
+    )
