@@ -52,7 +52,13 @@ def new_release_id(now: float | None = None) -> str:
 def probe_timeout(playbook: Playbook) -> float:
     """How long the acceptance probe may take: a minute, plus a second per token it asks for."""
     gate = playbook.gates.acceptance
-    return 60.0 + gate.max_tokens * len(gate.prompts or DEFAULT_PROBE_PROMPTS)
+    return 60.0 + gate.max_tokens * (len(gate.prompts or DEFAULT_PROBE_PROMPTS) + warm_prompts(playbook))
+
+
+def warm_prompts(playbook: Playbook) -> int:
+    """How many prompts the probe sends again, their prefixes cached: half (rounded up), or none."""
+    gate = playbook.gates.acceptance
+    return 0 if gate.prefix_cache == "off" else -(-len(gate.prompts or DEFAULT_PROBE_PROMPTS) // 2)
 
 
 # --- what a run asks ------------------------------------------------------------------------
@@ -313,7 +319,9 @@ def probe_op(playbook: Playbook, host: str = protocol.LOOPBACK) -> protocol.Op[p
     """The acceptance probe: greedy completions of the playbook's prompts (or the built-in mix)."""
     s, gate = playbook.serving, playbook.gates.acceptance
     prompts = gate.prompts or DEFAULT_PROBE_PROMPTS
-    return protocol.probe(s.port, s.model_name, prompts, gate.max_tokens, probe_timeout(playbook), host=host)
+    return protocol.probe(
+        s.port, s.model_name, prompts, gate.max_tokens, probe_timeout(playbook), host=host, warm=warm_prompts(playbook)
+    )
 
 
 def paths(playbook: Playbook) -> list[str]:
@@ -657,7 +665,8 @@ def read_probe(
     weights, prompts and K may not have fallen more than ``max_regression`` below its tau."""
     gate = playbook.gates.acceptance
     try:
-        a = probe.measure(scrapes.before, scrapes.after)
+        # the cold pass is what the thresholds and the history judge
+        a = probe.measure(scrapes.before, scrapes.middle or scrapes.after)
     except probe.ProbeError as exc:
         report.gates[GATE_ACCEPTANCE] = Gate(False, str(exc), reason=exc.reason)
         return
@@ -680,7 +689,49 @@ def read_probe(
         data["regression"] = said
         if not ok:
             detail, reason = said, "acceptance_regressed"
+    if scrapes.middle is not None:
+        data["warm"], finding = warm_pass(gate.max_regression, a, scrapes.middle, scrapes.after)
+        if finding is not None and ok and gate.prefix_cache == "strict":
+            ok, detail, reason = False, finding, "prefix_cache_acceptance"
+        elif finding is not None:
+            data["warnings"] = [*data.get("warnings", []), finding]
     report.gates[GATE_ACCEPTANCE] = Gate(ok, detail, data, reason)
+
+
+PREFIX_HITS, PREFIX_QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+
+
+def warm_pass(
+    max_regression: float, cold: probe.Acceptance, middle: str, after: str
+) -> tuple[dict[str, Any], str | None]:
+    """The warm pass against the cold one: prompts sent again find their prefixes in vLLM's prefix
+    cache, where DFlash has lost acceptance (vLLM issue 47930, fix PR 54163) while a cold probe saw
+    nothing. Its numbers, and a finding when its tau falls more than ``max_regression`` below."""
+    try:
+        hits = (probe.total(after, PREFIX_HITS) or 0.0) - (probe.total(middle, PREFIX_HITS) or 0.0)
+        queries = (probe.total(after, PREFIX_QUERIES) or 0.0) - (probe.total(middle, PREFIX_QUERIES) or 0.0)
+        warm = probe.measure(middle, after)
+    except probe.ProbeError as exc:
+        return {"error": str(exc)}, f"the warm pass cannot be judged: {exc}"
+    data: dict[str, Any] = {
+        "mean_acceptance_length": round(warm.mean_acceptance_length, 3),
+        "acceptance_rate": round(warm.rate, 4),
+        "drafts": warm.drafts,
+        "prefix_cache_hits": int(hits),
+        "prefix_cache_queries": int(queries),
+    }
+    if hits <= 0:
+        data["compared"] = "no: the warm pass found nothing in the prefix cache (caching off, or prompts under a block)"
+        return data, None
+    data["compared"] = "yes"
+    cold_tau, warm_tau = cold.mean_acceptance_length, warm.mean_acceptance_length
+    if warm_tau < cold_tau * (1 - max_regression):
+        return data, (
+            f"with its prefix cached, tau falls to {warm_tau:.2f} from the cold pass's {cold_tau:.2f} "
+            f"({int(hits)} of {int(queries)} prompt tokens from the cache): production traffic that shares "
+            "prefixes accepts less than the probe says (vLLM issue 47930)"
+        )
+    return data, None
 
 
 def prompts_digest(playbook: Playbook) -> str:

@@ -171,6 +171,9 @@ class AcceptanceGate:
     # A new release of the same target and drafter weights, probed with the same prompts and K,
     # may not fall more than this fraction below the last READY release's tau.
     max_regression: float = 0.1
+    # The warm pass (half the prompts again, their prefixes cached): "warn" says a drop of its tau
+    # beyond max_regression below the cold pass's, "strict" fails the gate on it, "off" sends none.
+    prefix_cache: str = "warn"
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,7 @@ class Rollout:
     bake_s: float = 0.0
 
 
+PREFIX_CACHE = ("warn", "strict", "off")
 GATEWAY_KINDS = ("vllm-router", "haproxy", "endpoints-file", "command")
 # HAProxy's runtime API takes a line of commands split at ';' and spaces: a backend or server name
 # is a plain identifier, checked here so that no name can carry a second command.
@@ -641,7 +645,15 @@ def _gates(f: Field) -> Gates:
     f.mapping({"acceptance", "nccl", "live"})
     nccl = f["nccl"].mapping({"min_busbw_gbps", "timeout_s"})
     a = f["acceptance"].mapping(
-        {"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts", "prompts", "max_tokens", "max_regression"}
+        {
+            "min_mean_acceptance_length",
+            "min_acceptance_rate",
+            "min_drafts",
+            "prompts",
+            "max_tokens",
+            "max_regression",
+            "prefix_cache",
+        }
     )
     regression = a["max_regression"].number(AcceptanceGate.max_regression)
     if not 0 <= regression < 1:
@@ -654,7 +666,10 @@ def _gates(f: Field) -> Gates:
         prompts=a["prompts"].str_list(()),
         max_tokens=a["max_tokens"].int(AcceptanceGate.max_tokens, minimum=1, maximum=4096),
         max_regression=regression,
+        prefix_cache=a["prefix_cache"].str(AcceptanceGate.prefix_cache),
     )
+    if acceptance.prefix_cache not in PREFIX_CACHE:
+        raise a["prefix_cache"].error(f"expected one of {', '.join(PREFIX_CACHE)}")
     live = f["live"].mapping({"min_mean_acceptance_length", "min_acceptance_rate", "min_drafts"})
     return Gates(
         acceptance=acceptance,

@@ -336,11 +336,13 @@ class Output:
 
 @dataclass(frozen=True)
 class Scrapes:
-    """The probe: /metrics before and after the probe prompts."""
+    """The probe: /metrics before and after the probe prompts (and, with a warm pass, between the
+    cold pass and the prompts sent again)."""
 
     before: str
     after: str
     seconds: float | None
+    middle: str | None = None
 
 
 # --- operations --------------------------------------------------------------------------------
@@ -848,9 +850,16 @@ def command(
 
 
 def probe(
-    port: int, model: str, prompts: Sequence[str], max_tokens: int, timeout: float, host: str = LOOPBACK
+    port: int,
+    model: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    timeout: float,
+    host: str = LOOPBACK,
+    warm: int = 0,
 ) -> Op[Scrapes]:
-    """Scrape /metrics, run the prompts (greedy, a fixed token budget), scrape again."""
+    """Scrape /metrics, run the prompts (greedy, a fixed token budget), scrape again; ``warm``: then
+    the first ``warm`` prompts once more, their prefixes cached, after a scrape between."""
     request = {
         "op": "probe",
         "host": host,
@@ -859,12 +868,18 @@ def probe(
         "prompts": list(prompts),
         "max_tokens": max_tokens,
         "timeout": timeout,
+        "warm": warm,
     }
     return Op(request, _scrapes, budget_s=timeout)
 
 
 def _scrapes(v: dict[str, Any]) -> Scrapes:
-    return Scrapes(_field(v, "before", str), _field(v, "after", str), _field(v, "seconds", float, optional=True))
+    return Scrapes(
+        _field(v, "before", str),
+        _field(v, "after", str),
+        _field(v, "seconds", float, optional=True),
+        _field(v, "middle", str, optional=True),
+    )
 
 
 def metrics(port: int, prefixes: Sequence[str], timeout: float = 10.0, host: str = LOOPBACK) -> Op[str]:

@@ -638,9 +638,11 @@ def op_serving_status(req):
     return {"server": record, "health": health, "ready": ready}
 
 
-@op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER)
+@op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER, warm=int)
 def op_probe(req):
-    """Scrape /metrics, run the probe prompts (greedy, fixed budget), scrape again."""
+    """Scrape /metrics, run the probe prompts (greedy, fixed budget), scrape again. With ``warm``,
+    the first ``warm`` prompts are sent once more after a scrape in the middle: the second pass
+    finds their prefixes in vLLM's prefix cache, and its acceptance is told apart."""
     import json
 
     port, timeout, host = req["port"], float(req["timeout"]), req["host"]
@@ -650,8 +652,14 @@ def op_probe(req):
     completions = []
     started = time.monotonic()
     prompts = req["prompts"]
-    for i, prompt in enumerate(prompts):
-        _event({"op": "probe", "done": i, "of": len(prompts)})
+    warm = max(0, min(req["warm"], len(prompts)))
+    middle = None
+    for i, prompt in enumerate(prompts + prompts[:warm]):
+        if i == len(prompts):
+            middle_status, middle = _http(port, "GET", "/metrics", timeout=30, host=host)
+            if middle_status != 200:
+                raise OpError("probe", "GET /metrics between the passes failed: %s %s" % (middle_status, middle[:200]))
+        _event({"op": "probe", "done": i, "of": len(prompts) + warm})
         body = {
             "model": req["model"],
             "prompt": prompt,
@@ -672,6 +680,7 @@ def op_probe(req):
         raise OpError("probe", "GET /metrics after the probe failed: %s %s" % (after_status, after[:200]))
     return {
         "before": before,
+        "middle": middle,
         "after": after,
         "completions": completions,
         "seconds": round(time.monotonic() - started, 2),

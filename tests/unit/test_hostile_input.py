@@ -168,6 +168,7 @@ for key, value, expected in (
     ),
     ("acceptance: {max_regression: -0.1}", "acceptance.max_regression", "a fraction from 0 up to (not including) 1"),
     ("acceptance: {max_regression: 1.5}", "acceptance.max_regression", "a fraction from 0 up to"),
+    ("acceptance: {prefix_cache: always}", "acceptance.prefix_cache", "expected one of warn, strict, off"),
 ):
     PLAYBOOK_CASES[f"a threshold that cannot fail: {key}"] = (
         PLAYBOOK + "gates: {" + key + "}\n",

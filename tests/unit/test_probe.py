@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from orchestrator import probe
@@ -148,3 +151,47 @@ def test_the_fast_reader_agrees_with_prometheus_clients_parser(text: str) -> Non
 def test_a_hostile_scrape_is_an_error_never_a_number(line: str, why: str) -> None:
     with pytest.raises(probe.ProbeError, match=why):
         probe.parse(line + "\n")
+
+
+def test_the_warm_pass_is_told_apart_and_a_drop_with_cached_prefixes_is_a_finding(tmp_path: Path) -> None:
+    """The probe sends half its prompts again: their prefixes come from vLLM's prefix cache, where
+    DFlash acceptance can fall (vLLM issue 47930) while the cold pass looks fine. The cold pass is
+    what the thresholds judge; the warm one is a warning, or the gate's failure when strict."""
+    from orchestrator import plan, protocol
+    from orchestrator.playbook import load_playbook
+    from orchestrator.results import HostReport
+
+    (tmp_path / "a.txt").write_text("a\n")
+
+    def cache(hits: int, queries: int) -> str:
+        return f'vllm:prefix_cache_hits_total{{engine="0"}} {hits}\nvllm:prefix_cache_queries_total{{engine="0"}} {queries}\n'
+
+    before = metrics(0, 0, 0, [0] * 7) + cache(0, 0)
+    middle = metrics(100, 700, 700, [100] * 7) + cache(0, 400)  # cold: tau 8
+    after = metrics(150, 1050, 900, [150, 150, 150, 150, 100, 100, 100]) + cache(192, 600)  # warm: tau 5
+
+    def gate(mode: str, after: str = after) -> Any:
+        book = tmp_path / f"{mode}.yaml"
+        book.write_text(
+            "name: p\ntargets: [me]\ndeploy_root: /unused\nfiles: [{src: a.txt, dest: a.txt}]\n"
+            f"gates: {{acceptance: {{min_drafts: 10, prefix_cache: {mode}}}}}\n"
+        )
+        report = HostReport("h")
+        plan.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle), report)
+        return report.gates["acceptance"]
+
+    warned = gate("warn")
+    assert warned.ok and warned.data["mean_acceptance_length"] == 8.0  # the cold pass
+    assert warned.data["warm"] == {
+        "mean_acceptance_length": 5.0, "acceptance_rate": 0.5714, "drafts": 50, "prefix_cache_hits": 192,
+        "prefix_cache_queries": 200, "compared": "yes",
+    }  # fmt: skip
+    assert warned.data["warnings"] == [
+        "with its prefix cached, tau falls to 5.00 from the cold pass's 8.00 (192 of 200 prompt tokens from the "
+        "cache): production traffic that shares prefixes accepts less than the probe says (vLLM issue 47930)"
+    ]
+    strict = gate("strict")
+    assert not strict.ok and strict.reason == "prefix_cache_acceptance" and strict.detail == warned.data["warnings"][0]
+    # No prefix cache hits (caching off, or prompts shorter than a block): nothing to compare.
+    uncached = gate("strict", metrics(150, 1050, 900, [150] * 7) + cache(0, 600))
+    assert uncached.ok and uncached.data["warm"]["compared"].startswith("no: ")
