@@ -537,6 +537,36 @@ def _speculative_tokens(f: Facts) -> Iterator[Problem]:
                       "wastes its work", block - 1, k)  # fmt: skip
 
 
+def _tap_overrides(f: Facts) -> Iterator[Problem]:
+    if f.layout.kind != "dflash":
+        return
+    raw, ids = f.drafter, f.dflash.get("target_layer_ids")
+    want = [i + 1 for i in ids] if isinstance(ids, list) and all(_int(i) is not None for i in ids) else None
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        # Both runners read it first, as layer numbers (a tapped layer + 1), before dflash_config.
+        if top != want:
+            yield Problem(
+                "eagle_aux_hidden_state_layer_ids", "error", "read first by vLLM on both model runners, as it is "
+                "(tapped layer + 1), in place of dflash_config.target_layer_ids: the drafter gets other layers' hidden "
+                "states (acceptance near zero, or the first request fails)", want, top,
+                fix="remove it (dflash_config.target_layer_ids is the drafter's own)", vllm=FIRST_REQUEST,
+            )  # fmt: skip
+        return
+    eagle = raw.get("eagle_config")
+    if isinstance(eagle, dict) and "eagle_aux_hidden_state_layer_ids" not in eagle and want is not None:
+        # V1's _get_eagle3_aux_layers_from_config: an eagle_config block replaces the taps it just
+        # read from dflash_config with its own, which is none; V2 keeps dflash_config's.
+        v1 = f.serving_env.get("VLLM_USE_V2_MODEL_RUNNER") == "0" or "+cpu" in (f.vllm_version or "")
+        yield Problem(
+            "eagle_config", "error" if v1 else "warning", "on the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, or "
+            "the CPU build) an eagle_config without eagle_aux_hidden_state_layer_ids replaces "
+            "dflash_config.target_layer_ids with nothing: vLLM taps its default layers (the first request fails, or "
+            "acceptance near zero); the V2 runner keeps dflash_config's", actual=sorted(eagle),
+            fix="move what it holds into dflash_config and remove it", vllm=FIRST_REQUEST if v1 else "",
+        )  # fmt: skip
+
+
 def _pipeline_taps(f: Facts) -> Iterator[Problem]:
     if f.pipeline_parallel_size <= 1 or f.target is None:
         return
@@ -589,6 +619,12 @@ RULES: tuple[Rule, ...] = (
          _model_type, (
         "vLLM reads no model_type for DFlash; transformers' config classes fill defaults (GptOssConfig: layer_types, "
         "rope_scaling)",
+    )),
+    Rule("tap_overrides", "taps read from somewhere else than dflash_config.target_layer_ids: the drafter reads "
+         "other layers' hidden states", _tap_overrides, (
+        "vLLM 0.32.0 v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config (V1: "
+        "eagle_aux_hidden_state_layer_ids first; an eagle_config block replaces dflash_config's taps) and "
+        "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config (V2: the same first)",
     )),
     Rule("pipeline_taps", "DFlash with pipeline parallelism on a target whose decoder cannot pass the drafter's "
          "taps between stages: vLLM refuses to start", _pipeline_taps, (

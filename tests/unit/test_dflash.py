@@ -372,3 +372,21 @@ def test_pipeline_parallel_dflash_is_refused_for_targets_that_cannot_pass_taps_b
         if p.field == "serving.pipeline_parallel_size"
     ]
     assert said.severity == "warning" and "engine gate" in said.message
+
+
+def test_taps_read_from_elsewhere_than_dflash_config_are_named() -> None:
+    """vLLM 0.32 reads a top-level eagle_aux_hidden_state_layer_ids first on both runners, as it is
+    (layer + 1); on the V1 runner an eagle_config block without it replaces dflash_config's taps."""
+    ids = GOOD["dflash_config"]["target_layer_ids"]
+    same = edited(eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids])
+    assert "eagle_aux_hidden_state_layer_ids" not in errors(dflash.lint(same, TARGET))
+    stale = errors(dflash.lint(edited(eagle_aux_hidden_state_layer_ids=ids), TARGET))
+    problem = stale["eagle_aux_hidden_state_layer_ids"]
+    assert problem.expected == [i + 1 for i in ids] and problem.actual == ids and problem.rule == "tap_overrides"
+    block = edited(eagle_config={"use_aux_hidden_state": True})
+    on_v2 = [p for p in dflash.lint(block, TARGET, vllm_version="0.32.0") if p.field == "eagle_config"]
+    assert [p.severity for p in on_v2] == ["warning"]
+    on_cpu = errors(dflash.lint(block, TARGET, vllm_version="0.32.0+cpu"))
+    assert "replaces dflash_config.target_layer_ids with nothing" in on_cpu["eagle_config"].message
+    v1 = errors(dflash.lint(block, TARGET, vllm_version="0.32.0", serving_env={"VLLM_USE_V2_MODEL_RUNNER": "0"}))
+    assert "eagle_config" in v1
