@@ -102,6 +102,10 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
         assert good.code == 0, (good.stderr, report["gates"])
         acceptance = report["gates"]["acceptance"]
         assert acceptance["ok"] and acceptance["mean_acceptance_length"] > K  # close to K + 1
+        # the warm pass ran (half the prompts again) and is reported apart from the cold one
+        warm = acceptance["warm"]
+        assert warm["drafts"] > 0 and warm["mean_acceptance_length"] >= 1 and "compared" in warm, warm
+        assert warm["prefix_cache_queries"] >= warm["prefix_cache_hits"] >= 0
         assert acceptance["acceptance_rate"] > 0.95 and acceptance["drafts"] >= 20
         assert set(report["gates"]) >= {"lint", "connect", "files", "loader", "build", "health", "acceptance", "ready"}
         base = sandbox.srv(host) / Path(root_name).name

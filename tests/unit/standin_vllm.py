@@ -197,7 +197,10 @@ def serve(args: list[str]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGHUP, reload)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    stopping.wait()
+    # A signal the kernel hands to a serving thread only sets a flag: the main thread runs the
+    # handler when it next runs Python, so it wakes often rather than block for ever.
+    while not stopping.wait(0.05):
+        pass
     # As vLLM stops on SIGTERM: with --shutdown-timeout N it takes no new request and finishes
     # those it holds for up to N s; without, every request in flight is cut.
     grace = float(values.get("shutdown-timeout", "0"))
