@@ -223,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     v = run_parser("verify", "re-read what every target serves and report drift; never writes")
     v.add_argument("--probe", action="store_true", help="also re-run the acceptance probe on live traffic")
     v.add_argument(
+        "--engine",
+        action="store_true",
+        help="also ask the installed vLLM whether it would start the served command again (after an upgrade, "
+        "before a restart finds out); seconds to a minute per host",
+    )
+    v.add_argument(
         "--rehash",
         action="store_true",
         help="hash every model file again instead of trusting the host's digest cache (reads all of each model)",
@@ -396,7 +402,7 @@ def _run(args: argparse.Namespace, kind: str, deployment: Deployment, options: R
         "dry-run": deployment.dry_run,
         "deploy": deployment.deploy,
         "stop": deployment.stop,
-        "verify": lambda: deployment.verify(probe=args.probe, rehash=args.rehash),
+        "verify": lambda: deployment.verify(probe=args.probe, rehash=args.rehash, engine=args.engine),
         "rollback": lambda: deployment.rollback(to=args.to_release),
     }[kind]
 

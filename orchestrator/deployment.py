@@ -113,10 +113,11 @@ class Deployment:
         acceptance on live traffic): READY, or the previous release back where it was."""
         return runs.deploy(self.scope)
 
-    def verify(self, *, probe: bool = False, rehash: bool = False) -> RunReport:
+    def verify(self, *, probe: bool = False, rehash: bool = False, engine: bool = False) -> RunReport:
         """Read what every target serves and check it (never writes). ``probe``: prove acceptance
-        again on live traffic; ``rehash``: hash every model file instead of trusting the cache."""
-        return runs.verify(self.scope, probe_acceptance=probe, rehash=rehash)
+        again on live traffic; ``rehash``: hash every model file instead of trusting the cache;
+        ``engine``: the installed vLLM's verdict on the served command (the engine gate)."""
+        return runs.verify(self.scope, probe_acceptance=probe, rehash=rehash, engine=engine)
 
     def rollback(self, *, to: str | None = None) -> RunReport:
         """Make the previous release (or ``to``) current again, started and proven like a deploy."""

@@ -196,7 +196,7 @@ def _switch_staged(run: Run, node: Node) -> None:
     plan.read_made_current(run.playbook, answers[switch], node.report)
 
 
-def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False) -> RunReport:
+def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False, engine: bool = False) -> RunReport:
     """Read only, one exec per node: the files the server reads against the playbook's digests,
     the model files (their digests from the host's cache, or hashed again with ``rehash``) and the
     overlay's links against their pins,
@@ -231,6 +231,16 @@ def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False
             record = answers.get(served.status) if served.status is not None else None
             plan.read_probe(playbook, answers[probe], report, record.ready if record is not None else None)
         plan.read_failures(answers, report)
+        if engine and unit.single and playbook.serving.target is not None and report.release_id is not None:
+            # vLLM as installed now, on the command the current release is served with: an
+            # upgrade under a running server shows here, not at its next restart.
+            command = serving.command(playbook, node.target.container, report.release_id)
+            want = serving.resolved(playbook, node.target.container, report.release_id)
+            op = protocol.engine_check(node.root, serving.SERVER, command, want).finding()
+            found = run.batch(node, [op])
+            if op in found:
+                plan.read_engine(found[op], report)
+            plan.read_failures(found, report)
 
     def work(run: Run, unit: Unit) -> None:
         unit.each(lambda node: check(run, unit, node), GATE_FILES)

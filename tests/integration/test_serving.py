@@ -117,6 +117,14 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
             "before weights: the drafter's mask token"
         )
         server = json.loads((base / "run" / "dflash-serve.json").read_text())["pid"]
+        # verify --engine: the installed vLLM's verdict on the command that serves, nothing touched
+        asked = cli(
+            "verify", playbook(tmp_path, root_name, "drafter-good"), "-i", sandbox.inventory, "--json", "--limit",
+            host, "--engine", timeout=300,
+        )  # fmt: skip
+        assert asked.code == 0, asked.host(host)["gates"]
+        assert asked.host(host)["gates"]["engine"]["detail"] == engine["detail"]
+        assert json.loads((base / "run" / "dflash-serve.json").read_text())["pid"] == server
 
         # vLLM's own configuration refuses a command lint cannot judge (the target's 2 heads over
         # 3 ranks), before anything serving is switched or stopped.

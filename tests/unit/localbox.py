@@ -179,8 +179,8 @@ def deploy(box: Box, playbook: Playbook, **options: Any) -> RunReport:
     return Deployment(playbook, box.inventory, replace(OPTIONS, **options)).deploy()
 
 
-def verify(box: Box, playbook: Playbook, probe: bool = False) -> RunReport:
-    return Deployment(playbook, box.inventory, OPTIONS).verify(probe=probe)
+def verify(box: Box, playbook: Playbook, probe: bool = False, engine: bool = False) -> RunReport:
+    return Deployment(playbook, box.inventory, OPTIONS).verify(probe=probe, engine=engine)
 
 
 def rollback(box: Box, playbook: Playbook, to: str | None = None) -> RunReport:

@@ -634,3 +634,23 @@ def test_a_release_whose_tau_fell_against_the_last_ready_one_is_refused_and_roll
     assert other_k.ok and host(other_k, "solo").gates["acceptance"].data["regression"] == (
         f"a new acceptance history: K is 5, release {host(again, 'solo').release_id} was probed with {K}"
     )
+
+
+def test_verify_engine_asks_the_installed_vllm_about_the_served_command(box: Box) -> None:
+    """verify --engine: the engine gate on the command the current release is served with, as vLLM
+    is installed now (an upgrade under a running server refuses it here, not at the next restart)."""
+    env = {"STANDIN_GOOD_MASK": str(GOOD_MASK)}
+    pb = box.playbook(env=env)
+    first = deploy(box, pb)
+    assert first.ok
+    plain = verify(box, pb)
+    assert plain.ok and "engine" not in host(plain, "solo").gates  # not asked unless asked for
+    asked = verify(box, pb, engine=True)
+    engine = host(asked, "solo").gates["engine"]
+    assert asked.ok and engine.detail.startswith("vLLM 0.33.0 accepts the command: target Qwen3ForCausalLM")
+    refusing = box.playbook(env={**env, "STANDIN_ENGINE_REFUSE": "Model architectures ['X'] are not supported"})
+    refused = verify(box, refusing, engine=True)
+    solo = host(refused, "solo")
+    assert not refused.ok and not solo.gates["engine"].ok, solo.gates
+    assert "are not supported" in solo.gates["engine"].detail
+    assert alive(box.pid("solo"))  # verify never stops or starts anything
