@@ -567,6 +567,23 @@ def _tap_overrides(f: Facts) -> Iterator[Problem]:
         )  # fmt: skip
 
 
+def _sample_from_anchor(f: Facts) -> Iterator[Problem]:
+    if f.dflash.get("sample_from_anchor") is not True:
+        return
+    v1 = f.serving_env.get("VLLM_USE_V2_MODEL_RUNNER") == "0" or "+cpu" in (f.vllm_version or "")
+    if v1:
+        yield Problem(
+            "dflash_config.sample_from_anchor", "warning", "not read by the V1 model runner (the anchor is the "
+            "bonus token); the V2 runner refuses it", False, True,
+        )  # fmt: skip
+    else:
+        yield Problem(
+            "dflash_config.sample_from_anchor", "error", "refused by the V2 model runner's DFlash speculator as it "
+            "starts (\"sample_from_anchor=True is not supported for DFlash\"): DFlash's anchor is the bonus token",
+            False, True, fix="remove it", vllm=REFUSES_TO_START,
+        )  # fmt: skip
+
+
 def _pipeline_taps(f: Facts) -> Iterator[Problem]:
     if f.pipeline_parallel_size <= 1 or f.target is None:
         return
@@ -625,6 +642,9 @@ RULES: tuple[Rule, ...] = (
         "vLLM 0.32.0 v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config (V1: "
         "eagle_aux_hidden_state_layer_ids first; an eagle_config block replaces dflash_config's taps) and "
         "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config (V2: the same first)",
+    )),
+    Rule("sample_from_anchor", "a DFlash sampling layout the V2 runner refuses", _sample_from_anchor, (
+        "vLLM 0.32.0 v1/worker/gpu/spec_decode/dflash/speculator.py (raises at the speculator's construction)",
     )),
     Rule("pipeline_taps", "DFlash with pipeline parallelism on a target whose decoder cannot pass the drafter's "
          "taps between stages: vLLM refuses to start", _pipeline_taps, (

@@ -390,3 +390,17 @@ def test_taps_read_from_elsewhere_than_dflash_config_are_named() -> None:
     assert "replaces dflash_config.target_layer_ids with nothing" in on_cpu["eagle_config"].message
     v1 = errors(dflash.lint(block, TARGET, vllm_version="0.32.0", serving_env={"VLLM_USE_V2_MODEL_RUNNER": "0"}))
     assert "eagle_config" in v1
+
+
+def test_sample_from_anchor_is_refused_where_the_v2_runner_reads_it() -> None:
+    config = edited(dflash_config__sample_from_anchor=True)
+    assert errors(dflash.lint(config, TARGET, vllm_version="0.32.0"))["dflash_config.sample_from_anchor"].vllm == (
+        dflash.REFUSES_TO_START
+    )
+    on_cpu = [p for p in dflash.lint(config, TARGET, vllm_version="0.32.0+cpu") if p.rule == "sample_from_anchor"]
+    assert [p.severity for p in on_cpu] == ["warning"]
+    assert not [
+        p
+        for p in dflash.lint(edited(dflash_config__sample_from_anchor=False), TARGET)
+        if p.rule == "sample_from_anchor"
+    ]
