@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -763,8 +764,10 @@ def regression(max_regression: float, now: dict[str, Any], last_ready: dict[str,
     gates = (last_ready or {}).get("gates")
     before = gates.get(GATE_ACCEPTANCE) if isinstance(gates, dict) else None
     release = (last_ready or {}).get("release_id")
-    if not isinstance(before, dict) or not isinstance(before.get("mean_acceptance_length"), (int, float)):
+    then_tau = before.get("mean_acceptance_length") if isinstance(before, dict) else None
+    if not (isinstance(then_tau, (int, float)) and not isinstance(then_tau, bool) and 1 <= then_tau < math.inf):
         return True, "no earlier READY record with a probe: this starts the acceptance history"
+    assert isinstance(before, dict)
     if before.get("history") != now["history"]:
         return True, f"a new acceptance history: the target or the drafter's weights differ from release {release}'s"
     if before.get("num_speculative_tokens") != now["num_speculative_tokens"]:

@@ -197,12 +197,13 @@ def _switch_staged(run: Run, node: Node) -> None:
 
 
 def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False, engine: bool = False) -> RunReport:
-    """Read only, one exec per node: the files the server reads against the playbook's digests,
-    the model files (their digests from the host's cache, or hashed again with ``rehash``) and the
-    overlay's links against their pins,
-    the loader and build checks, the server (or rank) alive and healthy, the READY record, and
-    with ``probe_acceptance`` the acceptance probe through the head. A group also needs every
-    node on one release (and, with Ray, every node in the cluster)."""
+    """Read only, one exec per node (two with ``engine``): the files the server reads against the
+    playbook's digests, the model files (their digests from the host's cache, or hashed again with
+    ``rehash``) and the overlay's links against their pins, the loader and build checks, the server
+    (or rank) alive and healthy, the READY record; with ``probe_acceptance`` the acceptance probe
+    through the head, held to the READY record's; with ``engine`` the installed vLLM's verdict on
+    the served command. A group also needs every node on one release (and, with Ray, every node
+    in the cluster)."""
     playbook, inventory = scope.playbook, scope.inventory
 
     def check(run: Run, unit: Unit, node: Node) -> None:

@@ -633,6 +633,8 @@ def op_serving_status(req):
         ready = json.loads(_read_own(os.path.join(root, "ready.json")) or b"null")  # a link: no record
     except ValueError:
         pass
+    if not isinstance(ready, dict):
+        ready = None  # not a record of ours (edited by hand, cut short): as good as none
     if record:
         record.pop("argv", None)
     return {"server": record, "health": health, "ready": ready}

@@ -654,3 +654,22 @@ def test_verify_engine_asks_the_installed_vllm_about_the_served_command(box: Box
     assert not refused.ok and not solo.gates["engine"].ok, solo.gates
     assert "are not supported" in solo.gates["engine"].detail
     assert alive(box.pid("solo"))  # verify never stops or starts anything
+
+
+@pytest.mark.parametrize(
+    "record",
+    ["[1]", '{"release_id": "R", "gates": {"acceptance": {"mean_acceptance_length": NaN}}}', '{"gates": 3}', "{"],
+)
+def test_a_ready_record_that_is_not_ours_starts_a_new_history_and_blocks_nothing(box: Box, record: str) -> None:
+    """ready.json edited by hand, cut short or planted: the regression check has nothing to hold
+    the probe to, says so, and the deploy goes on (and writes a record of its own)."""
+    pb = box.playbook()
+    assert deploy(box, pb).ok
+    (box.root("solo") / "ready.json").write_text(record)
+    again = deploy(box, box.playbook("other", drafter={"rms_norm_eps": 1e-5}))
+    solo = host(again, "solo")
+    assert again.ok, solo.gates
+    assert solo.gates["acceptance"].data["regression"] == (
+        "no earlier READY record with a probe: this starts the acceptance history"
+    )
+    assert json.loads((box.root("solo") / "ready.json").read_text())["release_id"] == solo.release_id
