@@ -422,6 +422,15 @@ def _target_layers(f: Facts) -> Iterator[Problem]:
     ids, name = f.dflash.get("target_layer_ids"), f.layout.ids_field
     # speculators count from 1 (the layer's output = the next layer's input): say both
     tapped = " (tapped layers, their ids minus 1)" if f.layout.kind == "speculators" else ""
+    top = f.drafter.get("target_layer_ids") if f.layout.kind == "dflash" else None
+    v1 = f.serving_env.get("VLLM_USE_V2_MODEL_RUNNER") == "0" or "+cpu" in (f.vllm_version or "")
+    if ids is None and isinstance(top, list) and not v1:
+        # The V2 runner reads top-level taps after dflash_config's (vLLM 0.32.0 eagle3_utils.py
+        # get_eagle3_aux_layers_from_config); the V1 runner does not.
+        yield Problem("target_layer_ids", "warning", "only at the top level: read by the V2 model runner alone; on "
+                      "V1 (VLLM_USE_V2_MODEL_RUNNER=0, the CPU build) vLLM taps its default layers and the first "
+                      "request kills the engine", fix="move it into dflash_config.target_layer_ids")  # fmt: skip
+        ids, name = top, "target_layer_ids"
     if ids is None:
         # vLLM then taps its own default layers (3), and the first request fails against the
         # drafter's fc ("expects 320 concatenated aux hidden features but received 192", recorded)

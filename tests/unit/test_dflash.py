@@ -404,3 +404,15 @@ def test_sample_from_anchor_is_refused_where_the_v2_runner_reads_it() -> None:
         for p in dflash.lint(edited(dflash_config__sample_from_anchor=False), TARGET)
         if p.rule == "sample_from_anchor"
     ]
+
+
+def test_top_level_taps_are_read_by_the_v2_runner_only() -> None:
+    """vLLM 0.32's V2 runner reads target_layer_ids at the top level when dflash_config has none;
+    V1 does not, and taps its defaults (the first request fails)."""
+    top = edited(dflash_config__target_layer_ids=dflash)
+    top["target_layer_ids"] = GOOD["dflash_config"]["target_layer_ids"]
+    found = dflash.lint(top, TARGET, vllm_version="0.32.0")
+    assert [(p.field, p.severity) for p in found if "target_layer_ids" in p.field] == [("target_layer_ids", "warning")]
+    assert "dflash_config.target_layer_ids" in errors(dflash.lint(top, TARGET, vllm_version="0.32.0+cpu"))
+    wrong = dict(top, target_layer_ids=[1, 16, 31, 46, 64])
+    assert "target_layer_ids" in errors(dflash.lint(wrong, TARGET, vllm_version="0.32.0"))  # still judged
