@@ -327,6 +327,12 @@ class Facts:
         return self.layout.config
 
     @property
+    def runs_v1(self) -> bool:
+        """Whether the V1 model runner is known to serve: asked for (VLLM_USE_V2_MODEL_RUNNER=0),
+        or the CPU build (no Triton, so no V2 in the versions read)."""
+        return self.serving_env.get("VLLM_USE_V2_MODEL_RUNNER") == "0" or "+cpu" in (self.vllm_version or "")
+
+    @property
     def dflash(self) -> dict[str, Any]:
         """Its dflash_config, or an empty one."""
         found = self.layout.config.get("dflash_config")
@@ -423,7 +429,7 @@ def _target_layers(f: Facts) -> Iterator[Problem]:
     # speculators count from 1 (the layer's output = the next layer's input): say both
     tapped = " (tapped layers, their ids minus 1)" if f.layout.kind == "speculators" else ""
     top = f.drafter.get("target_layer_ids") if f.layout.kind == "dflash" else None
-    v1 = f.serving_env.get("VLLM_USE_V2_MODEL_RUNNER") == "0" or "+cpu" in (f.vllm_version or "")
+    v1 = f.runs_v1
     if ids is None and isinstance(top, list) and not v1:
         # The V2 runner reads top-level taps after dflash_config's (vLLM 0.32.0 eagle3_utils.py
         # get_eagle3_aux_layers_from_config); the V1 runner does not.
@@ -566,7 +572,7 @@ def _tap_overrides(f: Facts) -> Iterator[Problem]:
     if isinstance(eagle, dict) and "eagle_aux_hidden_state_layer_ids" not in eagle and want is not None:
         # V1's _get_eagle3_aux_layers_from_config: an eagle_config block replaces the taps it just
         # read from dflash_config with its own, which is none; V2 keeps dflash_config's.
-        v1 = f.serving_env.get("VLLM_USE_V2_MODEL_RUNNER") == "0" or "+cpu" in (f.vllm_version or "")
+        v1 = f.runs_v1
         yield Problem(
             "eagle_config", "error" if v1 else "warning", "on the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, or "
             "the CPU build) an eagle_config without eagle_aux_hidden_state_layer_ids replaces "
@@ -579,7 +585,7 @@ def _tap_overrides(f: Facts) -> Iterator[Problem]:
 def _sample_from_anchor(f: Facts) -> Iterator[Problem]:
     if f.dflash.get("sample_from_anchor") is not True:
         return
-    v1 = f.serving_env.get("VLLM_USE_V2_MODEL_RUNNER") == "0" or "+cpu" in (f.vllm_version or "")
+    v1 = f.runs_v1
     if v1:
         yield Problem(
             "dflash_config.sample_from_anchor", "warning", "not read by the V1 model runner (the anchor is the "

@@ -53,13 +53,18 @@ def new_release_id(now: float | None = None) -> str:
 def probe_timeout(playbook: Playbook) -> float:
     """How long the acceptance probe may take: a minute, plus a second per token it asks for."""
     gate = playbook.gates.acceptance
-    return 60.0 + gate.max_tokens * (len(gate.prompts or DEFAULT_PROBE_PROMPTS) + warm_prompts(playbook))
+    return 60.0 + gate.max_tokens * (len(probe_prompts(playbook)) + warm_prompts(playbook))
+
+
+def probe_prompts(playbook: Playbook) -> tuple[str, ...]:
+    """The probe's prompts: the playbook's, or the built-in mix."""
+    return playbook.gates.acceptance.prompts or DEFAULT_PROBE_PROMPTS
 
 
 def warm_prompts(playbook: Playbook) -> int:
     """How many prompts the probe sends again, their prefixes cached: half (rounded up), or none."""
     gate = playbook.gates.acceptance
-    return 0 if gate.prefix_cache == "off" else -(-len(gate.prompts or DEFAULT_PROBE_PROMPTS) // 2)
+    return 0 if gate.prefix_cache == "off" else -(-len(probe_prompts(playbook)) // 2)
 
 
 # --- what a run asks ------------------------------------------------------------------------
@@ -319,7 +324,7 @@ def health_op(playbook: Playbook, root: str, name: str, host: str = protocol.LOO
 def probe_op(playbook: Playbook, host: str = protocol.LOOPBACK) -> protocol.Op[protocol.Scrapes]:
     """The acceptance probe: greedy completions of the playbook's prompts (or the built-in mix)."""
     s, gate = playbook.serving, playbook.gates.acceptance
-    prompts = gate.prompts or DEFAULT_PROBE_PROMPTS
+    prompts = probe_prompts(playbook)
     return protocol.probe(
         s.port, s.model_name, prompts, gate.max_tokens, probe_timeout(playbook), host=host, warm=warm_prompts(playbook)
     )
@@ -738,7 +743,7 @@ def warm_pass(
 def prompts_digest(playbook: Playbook) -> str:
     """The probe's prompts and token budget, as one digest: only probes of the same set compare."""
     gate = playbook.gates.acceptance
-    body = {"prompts": list(gate.prompts or DEFAULT_PROBE_PROMPTS), "max_tokens": gate.max_tokens}
+    body = {"prompts": list(probe_prompts(playbook)), "max_tokens": gate.max_tokens}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
