@@ -91,6 +91,13 @@ def _say(text: str) -> None:
     message(text, _json_stderr)  # what hosts said, without terminal control codes
 
 
+def _context_length(text: str) -> int:
+    value = dflash.context_length(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected a context length as vLLM reads it (32768, 32k, 32K), got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -273,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline-parallel-size", type=_positive_int, default=1, help="the serving's pipeline parallel size"
     )
     lint.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K")
+    lint.add_argument(
+        "--max-model-len", type=_context_length, default=None, metavar="N",
+        help="the context served (as vLLM reads it: 32768, 32k, 32K); default: the target's max_position_embeddings",
+    )  # fmt: skip
     lint.add_argument("--json", action="store_true")
 
     inv = sub.add_parser("inventory", help="list, show, validate and edit the inventory (comments are kept)")
@@ -564,6 +575,7 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         args.vllm_version,
         args.num_speculative_tokens,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        max_model_len=args.max_model_len,
     )
     ok = not any(p.severity == "error" for p in problems)
     vllm = dflash.predicted_start(problems)

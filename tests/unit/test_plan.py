@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import marshal
 from pathlib import Path
 
@@ -161,3 +162,32 @@ def test_the_diagnosis_reads_reason_codes_never_the_details_words(tmp_path: Path
     report.gates["build"] = Gate(True, "vllm 0.33.0: no known DFlash bug applies, not running, restarted")
     report.gates["acceptance"] = Gate(False, "not running, restarted", reason=probe.LOW_RATE)
     assert plan.diagnose(pb, report) == causes[:1]
+
+
+def test_the_build_gate_and_lint_read_the_served_context_from_extra_args(tmp_path: Path) -> None:
+    """A drafter published for a shorter context than the target serves (8192 against Qwen3-8B's
+    40960): the V2 runner of vLLM 0.29-0.32 crashes on the first longer request (vLLM issue 57941).
+    The served context is the target's own unless serving.extra_args says --max-model-len: within
+    the drafter's, nothing applies."""
+    files = Path(__file__).resolve().parents[2] / "playbooks" / "files"
+    drafter = json.loads((files / "qwen3-8b-dflash" / "config.json").read_text())
+    (tmp_path / "d.json").write_text(json.dumps({**drafter, "max_position_embeddings": 8192}))
+    (tmp_path / "a.txt").write_text("x\n")
+    gates = {}
+    for extra in ("[]", "[--max-model-len, 8k]"):
+        (tmp_path / "pb.yaml").write_text(
+            PB.replace(
+                "drafter: {config: d.json}",
+                f"drafter: {{config: d.json, target_config: {files}/qwen3-8b/config.json}}\n"
+                f"serving: {{num_speculative_tokens: 15, extra_args: {extra}}}",
+            )
+        )
+        pb = load_playbook(tmp_path / "pb.yaml")
+        report = HostReport("h")
+        view = protocol.LoaderView(None, "Qwen3Config", "5.23.0", dict(pb.drafter.values))
+        plan.read_checks(pb, view, protocol.Build("vllm", "0.32.0"), report)
+        gates[extra] = report.gates["build"]
+        assert not [p for p in plan.lint_playbook(pb) if p.severity == "error"]
+    assert not gates["[]"].ok and "[draft_positions_crash]" in gates["[]"].detail
+    assert "(8192) is below the context served (40960)" in gates["[]"].detail
+    assert gates["[--max-model-len, 8k]"].ok, gates["[--max-model-len, 8k]"].detail
