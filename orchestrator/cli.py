@@ -575,7 +575,7 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         args.vllm_version,
         args.num_speculative_tokens,
         pipeline_parallel_size=args.pipeline_parallel_size,
-        max_model_len=args.max_model_len,
+        serving_args=("--max-model-len", str(args.max_model_len)) if args.max_model_len else (),
     )
     ok = not any(p.severity == "error" for p in problems)
     vllm = dflash.predicted_start(problems)

