@@ -69,7 +69,7 @@ from orchestrator.report import (
 from orchestrator.results import RunReport
 from orchestrator.runner import Observer, RunOptions
 from orchestrator.sandbox import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
-from orchestrator.state import StateDB
+from orchestrator.state import Holder, StateDB
 from orchestrator.yamlsource import MAX_SECONDS
 
 if TYPE_CHECKING:
@@ -89,6 +89,20 @@ _json_stderr = False
 
 def _say(text: str) -> None:
     message(text, _json_stderr)  # what hosts said, without terminal control codes
+
+
+def _state_url(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-url",
+        default=None,
+        metavar="URL",
+        help="the state store: sqlite:///path or postgresql://user@host/db (default $ORCHESTRATE_STATE_URL, else "
+        "SQLite in the state directory); a password belongs in ~/.pgpass or $PGPASSWORD, not here",
+    )
+
+
+def _state(args: argparse.Namespace) -> StateDB:
+    return StateDB(getattr(args, "state_dir", None), getattr(args, "state_url", None))
 
 
 def _context_length(text: str) -> int:
@@ -217,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"seconds to wait for another run's lock on a deploy root (default {_RUN_DEFAULTS.lock_timeout:g})",
         )
         p.add_argument("--state-dir", type=Path, default=None, help="state database directory")
+        _state_url(p)
         p.add_argument(
             "--skip-containers", action="store_true", help="do not check or change LXD containers (the containers gate)"
         )
@@ -335,12 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--host", default=None, help="only this host")
     rep.add_argument("--json", action="store_true")
     rep.add_argument("--state-dir", type=Path, default=None)
+    _state_url(rep)
     h = sub.add_parser("history", help="past runs from the state database")
     h.set_defaults(func=_cmd_history)
     h.add_argument("--limit", type=_positive_int, default=20)
     h.add_argument("--host", default=None, help="only runs that touched this host")
     h.add_argument("--json", action="store_true")
     h.add_argument("--state-dir", type=Path, default=None)
+    _state_url(h)
 
     s = sub.add_parser("sandbox", help="local test hosts on this machine (needs root)")
     s.set_defaults(func=_cmd_sandbox)
@@ -388,10 +405,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     kind = "dry-run" if getattr(args, "dry_run", False) else args.command
     options = _options(args)
     deployment = _deployment(args, options)
-    db = StateDB(args.state_dir)
+    db = _state(args)
     try:
         db.check_writable()  # the record must be possible before any host changes
-        run = _run(args, kind, deployment, options)
+        with _rollout_lock(db, args, kind, deployment):
+            run = _run(args, kind, deployment, options)
         try:
             db.record(run)
         except StateError as exc:
@@ -401,6 +419,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if run.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_OK if run.ok else EXIT_NOT_READY
+
+
+# The runs that change what hosts serve take the fleet-wide rollout lease of their targets (on a
+# shared PostgreSQL store); verify and dry-run only read, and go on beside them.
+_ROLLOUTS = ("deploy", "rollback", "stop")
+
+
+def _rollout_lock(
+    db: StateDB, args: argparse.Namespace, kind: str, deployment: Deployment
+) -> contextlib.AbstractContextManager[None]:
+    if kind not in _ROLLOUTS:
+        return contextlib.nullcontext()
+
+    def waiting(name: str, holder: Holder | None) -> None:
+        who = holder.describe() if holder else "a controller that left no record"
+        _say(f"waiting for {name}: {who} is rolling it out (up to {args.lock_timeout:g} s)")
+
+    run = f"{kind} {deployment.playbook.name}"
+    return db.rollout_lock([t.name for t in deployment.targets], run, args.lock_timeout, waiting)
 
 
 def _run(args: argparse.Namespace, kind: str, deployment: Deployment, options: RunOptions) -> RunReport:
@@ -470,7 +507,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     from orchestrator.watch import READY
 
     deployment = _deployment(args, _options(args))
-    db = StateDB(args.state_dir)
+    db = _state(args)
     stop, interrupted = threading.Event(), threading.Event()
     collector = server = None
     if args.metrics_port is not None:
@@ -547,7 +584,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from orchestrator import fleetreport
 
-    db = StateDB(args.state_dir)
+    db = _state(args)
     try:
         hosts = fleetreport.collect(
             db.history(limit=1_000_000, host=args.host), db.samples(args.host), db.transitions(args.host)
@@ -634,7 +671,7 @@ def _cmd_inventory_edit(args: argparse.Namespace) -> int:
 
 
 def _cmd_history(args: argparse.Namespace) -> int:
-    db = StateDB(args.state_dir)
+    db = _state(args)
     try:
         runs = db.history(args.limit, args.host)
     finally:

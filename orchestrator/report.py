@@ -345,9 +345,11 @@ def render_history(runs: list[dict[str, Any]], stream: TextIO | None = None) -> 
     for run in runs:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["started"]))
         status = "ok" if run["ok"] else "NOT OK"
+        by = run.get("by")
+        who = f"  by {by['user']}@{by['host']} pid {by['pid']}" if by else ""
         out.write(
             f"#{run['id']:<5} {when}  {run['kind']:<8} {status:<6} {run['hosts_ready']}/{run['hosts_total']} hosts  "
-            f"release {run['release_id'] or '-'}  {run['playbook']}  ({run['finished'] - run['started']:.2f} s)\n"
+            f"release {run['release_id'] or '-'}  {run['playbook']}  ({run['finished'] - run['started']:.2f} s){who}\n"
         )
     if not runs:
         out.write("no runs recorded yet\n")

@@ -1,40 +1,63 @@
-"""The controller's state: an embedded SQLite database of runs, per-host gates and file digests.
+"""The controller's state: runs, per-host gates and file digests, watch's transitions and the
+acceptance series, and the rollout leases of controllers that share it.
 
-Lives in ``$ORCHESTRATE_STATE_DIR`` or ``$XDG_STATE_HOME/dflash-orchestrator`` (default
-``~/.local/state/dflash-orchestrator``). Each run is written in one transaction at its end.
+Two stores behind one small SQL layer (DB-API 2, the same statements for both):
+
+- SQLite, the embedded default: ``$ORCHESTRATE_STATE_DIR`` or ``$XDG_STATE_HOME/dflash-orchestrator``
+  (``~/.local/state/dflash-orchestrator``), one file per user, the standard library only;
+- PostgreSQL, for a team: ``--state-url`` / ``$ORCHESTRATE_STATE_URL`` ``postgresql://...``, through
+  psycopg 3 (the ``postgres`` extra). Shared by every controller and watcher; it adds the
+  fleet-wide rollout lock (``rollout_lock``), session-scoped advisory locks a dead controller
+  cannot leave behind.
+
+The schema carries its version; a store of an older version is upgraded on open, one of a newer
+version is refused. Each run is written in one transaction at its end, with who ran it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import getpass
+import hashlib
 import json
 import os
+import socket
 import sqlite3
 import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
-from orchestrator.errors import StateError
+from orchestrator.errors import EXIT_BAD_INPUT, StateError
 from orchestrator.results import GATE_ACCEPTANCE, Gate, RunReport
 
 if TYPE_CHECKING:
     from orchestrator.watch import Round, Transition
 
+SCHEMA_VERSION = 2
+
+# The tables, written once for both stores: {id} is each dialect's generated key, {real} its float.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS checks (
     what TEXT PRIMARY KEY,
-    at REAL NOT NULL
+    at {real} NOT NULL
 );
 CREATE TABLE IF NOT EXISTS runs (
-    id INTEGER PRIMARY KEY,
+    id {id},
     kind TEXT NOT NULL,
     playbook TEXT NOT NULL,
     inventory TEXT NOT NULL,
     release_id TEXT,
-    started REAL NOT NULL,
-    finished REAL NOT NULL,
+    started {real} NOT NULL,
+    finished {real} NOT NULL,
     ok INTEGER NOT NULL,
     hosts_total INTEGER NOT NULL,
-    hosts_ready INTEGER NOT NULL
+    hosts_ready INTEGER NOT NULL,
+    user_name TEXT,
+    controller TEXT,
+    pid INTEGER
 );
 CREATE TABLE IF NOT EXISTS host_results (
     run_id INTEGER NOT NULL REFERENCES runs(id),
@@ -43,7 +66,7 @@ CREATE TABLE IF NOT EXISTS host_results (
     release_id TEXT,
     changed INTEGER NOT NULL,
     gates TEXT NOT NULL,
-    duration_s REAL NOT NULL,
+    duration_s {real} NOT NULL,
     PRIMARY KEY (run_id, host)
 );
 CREATE TABLE IF NOT EXISTS file_digests (
@@ -56,32 +79,101 @@ CREATE TABLE IF NOT EXISTS file_digests (
 );
 CREATE TABLE IF NOT EXISTS audit (
     run_id INTEGER REFERENCES runs(id),
-    at REAL NOT NULL,
+    at {real} NOT NULL,
     event TEXT NOT NULL,
     detail TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS host_results_by_host ON host_results(host);
 CREATE TABLE IF NOT EXISTS watch_transitions (
-    at REAL NOT NULL,
+    {seq}
+    at {real} NOT NULL,
     host TEXT NOT NULL,
     before TEXT,
     after TEXT NOT NULL,
     evidence TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS watch_transitions_by_host ON watch_transitions(host, at);
--- Acceptance over time, whatever measured it: a deploy's or verify's probe, or a watch window.
 CREATE TABLE IF NOT EXISTS acceptance_samples (
-    at REAL NOT NULL,
+    {seq}
+    at {real} NOT NULL,
     host TEXT NOT NULL,
     source TEXT NOT NULL,
     release_id TEXT,
-    mean_acceptance_length REAL NOT NULL,
-    mean_acceptance_length_low REAL,
-    acceptance_rate REAL NOT NULL,
+    mean_acceptance_length {real} NOT NULL,
+    mean_acceptance_length_low {real},
+    acceptance_rate {real} NOT NULL,
     drafts INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS acceptance_samples_by_host ON acceptance_samples(host, at);
+CREATE TABLE IF NOT EXISTS leases (
+    name TEXT PRIMARY KEY,
+    user_name TEXT NOT NULL,
+    controller TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    since {real} NOT NULL,
+    run TEXT NOT NULL
+);
 """
+
+# Upgrades from each version to the next (SQLite files written before the schema had a version
+# are version 1: no who-ran-it columns, no leases).
+UPGRADES: dict[int, tuple[str, ...]] = {
+    1: (
+        "ALTER TABLE runs ADD COLUMN user_name TEXT",
+        "ALTER TABLE runs ADD COLUMN controller TEXT",
+        "ALTER TABLE runs ADD COLUMN pid INTEGER",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a rollout lease: the controller's user, host and pid, since when, and its run."""
+
+    user: str
+    controller: str
+    pid: int
+    since: float
+    run: str
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"{self.user}@{self.controller} pid {self.pid}, since {when}, run {self.run}"
+
+
+class LockHeld(StateError):
+    """Another controller holds the rollout lease of some of the targets past --lock-timeout."""
+
+    def __init__(self, name: str, holder: Holder | None, waited: float) -> None:
+        who = holder.describe() if holder else "a controller that left no record"
+        super().__init__(f"{name} is being rolled out by {who} (waited {waited:g} s; --lock-timeout)")
+        self.name, self.holder = name, holder
+
+
+class StateUrlError(StateError):
+    """A state URL this controller cannot use: its scheme, its form, the driver, the credentials or
+    a store of a newer schema (bad input: exit 2)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced, as every message shows it."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0].split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+
+
+def whoami() -> tuple[str, str, int]:
+    """The controller as runs and leases name it: its user, host and pid."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return user, socket.gethostname(), os.getpid()
 
 
 def default_state_dir() -> Path:
@@ -121,165 +213,384 @@ def digest_key(directory: Path | None = None) -> str:
         raise StateError(f"the digest key {path} cannot be used: {exc}") from exc
 
 
-class StateDB:
-    """The embedded state (SQLite, one file per user): runs, per-host gates, digests and the audit
-    log; watch's samples and transitions."""
+@dataclass(frozen=True)
+class _Dialect:
+    """What differs between the two stores: the generated key, floats, the order rows were written
+    in, the parameter mark, and how to ask whether a table exists."""
 
-    def __init__(self, directory: Path | None = None) -> None:
+    name: str
+    id: str
+    bigint: str
+    real: str
+    seq_column: str  # a column of its own for write order ("" where the store has rowid)
+    seq: str
+    mark: str
+    has_table: str
+
+    def schema(self) -> list[str]:
+        text = SCHEMA.format(id=self.id, real=self.real, seq=self.seq_column, bigint=self.bigint)
+        return [stmt.strip() for stmt in text.split(";") if stmt.strip()]
+
+    def sql(self, text: str) -> str:
+        return text if self.mark == "?" else text.replace("?", self.mark)
+
+
+SQLITE = _Dialect(
+    "sqlite", "INTEGER PRIMARY KEY", "INTEGER", "REAL", "", "rowid", "?",
+    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+)  # fmt: skip
+POSTGRESQL = _Dialect(
+    "postgresql", "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY", "BIGINT", "DOUBLE PRECISION",
+    "id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,", "id", "%s", "SELECT to_regclass(?) IS NOT NULL",
+)  # fmt: skip
+_SCHEMA_LOCK = 0x64666C617368  # serialises two controllers opening a new PostgreSQL store at once
+
+
+def _lock_key(name: str) -> int:
+    """The advisory lock key of a rollout lease (a signed 64-bit int, as PostgreSQL takes it)."""
+    return int.from_bytes(
+        hashlib.sha256(f"dflash-orchestrator rollout {name}".encode()).digest()[:8], "big", signed=True
+    )
+
+
+class StateDB:
+    """The controller's state, on SQLite (the default: a file per user) or on PostgreSQL (a team's,
+    shared): runs, per-host gates, digests and the audit log; watch's samples and transitions;
+    rollout leases."""
+
+    def __init__(self, directory: Path | None = None, url: str | None = None) -> None:
+        url = url or os.environ.get("ORCHESTRATE_STATE_URL") or None
         self.directory = directory or default_state_dir()
-        self.path = self.directory / "state.db"
+        self.url = url
+        self.conn: Any
+        if url is None:
+            self.path: Path | None = self.directory / "state.db"
+            self.where = str(self.path)
+            self._open_sqlite(self.path)
+        else:
+            parts = urlsplit(url)
+            scheme = parts.scheme.split("+", 1)[0]
+            self.where = redact(url)
+            if scheme == "sqlite":
+                if not parts.path or parts.path == "/":
+                    raise StateUrlError(f"state URL {self.where}: no database file (sqlite:///path/to/state.db)")
+                self.path = Path(parts.path)
+                self._open_sqlite(self.path)
+            elif scheme in ("postgresql", "postgres"):
+                self.path = None
+                self._open_postgresql(urlunsplit(parts._replace(scheme="postgresql")))
+            else:
+                raise StateUrlError(f"state URL {self.where}: scheme {parts.scheme!r} is neither sqlite nor postgresql")
+        self._migrate()
+
+    # --- the two stores ------------------------------------------------------------------
+
+    def _open_sqlite(self, path: Path) -> None:
+        self.dialect = SQLITE
+        self._errors: tuple[type[Exception], ...] = (sqlite3.Error,)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.db = sqlite3.connect(self.path, timeout=30)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.executescript(SCHEMA)
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # autocommit: every transaction is our own BEGIN IMMEDIATE ... COMMIT
+            self.conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+            self.conn.execute("PRAGMA journal_mode=WAL")
         except (OSError, sqlite3.Error) as exc:
-            raise StateError(f"state database {self.path}: {exc}") from exc
+            raise StateError(f"state database {self.where}: {exc}") from exc
+
+    def _open_postgresql(self, dsn: str) -> None:
+        self.dialect = POSTGRESQL
+        self._dsn = dsn
+        try:
+            import psycopg
+        except ImportError:
+            raise StateUrlError(
+                f"state URL {self.where}: PostgreSQL needs psycopg 3 (pip install 'dflash-orchestrator[postgres]')"
+            ) from None
+        self._errors = (psycopg.Error,)
+        self.conn = self._pg_connect()
+
+    def _pg_connect(self, autocommit: bool = False) -> Any:
+        import psycopg
+
+        try:
+            return psycopg.connect(self._dsn, autocommit=autocommit, connect_timeout=10, application_name="orchestrate")
+        except psycopg.Error as exc:
+            text = " ".join(str(exc).split())
+            # credentials, or a database or role that is not there: the URL is wrong, not the network
+            if any(w in text for w in ("password authentication failed", "no password supplied", "does not exist")):
+                raise StateUrlError(f"state database {self.where}: {text}") from None
+            raise StateError(f"state database {self.where} cannot be reached: {text}") from None
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[Any]:
+        """One transaction, committed at the end or rolled back on any error; errors of either
+        store come out as StateError naming the store."""
+        cur = None
+        try:
+            cur = self.conn.cursor()
+            if self.dialect is SQLITE:
+                cur.execute("BEGIN IMMEDIATE")
+            try:
+                yield cur
+            except BaseException:
+                with contextlib.suppress(*self._errors):
+                    self.conn.rollback() if self.dialect is POSTGRESQL else cur.execute("ROLLBACK")
+                raise
+            if self.dialect is SQLITE:
+                cur.execute("COMMIT")
+            else:
+                self.conn.commit()
+        except self._errors as exc:
+            raise StateError(f"state database {self.where}: {' '.join(str(exc).split())}") from exc
+        finally:
+            if cur is not None:
+                with contextlib.suppress(*self._errors):
+                    cur.close()
+
+    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        try:
+            cur = self.conn.cursor()
+            try:
+                cur.execute(self.dialect.sql(sql), tuple(args))
+                rows = list(cur.fetchall())
+            finally:
+                cur.close()
+            if self.dialect is POSTGRESQL:
+                self.conn.rollback()  # end the read's transaction: no session left idle in one
+            return rows
+        except self._errors as exc:
+            raise StateError(f"state database {self.where}: {' '.join(str(exc).split())}") from exc
+
+    def _migrate(self) -> None:
+        """Bring the store to SCHEMA_VERSION: create it when new, upgrade it when older, refuse it
+        when newer (this controller would misread it)."""
+        d = self.dialect
+        # A store at this version is only read (no write transaction): it opens read-only too
+        # (history, report), and says it cannot be written only where a run writes.
+        if self._query(d.has_table, ("schema_version",)) not in ([], [(None,)], [(False,)]):
+            rows = self._query("SELECT version FROM schema_version")
+            if rows and int(rows[0][0]) == SCHEMA_VERSION:
+                return
+        if d is POSTGRESQL:
+            # Two controllers opening a new store at once: one makes it, the other waits and finds
+            # it made. A session lock taken before the transaction, so the transaction that follows
+            # sees the catalog as the first left it.
+            self._query("SELECT pg_advisory_lock(?)", (_SCHEMA_LOCK,))
+        try:
+            self._upgrade()
+        finally:
+            if d is POSTGRESQL:
+                self._query("SELECT pg_advisory_unlock(?)", (_SCHEMA_LOCK,))
+
+    def _upgrade(self) -> None:
+        d = self.dialect
+        with self._tx() as cur:
+            cur.execute(d.sql(d.has_table), ("schema_version",))  # again: another may have made it
+            found = cur.fetchone()
+            row = None
+            if found is not None and found[0]:
+                cur.execute("SELECT version FROM schema_version")
+                row = cur.fetchone()
+            else:
+                cur.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+            if row is None:
+                cur.execute(d.sql(d.has_table), ("runs",))
+                found = cur.fetchone()
+                version = 1 if found is not None and found[0] else 0  # 1: a file from before versions
+                cur.execute(d.sql("INSERT INTO schema_version (version) VALUES (?)"), (version,))
+            else:
+                version = int(row[0])
+            if version > SCHEMA_VERSION:
+                raise StateUrlError(
+                    f"state database {self.where} has schema version {version}, newer than this orchestrate knows "
+                    f"({SCHEMA_VERSION}): use the orchestrate that wrote it, or a newer one"
+                )
+            if version and version < SCHEMA_VERSION:
+                for v in range(version, SCHEMA_VERSION):
+                    for stmt in UPGRADES.get(v, ()):
+                        cur.execute(stmt)
+            if version < SCHEMA_VERSION:
+                for stmt in d.schema():
+                    cur.execute(stmt)
+                cur.execute(d.sql("UPDATE schema_version SET version = ?"), (SCHEMA_VERSION,))
 
     def close(self) -> None:
-        """Close the database (what was committed stays)."""
-        self.db.close()
+        """Close the store (what was committed stays)."""
+        with contextlib.suppress(*self._errors):
+            self.conn.close()
 
     def check_writable(self) -> None:
-        """Write and commit a row, before a run touches any host: a database that is read-only,
-        locked past its timeout or on a full disk is said now, not after the hosts changed."""
+        """Write and commit a row, before a run touches any host: a store that is read-only,
+        locked past its timeout, full or gone is said now, not after the hosts changed."""
         try:
-            with self.db:
-                self.db.execute("INSERT OR REPLACE INTO checks VALUES ('writable', ?)", (time.time(),))
-        except sqlite3.Error as exc:
-            raise StateError(f"state database {self.path} cannot be written: {exc}") from exc
+            with self._tx() as cur:
+                cur.execute(
+                    self.dialect.sql(
+                        "INSERT INTO checks (what, at) VALUES ('writable', ?) "
+                        "ON CONFLICT (what) DO UPDATE SET at = excluded.at"
+                    ),
+                    (time.time(),),
+                )
+        except StateError as exc:
+            raise StateError(f"{exc} (cannot be written)") from exc
+
+    # --- what is recorded ------------------------------------------------------------------
 
     def record(self, run: RunReport) -> int:
-        try:
-            with self.db:
-                cur = self.db.execute(
-                    "INSERT INTO runs (kind, playbook, inventory, release_id, started, finished, ok, hosts_total, hosts_ready)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        """A run, its hosts' gates, digests and acceptance, and the host keys it accepted, in one
+        transaction, with who ran it (user, host, pid)."""
+        q = self.dialect.sql
+        user, controller, pid = whoami()
+        with self._tx() as cur:
+            cur.execute(
+                q(
+                    "INSERT INTO runs (kind, playbook, inventory, release_id, started, finished, ok, hosts_total, "
+                    "hosts_ready, user_name, controller, pid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id"
+                ),
+                (
+                    run.kind,
+                    run.playbook,
+                    run.inventory,
+                    run.release_id,
+                    run.started,
+                    run.finished,
+                    int(run.ok),
+                    len(run.hosts),
+                    sum(h.ready for h in run.hosts),
+                    user,
+                    controller,
+                    pid,
+                ),
+            )
+            run_id = int(cur.fetchone()[0])
+            cur.executemany(
+                q(
+                    "INSERT INTO host_results (run_id, host, ready, release_id, changed, gates, duration_s) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+                ),
+                [
                     (
-                        run.kind,
-                        run.playbook,
-                        run.inventory,
-                        run.release_id,
-                        run.started,
-                        run.finished,
-                        int(run.ok),
-                        len(run.hosts),
-                        sum(h.ready for h in run.hosts),
+                        run_id,
+                        h.name,
+                        int(h.ready),
+                        h.release_id,
+                        int(h.changed),
+                        json.dumps({k: g.to_json() for k, g in h.gates.items()}),
+                        h.duration_s,
+                    )
+                    for h in run.hosts
+                ],
+            )
+            digests = [
+                (run_id, h.name, f.remote_path, f.sha256, f.expected, int(f.changed))
+                for h in run.hosts
+                for f in h.files
+            ]
+            if digests:
+                cur.executemany(
+                    q(
+                        "INSERT INTO file_digests (run_id, host, remote_path, sha256, expected_sha256, changed) "
+                        "VALUES (?, ?, ?, ?, ?, ?)"
                     ),
+                    digests,
                 )
-                run_id = int(cur.lastrowid or 0)
-                self.db.executemany(
-                    "INSERT INTO host_results VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (
-                            run_id,
-                            h.name,
-                            int(h.ready),
-                            h.release_id,
-                            int(h.changed),
-                            json.dumps({k: g.to_json() for k, g in h.gates.items()}),
-                            h.duration_s,
-                        )
-                        for h in run.hosts
-                    ],
-                )
-                self.db.executemany(
-                    "INSERT INTO file_digests VALUES (?, ?, ?, ?, ?, ?)",
-                    [
-                        (run_id, h.name, f.remote_path, f.sha256, f.expected, int(f.changed))
-                        for h in run.hosts
-                        for f in h.files
-                    ],
-                )
-                self.db.executemany(
-                    "INSERT INTO acceptance_samples VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (run.finished, h.name, run.kind, h.release_id, *numbers)
-                        for h in run.hosts
-                        if (numbers := _acceptance_numbers(h.gates.get(GATE_ACCEPTANCE))) is not None
-                    ],
-                )
-                self.db.executemany(
-                    "INSERT INTO audit VALUES (?, ?, ?, ?)",
-                    [(run_id, run.finished, "host_key_accepted", key) for key in run.accepted_host_keys],
-                )
-        except sqlite3.Error as exc:
-            raise StateError(f"state database {self.path}: {exc}") from exc
+            self._insert_samples(
+                cur,
+                [
+                    (run.finished, h.name, run.kind, h.release_id, *numbers)
+                    for h in run.hosts
+                    if (numbers := _acceptance_numbers(h.gates.get(GATE_ACCEPTANCE))) is not None
+                ],
+            )
+            keys = [(run_id, run.finished, "host_key_accepted", key) for key in run.accepted_host_keys]
+            if keys:
+                cur.executemany(q("INSERT INTO audit (run_id, at, event, detail) VALUES (?, ?, ?, ?)"), keys)
         return run_id
+
+    def _insert_samples(self, cur: Any, rows: list[tuple[Any, ...]]) -> None:
+        if rows:
+            cur.executemany(
+                self.dialect.sql(
+                    "INSERT INTO acceptance_samples (at, host, source, release_id, mean_acceptance_length, "
+                    "mean_acceptance_length_low, acceptance_rate, drafts) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                ),
+                rows,
+            )
 
     def record_watch(self, transitions: list[Transition], rounds: list[Round]) -> None:
         """A watch round: its transitions with their evidence, and each window it judged."""
-        try:
-            with self.db:
-                self.db.executemany(
-                    "INSERT INTO watch_transitions VALUES (?, ?, ?, ?, ?)",
+        with self._tx() as cur:
+            if transitions:
+                cur.executemany(
+                    self.dialect.sql(
+                        "INSERT INTO watch_transitions (at, host, before, after, evidence) VALUES (?, ?, ?, ?, ?)"
+                    ),
                     [(t.at, t.host, t.before, t.after, json.dumps(t.to_json())) for t in transitions],
                 )
-                self.db.executemany(
-                    "INSERT INTO acceptance_samples VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (
-                            r.at,
-                            r.host,
-                            "watch",
-                            r.release_id,
-                            r.live.mean_acceptance_length,
-                            r.live.mean_acceptance_length_low,
-                            r.live.rate,
-                            r.live.drafts,
-                        )
-                        for r in rounds
-                        if r.live is not None and r.live.until == r.at  # judged in this round
-                    ],
-                )
-        except sqlite3.Error as exc:
-            raise StateError(f"state database {self.path}: {exc}") from exc
+            self._insert_samples(
+                cur,
+                [
+                    (
+                        r.at,
+                        r.host,
+                        "watch",
+                        r.release_id,
+                        r.live.mean_acceptance_length,
+                        r.live.mean_acceptance_length_low,
+                        r.live.rate,
+                        r.live.drafts,
+                    )
+                    for r in rounds
+                    if r.live is not None and r.live.until == r.at  # judged in this round
+                ],
+            )
+
+    # --- what is read ----------------------------------------------------------------------
 
     def transitions(self, host: str | None = None) -> list[dict[str, Any]]:
         """watch's state changes of a host (or all hosts), oldest first."""
-        query = "SELECT evidence FROM watch_transitions"
-        args: list[Any] = []
+        query, args = "SELECT evidence FROM watch_transitions", []
         if host:
             query += " WHERE host = ?"
             args.append(host)
-        return [json.loads(row[0]) for row in self.db.execute(query + " ORDER BY at, rowid", args)]
+        rows = self._query(f"{query} ORDER BY at, {self.dialect.seq}", args)
+        return [json.loads(row[0]) for row in rows]
 
     def samples(self, host: str | None = None) -> list[dict[str, Any]]:
-        """watch's live acceptance samples of a host (or all hosts), oldest first."""
+        """Acceptance samples of a host (or all hosts), oldest first."""
         names: tuple[str, ...] = ("at", "host", "source", "release_id", "mean_acceptance_length")
         names += ("mean_acceptance_length_low", "acceptance_rate", "drafts")
-        query = f"SELECT {', '.join(names)} FROM acceptance_samples"
-        args: list[Any] = []
+        query, args = f"SELECT {', '.join(names)} FROM acceptance_samples", []
         if host:
             query += " WHERE host = ?"
             args.append(host)
-        rows = self.db.execute(query + " ORDER BY at, rowid", args).fetchall()
+        rows = self._query(f"{query} ORDER BY at, {self.dialect.seq}", args)
         return [dict(zip(names, row, strict=True)) for row in rows]
 
+    RUN_COLUMNS = (
+        "id", "kind", "playbook", "release_id", "started", "finished", "ok", "hosts_total", "hosts_ready",
+        "user_name", "controller", "pid",
+    )  # fmt: skip
+
     def history(self, limit: int = 20, host: str | None = None) -> list[dict[str, Any]]:
-        """The runs recorded, newest first, with their per-host results."""
-        query = "SELECT id, kind, playbook, release_id, started, finished, ok, hosts_total, hosts_ready FROM runs"
-        args: list[Any] = []
+        """The runs recorded (by every controller that shares the store), newest first, with their
+        per-host results and who ran each (``by``: user, host, pid; None for runs recorded before
+        the store kept it)."""
+        query, args = f"SELECT {', '.join(self.RUN_COLUMNS)} FROM runs", []
         if host:
             query += " WHERE id IN (SELECT run_id FROM host_results WHERE host = ?)"
             args.append(host)
-        query += " ORDER BY id DESC LIMIT ?"
-        args.append(limit)
-        rows = self.db.execute(query, args).fetchall()
+        rows = self._query(query + " ORDER BY id DESC LIMIT ?", [*args, limit])
         runs = []
         for row in rows:
-            run = dict(
-                zip(
-                    ("id", "kind", "playbook", "release_id", "started", "finished", "ok", "hosts_total", "hosts_ready"),
-                    row,
-                    strict=True,
-                )
-            )
+            run = dict(zip(self.RUN_COLUMNS, row, strict=True))
             run["ok"] = bool(run["ok"])
-            hosts = self.db.execute(
-                "SELECT host, ready, release_id, changed, gates, duration_s FROM host_results WHERE run_id = ? ORDER BY host",
+            user, controller, pid = run.pop("user_name"), run.pop("controller"), run.pop("pid")
+            run["by"] = {"user": user, "host": controller, "pid": pid} if user is not None else None
+            hosts = self._query(
+                "SELECT host, ready, release_id, changed, gates, duration_s FROM host_results WHERE run_id = ? "
+                "ORDER BY host",
                 (run["id"],),
-            ).fetchall()
+            )
             run["hosts"] = [
                 {
                     "name": h[0],
@@ -297,14 +608,87 @@ class StateDB:
 
     def files(self, run_id: int) -> list[dict[str, Any]]:
         """A run's per-host file digests: what each host served and what was expected."""
-        rows = self.db.execute(
-            "SELECT host, remote_path, sha256, expected_sha256, changed FROM file_digests WHERE run_id = ? ORDER BY host, remote_path",
+        rows = self._query(
+            "SELECT host, remote_path, sha256, expected_sha256, changed FROM file_digests WHERE run_id = ? "
+            "ORDER BY host, remote_path",
             (run_id,),
-        ).fetchall()
+        )
         return [
             {"host": r[0], "remote_path": r[1], "sha256": r[2], "expected_sha256": r[3], "changed": bool(r[4])}
             for r in rows
         ]
+
+    # --- the fleet-wide rollout lock ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def rollout_lock(
+        self,
+        names: Sequence[str],
+        run: str,
+        timeout: float,
+        on_wait: Callable[[str, Holder | None], None] | None = None,
+    ) -> Iterator[None]:
+        """Hold the rollout lease of each target for the block: on PostgreSQL a session-scoped
+        advisory lock per target (disjoint rollouts run side by side; a controller that dies
+        releases its leases with its session) and a row that names the holder. A lease another
+        controller holds is waited for up to ``timeout`` seconds (``on_wait`` is told once per
+        holder), then LockHeld names it. On SQLite (one controller's own file) there is nothing
+        to share: each host's deploy-root lock keeps runs apart."""
+        if self.dialect is not POSTGRESQL or not names:
+            yield
+            return
+        import psycopg
+
+        session = self._pg_connect(autocommit=True)
+        keys = sorted({_lock_key(n): n for n in names}.items())
+        deadline = time.monotonic() + timeout
+        told: Holder | str | None = "nobody"
+        try:
+            while True:
+                rows = session.execute(
+                    "SELECT k, pg_try_advisory_lock(k) FROM unnest(%s::bigint[]) AS k", ([k for k, _ in keys],)
+                ).fetchall()
+                blocked = [k for k, got in rows if not got]
+                if not blocked:
+                    break
+                taken = [k for k, got in rows if got]
+                if taken:
+                    session.execute("SELECT pg_advisory_unlock(k) FROM unnest(%s::bigint[]) AS k", (taken,))
+                name = dict(keys)[blocked[0]]
+                holder = self._holder(session, name)
+                if time.monotonic() >= deadline:
+                    raise LockHeld(name, holder, timeout)
+                if on_wait is not None and holder != told:
+                    on_wait(name, holder)
+                    told = holder
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            user, controller, pid = whoami()
+            now = time.time()
+            with session.transaction():
+                session.cursor().executemany(
+                    "INSERT INTO leases (name, user_name, controller, pid, since, run) VALUES (%s, %s, %s, %s, %s, %s) "
+                    "ON CONFLICT (name) DO UPDATE SET user_name = excluded.user_name, controller = excluded.controller, "
+                    "pid = excluded.pid, since = excluded.since, run = excluded.run",
+                    [(n, user, controller, pid, now, run) for _, n in keys],
+                )
+            yield
+            with contextlib.suppress(psycopg.Error):
+                session.execute(
+                    "DELETE FROM leases WHERE name = ANY(%s) AND controller = %s AND pid = %s",
+                    ([n for _, n in keys], controller, pid),
+                )
+        except psycopg.Error as exc:
+            raise StateError(f"state database {self.where}: {' '.join(str(exc).split())}") from exc
+        finally:
+            with contextlib.suppress(psycopg.Error):
+                session.close()  # the session's end releases every advisory lock it took
+
+    @staticmethod
+    def _holder(session: Any, name: str) -> Holder | None:
+        row = session.execute(
+            "SELECT user_name, controller, pid, since, run FROM leases WHERE name = %s", (name,)
+        ).fetchone()
+        return Holder(row[0], row[1], int(row[2]), float(row[3]), row[4]) if row else None
 
 
 def _acceptance_numbers(gate: Gate | None) -> tuple[float, float | None, float, int] | None:

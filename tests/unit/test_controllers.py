@@ -1,0 +1,94 @@
+"""More than one controller on one PostgreSQL store (a real cluster, tests/postgres.py): real
+``orchestrate`` processes against this machine's ``connection: local`` containers. Overlapping
+rollouts wait and then name the holder; disjoint ones run side by side; a controller killed
+mid-run leaves no lease behind; history shows every controller's runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.state import StateDB, whoami
+from tests.postgres import Postgres
+from tests.unit.localbox import Box
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def orchestrate(box: Box, url: str, *args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(box.dir / "state"), PYTHONPATH=str(REPO))
+    env["ORCHESTRATE_STATE_URL"] = url
+    argv = [sys.executable, "-m", "orchestrator", *args, "-i", str(box.inventory_path)]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=180)
+    return proc.returncode, out, err
+
+
+def test_an_overlapping_rollout_waits_then_names_the_holder_and_touches_nothing(box: Box, postgres: Postgres) -> None:
+    url = postgres.socket_url(postgres.new_database())
+    playbook = box.playbook()
+    held = StateDB(box.dir, url)
+    try:
+        with held.rollout_lock(["solo"], "deploy held-by-the-test", 30.0):
+            code, _, err = finish(orchestrate(box, url, "deploy", str(playbook.file), "--lock-timeout", "1"))
+    finally:
+        held.close()
+    user, controller, pid = whoami()
+    assert code == 1, err
+    assert f"waiting for solo: {user}@{controller} pid {pid}" in err
+    assert f"error: solo is being rolled out by {user}@{controller} pid {pid}" in err
+    assert "run deploy held-by-the-test (waited 1 s; --lock-timeout)" in err
+    assert not (box.root("solo") / "current").exists()  # nothing staged, nothing started
+
+
+def test_disjoint_rollouts_run_side_by_side_and_history_shows_both_controllers(box: Box, postgres: Postgres) -> None:
+    url = postgres.socket_url(postgres.new_database())
+    one, two = box.playbook("one", targets="[solo]"), box.playbook("two", targets="[n0]", port=box.port + 1)
+    procs = [orchestrate(box, url, "deploy", str(pb.file), "--lock-timeout", "0") for pb in (one, two)]
+    pids = {p.pid for p in procs}
+    results = [finish(p) for p in procs]
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    shown = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "history", "--state-url", url, "--json"],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    runs = json.loads(shown.stdout)["runs"]
+    assert {r["by"]["pid"] for r in runs} == pids and {Path(r["playbook"]).stem for r in runs} == {"one", "two"}
+    db = StateDB(box.dir, url)
+    try:
+        assert db._query("SELECT count(*) FROM leases") == [(0,)]  # each took its own rows away
+    finally:
+        db.close()
+
+
+def test_a_controller_killed_mid_run_leaves_no_lease(box: Box, postgres: Postgres) -> None:
+    url = postgres.socket_url(postgres.new_database())
+    slow = box.playbook(env={"STANDIN_GOOD_MASK": "5", "STANDIN_START_DELAY": "3"})
+    first = orchestrate(box, url, "deploy", str(slow.file))
+    db = StateDB(box.dir, url)
+    try:
+        deadline = time.monotonic() + 60
+        while not db._query("SELECT pid FROM leases WHERE name = 'solo'"):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        assert db._query("SELECT pid FROM leases WHERE name = 'solo'") == [(first.pid,)]
+        os.kill(first.pid, signal.SIGKILL)  # mid-run: its server is still loading
+        first.wait(timeout=30)
+        # its session ended with it, and the lease with the session: taken at once, no waiting
+        with db.rollout_lock(
+            ["solo"], "deploy after the crash", 5.0, lambda n, h: (_ for _ in ()).throw(AssertionError(h))
+        ):
+            assert db._query("SELECT run FROM leases WHERE name = 'solo'") == [("deploy after the crash",)]
+    finally:
+        db.close()
+    code, _, err = finish(orchestrate(box, url, "deploy", str(slow.file)))
+    assert code == 0, err
+    assert "waiting for solo" not in err

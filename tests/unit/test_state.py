@@ -1,0 +1,236 @@
+"""The state store on both engines: SQLite (the default file) and a real PostgreSQL (tests/postgres.py).
+The same tests run on each; what only PostgreSQL has (shared leases, credentials) is tested there."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import EXIT_BAD_INPUT, EXIT_NOT_READY, StateError
+from orchestrator.results import Gate, HostReport, RunReport
+from orchestrator.state import SCHEMA_VERSION, LockHeld, StateDB, StateUrlError, whoami
+from tests.postgres import PASSWORD, Postgres
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path}/state.db"
+    pg: Postgres = request.getfixturevalue("postgres")
+    return pg.socket_url(pg.new_database())
+
+
+def a_run(kind: str = "deploy", ready: bool = True, tau: float = 6.5, host: str = "gpu-a") -> RunReport:
+    report = HostReport(host)
+    report.release_id = "r1"
+    report.gates["acceptance"] = Gate(
+        ready, "tau", data={"mean_acceptance_length": tau, "acceptance_rate": 0.7, "drafts": 40}
+    )
+    started = time.time()
+    return RunReport(kind, "pb.yaml", "inv.yaml", "r1", [report], started, finished=started + 1.5)
+
+
+def test_a_run_is_recorded_with_who_ran_it_and_read_back(url: str, tmp_path: Path) -> None:
+    db = StateDB(tmp_path / "dir", url)
+    try:
+        db.check_writable()
+        first = db.record(a_run())
+        second = db.record(a_run("verify", ready=False, tau=2.0))
+        runs = db.history()
+        assert [r["id"] for r in runs] == [second, first]  # newest first
+        user, controller, pid = whoami()
+        assert runs[0]["by"] == {"user": user, "host": controller, "pid": pid}
+        assert runs[1]["hosts"][0]["gates"]["acceptance"]["ok"] is True and runs[0]["ok"] is False
+        taus = [s["mean_acceptance_length"] for s in db.samples("gpu-a")]
+        assert taus == [6.5, 2.0]  # oldest first, whatever the engine's own order
+        assert db.history(host="nobody") == []
+    finally:
+        db.close()
+
+
+def test_a_store_of_a_newer_schema_is_refused_and_left_as_it_is(url: str, tmp_path: Path) -> None:
+    StateDB(tmp_path / "dir", url).close()
+    db = StateDB(tmp_path / "dir", url)
+    with db._tx() as cur:
+        cur.execute(db.dialect.sql("UPDATE schema_version SET version = ?"), (SCHEMA_VERSION + 1,))
+    db.close()
+    with pytest.raises(StateUrlError) as refused:
+        StateDB(tmp_path / "dir", url)
+    assert refused.value.exit_code == EXIT_BAD_INPUT
+    assert f"has schema version {SCHEMA_VERSION + 1}, newer than this orchestrate knows ({SCHEMA_VERSION})" in str(
+        refused.value
+    )
+
+
+def test_a_state_file_from_before_schema_versions_is_upgraded_and_keeps_its_runs(tmp_path: Path) -> None:
+    """The SQLite file every earlier release wrote (no schema_version, no who-ran-it columns)."""
+    path = tmp_path / "state.db"
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE runs (id INTEGER PRIMARY KEY, kind TEXT NOT NULL, playbook TEXT NOT NULL, inventory TEXT NOT "
+        "NULL, release_id TEXT, started REAL NOT NULL, finished REAL NOT NULL, ok INTEGER NOT NULL, hosts_total "
+        "INTEGER NOT NULL, hosts_ready INTEGER NOT NULL);"
+        "INSERT INTO runs VALUES (7, 'deploy', 'old.yaml', 'inv.yaml', 'r0', 1.0, 2.0, 1, 0, 0);"
+    )
+    old.commit()
+    old.close()
+    db = StateDB(tmp_path, f"sqlite://{path}")
+    try:
+        db.record(a_run())
+        runs = db.history()
+        assert [(r["id"], r["playbook"]) for r in runs] == [(8, "pb.yaml"), (7, "old.yaml")]
+        assert runs[1]["by"] is None and runs[0]["by"] is not None
+        assert db._query("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("mysql://root@localhost/x", "scheme 'mysql' is neither sqlite nor postgresql"),
+        ("sqlite://", "no database file"),
+    ],
+)
+def test_a_state_url_that_is_not_one_is_bad_input(url: str, says: str, tmp_path: Path) -> None:
+    with pytest.raises(StateUrlError) as refused:
+        StateDB(tmp_path, url)
+    assert says in str(refused.value) and refused.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_postgresql_credentials_unreachable_servers_and_missing_databases(
+    postgres: Postgres, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    database = postgres.new_database()
+    monkeypatch.setenv("PGPASSWORD", PASSWORD)
+    StateDB(tmp_path, postgres.tcp_url(database)).close()  # the password from the environment, not the URL
+    monkeypatch.setenv("PGPASSWORD", "wrong")
+    with pytest.raises(StateUrlError) as wrong:
+        StateDB(tmp_path, postgres.tcp_url(database))
+    assert "password authentication failed" in str(wrong.value) and wrong.value.exit_code == EXIT_BAD_INPUT
+    monkeypatch.delenv("PGPASSWORD")
+    inline = f"postgresql://alice:{PASSWORD}x@127.0.0.1:{postgres.port}/{database}"
+    with pytest.raises(StateUrlError) as shown:
+        StateDB(tmp_path, inline)
+    assert PASSWORD not in str(shown.value) and "alice:***@127.0.0.1" in str(shown.value)
+    with pytest.raises(StateUrlError) as missing:
+        StateDB(tmp_path, postgres.socket_url("no_such_db"))
+    assert 'database "no_such_db" does not exist' in str(missing.value)
+    with socket_closed() as port, pytest.raises(StateError) as down:
+        StateDB(tmp_path, f"postgresql://alice@127.0.0.1:{port}/x")
+    assert "cannot be reached" in str(down.value) and down.value.exit_code == EXIT_NOT_READY
+
+
+@contextlib.contextmanager
+def socket_closed() -> Iterator[int]:
+    """A loopback port nothing listens on (bound, never listened, so connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])
+
+
+def test_a_read_only_store_is_said_before_any_host_is_touched(postgres: Postgres, tmp_path: Path) -> None:
+    database = postgres.new_database()
+    url = postgres.socket_url(database)
+    StateDB(tmp_path, url).close()
+    postgres.psql(f"ALTER DATABASE {database} SET default_transaction_read_only = on")
+    db = StateDB(tmp_path, url)
+    try:
+        with pytest.raises(StateError) as refused:
+            db.check_writable()
+        assert "read-only transaction" in str(refused.value) and "(cannot be written)" in str(refused.value)
+    finally:
+        db.close()
+
+
+def test_a_rollout_lease_is_held_per_target_and_names_its_holder(postgres: Postgres, tmp_path: Path) -> None:
+    url = postgres.socket_url(postgres.new_database())
+    first, second = StateDB(tmp_path, url), StateDB(tmp_path, url)
+    waits: list[str] = []
+    try:
+        with first.rollout_lock(["gpu-a", "gpu-b"], "deploy pb", 5.0):
+            overlapping = second.rollout_lock(["gpu-b", "gpu-c"], "deploy other", 0.3, lambda n, h: waits.append(n))
+            with pytest.raises(LockHeld) as held, overlapping:
+                pytest.fail("the overlapping rollout ran")
+            user, controller, pid = whoami()
+            assert held.value.holder is not None and held.value.holder.pid == pid
+            assert f"gpu-b is being rolled out by {user}@{controller} pid {pid}" in str(held.value)
+            assert "run deploy pb (waited 0.3 s; --lock-timeout)" in str(held.value)
+            assert waits == ["gpu-b"]  # told once, not every poll
+            with second.rollout_lock(["gpu-c"], "deploy disjoint", 0.0):
+                pass  # a disjoint rollout runs beside it
+        with second.rollout_lock(["gpu-b"], "deploy after", 0.0):
+            rows = second._query("SELECT name, run FROM leases ORDER BY name")
+            assert rows == [("gpu-b", "deploy after")]  # the first's rows went with its lease
+    finally:
+        first.close()
+        second.close()
+
+
+def test_sqlite_has_no_shared_lease_to_take(tmp_path: Path) -> None:
+    """One controller's own file: the hosts' deploy-root locks keep its runs apart."""
+    db = StateDB(tmp_path)
+    try:
+        with db.rollout_lock(["gpu-a"], "deploy", 0.0), db.rollout_lock(["gpu-a"], "deploy", 0.0):
+            pass
+    finally:
+        db.close()
+
+
+def orchestrate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )  # fmt: skip
+
+
+def test_history_reads_the_store_the_url_names(postgres: Postgres, tmp_path: Path) -> None:
+    url = postgres.socket_url(postgres.new_database())
+    db = StateDB(tmp_path, url)
+    db.record(a_run())
+    db.close()
+    shown = orchestrate("history", "--state-url", url, "--json")
+    assert shown.returncode == 0, shown.stderr
+    (run,) = json.loads(shown.stdout)["runs"]
+    assert run["by"]["pid"] == os.getpid()
+    from_env = orchestrate("history", env={"ORCHESTRATE_STATE_URL": url})
+    assert f"by {whoami()[0]}@{whoami()[1]} pid {os.getpid()}" in from_env.stdout
+    bad = orchestrate("history", "--state-url", "postgresql://alice:hunter2@127.0.0.1:1/x")
+    assert bad.returncode == EXIT_NOT_READY and "hunter2" not in bad.stderr and "alice:***@" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_controllers_opening_a_new_store_at_once_make_it_once(postgres: Postgres, tmp_path: Path) -> None:
+    url = postgres.socket_url(postgres.new_database())
+    failed: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            StateDB(tmp_path, url).close()
+        except BaseException as exc:  # what each thread met is asserted below
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_it) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert failed == []
+    db = StateDB(tmp_path, url)
+    try:
+        assert db._query("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
+    finally:
+        db.close()
