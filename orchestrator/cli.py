@@ -285,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CMD",
         help="run CMD (with /bin/sh -c) for each state change, the change as JSON on its stdin",
     )
+    w.add_argument(
+        "--watch-group",
+        default=None,
+        metavar="NAME",
+        help="watchers of one group share the work: each serves metrics, one (the lead) records and runs "
+        "--on-change, and another takes the lead when it stops (default: the playbook's name)",
+    )
     lint = sub.add_parser("lint", help="check a DFlash drafter config against its target, a reference and a vLLM build")
     lint.set_defaults(func=_cmd_lint)
     lint.add_argument("drafter", type=Path, help="the drafter's config.json")
@@ -508,12 +515,14 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
     deployment = _deployment(args, _options(args))
     db = _state(args)
+    group = args.watch_group or deployment.playbook.name
+    lead = db.watch_lead(group)
     stop, interrupted = threading.Event(), threading.Event()
     collector = server = None
     if args.metrics_port is not None:
         from orchestrator import metrics
 
-        collector = metrics.WatchCollector()
+        collector = metrics.WatchCollector(group)
         try:
             server = metrics.serve(collector, args.metrics_port, args.metrics_address)
         except OSError as exc:
@@ -528,25 +537,41 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     unrecorded: list[str] = []
 
     def on_round(number: int, rounds: list[watch.Round], transitions: list[watch.Transition]) -> None:
+        was = lead.leading
+        leading = lead.poll()
+        told = transitions
+        if leading and not was:
+            if number > 1:
+                # What changed while another led, and it may not have recorded before it stopped:
+                # each host whose recorded state is not the one seen now is told now, once.
+                told = transitions + _caught_up(db, rounds, transitions)
+                _say(f"watch group {group}: taking the lead (the leader stopped); {len(told)} changes to tell")
+            else:
+                _say(f"watch group {group}: leading")
+        elif not leading and (was or number == 1):
+            holder = lead.holder()
+            who = holder.describe() if holder else "another watcher"
+            _say(f"watch group {group}: following {who}: it records the changes and runs --on-change")
         # Watching outlives its own bookkeeping: a database that is full or locked is said (once
         # per kind of failure, and again when it recovers) while the rounds, the transitions and
         # --on-change go on.
-        try:
-            db.record_watch(transitions, rounds)
-        except StateError as exc:
-            if str(exc) not in unrecorded:
-                _say(f"error: watch round {number} was not recorded (watching goes on): {exc}")
-                unrecorded.append(str(exc))
-        else:
-            if unrecorded:
-                _say(f"watch round {number} recorded again")
-                unrecorded.clear()
+        if leading:
+            try:
+                db.record_watch(told, rounds)
+            except StateError as exc:
+                if str(exc) not in unrecorded:
+                    _say(f"error: watch round {number} was not recorded (watching goes on): {exc}")
+                    unrecorded.append(str(exc))
+            else:
+                if unrecorded:
+                    _say(f"watch round {number} recorded again")
+                    unrecorded.clear()
         if collector is not None:
-            collector.update(rounds)
+            collector.update(rounds, leading)
         _say(round_summary(number, rounds))
         if not args.once:
             render_round(number, rounds, transitions, args.json)
-        for t in transitions:
+        for t in told if leading else ():
             # A watch that starts does not page for hosts that are fine.
             if on_change is not None and (t.before is not None or t.after != READY):
                 on_change(t)
@@ -568,6 +593,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         w.close(wait=not aborted)
         if on_change is not None:
             on_change.close(wait=not aborted)  # the transitions already seen are told
+        lead.close()
         db.close()
         if server is not None:
             server.shutdown()
@@ -579,6 +605,21 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     if interrupted.is_set():
         return EXIT_INTERRUPTED
     return EXIT_OK if all(r.state == READY for r in last) else EXIT_NOT_READY
+
+
+def _caught_up(db: StateDB, rounds: list[watch.Round], transitions: list[watch.Transition]) -> list[watch.Transition]:
+    """The changes a new lead tells for the hosts whose last recorded state is not what this round
+    saw (a change the previous lead saw and could not record, or did not see before it stopped)."""
+    try:
+        recorded = db.last_states()
+    except StateError:
+        return []
+    seen = {t.host for t in transitions}
+    return [
+        watch.Transition(r.host, r.at, recorded.get(r.host), r.state, r)
+        for r in rounds
+        if r.host not in seen and recorded.get(r.host) != r.state
+    ]
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

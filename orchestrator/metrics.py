@@ -25,17 +25,21 @@ class WatchCollector(Collector):
     """watch's Prometheus collector: the last round of every host, as gauges of its state and live
     acceptance."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: str = "") -> None:
         self._rounds: list[Round] = []
         self._lock = threading.Lock()
+        self.group = group
+        self._leader: bool | None = None
 
-    def update(self, rounds: list[Round]) -> None:
+    def update(self, rounds: list[Round], leader: bool | None = None) -> None:
+        """The last round, and whether this watcher leads its group (None: not said)."""
         with self._lock:
             self._rounds = list(rounds)
+            self._leader = leader
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            rounds = list(self._rounds)
+            rounds, leader = list(self._rounds), self._leader
         now = time.time()
         state = StateSetMetricFamily(
             f"{PREFIX}host_state", "The host's state in the last watch round.", labels=["host"]
@@ -73,7 +77,27 @@ class WatchCollector(Collector):
             "1 when the playbook's gateway sends the host users' requests, 0 when not (absent: no gateway).",
             labels=["host"],
         )
+        state_rounds = GaugeMetricFamily(
+            f"{PREFIX}state_rounds",
+            "Watch rounds the host has been in its current state, the last one included.",
+            labels=["host"],
+        )
+        live_min = GaugeMetricFamily(
+            f"{PREFIX}live_min_mean_acceptance_length_tokens",
+            "The live gate: the mean acceptance length a judged window must reach.",
+            labels=["host"],
+        )
+        leading = GaugeMetricFamily(
+            f"{PREFIX}watch_leader",
+            "1 when this watcher leads its watch group (records transitions, runs --on-change), 0 when it follows.",
+            labels=["group"],
+        )
+        if leader is not None:
+            leading.add_metric([self.group], float(leader))
         for r in rounds:
+            state_rounds.add_metric([r.host], r.state_rounds)
+            if r.live_min is not None:
+                live_min.add_metric([r.host], r.live_min)
             state.add_metric([r.host], {s: s == r.state for s in STATES})
             if r.live is not None:
                 tau.add_metric([r.host], r.live.mean_acceptance_length)
@@ -88,7 +112,9 @@ class WatchCollector(Collector):
             release.add_metric([r.host], {"release_id": r.release_id or ""})
             if r.in_rotation is not None:
                 rotation.add_metric([r.host], float(r.in_rotation))
-        yield from (state, tau, rate, drafts, open_drafts, drift, age, stamp, release, rotation)
+        yield from (state, tau, rate, drafts, open_drafts, drift, age, stamp, release, rotation, state_rounds, live_min)
+        if leader is not None:
+            yield leading
 
 
 def serve(collector: WatchCollector, port: int, address: str) -> Any:

@@ -555,6 +555,11 @@ class StateDB:
         rows = self._query(f"{query} ORDER BY at, {self.dialect.seq}", args)
         return [json.loads(row[0]) for row in rows]
 
+    def last_states(self) -> dict[str, str]:
+        """Each host's state as last recorded by watch (its last transition's)."""
+        rows = self._query(f"SELECT host, after FROM watch_transitions ORDER BY at, {self.dialect.seq}")
+        return {host: after for host, after in rows}
+
     def samples(self, host: str | None = None) -> list[dict[str, Any]]:
         """Acceptance samples of a host (or all hosts), oldest first."""
         names: tuple[str, ...] = ("at", "host", "source", "release_id", "mean_acceptance_length")
@@ -683,12 +688,122 @@ class StateDB:
             with contextlib.suppress(psycopg.Error):
                 session.close()  # the session's end releases every advisory lock it took
 
+    def watch_lead(self, group: str) -> WatchLead:
+        """The lead of a watch group: the one watcher of many that records transitions and runs
+        --on-change (``WatchLead``)."""
+        return WatchLead(self, group)
+
     @staticmethod
     def _holder(session: Any, name: str) -> Holder | None:
         row = session.execute(
             "SELECT user_name, controller, pid, since, run FROM leases WHERE name = %s", (name,)
         ).fetchone()
         return Holder(row[0], row[1], int(row[2]), float(row[3]), row[4]) if row else None
+
+
+class WatchLead:
+    """Which of the watchers of one group leads it. Every watcher runs its rounds and serves its
+    metrics; the one holding the group's lock records the transitions and runs --on-change. The
+    lock is a PostgreSQL session advisory lock on a shared store, an flock on the state directory
+    of a SQLite one: either goes with the process that held it, so a follower takes the lead at its
+    next round (``poll``) after the leader dies."""
+
+    def __init__(self, db: StateDB, group: str) -> None:
+        self.db, self.group = db, group
+        self.leading = False
+        self.name = f"watch {group}"
+        self._session: Any = None
+        self._file: Any = None
+
+    def poll(self) -> bool:
+        """Try for the lead if not holding it, check it is still held if holding it; whether this
+        watcher leads now."""
+        if self.db.dialect is POSTGRESQL:
+            self.leading = self._poll_postgresql()
+        else:
+            self.leading = self._poll_file()
+        return self.leading
+
+    def holder(self) -> Holder | None:
+        """Who leads the group, as the leader recorded it (None: nobody has, or it cannot be read)."""
+        if self.db.dialect is POSTGRESQL:
+            try:
+                rows = self.db._query(
+                    "SELECT user_name, controller, pid, since, run FROM leases WHERE name = ?", (self.name,)
+                )
+            except StateError:
+                return None
+            return Holder(rows[0][0], rows[0][1], int(rows[0][2]), float(rows[0][3]), rows[0][4]) if rows else None
+        try:
+            data = json.loads(self._path().read_text() or "null")
+            return Holder(data["user"], data["host"], int(data["pid"]), float(data["since"]), data["run"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def close(self) -> None:
+        """Give the lead up (a follower takes it at its next round)."""
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                self._session.close()
+            self._session = None
+        if self._file is not None:
+            self._file.close()  # the flock goes with the descriptor
+            self._file = None
+        self.leading = False
+
+    def _poll_postgresql(self) -> bool:
+        import psycopg
+
+        try:
+            if self._session is None or self._session.closed:
+                self._session = self.db._pg_connect(autocommit=True)
+                self.leading = False
+            if self.leading:
+                self._session.execute("SELECT 1")  # a session lost (the database restarted) is a lead lost
+                return True
+            got = self._session.execute("SELECT pg_try_advisory_lock(%s)", (_lock_key(self.name),)).fetchone()[0]
+            if got:
+                user, controller, pid = whoami()
+                self._session.execute(
+                    "INSERT INTO leases (name, user_name, controller, pid, since, run) VALUES (%s, %s, %s, %s, %s, "
+                    "'watch') ON CONFLICT (name) DO UPDATE SET user_name = excluded.user_name, controller = "
+                    "excluded.controller, pid = excluded.pid, since = excluded.since, run = excluded.run",
+                    (self.name, user, controller, pid, time.time()),
+                )
+            return bool(got)
+        except (psycopg.Error, StateError):
+            with contextlib.suppress(Exception):
+                if self._session is not None:
+                    self._session.close()
+            self._session = None
+            return False
+
+    def _path(self) -> Path:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.group)
+        return self.db.directory / f"watch-{safe}.lead"
+
+    def _poll_file(self) -> bool:
+        import fcntl
+
+        if self._file is not None:
+            return True
+        path = self._path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            f = open(path, "a+")  # noqa: SIM115 - held open for as long as the lead is
+        except OSError:
+            return False
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return False
+        user, controller, pid = whoami()
+        f.truncate(0)
+        f.write(json.dumps({"user": user, "host": controller, "pid": pid, "since": time.time(), "run": "watch"}))
+        f.flush()
+        self._file = f
+        return True
 
 
 def _acceptance_numbers(gate: Gate | None) -> tuple[float, float | None, float, int] | None:

@@ -112,6 +112,7 @@ class HostWatch:
     release_id: str | None = None
     rounds: int = 0
     undrafted: float = 0.0  # tokens generated since drafts last moved (this server)
+    state_rounds: int = 0  # rounds in its state, this one included
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,8 @@ class Round:
     last_good: float | None
     gates: dict[str, Any] = field(default_factory=dict)
     in_rotation: bool | None = None  # at the gateway (None: no gateway, or it could not say)
+    state_rounds: int = 1  # rounds in this state, this one included (alerts count rounds, not seconds)
+    live_min: float | None = None  # the live gate's mean acceptance length, for alerts to compare
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -286,6 +289,8 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
         last_good=last_good,
         gates=gates,
         in_rotation=seen.in_rotation,
+        state_rounds=1 if state != w.state else w.state_rounds + 1,
+        live_min=gate.min_mean_acceptance_length,
     )
     changed = state != w.state
     nxt = replace(
@@ -301,6 +306,7 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
         release_id=release_id,
         rounds=w.rounds + 1,
         undrafted=undrafted,
+        state_rounds=rnd.state_rounds,
     )
     return nxt, rnd, Transition(w.name, seen.at, w.state, state, rnd) if changed else None
 

@@ -10,7 +10,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.services import free_port, stop
+
 PASSWORD = "s3cret-for-tests"  # the loopback role's password (the fixture's own cluster only)
 
 
@@ -28,12 +29,6 @@ def _bindir() -> Path:
     if not found:
         pytest.fail("PostgreSQL is not installed: scripts/bootstrap installs Debian's postgresql package")
     return found[-1].parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -85,7 +80,7 @@ def running_postgres(base: Path) -> Iterator[Postgres]:
          "-E", "UTF8", "--no-instructions"],
         check=True, capture_output=True, timeout=120, cwd=base, **as_postgres,  # type: ignore[arg-type]
     )  # fmt: skip
-    port = _free_port()
+    port = free_port()
     log = (base / "postgres.log").open("w")
     proc = subprocess.Popen(
         [str(bindir / "postgres"), "-D", str(data), "-k", str(sockets), "-p", str(port),
@@ -107,12 +102,6 @@ def running_postgres(base: Path) -> Iterator[Postgres]:
         pg.psql(f"CREATE ROLE alice LOGIN PASSWORD '{PASSWORD}'")
         yield pg
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # fast shutdown: ends the sessions, then the server
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, signal.SIGINT)  # fast shutdown: ends the sessions, then the server
         log.close()
         shutil.rmtree(base, ignore_errors=True)

@@ -172,8 +172,8 @@ def test_metrics_are_served_with_prometheus_names_and_values() -> None:
     w, good, _ = step(w, seen(30, counters(100, 6)), GATE)
     v, bad, _ = step(HostWatch("gpu-b"), seen(0, counters(0, 0), report=report(files_ok=False)), GATE)
     v, bad, _ = step(v, seen(30, counters(100, 0.5), report=report(files_ok=False)), GATE)
-    collector = metrics.WatchCollector()
-    collector.update([good, bad])
+    collector = metrics.WatchCollector("pb")
+    collector.update([good, bad], leader=True)
     port = free_port()
     server = metrics.serve(collector, port, "127.0.0.1")
     try:
@@ -204,6 +204,12 @@ def test_metrics_are_served_with_prometheus_names_and_values() -> None:
         and (p + "last_good_round_age_seconds", (("host", "gpu-b"),)) not in samples
     )
     assert value("release_info", "gpu-a", release_id="R1") == 1
+    assert value("state_rounds", "gpu-a") == 2 and value("state_rounds", "gpu-b") == 1  # what alerts count
+    assert value("live_min_mean_acceptance_length_tokens", "gpu-b") == GATE.min_mean_acceptance_length
+    assert samples[(p + "watch_leader", (("group", "pb"),))] == 1
+    # Prometheus' own linter finds nothing to say of the names, types and help
+    lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert (lint.returncode, lint.stdout + lint.stderr) == (0, ""), lint
 
 
 # --- whole watches through the real agent ------------------------------------------------------
