@@ -196,14 +196,16 @@ def _runs(h: HostHistory) -> str:
             gates.append(f'<span class="{mark}">{escape(name)}{took}</span>')
         failed = next((g for g in host["gates"].values() if not g.get("ok")), None)
         detail = failed["detail"] if failed else ""
+        by = run.get("by")
+        who = f"{by['user']}@{by['host']} pid {by['pid']}" if by else "-"
         rows.append(
-            f"<tr><td>{_when(run['started'])}</td><td>{escape(run['kind'])}</td>"
+            f"<tr><td>{_when(run['started'])}</td><td>{escape(run['kind'])}</td><td>{escape(who)}</td>"
             f"<td>{escape(host.get('release_id') or '-')}</td>"
             f'<td class="{"ok" if host["ready"] else "fail"}">{"ready" if host["ready"] else "not ready"}</td>'
             f"<td>{host['duration_s']:.1f} s</td><td>{' '.join(gates)}</td>"
             f'<td class="detail">{escape(str(detail)[:400])}</td></tr>'
         )
-    head = "<tr><th>started</th><th>run</th><th>release</th><th>result</th><th>took</th><th>gates</th><th></th></tr>"
+    head = "<tr><th>started</th><th>run</th><th>by</th><th>release</th><th>result</th><th>took</th><th>gates</th><th></th></tr>"
     more = f"<p>{len(h.runs) - 50} older runs not shown.</p>" if len(h.runs) > 50 else ""
     return f'<h3>Runs</h3><table class="runs">{head}{"".join(rows)}</table>{more}'
 

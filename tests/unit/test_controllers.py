@@ -62,11 +62,39 @@ def test_disjoint_rollouts_run_side_by_side_and_history_shows_both_controllers(b
     )  # fmt: skip
     runs = json.loads(shown.stdout)["runs"]
     assert {r["by"]["pid"] for r in runs} == pids and {Path(r["playbook"]).stem for r in runs} == {"one", "two"}
+    page = box.dir / "fleet.html"
+    reported = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "report", "--state-url", url, "--html", str(page)],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    assert reported.returncode == 0, reported.stderr
+    html = page.read_text()
+    assert all(f"pid {pid}</td>" in html for pid in pids)  # who ran each run, on every host's table
     db = StateDB(box.dir, url)
     try:
         assert db._query("SELECT count(*) FROM leases") == [(0,)]  # each took its own rows away
     finally:
         db.close()
+
+
+def test_a_store_that_cannot_take_the_run_stops_it_before_any_host(box: Box, postgres: Postgres) -> None:
+    """A read-only store (exit 1) and one written by a newer orchestrate (exit 2): one line each,
+    and no host touched."""
+    playbook = box.playbook()
+    database = postgres.new_database()
+    url = postgres.socket_url(database)
+    StateDB(box.dir, url).close()
+    postgres.psql(f"ALTER DATABASE {database} SET default_transaction_read_only = on")
+    code, out, err = finish(orchestrate(box, url, "deploy", str(playbook.file)))
+    assert code == 1 and out == ""
+    assert err.strip().splitlines() == [
+        f"error: state database {url}: cannot execute INSERT in a read-only transaction (cannot be written)"
+    ]
+    postgres.psql(f"ALTER DATABASE {database} SET default_transaction_read_only = off")
+    postgres.psql("UPDATE schema_version SET version = 99", database)
+    code, out, err = finish(orchestrate(box, url, "deploy", str(playbook.file)))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "has schema version 99, newer than" in err
+    assert not (box.root("solo") / "current").exists()
 
 
 def test_a_controller_killed_mid_run_leaves_no_lease(box: Box, postgres: Postgres) -> None:
