@@ -50,6 +50,7 @@ from orchestrator.errors import (
     StateError,
 )
 from orchestrator.inventory import inventory_view, load_inventory, show_one
+from orchestrator.plan import new_release_id
 from orchestrator.playbook import load_playbook
 from orchestrator.report import (
     ProgressPrinter,
@@ -228,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--lock-timeout",
             type=_seconds,
             default=_RUN_DEFAULTS.lock_timeout,
-            help=f"seconds to wait for another run's lock on a deploy root (default {_RUN_DEFAULTS.lock_timeout:g})",
+            help="seconds to wait for another run's lock on a deploy root, and on a shared store for another "
+            f"controller's rollout of the same targets (default {_RUN_DEFAULTS.lock_timeout:g})",
         )
         p.add_argument("--state-dir", type=Path, default=None, help="state database directory")
         _state_url(p)
@@ -404,8 +406,13 @@ def _options(args: argparse.Namespace) -> RunOptions:
         accept_new_host_keys=args.accept_new_host_keys,
         lock_timeout=getattr(args, "lock_timeout", _RUN_DEFAULTS.lock_timeout),
         state_dir=getattr(args, "state_dir", None),
-        release_id=getattr(args, "release_id", None),
+        # a deploy's release is named here, so that a controller kept waiting for it names it too
+        release_id=getattr(args, "release_id", None) or (new_release_id() if _is_deploy(args) else None),
     )
+
+
+def _is_deploy(args: argparse.Namespace) -> bool:
+    return getattr(args, "command", None) == "deploy" and not getattr(args, "dry_run", False)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -444,6 +451,10 @@ def _rollout_lock(
         _say(f"waiting for {name}: {who} is rolling it out (up to {args.lock_timeout:g} s)")
 
     run = f"{kind} {deployment.playbook.name}"
+    if kind == "deploy" and deployment.options.release_id:
+        run += f" release {deployment.options.release_id}"
+    elif kind == "rollback" and args.to_release:
+        run += f" to {args.to_release}"
     return db.rollout_lock([t.name for t in deployment.targets], run, args.lock_timeout, waiting)
 
 

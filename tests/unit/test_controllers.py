@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,7 +108,8 @@ def test_a_controller_killed_mid_run_leaves_no_lease(box: Box, postgres: Postgre
         while not db._query("SELECT pid FROM leases WHERE name = 'solo'"):
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.05)
-        assert db._query("SELECT pid FROM leases WHERE name = 'solo'") == [(first.pid,)]
+        ((pid, run),) = db._query("SELECT pid, run FROM leases WHERE name = 'solo'")
+        assert pid == first.pid and re.fullmatch(r"deploy pb release \d{8}T\d{6}Z-[0-9a-f]+", run), run
         os.kill(first.pid, signal.SIGKILL)  # mid-run: its server is still loading
         first.wait(timeout=30)
         # its session ended with it, and the lease with the session: taken at once, no waiting
