@@ -84,6 +84,8 @@ class ProgressPrinter(Observer):
         self._steps: dict[str, tuple[Step, float]] = {}  # host -> its step, and since when
         self._shown: dict[str, tuple[str, float, str]] = {}  # host -> step last printed, when, its detail
         self._live: Any = None
+        self.failed: list[tuple[str, str]] = []  # (host, its failed gate), in the order they ended
+        self.height: int | None = None  # the terminal's lines (None: ask the console)
 
     # --- events ---------------------------------------------------------------------------
 
@@ -102,6 +104,8 @@ class ProgressPrinter(Observer):
         with self._lock:
             self.done += 1
             self._steps.pop(report.name, None)
+            if not report.ready:
+                self.failed.append((report.name, report.failed_gate or "?"))
             self._write_done(report)
             if self.done >= self.total:
                 self._stop_live()
@@ -163,6 +167,8 @@ class ProgressPrinter(Observer):
             f"  ({report.duration_s:.2f} s)"
         )
         if self._live is not None:
+            if report.ready and self.total > self._lines():
+                return  # a fleet: its ready hosts are counted in the summary and listed in the result table
             self._live.console.print(plain(line), markup=False, highlight=False, soft_wrap=True)
         else:
             self.stream.write(plain(line) + "\n")
@@ -183,6 +189,16 @@ class ProgressPrinter(Observer):
             live, self._live = self._live, None
             live.stop()
 
+    # How many of the slowest hosts in flight, and of the last failed ones, the summary names.
+    SUMMARY_SLOWEST = 5
+
+    def _lines(self) -> int:
+        if self.height is not None:
+            return self.height
+        if self._live is not None:
+            return int(self._live.console.size.height)
+        return 24
+
     def _render(self) -> Any:
         from rich.table import Table
 
@@ -191,6 +207,8 @@ class ProgressPrinter(Observer):
         now = time.monotonic()
         rows = sorted(list(self._steps.values()), key=lambda item: item[0].host)
         done = self.done
+        if len(rows) + 4 > self._lines() // 2:
+            return self._summary(rows, now)
         table = Table(box=None, show_header=False, pad_edge=False, expand=False)
         # Host, step and time keep their width; the detail (a log line) gets what is left.
         host_w = max((len(step.host) for step, _ in rows), default=4)
@@ -203,6 +221,33 @@ class ProgressPrinter(Observer):
             table.add_row(step.host, plain(step.what), f"{now - since:.0f} s", plain(step.detail))
         table.caption = f"{self.kind}: {done}/{self.total} done, {now - self.started:.0f} s"
         return table
+
+    def _summary(self, rows: list[tuple[Step, float]], now: float) -> Any:
+        """The live view when the hosts in flight do not fit the terminal: how many are at each
+        step, the slowest of them, and the hosts that failed so far (the result table and --json
+        still list every host)."""
+        from rich.console import Group
+        from rich.text import Text
+
+        failed = list(self.failed)
+        at: dict[str, int] = {}
+        for step, _ in rows:
+            at[step.what] = at.get(step.what, 0) + 1
+        lines = [
+            f"{self.kind}: {self.done}/{self.total} done ({self.done - len(failed)} ready, {len(failed)} failed), "
+            f"{len(rows)} in flight, {now - self.started:.0f} s",
+            "  at: " + ", ".join(f"{what} {n}" for what, n in sorted(at.items(), key=lambda kv: (-kv[1], kv[0]))),
+        ]
+        slowest = sorted(rows, key=lambda item: item[1])[: self.SUMMARY_SLOWEST]
+        if slowest:
+            lines.append(
+                "  slowest: " + "; ".join(f"{step.host} {step.what} {now - since:.0f} s" for step, since in slowest)
+            )
+        if failed:
+            shown = ", ".join(f"{host} ({gate})" for host, gate in failed[-self.SUMMARY_SLOWEST :])
+            more = f" and {len(failed) - self.SUMMARY_SLOWEST} more" if len(failed) > self.SUMMARY_SLOWEST else ""
+            lines.append(f"  failed: {shown}{more}")
+        return Group(*(Text(plain(line), no_wrap=True, overflow="ellipsis") for line in lines))
 
 
 def _clock() -> str:

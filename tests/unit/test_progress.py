@@ -131,3 +131,44 @@ def test_nothing_a_host_says_reaches_the_terminal_as_control_codes() -> None:
     for text in (out.getvalue(), lines.getvalue()):
         assert not any(c in text for c in "\x1b\x07\r\x9b"), repr(text)
         assert "[2J]0;ownedplain words\ttab" in text
+
+
+def test_a_fleet_that_does_not_fit_the_terminal_is_summarised_live() -> None:
+    """1024 hosts on a 40-line terminal: the live view counts the hosts at each step and names the
+    slowest and the failed ones, instead of a row per host; the finished lines above it are the
+    failed hosts only (the result table still has every host)."""
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.report import ProgressPrinter
+    from orchestrator.results import Gate, HostReport
+    from orchestrator.runner import Step
+
+    out = io.StringIO()
+    printer = ProgressPrinter("deploy", 1024, out, mode="live")
+    printer.height = 40
+    names = [f"gpu-{i:04d}/serve-0" for i in range(1024)]
+    for i, name in enumerate(names):
+        printer.step(Step(name, ("staging", "waiting for health", "acceptance probe")[i % 3]))
+    printer._steps[names[20]] = (printer._steps[names[20]][0], time.monotonic() - 100)  # at it for long
+    for name in names[:10]:
+        report = HostReport(name)
+        report.gates["acceptance"] = Gate(name != names[3], "tau 6.50" if name != names[3] else "tau 1.02 < 3.0")
+        printer.host_done(report)
+    console = Console(file=io.StringIO(), width=160, record=True)
+    console.print(printer._render())
+    shown = console.export_text().splitlines()
+    assert len(shown) <= 5, shown
+    assert shown[0].startswith("deploy: 10/1024 done (9 ready, 1 failed), 1014 in flight")
+    assert shown[1] == "  at: acceptance probe 338, staging 338, waiting for health 338"
+    assert shown[2].startswith(f"  slowest: {names[20]} acceptance probe 100 s; ")  # 20 % 3 == 2
+    assert shown[3] == f"  failed: {names[3]} (acceptance)"
+    # a terminal that holds them all gets a row a host, as before
+    few = ProgressPrinter("deploy", 3, io.StringIO(), mode="live")
+    few.height = 40
+    for name in names[:3]:
+        few.step(Step(name, "staging"))
+    console = Console(file=io.StringIO(), width=160, record=True)
+    console.print(few._render())
+    assert [line.split()[0] for line in console.export_text().splitlines()[:3]] == names[:3]
