@@ -117,6 +117,9 @@ td.detail { color: #5f6368; max-width: 640px; }
 .ok { color: #188038; } .fail { color: #c5221f; }
 .legend span { margin-right: 14px; font-size: 12px; }
 .swatch { display: inline-block; width: 10px; height: 10px; margin-right: 4px; vertical-align: middle; }
+.state-OUT_OF_ROTATION { background: #d2e3fc; } .state-NOT_WATCHED { background: #f1f3f4; }
+.filters input { margin: 0 4px 0 12px; } .filters label { font-size: 13px; }
+table.fleet { margin-top: 10px; } table.fleet td { padding-right: 18px; }
 """
 
 
@@ -134,17 +137,74 @@ def write_html(path: Path, hosts: list[HostHistory], now: float) -> None:
 def render_html(hosts: list[HostHistory], now: float) -> str:
     """The fleet report as one self-contained HTML page (inline SVG, no script), everything a host
     said escaped."""
-    body = [
-        f"<h1>dflash-orchestrator: fleet report</h1><p>{len(hosts)} hosts, generated {_when(now)} UTC</p>",
-        _legend(),
-    ]
+    body = [f"<h1>dflash-orchestrator: fleet report</h1><p>{len(hosts)} hosts, generated {_when(now)} UTC</p>"]
     if not hosts:
         body.append("<p>The state database records no run yet.</p>")
-    body += [_host(h, now) for h in hosts]
+    else:
+        body.append(_overview(hosts))
+    body.append(_legend())
+    body += [_host(h, now) for h in worst_first(hosts)]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         "<title>dflash-orchestrator fleet report</title>"
         f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n"
+    )
+
+
+# Worst first: what needs someone now, then what drifted, then the rest; a host never watched
+# (no state) before the READY ones, since nothing vouches for it.
+_RANK = {"DOWN": 0, "DEGRADED": 1, "DRIFT": 2, "OUT_OF_ROTATION": 3, None: 4, "READY": 5}
+NO_STATE = "NOT_WATCHED"
+
+
+def worst_first(hosts: list[HostHistory]) -> list[HostHistory]:
+    """The hosts by state, worst first; within a state the latest change first, then by name."""
+
+    def key(h: HostHistory) -> tuple[int, float, str]:
+        changed = h.transitions[-1]["at"] if h.transitions else 0.0
+        return _RANK.get(h.state, 4), -changed, h.name
+
+    return sorted(hosts, key=key)
+
+
+def _overview(hosts: list[HostHistory]) -> str:
+    """The fleet at a glance: hosts by state, and a table of every host worst first, filtered by
+    state with the radio buttons above it (CSS alone: the page has no script)."""
+    counts: dict[str, int] = {}
+    for h in hosts:
+        counts[h.state or NO_STATE] = counts.get(h.state or NO_STATE, 0) + 1
+    states = sorted(counts, key=lambda st: _RANK.get(None if st == NO_STATE else st, 4))
+    filters = ['<input type="radio" name="state-filter" id="filter-all" checked><label for="filter-all">'
+               f"all ({len(hosts)})</label>"]  # fmt: skip
+    for st in states:
+        filters.append(
+            f'<input type="radio" name="state-filter" id="filter-{st}"><label for="filter-{st}">'
+            f'<span class="state state-{st}">{st}</span> {counts[st]}</label>'
+        )
+    rows = []
+    for h in worst_first(hosts):
+        st = h.state or NO_STATE
+        last = h.samples[-1] if h.samples else None
+        tau = f"{last['mean_acceptance_length']:.2f} ({escape(last['source'])})" if last else "-"
+        change = h.transitions[-1] if h.transitions else None
+        changed = (
+            f"{_when(change['at'])} {escape(str(change.get('from')))} &rarr; {escape(change['to'])}" if change else "-"
+        )
+        run = h.runs[0] if h.runs else None
+        ran = f"{escape(run['kind'])} {'ready' if run['host']['ready'] else 'not ready'}" if run else "-"
+        name = escape(h.name, quote=True)
+        rows.append(
+            f'<tr class="fleet-row row-{st}" data-state="{st}"><td><a href="#host-{name}">{escape(h.name)}</a></td>'
+            f'<td><span class="state state-{st}">{st}</span></td><td>{tau}</td><td>{changed}</td><td>{ran}</td></tr>'
+        )
+    hide = " ".join(
+        f"#filter-{st}:checked ~ table.fleet tr.fleet-row:not(.row-{st}) {{ display: none; }}" for st in states
+    )
+    head = "<tr><th>host</th><th>state</th><th>last tau</th><th>last change</th><th>last run</th></tr>"
+    summary = " &middot; ".join(f'<span class="state state-{st}">{st}</span> {counts[st]}' for st in states)
+    return (
+        f'<section class="overview"><h2>Fleet</h2><p class="counts">{summary}</p><style>{hide}</style>'
+        f'<div class="filters">{"".join(filters)}<table class="fleet">{head}{"".join(rows)}</table></div></section>'
     )
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -134,3 +135,41 @@ def test_nothing_a_host_said_becomes_markup() -> None:
     assert "<script" not in page and "<img" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert json.dumps(fleetreport.to_json(fleetreport.collect([run], [sample], []), 3.0))
+
+
+def test_the_report_opens_with_the_fleet_worst_first_at_1024_hosts(tmp_path: Path) -> None:
+    """1024 hosts in a browser: the overview counts them by state and lists every host worst first
+    (DOWN, DEGRADED, DRIFT, out of rotation, never watched, READY), each row linking to the host's
+    section, with a filter by state that needs no script. (How fast it loads is a benchmark:
+    bench/report.py.)"""
+    from orchestrator import fleetreport
+    from tests.fleet import STATES, fleet_history
+
+    now = time.time()
+    hosts = fleetreport.collect(*fleet_history(1024, now))
+    page = tmp_path / "fleet.html"
+    fleetreport.write_html(page, hosts, now)
+    dumped = chromium("--dump-dom", page.as_uri())
+    assert dumped.returncode == 0, dumped.stderr.decode()[-2000:]
+    dom = Elements()
+    dom.feed(dumped.stdout.decode())
+    rows = dom.having("tr", "fleet-row")
+    assert len(rows) == 1024
+    order = [r["data-state"] for r in rows]
+    ranks = ["DOWN", "DEGRADED", "DRIFT", "OUT_OF_ROTATION", "NOT_WATCHED", "READY"]
+    assert order == sorted(order, key=ranks.index)
+    # as fleet_history made them: host i unwell when i % 53 < 4, host 5 never watched
+    made = ["NOT_WATCHED" if i == 5 else STATES[i % 53] if i % 53 < len(STATES) else "READY" for i in range(1024)]
+    assert {s: order.count(s) for s in ranks} == {s: made.count(s) for s in ranks}
+    counts = next(a for t, a in dom.found if t == "p" and a.get("class") == "counts")
+    assert counts is not None
+    radios = [a["id"] for t, a in dom.found if t == "input" and a.get("type") == "radio"]
+    assert radios == ["filter-all", *(f"filter-{s}" for s in ranks)]
+    sections = dom.having("section", "host")
+    links = [a["href"][1:] for t, a in dom.found if t == "a" and a.get("href", "").startswith("#host-")]
+    assert [sec["id"] for sec in sections] == links  # each row links to its section, in the same order
+    down = [i for i in range(1024) if made[i] == "DOWN"]
+    assert links[0] == f"host-gpu-{down[-1] // 8:03d}/serve-{down[-1] % 8}"  # the latest to go DOWN first
+    shot = tmp_path / "fleet.png"
+    taken = chromium(f"--screenshot={shot}", "--window-size=1200,900", page.as_uri())
+    assert taken.returncode == 0 and shot.exists(), taken.stderr.decode()[-2000:]
