@@ -774,10 +774,23 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def more_files() -> None:
+    """Raise this process's open-file limit to its hard limit: a run holds a connection per host
+    for its whole length, and the usual soft limit (1024) ends a 1000-host run with EMFILE."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, dispatch to the command's function, and map what went wrong to an exit code."""
     global _json_stderr, _aborted
     args = build_parser().parse_args(argv)
+    more_files()
     _json_stderr = bool(getattr(args, "json", False)) and args.func in (_cmd_run, _cmd_watch)
     try:
         return int(args.func(args))

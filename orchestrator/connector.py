@@ -9,11 +9,12 @@ routes each target to its connector; a test passes its own connector instead (as
 
 from __future__ import annotations
 
+import select
 import shlex
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from orchestrator.inventory import Target
 
@@ -178,3 +179,12 @@ class StderrTail:
         with self._lock:
             data = bytes(self._data)
         return "\n".join(data.decode("utf-8", "replace").rstrip().splitlines()[-lines:])
+
+
+def readable(source: Any, timeout: float) -> bool:
+    """Wait until ``source`` (a channel or a file descriptor) is readable, or ``timeout`` s.
+    poll, not select: a controller holding a session per host has descriptors past select's 1024
+    (FD_SETSIZE) at fleet size, which select refuses ("filedescriptor out of range")."""
+    poller = select.poll()
+    poller.register(source, select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import subprocess
 import threading
 import time
 from typing import Any
 
-from orchestrator.connector import Command, Counters, Feed, OnStderr, Result, StderrTail, Stdin
+from orchestrator.connector import Command, Counters, Feed, OnStderr, Result, StderrTail, Stdin, readable
 from orchestrator.errors import CommandTimeout, ConnectionLost
 from orchestrator.inventory import Target
 
@@ -159,8 +158,7 @@ class LocalSession:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommandTimeout(self._name, "no answer within the deadline")
-            readable, _, _ = select.select([fd], [], [], min(remaining, 1.0))
-            if readable:
+            if readable(fd, min(remaining, 1.0)):
                 return os.read(fd, 1 << 16)
 
     def stderr_tail(self) -> str:

@@ -24,7 +24,6 @@ import hashlib
 import hmac
 import logging
 import os
-import select
 import socket
 import stat
 import threading
@@ -35,7 +34,17 @@ from pathlib import Path
 import paramiko
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from orchestrator.connector import Command, Counters, Feed, OnStderr, Result, RetryPolicy, StderrTail, Stdin
+from orchestrator.connector import (
+    Command,
+    Counters,
+    Feed,
+    OnStderr,
+    Result,
+    RetryPolicy,
+    StderrTail,
+    Stdin,
+    readable,
+)
 from orchestrator.errors import (
     AuthenticationFailed,
     CommandTimeout,
@@ -590,12 +599,12 @@ class SshConnector:
                     continue
                 if ended:
                     # Only the exit status (or stdin's last window) is still to come. paramiko keeps
-                    # the channel readable for select from EOF on, so select would spin here.
+                    # the channel readable from EOF on, so polling it would spin here.
                     chan.status_event.wait(min(remaining, _SEND_POLL) if pending else remaining)
                 else:
-                    # Readable data wakes select; a reopened send window does not, so poll
+                    # Readable data wakes the poll; a reopened send window does not, so poll
                     # briefly then.
-                    select.select([chan], [], [], min(remaining, _SEND_POLL if pending else 1.0))
+                    readable(chan, min(remaining, _SEND_POLL if pending else 1.0))
         except (paramiko.SSHException, EOFError, OSError) as exc:
             self._drop(name)
             raise ConnectionLost(name, f"connection lost during the command: {exc or type(exc).__name__}") from exc
@@ -657,7 +666,7 @@ class _SshSession:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CommandTimeout(self._name, "no answer within the deadline")
-                select.select([chan], [], [], min(remaining, 1.0))
+                readable(chan, min(remaining, 1.0))
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise self._lost(exc, "while reading") from exc
 

@@ -13,6 +13,7 @@ from the key files themselves, never learnt by connecting. Needs root.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -32,6 +33,19 @@ DEFAULT_PREFIX = "dfo"
 DEFAULT_SUBNET = "10.77"
 
 REMOTE_PYTHON = "/usr/bin/python3"
+
+# A Linux bridge takes at most 1023 ports ("RTNETLINK answers: Exchange full" at the 1024th:
+# BR_MAX_PORTS in the kernel's net/bridge): hosts go 1000 to a bridge. The first bridge holds the
+# controller's address for the whole /16; the others none, with a route per host instead.
+HOSTS_PER_BRIDGE = 1000
+MAX_HOSTS = 2000
+# What one host costs this machine (its sshd, namespaces, veth pair), measured as the fall of
+# MemAvailable over 64 hosts brought up: 2.3 MiB each. Asked for with a margin.
+HOST_MEMORY = 4 * 2**20
+# The kernel's ARP table holds 1024 entries by default (net.ipv4.neigh.default.gc_thresh3): past
+# about that many hosts, "neighbor table overflow" and hosts that cannot be reached. Raised for a
+# large sandbox, and put back as it was when the sandbox goes down.
+NEIGH = Path("/proc/sys/net/ipv4/neigh/default")
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
@@ -129,6 +143,8 @@ class SshSandbox:
         self.known_hosts = self.dir / "known_hosts"
         self.ssh_config = self.dir / "ssh_config"
         self.client_key = self.dir / "id_ed25519"
+        found = saved.get("neighbours")
+        self.neighbours: dict[str, int] | None = found if isinstance(found, dict) else None
 
     # --- state ---------------------------------------------------------------------------
 
@@ -149,6 +165,8 @@ class SshSandbox:
     def _save(self, hosts: list[SandboxHost]) -> None:
         tmp = self.state_file.with_suffix(".tmp")
         state = {"kind": self.kind, "prefix": self.prefix, "subnet": self.subnet, "hosts": [asdict(h) for h in hosts]}
+        if self.neighbours:
+            state["neighbours"] = self.neighbours  # the ARP table's own sizes, put back at down
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, self.state_file)
 
@@ -174,8 +192,9 @@ class SshSandbox:
         inventory."""
         if os.geteuid() != 0:
             raise SandboxError("the ssh sandbox needs root (network namespaces and bind mounts)")
-        if count < 1 or count > 2000:
-            raise SandboxError("--hosts must be between 1 and 2000")
+        if count < 1 or count > MAX_HOSTS:
+            raise SandboxError(f"--hosts must be between 1 and {MAX_HOSTS}")
+        self._check_capacity(count)
         for tool in (SSHD, shutil.which("ssh-keygen"), shutil.which("ip")):
             if not tool or not os.path.exists(tool):
                 raise SandboxError("OpenSSH server and iproute2 are needed: apt-get install openssh-server iproute2")
@@ -188,6 +207,7 @@ class SshSandbox:
         shutil.copyfile(self.client_key.with_suffix(".pub"), self.dir / "authorized_keys")
         os.chmod(self.dir / "authorized_keys", 0o600)
         self._bridge()
+        self._neighbours(count, say)
 
         existing = {h.name: h for h in self.hosts()}
         hosts: list[SandboxHost] = []
@@ -204,16 +224,69 @@ class SshSandbox:
         for extra in existing.values():  # `up --hosts 4` after `up --hosts 8`: end the extra hosts
             self._stop_host(extra)
         self._save(hosts)
-        self._wait_ready(hosts, started + timeout)
+        self._wait_ready(hosts, time.monotonic() + timeout)  # from when the last sshd started
         self._write_client_files(hosts)
         say(f"sandbox: {len(hosts)} ssh hosts up in {time.monotonic() - started:.1f} s")
         return self.status()
 
-    def _bridge(self) -> None:
-        if run(["ip", "link", "show", self.bridge], check=False).returncode != 0:
-            run(["ip", "link", "add", self.bridge, "type", "bridge"])
-            run(["ip", "addr", "add", f"{self.subnet}.0.1/16", "dev", self.bridge])
-        run(["ip", "link", "set", self.bridge, "up"])
+    def _check_capacity(self, count: int) -> None:
+        """Refuse, before anything starts, a count this machine cannot hold: memory for each new
+        host, processes and open files for their sshds."""
+        new = count - sum(1 for h in self.hosts() if alive(h.pid, h.pid_start))
+        if new <= 0:
+            return
+        try:
+            meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+            available = int(meminfo["MemAvailable"].split()[0]) * 1024
+            pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        except (OSError, KeyError, ValueError):
+            return  # not Linux as we know it: the first failure will say what
+        need = new * HOST_MEMORY
+        if need > available * 0.8:
+            raise SandboxError(
+                f"{count} hosts need about {need / 2**30:.1f} GiB more memory ({HOST_MEMORY // 2**20} MiB a host), "
+                f"and {available / 2**30:.1f} GiB is available: ask for at most "
+                f"{count - new + int(available * 0.8 // HOST_MEMORY)} hosts"
+            )
+        running = sum(1 for entry in Path("/proc").iterdir() if entry.name.isdigit())
+        if running + new * 2 > pid_max * 0.8:
+            raise SandboxError(f"{count} hosts need {new * 2} more processes; kernel.pid_max is {pid_max}")
+
+    def _neighbours(self, count: int, say: Say) -> None:
+        """Room in the ARP table for every host (and what this machine already talks to)."""
+        need = count + 256  # the hosts, and what this machine already talks to
+        names = ("gc_thresh1", "gc_thresh2", "gc_thresh3")
+        try:
+            now = tuple(int((NEIGH / n).read_text()) for n in names)
+        except (OSError, ValueError):
+            return
+        if need <= now[1]:
+            return  # below the table's soft limit already: a small sandbox changes nothing
+        want = (now[0], 2 * need, 4 * need)
+        if self.neighbours is None:  # the sizes before any sandbox raised them
+            self.neighbours = dict(zip(names, now, strict=True))
+            self._save(self.hosts())
+        for name, old, new in zip(names, now, want, strict=True):
+            (NEIGH / name).write_text(str(max(old, new)))
+        say(f"sandbox: ARP table raised to {max(now[2], want[2])} entries for {count} hosts "
+            f"(net.ipv4.neigh.default.gc_thresh3 was {now[2]}; put back at down)")  # fmt: skip
+
+    def _bridge_name(self, k: int) -> str:
+        return f"{self.prefix}-br{k}"
+
+    def _bridges(self) -> list[str]:
+        """The sandbox's bridges that exist now."""
+        return [self._bridge_name(k) for k in range(MAX_HOSTS // HOSTS_PER_BRIDGE + 1)
+                if run(["ip", "link", "show", self._bridge_name(k)], check=False).returncode == 0]  # fmt: skip
+
+    def _bridge(self, k: int = 0) -> str:
+        name = self._bridge_name(k)
+        if run(["ip", "link", "show", name], check=False).returncode != 0:
+            run(["ip", "link", "add", name, "type", "bridge"])
+            if k == 0:
+                run(["ip", "addr", "add", f"{self.subnet}.0.1/16", "dev", name])
+        run(["ip", "link", "set", name, "up"])
+        return name
 
     def _start_host(self, i: int) -> SandboxHost:
         name = host_name(i)
@@ -231,11 +304,18 @@ class SshSandbox:
         if not Path(f"/run/netns/{host.netns}").exists():
             run(["ip", "netns", "add", host.netns])
         if run(["ip", "link", "show", host.veth], check=False).returncode != 0:
+            k = (i - 1) // HOSTS_PER_BRIDGE
+            bridge = self._bridge(k)
             run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns])
-            run(["ip", "link", "set", host.veth, "master", self.bridge, "up"])
+            run(["ip", "link", "set", host.veth, "master", bridge, "up"])
             run(["ip", "-n", host.netns, "addr", "add", f"{host.address}/16", "dev", "eth0"])
             run(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
             run(["ip", "-n", host.netns, "link", "set", "lo", "up"])
+            if k:
+                # Past the first bridge: the host is reached by its own route, and it reaches the
+                # controller's address (on the first bridge) through this one, which answers ARP
+                # for it as for any address of this machine.
+                run(["ip", "route", "replace", f"{host.address}/32", "dev", bridge, "src", f"{self.subnet}.0.1"])
         host.pid, host.pid_start = start_sshd(
             hdir,
             f"{host.address}:22",
@@ -306,8 +386,11 @@ class SshSandbox:
         hosts = self.hosts()
         for h in hosts:
             self._stop_host(h)
-        if run(["ip", "link", "show", self.bridge], check=False).returncode == 0:
-            run(["ip", "link", "del", self.bridge], check=False)
+        for bridge in self._bridges():  # a host's route goes with its bridge
+            run(["ip", "link", "del", bridge], check=False)
+        for name, value in (self.neighbours or {}).items():
+            with contextlib.suppress(OSError):
+                (NEIGH / name).write_text(str(int(value)))
         if self.dir.exists():
             shutil.rmtree(self.dir)
         say(f"sandbox: {len(hosts)} ssh hosts removed")

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.errors import SandboxError
 from orchestrator.sandbox.lxdhosts import clear_dead_mount
 from orchestrator.sandbox.processes import alive
 from orchestrator.sandbox.sshhosts import SshSandbox
@@ -136,3 +138,61 @@ def test_a_dead_lxcfs_mount_left_by_a_killed_machine_is_cleared(tmp_path: Path) 
             proc.wait(timeout=30)
         if os.path.ismount(mount) or not os.access(mount, os.F_OK):
             subprocess.run(["umount", "--lazy", str(mount)], check=False)
+
+
+def test_a_large_sandbox_spans_bridges_and_sizes_the_arp_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Linux bridge takes 1023 ports ("Exchange full" at the 1024th) and the kernel's ARP table
+    1024 entries (then "neighbor table overflow"): 1024 hosts met both. Here 300 hosts, 128 to a
+    bridge (the limit lowered so three bridges are made): every host answers on port 22 through
+    its own bridge, a real ssh command runs on the last host of each, the ARP table is raised while
+    the sandbox is up and put back by down, with the bridges."""
+    from orchestrator.sandbox import sshhosts
+
+    monkeypatch.setattr(sshhosts, "HOSTS_PER_BRIDGE", 128)
+    names = ("gc_thresh1", "gc_thresh2", "gc_thresh3")
+    before = [int((sshhosts.NEIGH / n).read_text()) for n in names]
+    box = SshSandbox(tmp_path / "box", prefix="dfl", subnet="10.85")
+    said: list[str] = []
+    try:
+        box.up(300, said.append)
+        hosts = box.hosts()
+        assert len(hosts) == 300
+        bridges = ["dfl-br0", "dfl-br1", "dfl-br2"]
+        for bridge in bridges:
+            assert subprocess.run(["ip", "link", "show", bridge], capture_output=True).returncode == 0
+        if before[1] < 300 + 256:
+            assert int((sshhosts.NEIGH / "gc_thresh3").read_text()) >= 4 * (300 + 256)
+            assert any("ARP table raised" in line for line in said), said
+        for h in hosts:
+            with socket.create_connection((h.address, 22), timeout=10) as conn:
+                assert conn.recv(64).startswith(b"SSH-2.0-OpenSSH")
+        for h in (hosts[127], hosts[255], hosts[299]):  # the last host of each bridge
+            done = subprocess.run(
+                ["ssh", "-F", str(box.ssh_config), h.name, "cat /proc/sys/kernel/hostname; ip -o -4 addr show eth0"],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert done.returncode == 0 and f"inet {h.address}/16" in done.stdout, done.stderr
+    finally:
+        box.down()
+    assert [int((sshhosts.NEIGH / n).read_text()) for n in names] == before
+    for bridge in ("dfl-br0", "dfl-br1", "dfl-br2"):
+        assert subprocess.run(["ip", "link", "show", bridge], capture_output=True).returncode != 0
+    assert "dfl-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_a_sandbox_larger_than_the_machine_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check reads this machine's MemAvailable; a host's cost is made a third of it, so that 5
+    hosts cannot fit (this machine holds 2000 real ones): refused, and nothing made."""
+    from orchestrator.sandbox import sshhosts
+
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    available = int(next(line for line in meminfo if line.startswith("MemAvailable")).split()[1]) * 1024
+    monkeypatch.setattr(sshhosts, "HOST_MEMORY", available // 3)
+    box = SshSandbox(tmp_path / "box", prefix="dfk", subnet="10.87")
+    with pytest.raises(SandboxError) as refused:
+        box.up(5)
+    assert "5 hosts need about" in str(refused.value) and "ask for at most 2 hosts" in str(refused.value)
+    assert not (tmp_path / "box" / "hosts").exists()
+    assert subprocess.run(["ip", "link", "show", "dfk-br0"], capture_output=True).returncode != 0

@@ -673,3 +673,32 @@ def test_a_ready_record_that_is_not_ours_starts_a_new_history_and_blocks_nothing
         "no earlier READY record with a probe: this starts the acceptance history"
     )
     assert json.loads((box.root("solo") / "ready.json").read_text())["release_id"] == solo.release_id
+
+
+def test_a_run_holding_more_than_1024_descriptors_still_waits_on_its_hosts(box: Box) -> None:
+    """A controller with a connection per host passes 1024 open descriptors at fleet size, where
+    select() refuses any ("filedescriptor out of range in select()": a 1024-host deploy died of
+    it). Here 1100 descriptors are taken first, so the run's own pipes lie past 1024."""
+    import resource
+
+    from orchestrator import cli
+
+    cli.more_files()
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1300:
+        pytest.fail("this machine's hard limit on open files is below 1300")
+    held = [os.pipe() for _ in range(550)]
+    try:
+        assert max(fd for pair in held for fd in pair) > 1024
+        playbook = box.playbook()
+        run = deploy(box, playbook)
+        assert run.ok, [h.gates for h in run.hosts]
+        watcher = Deployment(playbook, box.inventory, OPTIONS).watcher()  # a session per host, polled
+        try:
+            (r,), _ = watcher.round()
+            assert r.state == "READY", r.reasons
+        finally:
+            watcher.close()
+    finally:
+        for r, w in held:
+            os.close(r)
+            os.close(w)
