@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 DRAFTER = REPO / "playbooks" / "files" / "qwen36-27b-dflash" / "config.json"
 ROOT = "/srv/bench"
 FABRIC_SCRIPT = Path(__file__).resolve().parent / "fabric_push.py"
+FLOOR_SCRIPT = Path(__file__).resolve().parent / "floor.py"
 
 
 @dataclass
@@ -123,6 +124,8 @@ def run_tool(tool: str, work: Path, n: int, venv: Path) -> None:
     elif tool.startswith("ansible"):
         env["ANSIBLE_PIPELINING"] = "True" if tool.endswith("pipelining") else "False"
         argv = [str(venv / "ansible-playbook"), "-i", "hosts.ini", "-f", str(n), "ansible.yaml"]
+    elif tool == "floor":
+        argv = [str(venv / "python"), str(FLOOR_SCRIPT), "hosts.json"]
     else:
         argv = [str(venv / "python"), str(FABRIC_SCRIPT), "hosts.json"]
     proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
@@ -134,7 +137,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", default="8,32,128")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--tools", default="orchestrate,ansible,ansible-pipelining,fabric")
+    parser.add_argument(
+        "--tools",
+        default="orchestrate,floor,ansible,ansible-pipelining,fabric",
+        help="floor: bare paramiko, connect + one exec + close a host (bench/floor.py)",
+    )
     args = parser.parse_args()
     sizes = [int(x) for x in args.hosts.split(",")]
     tools = args.tools.split(",")
@@ -186,8 +193,8 @@ def main() -> None:
 
 def print_table(results: dict[tuple[int, str, str], list[Sample]], sizes: list[int], tools: list[str]) -> None:
     print(
-        f"{'N':>4} {'run':<7} {'tool':<20} {'wall s':>8} {'cpu s':>7} {'trips/host':>10} {'x ansible':>10}"
-        f" {'x fabric':>9} {'machine cpu s':>14}"
+        f"{'N':>4} {'run':<7} {'tool':<20} {'wall s':>8} {'cpu s':>7} {'trips/host':>10} {'x floor':>8}"
+        f" {'x ansible':>10} {'x fabric':>9} {'machine cpu s':>14}"
     )
     for n in sizes:
         for run in ("first", "second"):
@@ -201,13 +208,13 @@ def print_table(results: dict[tuple[int, str, str], list[Sample]], sizes: list[i
                 for t in tools
             }
             for t in tools:
-                ans = med.get("ansible")
-                fab = med.get("fabric")
+                ans, fab, flo = med.get("ansible"), med.get("fabric"), med.get("floor")
                 rel_a = f"{med[t].wall / ans.wall:.3f}" if ans else "-"
                 rel_f = f"{med[t].wall / fab.wall:.3f}" if fab else "-"
+                rel_0 = f"{med[t].wall / flo.wall:.2f}" if flo else "-"
                 print(
-                    f"{n:>4} {run:<7} {t:<20} {med[t].wall:8.2f} {med[t].cpu:7.2f} {med[t].trips:10.1f} {rel_a:>10}"
-                    f" {rel_f:>9} {med[t].machine:14.2f}"
+                    f"{n:>4} {run:<7} {t:<20} {med[t].wall:8.2f} {med[t].cpu:7.2f} {med[t].trips:10.1f} {rel_0:>8}"
+                    f" {rel_a:>10} {rel_f:>9} {med[t].machine:14.2f}"
                 )
 
 

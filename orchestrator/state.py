@@ -281,7 +281,17 @@ class StateDB:
                 self._open_postgresql(urlunsplit(parts._replace(scheme="postgresql")))
             else:
                 raise StateUrlError(f"state URL {self.where}: scheme {parts.scheme!r} is neither sqlite nor postgresql")
-        self._migrate()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self._migrate()
+                return
+            except StateError as exc:
+                # A new SQLite file that another controller is making, or recovering, can answer
+                # "locked" at once instead of waiting its busy timeout: asked again, as long.
+                if self.dialect is not SQLITE or "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     # --- the two stores ------------------------------------------------------------------
 
@@ -292,7 +302,18 @@ class StateDB:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             # autocommit: every transaction is our own BEGIN IMMEDIATE ... COMMIT
             self.conn = sqlite3.connect(path, timeout=30, isolation_level=None)
-            self.conn.execute("PRAGMA journal_mode=WAL")
+            # Two controllers opening a new file at once: switching it to WAL takes the file
+            # alone, and SQLite answers "database is locked" at once there, without its busy
+            # handler; so it is asked again for as long as the busy timeout would have waited.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    self.conn.execute("PRAGMA journal_mode=WAL")
+                    break
+                except sqlite3.OperationalError as exc:
+                    if ("locked" not in str(exc) and "busy" not in str(exc)) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
         except (OSError, sqlite3.Error) as exc:
             raise StateError(f"state database {self.where}: {exc}") from exc
 

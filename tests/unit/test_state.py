@@ -234,3 +234,20 @@ def test_controllers_opening_a_new_store_at_once_make_it_once(postgres: Postgres
         assert db._query("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
     finally:
         db.close()
+
+
+def test_controllers_opening_a_new_sqlite_file_at_once_all_open_it(tmp_path: Path) -> None:
+    """Switching a new file to WAL takes it alone, and SQLite can answer "database is locked" there
+    at once, without waiting its busy timeout: two deploys started together on a new state file,
+    the second failed before any host (tests/integration/test_faults.py, one run in three). Eight
+    controllers open new files at once, twelve times: every one opens and writes."""
+    code = "import sys; from orchestrator.state import StateDB; StateDB(None, sys.argv[1]).check_writable()"
+    for attempt in range(12):
+        url = f"sqlite://{tmp_path}/s{attempt}/state.db"
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, url], env={**os.environ, "PYTHONPATH": str(REPO)},
+                             stderr=subprocess.PIPE, text=True)
+            for _ in range(8)
+        ]  # fmt: skip
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0] * 8, errors
