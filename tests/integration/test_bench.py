@@ -20,8 +20,11 @@ def test_bench_smoke() -> None:
     assert set(table) == {
         (run_, tool)
         for run_ in ("first", "second")
-        for tool in ("orchestrate", "ansible", "ansible-pipelining", "fabric")
+        for tool in ("orchestrate", "floor", "ansible", "ansible-pipelining", "fabric")
     }
     # one exec per host for our deploy, changed or not
     assert float(table[("first", "orchestrate")][5]) == 1.0 and float(table[("second", "orchestrate")][5]) == 1.0
     assert float(table[("first", "ansible")][5]) > 1.0
+    # the floor: one exec a host, and every tool's wall time held to it
+    assert float(table[("first", "floor")][5]) == 1.0 and table[("first", "floor")][6] == "1.00"
+    assert float(table[("first", "orchestrate")][6]) > 0
