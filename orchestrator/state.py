@@ -136,6 +136,11 @@ class Holder:
     since: float
     run: str
 
+    @classmethod
+    def of(cls, row: Sequence[Any]) -> Holder:
+        """A holder from its leases row (user_name, controller, pid, since, run)."""
+        return cls(str(row[0]), str(row[1]), int(row[2]), float(row[3]), str(row[4]))
+
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         return f"{self.user}@{self.controller} pid {self.pid}, since {when}, run {self.run}"
@@ -246,6 +251,11 @@ POSTGRESQL = _Dialect(
 _SCHEMA_LOCK = 0x64666C617368  # serialises two controllers opening a new PostgreSQL store at once
 
 
+def _present(rows: list[Any]) -> bool:
+    """What a dialect's ``has_table`` answered: a row (SQLite) or a true one (PostgreSQL)."""
+    return bool(rows) and bool(rows[0][0])
+
+
 def _lock_key(name: str) -> int:
     """The advisory lock key of a rollout lease (a signed 64-bit int, as PostgreSQL takes it)."""
     return int.from_bytes(
@@ -287,8 +297,8 @@ class StateDB:
                 self._migrate()
                 return
             except StateError as exc:
-                # A new SQLite file that another controller is making, or recovering, can answer
-                # "locked" at once instead of waiting its busy timeout: asked again, as long.
+                # A new SQLite file that another controller is switching to WAL, making or
+                # recovering answers "locked" at once, without its busy timeout: asked again, as long.
                 if self.dialect is not SQLITE or "locked" not in str(exc) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.02)
@@ -302,18 +312,6 @@ class StateDB:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             # autocommit: every transaction is our own BEGIN IMMEDIATE ... COMMIT
             self.conn = sqlite3.connect(path, timeout=30, isolation_level=None)
-            # Two controllers opening a new file at once: switching it to WAL takes the file
-            # alone, and SQLite answers "database is locked" at once there, without its busy
-            # handler; so it is asked again for as long as the busy timeout would have waited.
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    self.conn.execute("PRAGMA journal_mode=WAL")
-                    break
-                except sqlite3.OperationalError as exc:
-                    if ("locked" not in str(exc) and "busy" not in str(exc)) or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
         except (OSError, sqlite3.Error) as exc:
             raise StateError(f"state database {self.where}: {exc}") from exc
 
@@ -385,9 +383,11 @@ class StateDB:
         """Bring the store to SCHEMA_VERSION: create it when new, upgrade it when older, refuse it
         when newer (this controller would misread it)."""
         d = self.dialect
+        if d is SQLITE:
+            self._query("PRAGMA journal_mode=WAL")
         # A store at this version is only read (no write transaction): it opens read-only too
         # (history, report), and says it cannot be written only where a run writes.
-        if self._query(d.has_table, ("schema_version",)) not in ([], [(None,)], [(False,)]):
+        if _present(self._query(d.has_table, ("schema_version",))):
             rows = self._query("SELECT version FROM schema_version")
             if rows and int(rows[0][0]) == SCHEMA_VERSION:
                 return
@@ -406,17 +406,15 @@ class StateDB:
         d = self.dialect
         with self._tx() as cur:
             cur.execute(d.sql(d.has_table), ("schema_version",))  # again: another may have made it
-            found = cur.fetchone()
             row = None
-            if found is not None and found[0]:
+            if _present(cur.fetchall()):
                 cur.execute("SELECT version FROM schema_version")
                 row = cur.fetchone()
             else:
                 cur.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
             if row is None:
                 cur.execute(d.sql(d.has_table), ("runs",))
-                found = cur.fetchone()
-                version = 1 if found is not None and found[0] else 0  # 1: a file from before versions
+                version = 1 if _present(cur.fetchall()) else 0  # 1: a file from before versions
                 cur.execute(d.sql("INSERT INTO schema_version (version) VALUES (?)"), (version,))
             else:
                 version = int(row[0])
@@ -719,7 +717,7 @@ class StateDB:
         row = session.execute(
             "SELECT user_name, controller, pid, since, run FROM leases WHERE name = %s", (name,)
         ).fetchone()
-        return Holder(row[0], row[1], int(row[2]), float(row[3]), row[4]) if row else None
+        return Holder.of(row) if row else None
 
 
 class WatchLead:
@@ -754,10 +752,10 @@ class WatchLead:
                 )
             except StateError:
                 return None
-            return Holder(rows[0][0], rows[0][1], int(rows[0][2]), float(rows[0][3]), rows[0][4]) if rows else None
+            return Holder.of(rows[0]) if rows else None
         try:
             data = json.loads(self._path().read_text() or "null")
-            return Holder(data["user"], data["host"], int(data["pid"]), float(data["since"]), data["run"])
+            return Holder.of((data["user"], data["host"], data["pid"], data["since"], data["run"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
