@@ -1,6 +1,6 @@
 """The floor a deploy is held to: bare paramiko, per host connect (host keys checked strictly, as
 every tool here does), one exec of the hosts' Python (``python3 -c pass``: the interpreter start
-our agent also pays) and close, all hosts at once on threads, as ``--forks N`` runs them. The
+our agent also pays) and close, on as many threads as the run's ``--forks``. The
 client key and known_hosts are read once for all hosts (a client per host reading known_hosts
 again is O(N^2): 512 hosts took 258 s of CPU so). Nothing is pushed or verified: no tool can do
 less and still reach each host."""
@@ -32,7 +32,7 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     key = paramiko.Ed25519Key.from_private_key_file(spec["key"])
     known = paramiko.HostKeys(spec["known_hosts"])
-    with ThreadPoolExecutor(max_workers=len(spec["hosts"])) as pool:
+    with ThreadPoolExecutor(max_workers=spec.get("forks") or len(spec["hosts"])) as pool:
         list(pool.map(lambda h: reach(h, key, known), spec["hosts"]))
 
 

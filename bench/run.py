@@ -1,12 +1,17 @@
-"""Side by side: orchestrate deploy vs Ansible vs plain Fabric, on the same work and the same hosts.
+"""Side by side: orchestrate deploy vs Ansible vs plain Fabric vs the floor, on the same work and
+the same hosts, then verify and watch rounds of a served fleet.
 
 The work, per host: push a ~2 KB drafter config with checksum verification and an atomic rename,
 read it back and compare its sha256, run one command. First run: the file changes; second run: no
-change. Each tool, each N, in alternation, median of --reps runs: wall seconds, controller CPU
-seconds (this process's children), and SSH round trips per host (exec + sftp requests counted from
-the hosts' own sshd logs at DEBUG1). Needs root (it brings up the ssh sandbox).
+change; each run also an ``orchestrate verify`` of it (the "verify" tool). Each tool, each N, in
+alternation, median of --reps runs: wall seconds, the tool's CPU (its process and children) a host,
+its peak memory, and SSH connections and execs (exec + sftp requests) a host counted from the hosts'
+own sshd logs at DEBUG1. Then, unless --watch-rounds 0, every host serves (a lean stand-in server:
+/health and vLLM's spec-decode counters; a thousand real vLLMs do not fit on one machine): a deploy
+of that release, a verify, and a watch of --watch-rounds rounds over kept sessions (bench/watch.py,
+a process of its own), then stop. Needs root (it brings up the ssh sandbox).
 
-    python bench/run.py --hosts 8,32,128 --reps 3
+    python bench/run.py --hosts 8,32,128,512,1024 --reps 1 --tools orchestrate,verify,floor,fabric
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from orchestrator.sandbox.sshhosts import SshSandbox
@@ -31,14 +36,26 @@ DRAFTER = REPO / "playbooks" / "files" / "qwen36-27b-dflash" / "config.json"
 ROOT = "/srv/bench"
 FABRIC_SCRIPT = Path(__file__).resolve().parent / "fabric_push.py"
 FLOOR_SCRIPT = Path(__file__).resolve().parent / "floor.py"
+WATCH_SCRIPT = Path(__file__).resolve().parent / "watch.py"
+STANDIN = REPO / "tests" / "unit" / "standin_vllm.py"
 
 
 @dataclass
 class Sample:
     wall: float
-    cpu: float
-    trips: float
+    cpu: float  # the tool's processes, seconds
+    trips: float  # exec and sftp requests a host
     machine: float
+    peak_mib: float = 0.0  # the tool's largest process
+    conns: float = 0.0  # SSH connections a host
+
+
+@dataclass
+class Counted:
+    """What the hosts' sshds saw so far: connections and requests."""
+
+    conns: int
+    trips: int
 
 
 def machine_busy() -> float:
@@ -56,13 +73,15 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def count_requests(box: SshSandbox, names: list[str]) -> int:
-    """exec and sftp requests seen by these hosts' sshds so far."""
-    total = 0
+def count_requests(box: SshSandbox, names: list[str]) -> Counted:
+    """Connections, and exec and sftp requests, seen by these hosts' sshds so far."""
+    conns = trips = 0
     for name in names:
         log = Path(box.dir / "hosts" / name / "sshd.log").read_text(errors="replace")
-        total += sum(1 for line in log.splitlines() if line.endswith((" req exec", " req subsystem")))
-    return total
+        for line in log.splitlines():
+            trips += line.endswith((" req exec", " req subsystem"))
+            conns += "Accepted publickey" in line
+    return Counted(conns, trips)
 
 
 def config_bytes(rep: int) -> bytes:
@@ -71,7 +90,7 @@ def config_bytes(rep: int) -> bytes:
     return (json.dumps(data, indent=2) + "\n").encode()
 
 
-def write_inputs(work: Path, box: SshSandbox, names: list[str], content: bytes) -> None:
+def write_inputs(work: Path, box: SshSandbox, names: list[str], content: bytes, forks: int) -> None:
     (work / "config.json").write_bytes(content)
     (work / "pb.yaml").write_text(
         f"name: bench\ntargets: [all]\ndeploy_root: {ROOT}\ndrafter: {{config: config.json}}\n"
@@ -111,26 +130,116 @@ def write_inputs(work: Path, box: SshSandbox, names: list[str], content: bytes) 
                 "digest": digest,
                 "src": str(work / "config.json"),
                 "dest": f"{ROOT}/fabric/config.json",
+                "forks": forks,
             }
         )
     )
 
 
-def run_tool(tool: str, work: Path, n: int, venv: Path) -> None:
-    env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="True", ANSIBLE_NOCOLOR="1")
-    if tool == "orchestrate":
-        argv = [str(venv / "orchestrate"), "deploy", "pb.yaml", "-i", "inventory.yaml", "--forks", str(n)]
-        env["ORCHESTRATE_STATE_DIR"] = str(work / "state")
-    elif tool.startswith("ansible"):
+def tool_argv(tool: str, forks: int, venv: Path) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ, ANSIBLE_HOST_KEY_CHECKING="True", ANSIBLE_NOCOLOR="1", ORCHESTRATE_STATE_DIR="state")
+    orchestrate = [str(venv / "orchestrate")]
+    if tool in ("orchestrate", "verify"):
+        step = "deploy" if tool == "orchestrate" else "verify"
+        return [*orchestrate, step, "pb.yaml", "-i", "inventory.yaml", "--forks", str(forks)], env
+    if tool.startswith("ansible"):
         env["ANSIBLE_PIPELINING"] = "True" if tool.endswith("pipelining") else "False"
-        argv = [str(venv / "ansible-playbook"), "-i", "hosts.ini", "-f", str(n), "ansible.yaml"]
-    elif tool == "floor":
-        argv = [str(venv / "python"), str(FLOOR_SCRIPT), "hosts.json"]
-    else:
-        argv = [str(venv / "python"), str(FABRIC_SCRIPT), "hosts.json"]
-    proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
+        return [str(venv / "ansible-playbook"), "-i", "hosts.ini", "-f", str(forks), "ansible.yaml"], env
+    if tool == "floor":
+        return [str(venv / "python"), str(FLOOR_SCRIPT), "hosts.json"], env
+    return [str(venv / "python"), str(FABRIC_SCRIPT), "hosts.json"], env
+
+
+def run(argv: list[str], cwd: Path, env: dict[str, str], what: str) -> tuple[str, float, float]:
+    """Run a tool to its end: its stdout, its CPU seconds and its peak memory (MiB), both from the
+    kernel's accounting of that process and the children it waited for."""
+    with open(cwd / "out.txt", "w+") as out, open(cwd / "err.txt", "w+") as err:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
-        raise SystemExit(f"{tool} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"{what} failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    return stdout, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+
+
+def measure(
+    box: SshSandbox, names: list[str], argv: list[str], cwd: Path, env: dict[str, str], what: str
+) -> tuple[Sample, str]:
+    before, busy = count_requests(box, names), machine_busy()
+    start = time.perf_counter()
+    stdout, cpu, peak = run(argv, cwd, env, what)
+    wall, busy = time.perf_counter() - start, machine_busy() - busy
+    after, n = count_requests(box, names), len(names)
+    sample = Sample(wall, cpu, (after.trips - before.trips) / n, busy, peak, (after.conns - before.conns) / n)
+    print(
+        f"N={n} {what:<28} {wall:7.2f} s wall {cpu:6.2f} s cpu {peak:6.0f} MiB"
+        f" {sample.conns:4.1f} conns/host {sample.trips:4.1f} execs/host",
+        file=sys.stderr,
+    )
+    return sample, stdout
+
+
+def write_served(work: Path, inventory: Path) -> None:
+    """A release every host serves: the stand-in server in its lean form (one thread, the socket
+    module alone, ``python3 -S``: about 7 MiB a host against 12 with http.server)."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "target").mkdir(exist_ok=True)
+    target = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64}
+    target |= {"num_hidden_layers": 2, "vocab_size": 64, "layer_types": ["full_attention"] * 2}
+    (work / "target" / "config.json").write_text(json.dumps(target))
+    drafter = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8}
+    drafter |= {"dflash_config": {"mask_token_id": 5, "target_layer_ids": [1]}, "hidden_size": 64}
+    drafter |= {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}
+    drafter |= {"vocab_size": 64, "num_target_layers": 2, "layer_types": ["full_attention"]}
+    (work / "drafter.json").write_text(json.dumps(drafter, indent=2))
+    # The hosts see /tmp but not every path of this machine: the stand-in and the system Python.
+    shutil.copyfile(STANDIN, work / STANDIN.name)
+    python = work / "python"
+    python.write_text(f'#!/bin/sh\nexec /usr/bin/python3 -S {work / STANDIN.name} "$@"\n')
+    python.chmod(0o755)
+    book = {
+        "name": "bench-served",
+        "targets": ["all"],
+        "deploy_root": "/srv/bench-served",
+        "drafter": {"config": "drafter.json", "target_config": "target/config.json"},
+        "serving": {
+            "python": str(python),
+            "target": str(work / "target"),
+            "model_name": "tiny",
+            "num_speculative_tokens": 7,
+            "port": 8000,
+            "startup_timeout": 300,
+            "env": {"STANDIN_GOOD_MASK": "5", "STANDIN_LEAN": "1"},
+        },
+        "gates": {"acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 10, "max_tokens": 32}},
+    }
+    (work / "pb.yaml").write_text(json.dumps(book))
+    shutil.copyfile(inventory, work / "inventory.yaml")
+
+
+def served(box: SshSandbox, names: list[str], work: Path, venv: Path, forks: int, rounds: int) -> dict[str, Sample]:
+    """Deploy a served release to every host, verify it, watch it --watch-rounds rounds, stop it."""
+    write_served(work, work.parent / "inventory.yaml")
+    env = dict(os.environ, ORCHESTRATE_STATE_DIR="state")
+    orchestrate = [str(venv / "orchestrate")]
+    args = ["pb.yaml", "-i", "inventory.yaml", "--forks", str(forks)]
+    out: dict[str, Sample] = {}
+    out["deploy"], _ = measure(box, names, [*orchestrate, "deploy", *args], work, env, "served deploy")
+    out["verify"], _ = measure(box, names, [*orchestrate, "verify", *args], work, env, "served verify")
+    argv = [str(venv / "python"), str(WATCH_SCRIPT), "pb.yaml", "inventory.yaml"]
+    watch, stdout = measure(box, names, [*argv, "--rounds", str(rounds), "--forks", str(forks)], work, env, "watch")
+    seen = json.loads(stdout)
+    if seen["states"] != ["READY"] or seen["sessions"] != len(names):
+        raise SystemExit(f"the watch saw {seen['states']} with {seen['sessions']} sessions of {len(names)}")
+    n = len(names)
+    # The first round: connections and agents started (the process's whole count of each).
+    out["watch (first round)"] = replace(watch, wall=seen["first_round_s"], cpu=0.0, machine=0.0)
+    out["watch round"] = Sample(seen["round_s"], seen["round_cpu_s"], 0.0, 0.0, seen["peak_mib"], 0.0)
+    run([*orchestrate, "stop", *args], work, env, "served stop")
+    print(f"N={n} watch rounds: {seen}", file=sys.stderr)
+    return out
 
 
 def main() -> None:
@@ -139,9 +248,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
         "--tools",
-        default="orchestrate,floor,ansible,ansible-pipelining,fabric",
-        help="floor: bare paramiko, connect + one exec + close a host (bench/floor.py)",
+        default="orchestrate,verify,floor,ansible,ansible-pipelining,fabric",
+        help="orchestrate: deploy; verify: orchestrate verify; floor: bare paramiko, connect + one exec + close a host (bench/floor.py)",
     )
+    parser.add_argument("--forks", default="hosts", help="hosts worked on at once by every tool (default: all of them)")
+    parser.add_argument("--watch-rounds", type=int, default=10, help="rounds of the served watch (0: no served phase)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args()
     sizes = [int(x) for x in args.hosts.split(",")]
     tools = args.tools.split(",")
@@ -164,6 +276,7 @@ def main() -> None:
     results: dict[tuple[int, str, str], list[Sample]] = {}
     try:
         for n in sizes:
+            forks = n if args.forks == "hosts" else int(args.forks)
             names = [h.name for h in box.hosts()[:n]]
             inv = box.inventory.read_text().split("    containers:\n")[0] + "    containers:\n"
             inv += "".join(f"      {h.name}:\n        address: {h.address}\n" for h in box.hosts()[:n])
@@ -173,49 +286,65 @@ def main() -> None:
                 )
             )
             for rep in range(args.reps):
-                write_inputs(work, box, names, config_bytes(rep + 1000 * n))
-                for run in ("first", "second"):
+                write_inputs(work, box, names, config_bytes(rep + 1000 * n), forks)
+                for run_ in ("change", "no change"):
                     for tool in tools:
-                        trips, cpu, busy = count_requests(box, names), children_cpu(), machine_busy()
-                        start = time.perf_counter()
-                        run_tool(tool, work, n, venv)
-                        wall, busy = time.perf_counter() - start, machine_busy() - busy
-                        sample = Sample(wall, children_cpu() - cpu, (count_requests(box, names) - trips) / n, busy)
-                        results.setdefault((n, tool, run), []).append(sample)
-                        print(
-                            f"N={n} rep={rep} {run:<6} {tool:<20} {sample.wall:6.2f} s wall {sample.cpu:6.2f} s cpu {sample.trips:4.1f} trips/host",
-                            file=sys.stderr,
-                        )
+                        argv, env = tool_argv(tool, forks, venv)
+                        sample, _ = measure(box, names, argv, work, env, f"rep={rep} {run_} {tool}")
+                        results.setdefault((n, tool, run_), []).append(sample)
+            if args.watch_rounds:
+                for step, sample in served(box, names, work / "served", venv, forks, args.watch_rounds).items():
+                    results[(n, step, "served")] = [sample]
     finally:
         box.down()
-    print_table(results, sizes, tools)
+    rows = table(results, sizes)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+    else:
+        print_table(rows)
 
 
-def print_table(results: dict[tuple[int, str, str], list[Sample]], sizes: list[int], tools: list[str]) -> None:
-    print(
-        f"{'N':>4} {'run':<7} {'tool':<20} {'wall s':>8} {'cpu s':>7} {'trips/host':>10} {'x floor':>8}"
-        f" {'x ansible':>10} {'x fabric':>9} {'machine cpu s':>14}"
-    )
+def table(results: dict[tuple[int, str, str], list[Sample]], sizes: list[int]) -> list[dict[str, object]]:
+    """One row per hosts, run and tool: the medians, held to the floor and to Ansible and Fabric of
+    the same run (a served step: to those of the no-change run)."""
+    rows: list[dict[str, object]] = []
     for n in sizes:
-        for run in ("first", "second"):
-            med = {
-                t: Sample(
-                    *(
-                        statistics.median(getattr(s, f) for s in results[(n, t, run)])
-                        for f in ("wall", "cpu", "trips", "machine")
-                    )
-                )
-                for t in tools
-            }
-            for t in tools:
-                ans, fab, flo = med.get("ansible"), med.get("fabric"), med.get("floor")
-                rel_a = f"{med[t].wall / ans.wall:.3f}" if ans else "-"
-                rel_f = f"{med[t].wall / fab.wall:.3f}" if fab else "-"
-                rel_0 = f"{med[t].wall / flo.wall:.2f}" if flo else "-"
-                print(
-                    f"{n:>4} {run:<7} {t:<20} {med[t].wall:8.2f} {med[t].cpu:7.2f} {med[t].trips:10.1f} {rel_0:>8}"
-                    f" {rel_a:>10} {rel_f:>9} {med[t].machine:14.2f}"
-                )
+        med = {
+            (tool, run_): Sample(
+                *(statistics.median(getattr(s, f) for s in samples) for f in Sample.__dataclass_fields__)
+            )
+            for (size, tool, run_), samples in results.items()
+            if size == n
+        }
+        for (tool, run_), sample in med.items():
+            same = run_ if run_ != "served" else "no change"
+            ratio = {}
+            for other in ("floor", "ansible", "fabric"):
+                base = med.get((other, same))
+                ratio[other] = round(sample.wall / base.wall, 3) if base else None
+            rows.append(
+                {"hosts": n, "run": run_, "tool": tool, **asdict(sample), "cpu_ms_a_host": 1000 * sample.cpu / n}
+                | {f"x_{other}": value for other, value in ratio.items()}
+            )
+    return rows
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    print(
+        "| hosts | run | tool | wall s | x floor | CPU a host | peak memory | connections a host | execs a host | x Ansible | x Fabric | machine CPU |"
+    )
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+    def x(r: dict[str, object], key: str) -> str:
+        value = r[key]
+        return f"{value:.2f}" if isinstance(value, float) else "-"
+
+    for r in rows:
+        print(
+            f"| {r['hosts']} | {r['run']} | {r['tool']} | {r['wall']:.3f} | {x(r, 'x_floor')} | {r['cpu_ms_a_host']:.2f} ms"
+            f" | {r['peak_mib']:.0f} MiB | {r['conns']:.1f} | {r['trips']:.1f} | {x(r, 'x_ansible')} | {x(r, 'x_fabric')} | {r['machine']:.1f} s |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,30 +1,45 @@
-"""The side-by-side benchmark keeps running: a smoke of it (N = 4, one repetition)."""
+"""The side-by-side benchmark keeps running: a smoke of it (N = 4, one repetition, three watch
+rounds), every column it reports held to what the tools really did on the hosts."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+TOOLS = ("orchestrate", "verify", "floor", "ansible", "ansible-pipelining", "fabric")
+SERVED = ("deploy", "verify", "watch (first round)", "watch round")
 
 
 def test_bench_smoke() -> None:
     run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "run.py"), "--hosts", "4", "--reps", "1"],
+        [sys.executable, str(REPO / "bench" / "run.py"), "--hosts", "4", "--reps", "1", "--watch-rounds", "3", "--json"],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = [line.split() for line in run.stdout.splitlines()[1:]]
-    table = {(r[1], r[2]): r for r in rows}
-    assert set(table) == {
-        (run_, tool)
-        for run_ in ("first", "second")
-        for tool in ("orchestrate", "floor", "ansible", "ansible-pipelining", "fabric")
+    rows = {(r["run"], r["tool"]): r for r in json.loads(run.stdout)}
+    assert set(rows) == {(run_, tool) for run_ in ("change", "no change") for tool in TOOLS} | {
+        ("served", step) for step in SERVED
     }
-    # one exec per host for our deploy, changed or not
-    assert float(table[("first", "orchestrate")][5]) == 1.0 and float(table[("second", "orchestrate")][5]) == 1.0
-    assert float(table[("first", "ansible")][5]) > 1.0
-    # the floor: one exec a host, and every tool's wall time held to it
-    assert float(table[("first", "floor")][5]) == 1.0 and table[("first", "floor")][6] == "1.00"
-    assert float(table[("first", "orchestrate")][6]) > 0
+    assert all(r["hosts"] == 4 for r in rows.values())
+    for run_ in ("change", "no change"):
+        # one connection and one exec per host for our deploy and verify, changed or not
+        for tool in ("orchestrate", "verify"):
+            assert (rows[(run_, tool)]["conns"], rows[(run_, tool)]["trips"]) == (1.0, 1.0), (run_, tool)
+        assert rows[(run_, "ansible")]["trips"] > 1.0 and rows[(run_, "fabric")]["trips"] == 3.0
+        # the floor: one connection and one exec a host, and every tool's wall time held to it
+        floor = rows[(run_, "floor")]
+        assert (floor["conns"], floor["trips"], floor["x_floor"]) == (1.0, 1.0, 1.0)
+        for tool in TOOLS:
+            row = rows[(run_, tool)]
+            assert row["x_floor"] == round(row["wall"] / floor["wall"], 3)
+            # a whole process's CPU and memory: an interpreter at least
+            assert row["cpu"] > 0 and 20 < row["peak_mib"] < 512, (run_, tool, row)
+    # The served fleet: a watch holds one session a host; its later rounds open none and exec none.
+    first, later = rows[("served", "watch (first round)")], rows[("served", "watch round")]
+    assert (first["conns"], first["trips"]) == (1.0, 1.0)
+    assert (later["conns"], later["trips"]) == (0.0, 0.0)
+    assert 0 < later["wall"] < first["wall"] and later["cpu"] > 0 and later["peak_mib"] > 20
+    assert rows[("served", "deploy")]["conns"] == 1.0 and rows[("served", "verify")]["conns"] == 1.0
