@@ -6,10 +6,12 @@ read it back and compare its sha256, run one command. First run: the file change
 change; each run also an ``orchestrate verify`` of it (the "verify" tool). Each tool, each N, in
 alternation, median of --reps runs: wall seconds, the tool's CPU (its process and children) a host,
 its peak memory, and SSH connections and execs (exec + sftp requests) a host counted from the hosts'
-own sshd logs at DEBUG1. Then, unless --watch-rounds 0, every host serves (a lean stand-in server:
+own sshd logs at DEBUG1. Unless --watch-rounds 0, a watch of the files-only release follows (its
+first round, median round, and a second of holding the sessions), then every host serves (a lean stand-in server:
 /health and vLLM's spec-decode counters; a thousand real vLLMs do not fit on one machine): a deploy
 of that release, a verify, and a watch of --watch-rounds rounds over kept sessions (bench/watch.py,
-a process of its own), then stop. Needs root (it brings up the ssh sandbox).
+a process of its own), then stop: when the machine's memory holds that many served hosts (about
+24 MiB each: the server, the agent, the sshd session), else it says why and goes on. Needs root (it brings up the ssh sandbox).
 
     python bench/run.py --hosts 8,32,128,512,1024 --reps 1 --tools orchestrate,verify,floor,fabric
 """
@@ -181,7 +183,7 @@ def measure(
     return sample, stdout
 
 
-def write_served(work: Path, inventory: Path) -> None:
+def write_served(work: Path, inventory: Path, start_delay: float) -> None:
     """A release every host serves: the stand-in server in its lean form (one thread, the socket
     module alone, ``python3 -S``: about 7 MiB a host against 12 with http.server)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -211,7 +213,7 @@ def write_served(work: Path, inventory: Path) -> None:
             "num_speculative_tokens": 7,
             "port": 8000,
             "startup_timeout": 300,
-            "env": {"STANDIN_GOOD_MASK": "5", "STANDIN_LEAN": "1"},
+            "env": {"STANDIN_GOOD_MASK": "5", "STANDIN_LEAN": "1", "STANDIN_START_DELAY": str(start_delay)},
         },
         "gates": {"acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 10, "max_tokens": 32}},
     }
@@ -219,27 +221,55 @@ def write_served(work: Path, inventory: Path) -> None:
     shutil.copyfile(inventory, work / "inventory.yaml")
 
 
-def served(box: SshSandbox, names: list[str], work: Path, venv: Path, forks: int, rounds: int) -> dict[str, Sample]:
+def served(
+    box: SshSandbox, names: list[str], work: Path, venv: Path, forks: int, rounds: int, start_delay: float
+) -> dict[str, Sample]:
     """Deploy a served release to every host, verify it, watch it --watch-rounds rounds, stop it."""
-    write_served(work, work.parent / "inventory.yaml")
+    write_served(work, work.parent / "inventory.yaml", start_delay)
     env = dict(os.environ, ORCHESTRATE_STATE_DIR="state")
     orchestrate = [str(venv / "orchestrate")]
     args = ["pb.yaml", "-i", "inventory.yaml", "--forks", str(forks)]
     out: dict[str, Sample] = {}
     out["deploy"], _ = measure(box, names, [*orchestrate, "deploy", *args], work, env, "served deploy")
     out["verify"], _ = measure(box, names, [*orchestrate, "verify", *args], work, env, "served verify")
+    out |= watch(box, names, work, venv, forks, rounds, "served watch")
+    run([*orchestrate, "stop", *args], work, env, "served stop")
+    return out
+
+
+def watch(
+    box: SshSandbox, names: list[str], work: Path, venv: Path, forks: int, rounds: int, what: str
+) -> dict[str, Sample]:
+    """Watch rounds of the playbook in ``work`` (bench/watch.py, a process of its own): the first
+    round, the median later round, and a second of holding the sessions between rounds."""
+    env = dict(os.environ, ORCHESTRATE_STATE_DIR="state")
     argv = [str(venv / "python"), str(WATCH_SCRIPT), "pb.yaml", "inventory.yaml"]
-    watch, stdout = measure(box, names, [*argv, "--rounds", str(rounds), "--forks", str(forks)], work, env, "watch")
+    whole, stdout = measure(box, names, [*argv, "--rounds", str(rounds), "--forks", str(forks)], work, env, what)
     seen = json.loads(stdout)
     if seen["states"] != ["READY"] or seen["sessions"] != len(names):
         raise SystemExit(f"the watch saw {seen['states']} with {seen['sessions']} sessions of {len(names)}")
-    n = len(names)
-    # The first round: connections and agents started (the process's whole count of each).
-    out["watch (first round)"] = replace(watch, wall=seen["first_round_s"], cpu=0.0, machine=0.0)
-    out["watch round"] = Sample(seen["round_s"], seen["round_cpu_s"], 0.0, 0.0, seen["peak_mib"], 0.0)
-    run([*orchestrate, "stop", *args], work, env, "served stop")
-    print(f"N={n} watch rounds: {seen}", file=sys.stderr)
-    return out
+    print(f"N={len(names)} {what}: {seen}", file=sys.stderr)
+    return {
+        # The first round: connections and agents started (the process's whole count of each).
+        "watch (first round)": replace(whole, wall=seen["first_round_s"], cpu=0.0, machine=0.0),
+        "watch round": Sample(seen["round_s"], seen["round_cpu_s"], 0.0, 0.0, seen["peak_mib"], 0.0),
+        # Holding the sessions between rounds, a second of it: a round every 30 s costs 30 of these.
+        "watch, idle second": Sample(1.0, seen["idle_cpu_s_a_second"], 0.0, 0.0, seen["peak_mib"], 0.0),
+    }
+
+
+SERVED_HOST_MIB = 24  # a served host under watch: its server, its agent, its sshd session (measured at 512)
+
+
+def room_for_served(n: int) -> str | None:
+    """Why this machine cannot hold N served hosts under watch, or None: past its memory the
+    kernel ends processes at random (the watcher among them)."""
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    available = int(next(line.split()[1] for line in meminfo if line.startswith("MemAvailable:")))
+    need = n * SERVED_HOST_MIB * 1024 + (1 << 20)  # KiB, and 1 GiB to spare
+    if available >= need:
+        return None
+    return f"{n} served hosts need about {need / (1 << 20):.1f} GiB, {available / (1 << 20):.1f} GiB is available"
 
 
 def main() -> None:
@@ -253,6 +283,12 @@ def main() -> None:
     )
     parser.add_argument("--forks", default="hosts", help="hosts worked on at once by every tool (default: all of them)")
     parser.add_argument("--watch-rounds", type=int, default=10, help="rounds of the served watch (0: no served phase)")
+    parser.add_argument(
+        "--start-delay",
+        type=float,
+        default=0.0,
+        help="seconds each served host's server takes to listen, as a model loads (default 0)",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args()
     sizes = [int(x) for x in args.hosts.split(",")]
@@ -293,7 +329,16 @@ def main() -> None:
                         sample, _ = measure(box, names, argv, work, env, f"rep={rep} {run_} {tool}")
                         results.setdefault((n, tool, run_), []).append(sample)
             if args.watch_rounds:
-                for step, sample in served(box, names, work / "served", venv, forks, args.watch_rounds).items():
+                # The files-only release under watch: a round's files and READY record, no server.
+                for step, sample in watch(box, names, work, venv, forks, args.watch_rounds, "watch").items():
+                    results[(n, step, "no change")] = [sample]
+                why = room_for_served(n)
+                if why is not None:
+                    print(f"N={n}: no served phase: {why}", file=sys.stderr)
+                    continue
+                for step, sample in served(
+                    box, names, work / "served", venv, forks, args.watch_rounds, args.start_delay
+                ).items():
                     results[(n, step, "served")] = [sample]
     finally:
         box.down()
@@ -321,7 +366,8 @@ def table(results: dict[tuple[int, str, str], list[Sample]], sizes: list[int]) -
             same = run_ if run_ != "served" else "no change"
             ratio = {}
             for other in ("floor", "ansible", "fabric"):
-                base = med.get((other, same))
+                comparable = run_ != "served" or (other == "floor" and tool != "watch, idle second")
+                base = med.get((other, same)) if comparable else None
                 ratio[other] = round(sample.wall / base.wall, 3) if base else None
             rows.append(
                 {"hosts": n, "run": run_, "tool": tool, **asdict(sample), "cpu_ms_a_host": 1000 * sample.cpu / n}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = ("orchestrate", "verify", "floor", "ansible", "ansible-pipelining", "fabric")
-SERVED = ("deploy", "verify", "watch (first round)", "watch round")
+WATCH = ("watch (first round)", "watch round", "watch, idle second")
+SERVED = ("deploy", "verify", *WATCH)
 
 
 def test_bench_smoke() -> None:
@@ -22,7 +23,7 @@ def test_bench_smoke() -> None:
     rows = {(r["run"], r["tool"]): r for r in json.loads(run.stdout)}
     assert set(rows) == {(run_, tool) for run_ in ("change", "no change") for tool in TOOLS} | {
         ("served", step) for step in SERVED
-    }
+    } | {("no change", step) for step in WATCH}
     assert all(r["hosts"] == 4 for r in rows.values())
     for run_ in ("change", "no change"):
         # one connection and one exec per host for our deploy and verify, changed or not
@@ -33,13 +34,18 @@ def test_bench_smoke() -> None:
         floor = rows[(run_, "floor")]
         assert (floor["conns"], floor["trips"], floor["x_floor"]) == (1.0, 1.0, 1.0)
         for tool in TOOLS:
-            row = rows[(run_, tool)]
+            row = rows[(run_, tool)]  # (the watch rows are held below)
             assert row["x_floor"] == round(row["wall"] / floor["wall"], 3)
             # a whole process's CPU and memory: an interpreter at least
             assert row["cpu"] > 0 and 20 < row["peak_mib"] < 512, (run_, tool, row)
-    # The served fleet: a watch holds one session a host; its later rounds open none and exec none.
-    first, later = rows[("served", "watch (first round)")], rows[("served", "watch round")]
-    assert (first["conns"], first["trips"]) == (1.0, 1.0)
-    assert (later["conns"], later["trips"]) == (0.0, 0.0)
-    assert 0 < later["wall"] < first["wall"] and later["cpu"] > 0 and later["peak_mib"] > 20
+    # A watch, of the files or of the served fleet, holds one session a host; its later rounds open
+    # none and exec none.
+    for run_ in ("no change", "served"):
+        first, later = rows[(run_, "watch (first round)")], rows[(run_, "watch round")]
+        assert (first["conns"], first["trips"]) == (1.0, 1.0)
+        assert (later["conns"], later["trips"]) == (0.0, 0.0)
+        assert 0 < later["wall"] < first["wall"] and later["cpu"] > 0 and later["peak_mib"] > 20
     assert rows[("served", "deploy")]["conns"] == 1.0 and rows[("served", "verify")]["conns"] == 1.0
+    # holding the sessions between rounds: a fraction of a core, and nothing to hold it to
+    idle = rows[("served", "watch, idle second")]
+    assert 0 <= idle["cpu"] < 0.5 and idle["x_floor"] is None and idle["x_fabric"] is None

@@ -82,3 +82,31 @@ def test_an_accepted_key_never_joins_the_last_line_and_a_fifo_never_hangs(tmp_pa
     with pytest.raises(InputError, match="not a regular file: known_hosts is read and appended to as one") as info:
         KnownHosts(fifo)
     assert str(fifo) in str(info.value)
+
+
+def test_a_fleet_of_hashed_entries_each_found_by_its_own_name(tmp_path: Path) -> None:
+    """A fleet's known_hosts as ``ssh-keyscan -H`` or OpenSSH's HashKnownHosts writes it: each name
+    is found by hashing it with every entry's salt (the salts' HMAC states made once, each name's
+    answer kept). Every host finds its own key and no other's, ports included; a name looked up
+    before its key was accepted finds the key once it is."""
+    keys = [keypair(tmp_path, f"k{i}") for i in range(3)]
+    names = [f"10.9.{i // 250}.{i % 250}" for i in range(40)] + [f"[10.9.9.{i}]:2222" for i in range(8)]
+    kh = tmp_path / "known_hosts"
+    kh.write_text("".join(f"{n} ssh-ed25519 {keys[i % 2][1]}\n" for i, n in enumerate(names)))
+    subprocess.run(["ssh-keygen", "-q", "-H", "-f", str(kh)], check=True, capture_output=True)
+    assert "10.9." not in kh.read_text() and len(set(line.split()[0] for line in kh.read_text().splitlines())) == 48
+    table = KnownHosts(kh)
+    for i, name in enumerate(names):
+        right, wrong = keys[i % 2][0], keys[(i + 1) % 2][0]
+        for _ in range(2):  # the second asking is answered from what the first found
+            table.check("h", name, right, accept_new=False)
+        with pytest.raises(HostKeyChanged, match="HOST KEY CHANGED"):
+            table.check("h", name, wrong, accept_new=True)
+    assert table.lookup("10.9.0.1")[0].line == 2 and table.lookup("10.9.0.3") != table.lookup("10.9.0.1")
+    new = "10.9.8.8"
+    with pytest.raises(UnknownHostKey):
+        table.check("h", new, keys[2][0], accept_new=False)
+    table.check("h", new, keys[2][0], accept_new=True)
+    table.check("h", new, keys[2][0], accept_new=False)
+    with pytest.raises(HostKeyChanged):
+        table.check("h", new, keys[0][0], accept_new=True)
