@@ -1,17 +1,20 @@
 """Side by side: orchestrate deploy vs Ansible vs plain Fabric vs the floor, on the same work and
-the same hosts, then verify and watch rounds of a served fleet.
+the same hosts, then watch rounds, and a served fleet's deploy, verify and watch.
 
 The work, per host: push a ~2 KB drafter config with checksum verification and an atomic rename,
 read it back and compare its sha256, run one command. First run: the file changes; second run: no
 change; each run also an ``orchestrate verify`` of it (the "verify" tool). Each tool, each N, in
-alternation, median of --reps runs: wall seconds, the tool's CPU (its process and children) a host,
-its peak memory, and SSH connections and execs (exec + sftp requests) a host counted from the hosts'
-own sshd logs at DEBUG1. Unless --watch-rounds 0, a watch of the files-only release follows (its
-first round, median round, and a second of holding the sessions), then every host serves (a lean stand-in server:
-/health and vLLM's spec-decode counters; a thousand real vLLMs do not fit on one machine): a deploy
-of that release, a verify, and a watch of --watch-rounds rounds over kept sessions (bench/watch.py,
-a process of its own), then stop: when the machine's memory holds that many served hosts (about
-24 MiB each: the server, the agent, the sshd session), else it says why and goes on. Needs root (it brings up the ssh sandbox).
+alternation, median of --reps runs: wall seconds, the tool's CPU (its process and children) a
+host, its peak memory, and SSH connections and execs (exec + sftp requests) a host counted from
+the hosts' own sshd logs at DEBUG1.
+
+Unless --watch-rounds 0: a watch of the files-only release (bench/watch.py, a process of its own:
+its first round, its median round over kept sessions, a second of holding them), then every host
+serves a lean stand-in server (/health, completions and vLLM's spec-decode counters; a thousand
+real vLLMs do not fit on one machine): a deploy of that release, a verify, a watch, a stop. The
+served phase runs only where the machine's memory holds that many served hosts (about 24 MiB
+each: the server, the agent, the sshd session); else it says why and goes on. Needs root (it
+brings up the ssh sandbox).
 
     python bench/run.py --hosts 8,32,128,512,1024 --reps 1 --tools orchestrate,verify,floor,fabric
 """

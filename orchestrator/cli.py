@@ -463,7 +463,8 @@ def _run(args: argparse.Namespace, kind: str, deployment: Deployment, options: R
     hosts did reaches the terminal even when recording it fails)."""
     progress = ProgressPrinter(kind, len(deployment.targets), mode="json" if args.json else "auto")
     deployment.observer = progress
-    _say(f"{kind} {deployment.playbook.name}: {len(deployment.targets)} hosts, forks {args.forks}")
+    hosts = len(deployment.targets)
+    _say(f"{kind} {deployment.playbook.name}: {hosts} host{'s' * (hosts != 1)}, {min(args.forks, hosts)} at once")
     run_kind: Callable[[], RunReport] = {
         "dry-run": deployment.dry_run,
         "deploy": deployment.deploy,

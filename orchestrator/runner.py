@@ -104,7 +104,12 @@ def step_of(host: str, event: Event, bound: float | None = None) -> Step:
 class RunOptions:
     """How a run goes about its hosts (what it does is the playbook's): the defaults are the CLI's."""
 
-    forks: int = 16
+    # Hosts worked on at once. A host holds its fork for its whole chain, a server's load and
+    # health wait included (minutes on a GPU): 256 deploys 1024 servers in 4 loads, not 64 at
+    # Ansible-like 16. The controller's cost barely moves with it (1024 hosts, files changed:
+    # 4.7 ms of CPU a host at 16, 5.2 at 256, 5.8 at 1024; 115-146 MiB); a rollout's canary and
+    # batches, not forks, are what limit how many hosts change at once.
+    forks: int = 256
     skip_containers: bool = False
     accept_new_host_keys: bool = False
     lock_timeout: float = 60.0

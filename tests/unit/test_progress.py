@@ -89,7 +89,7 @@ def test_without_a_terminal_steps_are_timestamped_lines_and_with_json_json_lines
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stderr.splitlines()]  # every line of stderr is JSON
-    assert lines[0]["message"] == "verify pb: 1 hosts, forks 16"
+    assert lines[0]["message"] == "verify pb: 1 host, 1 at once"
     events = [e for e in lines if "step" in e]
     assert {"reading the served files back", "done"} <= {e["step"] for e in events}
     assert all(e["host"] == "solo" and isinstance(e["at"], float) for e in events)
