@@ -30,6 +30,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -261,18 +262,49 @@ def watch(
     }
 
 
-SERVED_HOST_MIB = 24  # a served host under watch: its server, its agent, its sshd session (measured at 512)
-
-
-def room_for_served(n: int) -> str | None:
-    """Why this machine cannot hold N served hosts under watch, or None: past its memory the
-    kernel ends processes at random (the watcher among them)."""
+def available_kib() -> int:
     meminfo = Path("/proc/meminfo").read_text().splitlines()
-    available = int(next(line.split()[1] for line in meminfo if line.startswith("MemAvailable:")))
-    need = n * SERVED_HOST_MIB * 1024 + (1 << 20)  # KiB, and 1 GiB to spare
-    if available >= need:
-        return None
-    return f"{n} served hosts need about {need / (1 << 20):.1f} GiB, {available / (1 << 20):.1f} GiB is available"
+    return int(next(line.split()[1] for line in meminfo if line.startswith("MemAvailable:")))
+
+
+class ServedMemory:
+    """What a served host under watch takes of this machine's memory (its server, its agent, its
+    sshd session), measured on each served phase; before the first, a guess on the safe side."""
+
+    def __init__(self) -> None:
+        self.kib_a_host = 24 * 1024
+        self.low = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> ServedMemory:
+        self.start, self.low = available_kib(), available_kib()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.5):
+            self.low = min(self.low, available_kib())
+
+    def measured(self, n: int) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.kib_a_host = max(self.kib_a_host if n < 64 else 0, (self.start - self.low) // n)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def no_room(self, n: int) -> str | None:
+        """Why this machine cannot hold N served hosts under watch, or None: past its memory the
+        kernel ends processes at random (the watcher among them)."""
+        need, available = int(n * self.kib_a_host * 1.15) + (1 << 20), available_kib()  # 15 % and 1 GiB to spare
+        if available >= need:
+            return None
+        return (
+            f"{n} served hosts need about {need / (1 << 20):.1f} GiB ({self.kib_a_host / 1024:.1f} MiB a host),"
+            f" {available / (1 << 20):.1f} GiB is available"
+        )
 
 
 def main() -> None:
@@ -313,6 +345,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     results: dict[tuple[int, str, str], list[Sample]] = {}
+    memory = ServedMemory()
     try:
         for n in sizes:
             forks = n if args.forks == "hosts" else int(args.forks)
@@ -335,13 +368,15 @@ def main() -> None:
                 # The files-only release under watch: a round's files and READY record, no server.
                 for step, sample in watch(box, names, work, venv, forks, args.watch_rounds, "watch").items():
                     results[(n, step, "no change")] = [sample]
-                why = room_for_served(n)
+                why = memory.no_room(n)
                 if why is not None:
                     print(f"N={n}: no served phase: {why}", file=sys.stderr)
                     continue
-                for step, sample in served(
-                    box, names, work / "served", venv, forks, args.watch_rounds, args.start_delay
-                ).items():
+                with memory:
+                    steps = served(box, names, work / "served", venv, forks, args.watch_rounds, args.start_delay)
+                    memory.measured(n)
+                print(f"N={n}: a served host under watch took {memory.kib_a_host / 1024:.1f} MiB", file=sys.stderr)
+                for step, sample in steps.items():
                     results[(n, step, "served")] = [sample]
     finally:
         box.down()

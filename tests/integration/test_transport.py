@@ -213,3 +213,27 @@ def test_a_kept_session_carries_exchange_after_exchange_and_says_when_its_comman
         quiet.close()
     counters = transport.counters(t.name)
     assert counters.connects == 1 and counters.execs == 27
+
+
+def test_held_connections_stay_quiet_and_closing_ends_their_reader_threads(sandbox: Sandbox) -> None:
+    """paramiko's reader thread wakes from a read that timed out to see whether its transport was
+    closed: every 0.1 s on every connection, which took a watch holding 1024 sessions to 416 s of
+    CPU for 10 rounds (bench/README.md). Ours read with a 5 s timeout (data still wakes them at
+    once: the sessions above carry exchange after exchange), and closing shuts the socket down so
+    each reader thread ends now, not at its next timeout."""
+    import threading
+
+    kh = target(sandbox)[1]
+    targets = [target(sandbox, i)[0] for i in range(len(sandbox.names))]
+    before = set(threading.enumerate())
+    with SshConnector(kh) as transport:
+        for t in targets:
+            assert transport.run(t, Command(("true",))).ok
+        held = [transport._connections[t.name] for t in targets]
+        assert all(c.sock.gettimeout() == 5.0 for c in held)
+        readers = [thread for thread in threading.enumerate() if thread not in before]
+        assert set(readers) == set(held)  # a paramiko Transport is its reader thread
+    deadline = time.monotonic() + 2.0  # well inside the read timeout: only the shutdown ends them
+    while any(thread.is_alive() for thread in readers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [thread.name for thread in readers if thread.is_alive()]
