@@ -18,7 +18,18 @@ def reach(host: str, key: paramiko.PKey, known: paramiko.HostKeys) -> None:
     client = paramiko.SSHClient()
     client.set_missing_host_key_policy(paramiko.RejectPolicy())
     client._host_keys = known  # parsed once for all hosts: each client parsing the file is O(N^2)
-    client.connect(host, username="root", pkey=key, look_for_keys=False, allow_agent=False, timeout=60)
+    # Banner and authentication waits as long as the connect's: 1024 sshds starting sessions at
+    # once on a small machine answer past paramiko's 15 s default (our tool waits as long).
+    client.connect(
+        host,
+        username="root",
+        pkey=key,
+        look_for_keys=False,
+        allow_agent=False,
+        timeout=60,
+        banner_timeout=60,
+        auth_timeout=60,
+    )
     try:
         _, out, _ = client.exec_command("/usr/bin/python3 -c pass")
         if out.channel.recv_exit_status() != 0:

@@ -47,5 +47,7 @@ def test_bench_smoke() -> None:
         assert 0 < later["wall"] < first["wall"] and later["cpu"] > 0 and later["peak_mib"] > 20
     assert rows[("served", "deploy")]["conns"] == 1.0 and rows[("served", "verify")]["conns"] == 1.0
     # holding the sessions between rounds: a fraction of a core, and nothing to hold it to
-    idle = rows[("served", "watch, idle second")]
-    assert 0 <= idle["cpu"] < 0.5 and idle["x_floor"] is None and idle["x_fabric"] is None
+    for run_ in ("no change", "served"):
+        idle = rows[(run_, "watch, idle second")]
+        assert 0 <= idle["cpu"] < 0.5 and idle["x_floor"] is None and idle["x_fabric"] is None
+        assert rows[(run_, "watch round")]["x_floor"] is not None and rows[(run_, "watch round")]["x_fabric"] is None
