@@ -303,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument(
         "--pipeline-parallel-size", type=_positive_int, default=1, help="the serving's pipeline parallel size"
     )
+    lint.add_argument(
+        "--tensor-parallel-size", type=_positive_int, default=1, help="the serving's tensor parallel size"
+    )
     lint.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K")
     lint.add_argument(
         "--max-model-len", type=_context_length, default=None, metavar="N",
@@ -666,6 +669,7 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         args.num_speculative_tokens,
         pipeline_parallel_size=args.pipeline_parallel_size,
         serving_args=("--max-model-len", str(args.max_model_len)) if args.max_model_len else (),
+        tensor_parallel_sizes=(args.tensor_parallel_size,),
     )
     ok = not any(p.severity == "error" for p in problems)
     vllm = dflash.predicted_start(problems)

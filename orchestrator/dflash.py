@@ -326,6 +326,9 @@ class Facts:
     serving_env: dict[str, str]
     pipeline_parallel_size: int = 1
     serving_args: tuple[str, ...] = ()  # serving.extra_args: --max-model-len, flags that choose the runner
+    # The tensor parallel sizes the drafter will run at: vLLM gives a draft the target's TP unless
+    # draft_tensor_parallel_size says 1 (config/speculative.py _verify_and_get_draft_tp).
+    tensor_parallel_sizes: tuple[int, ...] = ()
 
     @property
     def drafter(self) -> dict[str, Any]:
@@ -658,6 +661,40 @@ def _pipeline_taps(f: Facts) -> Iterator[Problem]:
         )  # fmt: skip
 
 
+# The registry names whose model is qwen3_dflash.py, whose attention splits its heads over the
+# tensor parallel ranks (vLLM 0.26.0-0.33.0 qwen3_dflash.py DFlashQwen3Attention.__init__);
+# DFlash2 replicates its layers and Laguna's draft has no such split.
+SPLITS_HEADS = frozenset({"DFlashDraftModel", "DFlashMuseGlimmerAssistantModel"})
+
+
+def _heads_per_rank(f: Facts) -> Iterator[Problem]:
+    archs = f.drafter.get("architectures")
+    if not isinstance(archs, list) or not any(vllm_architecture(str(a)) in SPLITS_HEADS for a in archs):
+        return
+    heads = _int(f.drafter.get("num_attention_heads"))
+    kv = _int(f.drafter.get("num_key_value_heads"))
+    kv = heads if kv is None else kv
+    for tp in sorted(set(f.tensor_parallel_sizes)):
+        if tp <= 1:
+            continue
+        if heads is not None and heads % tp:
+            yield Problem(
+                "num_attention_heads", "error", f"{heads} attention heads do not split over tensor parallel size "
+                f"{tp}: vLLM's DFlash attention asserts total_num_heads % tp_size == 0 as it builds the drafter, and "
+                "the engine dies at load with a bare AssertionError", f"a multiple of {tp}", heads,
+                fix=f"serve at a tensor parallel size that divides {heads}, or a drafter whose heads it divides",
+                vllm=REFUSES_TO_START,
+            )  # fmt: skip
+        if kv is not None and kv > 0 and (kv % tp if kv >= tp else tp % kv):
+            yield Problem(
+                "num_key_value_heads", "error", f"{kv} key/value heads neither split over tensor parallel size {tp} "
+                "nor replicate evenly across its ranks: vLLM's DFlash attention asserts one or the other as it "
+                "builds the drafter, and the engine dies at load with a bare AssertionError",
+                f"a multiple or a divisor of {tp}", kv,
+                fix=f"serve at a tensor parallel size that {kv} divides or is divided by", vllm=REFUSES_TO_START,
+            )  # fmt: skip
+
+
 def _reference(f: Facts) -> Iterator[Problem]:
     for key, want in sorted(_flatten(f.reference or {}).items()):
         have = _lookup(f.drafter, key)
@@ -695,6 +732,12 @@ RULES: tuple[Rule, ...] = (
         "vLLM 0.32.0 v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config (V1: "
         "eagle_aux_hidden_state_layer_ids first; an eagle_config block replaces dflash_config's taps) and "
         "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config (V2: the same first)",
+    )),
+    Rule("heads_per_rank", "a drafter whose attention heads the serving tensor parallel size does not split: "
+         "the engine dies at load", _heads_per_rank, (
+        "vLLM 0.26.0-0.33.0 model_executor/models/qwen3_dflash.py DFlashQwen3Attention.__init__: assert "
+        "total_num_heads % tp_size == 0; total_num_kv_heads % tp_size == 0 or tp_size % total_num_kv_heads == 0",
+        "vLLM 0.33.0 config/speculative.py _verify_and_get_draft_tp: the draft's TP is the target's unless 1",
     )),
     Rule("sample_from_anchor", "a DFlash sampling layout the V2 runner refuses", _sample_from_anchor, (
         "vLLM 0.32.0 v1/worker/gpu/spec_decode/dflash/speculator.py (raises at the speculator's construction)",
@@ -750,6 +793,7 @@ def lint(
     serving_env: dict[str, str] | None = None,
     pipeline_parallel_size: int = 1,
     serving_args: Iterable[str] = (),
+    tensor_parallel_sizes: Iterable[int] = (),
 ) -> list[Problem]:
     """Every rule of ``RULES`` over the drafter as vLLM reads it; each problem names its rule."""
     facts = Facts(
@@ -761,6 +805,7 @@ def lint(
         serving_env or {},
         pipeline_parallel_size,
         tuple(serving_args),
+        tuple(tensor_parallel_sizes),
     )
     return [replace(p, rule=rule.code) for rule in RULES for p in rule.check(facts)]
 

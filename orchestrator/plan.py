@@ -17,7 +17,7 @@ from typing import Any
 
 from orchestrator import dflash, gpus, models, placement, probe, protocol, serving
 from orchestrator.errors import AgentFailure
-from orchestrator.inventory import Container
+from orchestrator.inventory import Container, Target
 from orchestrator.playbook import DRAFTER_CONFIG, DRAFTER_DIR, FileSpec, Model, Playbook
 from orchestrator.results import (
     GATE_ACCEPTANCE,
@@ -70,17 +70,24 @@ def warm_prompts(playbook: Playbook) -> int:
 # --- what a run asks ------------------------------------------------------------------------
 
 
-def lint_playbook(playbook: Playbook) -> list[dflash.Problem]:
-    """The lint gate: the drafter config against the target's config and the pinned reference."""
+def lint_playbook(playbook: Playbook, targets: Sequence[Target] = ()) -> list[dflash.Problem]:
+    """The lint gate: the drafter config against the target's config and the pinned reference, at
+    the tensor parallel size each of ``targets`` will serve it (before any host is touched)."""
     if playbook.drafter is None:
         return []
+    s = playbook.serving
+    served = s.target is not None and s.speculative
     return dflash.lint(
         playbook.drafter.values,
         playbook.drafter.target,
         playbook.drafter.reference,
-        num_speculative_tokens=playbook.serving.num_speculative_tokens,
-        pipeline_parallel_size=playbook.serving.pipeline_parallel_size if playbook.serving.speculative else 1,
-        serving_args=playbook.serving.extra_args,
+        num_speculative_tokens=s.num_speculative_tokens,
+        pipeline_parallel_size=s.pipeline_parallel_size if s.speculative else 1,
+        serving_args=s.extra_args,
+        # As serving.command gives each server its size (a group's is the playbook's, over all nodes).
+        tensor_parallel_sizes=[s.tensor_parallel_size or max(1, len(t.container.gpus)) for t in targets]
+        if served
+        else [],
     )
 
 

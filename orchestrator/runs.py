@@ -33,7 +33,7 @@ def deploy(scope: Scope) -> RunReport:
     with a server, start it and prove it (else switch ``current``). READY only if all pass."""
     playbook, inventory = scope.playbook, scope.inventory
     release_id = scope.options.release_id or plan.new_release_id()
-    problems = plan.lint_playbook(playbook)
+    problems = plan.lint_playbook(playbook, scope.targets)
     lint = plan.lint_gate(playbook, problems)
     units = units_for(playbook, inventory, list(scope.targets))
     if lint is not None and not lint.ok:

@@ -590,3 +590,40 @@ def test_a_fallback_to_v1_brings_the_v1_refusals_with_it() -> None:
     wiped = {**Q8_DRAFTER, "eagle_config": {"use_aux_hidden_state": True}}
     assert warnings(dflash.lint(wiped, Q8_TARGET, vllm_version="0.32.0"))["eagle_config"]
     assert errors(dflash.lint(wiped, Q8_TARGET, vllm_version="0.32.0", serving_args=["--enable-dbo"]))["eagle_config"]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "tp", "refused"),
+    [
+        (32, 8, 1, set()),
+        (32, 8, 2, set()),
+        (32, 8, 16, set()),  # 8 kv heads replicated twice over 16 ranks
+        (32, 1, 4, set()),
+        (3, 3, 2, {"num_attention_heads", "num_key_value_heads"}),
+        (4, 3, 2, {"num_key_value_heads"}),
+        (6, 6, 4, {"num_attention_heads", "num_key_value_heads"}),
+        (32, 8, 3, {"num_attention_heads", "num_key_value_heads"}),
+    ],
+)
+def test_heads_must_split_over_the_tensor_parallel_ranks(heads: int, kv: int, tp: int, refused: set[str]) -> None:
+    """vLLM 0.26-0.33 qwen3_dflash.py DFlashQwen3Attention: total_num_heads % tp_size == 0, and kv
+    heads either split (kv % tp == 0) or replicate evenly (tp % kv == 0); else a bare
+    AssertionError at load. DFlash2 replicates its layers: no such rule."""
+    drafter = GOOD | {"num_attention_heads": heads, "num_key_value_heads": kv}
+    found = [p for p in dflash.lint(drafter, TARGET, tensor_parallel_sizes=[1, tp]) if p.rule == "heads_per_rank"]
+    assert {p.field for p in found} == refused
+    assert all(p.severity == "error" and p.vllm == dflash.REFUSES_TO_START and str(tp) in p.message for p in found)
+    two = drafter | {"architectures": ["DFlash2DraftModel"]}
+    assert not [p for p in dflash.lint(two, TARGET, tensor_parallel_sizes=[tp]) if p.rule == "heads_per_rank"]
+
+
+def test_lint_command_takes_the_serving_tensor_parallel_size() -> None:
+    """The published 27B drafter (32 heads, 8 kv heads) at TP 8 serves; at TP 3 vLLM would die at
+    load, and the lint command says so before any host is touched (exit 1, the rule named)."""
+    drafter, target = FILES / "qwen36-27b-dflash" / "config.json", FILES / "qwen36-27b" / "config.json"
+    assert lint_cli(drafter, "--target", target, "--tensor-parallel-size", "8").returncode == 0
+    refused = lint_cli(drafter, "--target", target, "--tensor-parallel-size", "3", "--json")
+    report = json.loads(refused.stdout)
+    assert refused.returncode == 1 and report["vllm"] == "refuses"
+    assert {p["field"] for p in report["problems"]} == {"num_attention_heads", "num_key_value_heads"}
+    assert lint_cli(drafter, "--target", target, "--tensor-parallel-size", "0").returncode == 2

@@ -702,3 +702,17 @@ def test_a_run_holding_more_than_1024_descriptors_still_waits_on_its_hosts(box: 
         for r, w in held:
             os.close(r)
             os.close(w)
+
+
+def test_a_drafter_whose_heads_its_tensor_parallel_size_cannot_split_is_refused_before_any_host(box: Box) -> None:
+    """vLLM's DFlash attention asserts the drafter's heads split over the tensor parallel ranks and
+    the engine dies at load with a bare AssertionError (qwen3_dflash.py): 3 heads at TP 2 are
+    refused by the lint gate with the TP each host would serve at, and nothing is touched."""
+    playbook = box.playbook(drafter={"num_attention_heads": 3, "num_key_value_heads": 3}, tensor_parallel_size=2)
+    run = deploy(box, playbook)
+    assert not run.ok and host(run, "solo").gates["lint"].detail.startswith("not attempted")
+    assert {(p.rule, p.field) for p in run.lint or [] if p.severity == "error"} == {
+        ("heads_per_rank", "num_attention_heads"),
+        ("heads_per_rank", "num_key_value_heads"),
+    }
+    assert not box.root("solo").exists()
