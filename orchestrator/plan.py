@@ -84,10 +84,7 @@ def lint_playbook(playbook: Playbook, targets: Sequence[Target] = ()) -> list[df
         num_speculative_tokens=s.num_speculative_tokens,
         pipeline_parallel_size=s.pipeline_parallel_size if s.speculative else 1,
         serving_args=s.extra_args,
-        # As serving.command gives each server its size (a group's is the playbook's, over all nodes).
-        tensor_parallel_sizes=[s.tensor_parallel_size or max(1, len(t.container.gpus)) for t in targets]
-        if served
-        else [],
+        tensor_parallel_sizes=[serving.tensor_parallel_size(playbook, t.container) for t in targets] if served else [],
     )
 
 

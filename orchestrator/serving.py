@@ -87,6 +87,11 @@ def url(playbook: Playbook, container: Container) -> str:
     return f"http://{'[' + host + ']' if ':' in host else host}:{playbook.serving.port}"
 
 
+def tensor_parallel_size(playbook: Playbook, container: Container) -> int:
+    """The tensor parallel size a container's server runs at: the playbook's, else its GPUs."""
+    return playbook.serving.tensor_parallel_size or max(1, len(container.gpus))
+
+
 def command(playbook: Playbook, container: Container, release_id: str) -> ServerCommand:
     """The server of one container: `vllm serve` of the target with the drafter of this release, its
     tensor parallel size, port and the playbook's arguments, and its environment (offline, its
@@ -94,7 +99,7 @@ def command(playbook: Playbook, container: Container, release_id: str) -> Server
     s = playbook.serving
     if s.python is None or s.target is None:
         raise ValueError("serving.python and serving.target are needed to launch a server")
-    tp = s.tensor_parallel_size or max(1, len(container.gpus))
+    tp = tensor_parallel_size(playbook, container)
     # `vllm serve`, as for the ranks of a group: 0.33 deprecates the API server module.
     argv = [
         s.python,
@@ -138,7 +143,7 @@ def resolved(playbook: Playbook, container: Container, release_id: str) -> dict[
         "served_model_name": [s.model_name],
         "host": listen_host(playbook, container),
         "port": s.port,
-        "tensor_parallel_size": s.tensor_parallel_size or max(1, len(container.gpus)),
+        "tensor_parallel_size": tensor_parallel_size(playbook, container),
         "pipeline_parallel_size": s.pipeline_parallel_size,
         "data_parallel_size": 1,
     }
