@@ -39,6 +39,7 @@ def playbook(
     speculative: bool = True,
     prompts: list[str] | None = None,
     warm: bool = False,
+    extra_args: tuple[str, ...] = (),
     **serving: Any,
 ) -> Path:
     d = drafter if isinstance(drafter, Path) else MODELS / drafter
@@ -67,14 +68,29 @@ def playbook(
             "speculative": speculative,
             "num_speculative_tokens": K,
             "port": 8000,
-            "extra_args": ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager"],
+            "extra_args": [
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "512",
+                "--max-num-seqs",
+                "4",
+                "--enforce-eager",
+                *extra_args,
+            ],
             "env": {"LD_PRELOAD": str(VLLM / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "1"},
             "startup_timeout": 600,
             **serving,
         },
         "gates": gates,
     }
-    name = [d.name, str(speculative), *(["warm"] if warm else []), *(f"{k}{v}" for k, v in serving.items())]
+    name = [
+        d.name,
+        str(speculative),
+        *(["warm"] if warm else []),
+        *extra_args,
+        *(f"{k}{v}" for k, v in serving.items()),
+    ]
     path = tmp_path / ("-".join(name) + ".yaml")
     path.write_text(json.dumps(book))  # JSON is YAML
     return path
@@ -137,11 +153,11 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
         assert asked.host(host)["gates"]["engine"]["detail"] == engine["detail"]
         assert json.loads((base / "run" / "dflash-serve.json").read_text())["pid"] == server
 
-        # vLLM's own configuration refuses a command lint cannot judge (the target's 2 heads over
-        # 3 ranks), before anything serving is switched or stopped.
+        # vLLM's own configuration refuses a command lint cannot judge (a scheduler flag: fewer tokens
+        # per batch than sequences), before anything serving is switched or stopped.
         split = cli(
             "deploy",
-            playbook(tmp_path, root_name, "drafter-good", tensor_parallel_size=3),
+            playbook(tmp_path, root_name, "drafter-good", extra_args=("--max-num-batched-tokens", "2")),
             "-i",
             sandbox.inventory,
             "--json",
@@ -152,9 +168,10 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
         report = split.host(host)
         assert split.code == 1 and not report["gates"]["engine"]["ok"], report["gates"]
         assert report["gates"]["engine"]["detail"] == (
-            "vLLM 0.32.0 refuses the command: ValidationError: Total number of attention heads (2) must be "
-            "divisible by tensor parallel size (3)."
+            "vLLM 0.32.0 refuses the command: ValidationError: max_num_batched_tokens (2) must be greater than "
+            "or equal to max_num_seqs (4)."
         )
+        assert report["gates"]["lint"]["ok"], report["gates"]["lint"]
         assert "health" not in report["gates"] and not report.get("diagnosis")
         assert json.loads((base / "run" / "dflash-serve.json").read_text())["pid"] == server
         assert os.readlink(base / "current").split("/")[1] == good.json["release_id"]
