@@ -23,7 +23,7 @@ def test_bench_smoke() -> None:
     rows = {(r["run"], r["tool"]): r for r in json.loads(run.stdout)}
     assert set(rows) == {(run_, tool) for run_ in ("change", "no change") for tool in TOOLS} | {
         ("served", step) for step in SERVED
-    } | {("no change", step) for step in WATCH}
+    } | {("no change", step) for step in WATCH} | {("first deploy", "orchestrate")}
     assert all(r["hosts"] == 4 for r in rows.values())
     for run_ in ("change", "no change"):
         # one connection and one exec per host for our deploy and verify, changed or not
@@ -38,6 +38,11 @@ def test_bench_smoke() -> None:
             assert row["x_floor"] == round(row["wall"] / floor["wall"], 3)
             # a whole process's CPU and memory: an interpreter at least
             assert row["cpu"] > 0 and 20 < row["peak_mib"] < 512, (run_, tool, row)
+    # The first deploy to hosts that never ran the agent (it compiles there once): held to the
+    # floor of the change run, one connection and one exec a host all the same.
+    first = rows[("first deploy", "orchestrate")]
+    assert (first["conns"], first["trips"]) == (1.0, 1.0)
+    assert first["x_floor"] == round(first["wall"] / rows[("change", "floor")]["wall"], 3)
     # A watch, of the files or of the served fleet, holds one session a host; its later rounds open
     # none and exec none.
     for run_ in ("no change", "served"):
