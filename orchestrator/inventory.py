@@ -6,7 +6,7 @@
       port: 22
       key: id_ed25519
       python: python3                   # interpreter that runs the remote agent
-      connect_timeout: 10
+      connect_timeout: 10               # seconds for TCP, the SSH banner and key exchange (as ConnectTimeout)
       command_timeout: 120
       vars: {}
     groups:

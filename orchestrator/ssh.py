@@ -473,6 +473,10 @@ class SshConnector:
     def _handshake(self, endpoint: Endpoint, sock: socket.socket | paramiko.Channel) -> paramiko.Transport:
         name = KnownHosts.host_name(endpoint.address, endpoint.ssh.port)
         t = _Transport(sock)
+        # connect_timeout bounds the banner and the key exchange as well as the TCP connect, as
+        # OpenSSH's ConnectTimeout does. paramiko's own 15 s limits on them would cut a wait the
+        # user made longer (a thousand hosts at once: sshd answers its banner late under the burst).
+        t.banner_timeout = t.handshake_timeout = endpoint.ssh.connect_timeout
         ok = False
         try:
             options = t.get_security_options()
@@ -487,6 +491,13 @@ class SshConnector:
                 options.key_types = [preferred] + [k for k in options.key_types if k != preferred]
             try:
                 t.start_client(timeout=endpoint.ssh.connect_timeout)
+                done = t.completion_event
+                if done is None or not done.is_set():  # start_client returns at its timeout, unfinished
+                    raise ConnectFailed(
+                        endpoint.name,
+                        f"SSH handshake with {name} failed: not finished within {endpoint.ssh.connect_timeout:g} s "
+                        "(connect_timeout)",
+                    )
                 # The server may drop the connection right after the key exchange (sshd's
                 # MaxStartups under a burst of connections): paramiko then says "No existing
                 # session" here, which is the same transient failure as one in the exchange.

@@ -3,6 +3,7 @@ and two controllers at once. In every case no served file is ever partial or wro
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -279,3 +280,67 @@ def test_a_host_that_hangs_up_before_its_banner_gets_one_line_not_a_traceback(
     detail = run.host("mute")["gates"]["connect"]["detail"]
     assert f"SSH handshake with [127.0.0.1]:{port} failed" in detail and "banner" in detail
     assert "Traceback" not in run.stderr and "Exception (client)" not in run.stderr
+
+
+def test_a_banner_later_than_paramikos_15_s_waits_as_long_as_connect_timeout_says(
+    sandbox: Sandbox, cli, tmp_path: Path, root_name: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A host whose sshd answers its banner 16 s late (what a thousand connections at once do to
+    sshd): with ``connect_timeout: 30`` the deploy waits for it, as OpenSSH's ConnectTimeout would.
+    The late host is a relay on loopback in front of a real sandbox sshd that holds back the
+    server's first line."""
+    import socket
+    import threading
+
+    host = sandbox.hosts[7]
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def relay(client: socket.socket) -> None:
+        with client, socket.create_connection((host.address, 22)) as server:
+            banner = b""
+            while not banner.endswith(b"\n"):
+                banner += server.recv(1)
+            if stop.wait(16.0):  # the server's slowness, cut short when the test ends
+                return
+            client.sendall(banner)
+            upstream = threading.Thread(target=pump, args=(client, server), daemon=True)
+            upstream.start()
+            pump(server, client)
+            upstream.join()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # shut down: the test is over
+            threading.Thread(target=relay, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        key = (Path(host.files) / "ssh_host_ed25519_key.pub").read_text().split()
+        (tmp_path / "known_hosts").write_text(f"[127.0.0.1]:{port} {key[0]} {key[1]}\n")
+        inv = tmp_path / "inventory.yaml"
+        inv.write_text(
+            f"known_hosts: known_hosts\ndefaults:\n  key: {sandbox.box.client_key}\n  connect_timeout: 30\n"
+            f"hosts:\n  slow:\n    containers:\n      late: {{address: 127.0.0.1, port: {port}}}\n"
+        )
+        run = cli("deploy", write_playbook(tmp_path, root_name), "-i", inv, "--json")
+    finally:
+        stop.set()
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept above
+        listener.close()
+    assert run.code == 0, run.host("late")["gates"]
+    ssh = run.host("late")["ssh"]
+    assert run.host("late")["gates"]["connect"]["ok"] and (ssh["connects"], ssh["retries"]) == (1, 0), ssh
+    base = sandbox.srv(host.name) / Path(root_name).name
+    assert (base / "current" / "drafter" / "config.json").read_bytes() == GOOD_DRAFTER.read_bytes()
