@@ -85,6 +85,13 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+def _removed_already(_func: object, _path: str, exc_info: tuple[type[BaseException], BaseException, object]) -> None:
+    """rmtree's error hook: a second ``down`` of the same sandbox at the same time removes what
+    this one was about to; what is gone is done. Anything else is raised."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
+
+
 def _enter_host(netns: str, files: str) -> Callable[[], None]:
     """Runs in the child before exec: private mounts, per-host /srv and /root, the host's netns."""
 
@@ -392,5 +399,5 @@ class SshSandbox:
             with contextlib.suppress(OSError):
                 (NEIGH / name).write_text(str(int(value)))
         if self.dir.exists():
-            shutil.rmtree(self.dir)
+            shutil.rmtree(self.dir, onerror=_removed_already)
         say(f"sandbox: {len(hosts)} ssh hosts removed")

@@ -196,3 +196,31 @@ def test_a_sandbox_larger_than_the_machine_is_refused_before_anything_starts(
     assert "5 hosts need about" in str(refused.value) and "ask for at most 2 hosts" in str(refused.value)
     assert not (tmp_path / "box" / "hosts").exists()
     assert subprocess.run(["ip", "link", "show", "dfk-br0"], capture_output=True).returncode != 0
+
+
+def test_two_downs_of_one_sandbox_at_once_both_succeed(tmp_path: Path) -> None:
+    """Two processes taking the same sandbox down (a test session ending while `sandbox down` runs):
+    whichever removes a file first, neither fails, and nothing of the sandbox is left."""
+    box = SshSandbox(tmp_path / "box", prefix="dfq", subnet="10.84")
+    try:
+        box.up(2)
+        junk = Path(box.hosts()[0].files) / "srv" / "junk"
+        for i in range(40):  # a tree that takes both removers a while
+            (junk / str(i)).mkdir(parents=True)
+            for j in range(200):
+                (junk / str(i) / str(j)).write_bytes(b"")
+        down = (
+            "import sys; from pathlib import Path; from orchestrator.sandbox.sshhosts import SshSandbox; "
+            "SshSandbox(Path(sys.argv[1]), prefix='dfq', subnet='10.84').down()"
+        )
+        procs = [
+            subprocess.Popen([sys.executable, "-c", down, str(box.dir)], stderr=subprocess.PIPE, text=True)
+            for _ in range(2)
+        ]
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], errors
+        assert not box.dir.exists()
+        left = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+        assert "dfq" not in left
+    finally:
+        box.down()
