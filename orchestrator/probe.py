@@ -95,13 +95,13 @@ def parse(text: str) -> Counters | None:
         if key is None and name != GENERATED:
             continue  # _created timestamps, other series of the prefix
         value = _value(found, line, "a counter")
-        labels = _labels(found.group(2) or "", line)
+        position = _position(found.group(2) or "", line)
         if key is None:
             out.generated = (out.generated or 0.0) + value
             continue
         shown.add(key)
         if key == "per_pos":
-            position = labels.get("position", "0")
+            position = position if position is not None else "0"
             if not position.isdigit():
                 raise ProbeError(f"position is not a number: {line[:120]!r}")
             out.per_pos[int(position)] = out.per_pos.get(int(position), 0.0) + value
@@ -134,6 +134,26 @@ def total(text: str, name: str) -> float | None:
             continue  # another family with this prefix, or a line that is not a sample of it
         found_any, sum_ = True, sum_ + _value(found, line, name)
     return sum_ if found_any else None
+
+
+# A server's label sets are the same every scrape (engine, model, position): a watch round reads
+# one scrape a host, and parsing their labels again was half of what parsing cost. Read-only once
+# stored; bounded, for a server whose labels keep changing.
+_POSITIONS: dict[str, str | None] = {}
+_POSITIONS_KEPT = 1 << 14
+
+
+def _position(text: str, line: str) -> str | None:
+    """The ``position`` label of a sample's label set (None: it has none); a malformed label set is
+    a ``ProbeError``."""
+    try:
+        return _POSITIONS[text]
+    except KeyError:
+        pass
+    position = _labels(text, line).get("position")
+    if len(_POSITIONS) < _POSITIONS_KEPT:
+        _POSITIONS[text] = position
+    return position
 
 
 def _labels(text: str, line: str) -> dict[str, str]:

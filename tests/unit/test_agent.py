@@ -549,6 +549,31 @@ def test_a_session_answers_request_after_request_and_holds_no_lock_between_them(
         os.kill(pid, 0)  # ended (and reaped) with the session
 
 
+def test_a_session_asked_the_same_ops_again_runs_them_again_and_other_ops_as_asked(tmp_path: Path) -> None:
+    """A watch asks the very same ops every round (their request is encoded once): each round runs
+    them on the host as it is then, and ops that differ are sent as themselves."""
+    from orchestrator import protocol
+    from orchestrator.agent_client import AgentSession
+    from orchestrator.local import LocalConnector
+
+    root = tmp_path / "root"
+    root.mkdir()
+    session = AgentSession(LocalConnector(), local_target(tmp_path))
+    session.open()
+    try:
+        ops = [protocol.lock(str(root), "watch", 5.0), protocol.put(str(root), "seen.txt", b"one")]
+        assert session.batch(ops)[ops[1]].changed
+        (root / "seen.txt").write_text("changed by hand")
+        assert session.batch(ops)[ops[1]].changed  # run again: the host's file is put back
+        assert (root / "seen.txt").read_bytes() == b"one"
+        assert not session.batch(ops)[ops[1]].changed
+        other = [ops[0], protocol.put(str(root), "seen.txt", b"two")]  # as many ops, one of them new
+        assert session.batch(other)[other[1]].changed
+        assert (root / "seen.txt").read_bytes() == b"two"
+    finally:
+        session.close()
+
+
 def test_a_session_that_is_sent_garbage_says_so_and_ends(tmp_path: Path) -> None:
     from orchestrator.agent_client import AgentSession
     from orchestrator.errors import AgentProtocolError
