@@ -8,10 +8,12 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import fuse  # type: ignore[import-untyped]
@@ -246,36 +248,47 @@ def test_two_deploys_at_once_do_not_interleave(sandbox: Sandbox, tmp_path: Path,
         assert (base / "current" / "drafter" / "config.json").read_bytes() == expected.read_bytes()
 
 
+@contextlib.contextmanager
+def loopback_host(handle: Callable[[socket.socket], None]) -> Iterator[int]:
+    """A listener on loopback that hands each connection to ``handle`` on a thread of its own; its
+    port. Shut down when the test is done with it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # shut down: the test is over
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept above
+        listener.close()
+
+
+def one_host_inventory(tmp_path: Path, sandbox: Sandbox, name: str, port: int, connect_timeout: int) -> Path:
+    """An inventory of one container at 127.0.0.1:``port``, with the sandbox's client key."""
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        f"known_hosts: known_hosts\ndefaults:\n  key: {sandbox.box.client_key}\n"
+        f"  connect_timeout: {connect_timeout}\n"
+        f"hosts:\n  odd:\n    containers:\n      {name}: {{address: 127.0.0.1, port: {port}}}\n"
+    )
+    return inv
+
+
 def test_a_host_that_hangs_up_before_its_banner_gets_one_line_not_a_traceback(
     sandbox: Sandbox, cli, tmp_path: Path, root_name: str
 ) -> None:  # type: ignore[no-untyped-def]
     """A listener on loopback that accepts and closes at once: not an SSH server at all."""
-    import socket
-    import threading
-
-    mute = socket.create_server(("127.0.0.1", 0))
-    port = mute.getsockname()[1]
-
-    def hang_up() -> None:
-        while True:
-            try:
-                conn, _ = mute.accept()
-            except OSError:
-                return  # shut down: the test is over
-            conn.close()
-
-    threading.Thread(target=hang_up, daemon=True).start()
-    try:
+    with loopback_host(lambda conn: conn.close()) as port:
         (tmp_path / "known_hosts").write_text("")
-        inv = tmp_path / "inventory.yaml"
-        inv.write_text(
-            f"known_hosts: known_hosts\ndefaults:\n  key: {sandbox.box.client_key}\n  connect_timeout: 5\n"
-            f"hosts:\n  odd:\n    containers:\n      mute: {{address: 127.0.0.1, port: {port}}}\n"
-        )
+        inv = one_host_inventory(tmp_path, sandbox, "mute", port, connect_timeout=5)
         run = cli("deploy", write_playbook(tmp_path, root_name), "-i", inv, "--json")
-    finally:
-        mute.shutdown(socket.SHUT_RDWR)  # wakes the accept above
-        mute.close()
     assert run.code == 1
     detail = run.host("mute")["gates"]["connect"]["detail"]
     assert f"SSH handshake with [127.0.0.1]:{port} failed" in detail and "banner" in detail
@@ -289,12 +302,7 @@ def test_a_banner_later_than_paramikos_15_s_waits_as_long_as_connect_timeout_say
     sshd): with ``connect_timeout: 30`` the deploy waits for it, as OpenSSH's ConnectTimeout would.
     The late host is a relay on loopback in front of a real sandbox sshd that holds back the
     server's first line."""
-    import socket
-    import threading
-
     host = sandbox.hosts[7]
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
     stop = threading.Event()
 
     def pump(src: socket.socket, dst: socket.socket) -> None:
@@ -317,28 +325,14 @@ def test_a_banner_later_than_paramikos_15_s_waits_as_long_as_connect_timeout_say
             pump(server, client)
             upstream.join()
 
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # shut down: the test is over
-            threading.Thread(target=relay, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
     try:
-        key = (Path(host.files) / "ssh_host_ed25519_key.pub").read_text().split()
-        (tmp_path / "known_hosts").write_text(f"[127.0.0.1]:{port} {key[0]} {key[1]}\n")
-        inv = tmp_path / "inventory.yaml"
-        inv.write_text(
-            f"known_hosts: known_hosts\ndefaults:\n  key: {sandbox.box.client_key}\n  connect_timeout: 30\n"
-            f"hosts:\n  slow:\n    containers:\n      late: {{address: 127.0.0.1, port: {port}}}\n"
-        )
-        run = cli("deploy", write_playbook(tmp_path, root_name), "-i", inv, "--json")
+        with loopback_host(relay) as port:
+            key = (Path(host.files) / "ssh_host_ed25519_key.pub").read_text().split()
+            (tmp_path / "known_hosts").write_text(f"[127.0.0.1]:{port} {key[0]} {key[1]}\n")
+            inv = one_host_inventory(tmp_path, sandbox, "late", port, connect_timeout=30)
+            run = cli("deploy", write_playbook(tmp_path, root_name), "-i", inv, "--json")
     finally:
         stop.set()
-        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept above
-        listener.close()
     assert run.code == 0, run.host("late")["gates"]
     ssh = run.host("late")["ssh"]
     assert run.host("late")["gates"]["connect"]["ok"] and (ssh["connects"], ssh["retries"]) == (1, 0), ssh
