@@ -21,7 +21,7 @@ from pathlib import Path
 
 import paramiko
 
-from orchestrator.ssh import KnownHosts
+from orchestrator.connectors.ssh import KnownHosts
 
 
 def hashed(name: str) -> str:

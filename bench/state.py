@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.results import FileState, Gate, HostReport, RunReport
-from orchestrator.state import StateDB
+from orchestrator.store.state import StateDB
 from tests.postgres import running_postgres
 
 

@@ -20,11 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.cli import more_files
+from orchestrator.cli.main import more_files
+from orchestrator.config.inventory import load_inventory
+from orchestrator.config.playbook import load_playbook
 from orchestrator.deployment import Deployment
-from orchestrator.inventory import load_inventory
-from orchestrator.playbook import load_playbook
-from orchestrator.runner import RunOptions
+from orchestrator.engine.runner import RunOptions
 
 
 def peak_rss_mib() -> float:

@@ -6,8 +6,8 @@ load an inventory and a playbook, make a ``Deployment`` of them, then ``deploy``
 decides). An ``Observer`` sees the progress; ``fake.FakeConnector`` answers the agent's ops in a
 test, without hosts.
 
-The names below load on first use, so that importing one submodule (``orchestrator.cli``,
-``orchestrator.inventory``) does not import them all before its own first line runs.
+The names below load on first use, so that importing one submodule (``orchestrator.cli.main``,
+``orchestrator.config.inventory``) does not import them all before its own first line runs.
 """
 
 from __future__ import annotations
@@ -16,26 +16,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from orchestrator.config.inventory import Inventory, load_inventory
+    from orchestrator.config.playbook import Playbook, load_playbook
     from orchestrator.deployment import Deployment, select_targets
-    from orchestrator.inventory import Inventory, load_inventory
-    from orchestrator.playbook import Playbook, load_playbook
+    from orchestrator.engine.runner import Observer, RunOptions, Step
     from orchestrator.results import HostReport, RunReport
-    from orchestrator.runner import Observer, RunOptions, Step
 
 __version__ = "0.1.0"
 
 _HOMES = {
     "Deployment": "orchestrator.deployment",
     "select_targets": "orchestrator.deployment",
-    "Observer": "orchestrator.runner",
-    "RunOptions": "orchestrator.runner",
-    "Step": "orchestrator.runner",
+    "Observer": "orchestrator.engine.runner",
+    "RunOptions": "orchestrator.engine.runner",
+    "Step": "orchestrator.engine.runner",
     "HostReport": "orchestrator.results",
     "RunReport": "orchestrator.results",
-    "Inventory": "orchestrator.inventory",
-    "load_inventory": "orchestrator.inventory",
-    "Playbook": "orchestrator.playbook",
-    "load_playbook": "orchestrator.playbook",
+    "Inventory": "orchestrator.config.inventory",
+    "load_inventory": "orchestrator.config.inventory",
+    "Playbook": "orchestrator.config.playbook",
+    "load_playbook": "orchestrator.config.playbook",
 }
 
 __all__ = [

@@ -1,5 +1,5 @@
 """`python -m orchestrator`: the same CLI as the `orchestrate` console script."""
 
-from orchestrator.cli import entry
+from orchestrator.cli.main import entry
 
 entry()

@@ -19,16 +19,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from orchestrator import runs
-from orchestrator.connector import Connector
+from orchestrator.config.inventory import LOCAL, Inventory, Target
+from orchestrator.config.playbook import Playbook
+from orchestrator.connectors.base import Connector
+from orchestrator.engine import runs
+from orchestrator.engine.runner import Observer, RunOptions, Scope
 from orchestrator.errors import InputError
-from orchestrator.inventory import LOCAL, Inventory, Target
-from orchestrator.playbook import Playbook
 from orchestrator.results import RunReport
-from orchestrator.runner import Observer, RunOptions, Scope
 
 if TYPE_CHECKING:
-    from orchestrator.watcher import Watcher
+    from orchestrator.engine.watcher import Watcher
 
 
 def select_targets(playbook: Playbook, inventory: Inventory, limit: Sequence[str] = ()) -> list[Target]:
@@ -99,7 +99,7 @@ class Deployment:
     def __post_init__(self) -> None:
         self.targets = tuple(select_targets(self.playbook, self.inventory, self.limit))
         if self.playbook.gateway is not None:
-            from orchestrator.gateway import gateway_target
+            from orchestrator.gateways.client import gateway_target
 
             gateway_target(self.playbook, self.inventory)  # a gateway the inventory cannot reach is bad input
 
@@ -133,6 +133,6 @@ class Deployment:
 
     def watcher(self) -> Watcher:
         """Rounds that keep proving every target (``Watcher.round``); close it when done."""
-        from orchestrator.watcher import Watcher
+        from orchestrator.engine.watcher import Watcher
 
         return Watcher(self.scope)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import dflash
+from orchestrator.rules import dflash
 
 # The readiness chain, in order, and the gates of the other runs.
 GATE_LINT = "lint"

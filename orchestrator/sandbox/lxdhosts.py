@@ -4,7 +4,7 @@ This machine has no systemd as PID 1, so LXD (Debian's 5.0) is started by hand: 
 the daemon with its image-server lookups sent to a closed loopback port (nothing leaves the
 machine). LXD gets a ``dir`` pool and a bridge with NAT and firewall off, so the containers reach
 nothing beyond the bridge. Containers come from a locally built Debian image (``lxdimage``),
-are created through ``orchestrator.lxd`` (pylxd) with our client key injected, and their SSH host
+are created through ``orchestrator.lxd.host`` (pylxd) with our client key injected, and their SSH host
 keys are read from the containers through LXD, never learnt by connecting. An sshd of the
 sandbox's own, on the bridge address, stands for the GPU host's sshd: containers are reached
 by jumping through it, as on a real GPU host.
@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.containers import ContainerSpec
+from orchestrator.config.inventory import LxdEndpoint
 from orchestrator.errors import SandboxError
-from orchestrator.inventory import LxdEndpoint
+from orchestrator.lxd.containers import ContainerSpec
 from orchestrator.sandbox import lxdimage
 from orchestrator.sandbox.processes import alive, proc_start, run, start_sshd, stop_process, write_file
 
@@ -211,7 +211,7 @@ class LxdSandbox:
         return [Node(**n) for n in self._saved().get("nodes", [])]
 
     def _host(self) -> Any:
-        from orchestrator.lxd import LxdHost
+        from orchestrator.lxd.host import LxdHost
 
         return LxdHost("sandbox", LxdEndpoint("local"))
 

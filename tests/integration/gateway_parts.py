@@ -28,10 +28,10 @@ from typing import Any
 
 import yaml
 
+from orchestrator.config.playbook import Playbook, load_playbook
 from orchestrator.deployment import Deployment
-from orchestrator.playbook import Playbook, load_playbook
+from orchestrator.engine.runner import RunOptions
 from orchestrator.results import RunReport
-from orchestrator.runner import RunOptions
 from tests.unit.localbox import DRAFTER_CONFIG, GOOD_MASK, K, alive, free_port, serving_side
 
 HOSTS = {"g1": "127.0.0.11", "g2": "127.0.0.12", "g3": "127.0.0.13"}
@@ -293,23 +293,23 @@ class Fleet:
         return load_playbook(path)
 
     def deploy(self, playbook: Playbook) -> RunReport:
-        from orchestrator.inventory import load_inventory
+        from orchestrator.config.inventory import load_inventory
 
         return Deployment(playbook, load_inventory(self.inventory), OPTIONS).deploy()
 
     def verify(self, playbook: Playbook) -> RunReport:
-        from orchestrator.inventory import load_inventory
+        from orchestrator.config.inventory import load_inventory
 
         return Deployment(playbook, load_inventory(self.inventory), OPTIONS).verify()
 
     def stop(self, playbook: Playbook) -> RunReport:
-        from orchestrator.inventory import load_inventory
+        from orchestrator.config.inventory import load_inventory
 
         return Deployment(playbook, load_inventory(self.inventory), OPTIONS).stop()
 
     def watch_round(self, playbook: Playbook) -> dict[str, Any]:
         """One watch round: each host's round, by name."""
-        from orchestrator.inventory import load_inventory
+        from orchestrator.config.inventory import load_inventory
 
         watcher = Deployment(playbook, load_inventory(self.inventory), OPTIONS).watcher()
         try:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.agent_client import BOOTSTRAP, encode_request
+from orchestrator.agent.client import BOOTSTRAP, encode_request
 
 VLLM = Path("/opt/dflash-orchestrator/vllm-venv")
 MODELS = Path("/opt/dflash-orchestrator/tiny-models")

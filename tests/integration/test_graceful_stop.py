@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.serving import VLLM_CLI
+from orchestrator.rules.serving import VLLM_CLI
 from tests.integration.gateway_parts import free_port, wait_for
 from tests.unit.test_agent import run
 

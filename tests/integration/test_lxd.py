@@ -22,8 +22,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.inventory import LxdEndpoint
-from orchestrator.lxd import LxdHost
+from orchestrator.config.inventory import LxdEndpoint
+from orchestrator.lxd.host import LxdHost
 from orchestrator.sandbox.lxdhosts import LxdSandbox
 from orchestrator.sandbox.processes import stop_process
 from tests.integration.conftest import REPO, host, in_container, inventory, run

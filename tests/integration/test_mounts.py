@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator import protocol
-from orchestrator.agent_client import BOOTSTRAP, encode_request
+from orchestrator.agent import protocol
+from orchestrator.agent.client import BOOTSTRAP, encode_request
 
 
 def agent_in_namespace(tmp_path: Path, setup: str, ops: list[dict[str, object]]) -> list[dict[str, object]]:

@@ -17,13 +17,15 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator import launch, protocol, serving
-from orchestrator.agent_client import AgentClient
-from orchestrator.inventory import load_inventory
-from orchestrator.placement import place
-from orchestrator.playbook import load_playbook
+from orchestrator.agent import protocol
+from orchestrator.agent.client import AgentClient
+from orchestrator.config.inventory import load_inventory
+from orchestrator.config.playbook import load_playbook
+from orchestrator.connectors.ssh import KnownHosts, SshConnector
+from orchestrator.engine import launch
+from orchestrator.rules import serving
+from orchestrator.rules.placement import place
 from orchestrator.sandbox.lxdhosts import LxdSandbox
-from orchestrator.ssh import KnownHosts, SshConnector
 from tests.integration.conftest import REPO, host, in_container, inventory, run
 
 PLAYBOOK = REPO / "playbooks" / "sandbox-multinode.yaml"

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cli, fleetreport
+from orchestrator.cli import main as cli
 from orchestrator.deployment import Deployment
-from orchestrator.state import StateDB
+from orchestrator.store import report as fleetreport
+from orchestrator.store.state import StateDB
 from tests.unit.localbox import OPTIONS, Box, make_box
 from tests.unit.test_watch import complete, restart_by_hand
 
@@ -142,7 +143,7 @@ def test_the_report_opens_with_the_fleet_worst_first_at_1024_hosts(tmp_path: Pat
     (DOWN, DEGRADED, DRIFT, out of rotation, never watched, READY), each row linking to the host's
     section, with a filter by state that needs no script. (How fast it loads is a benchmark:
     bench/report.py.)"""
-    from orchestrator import fleetreport
+    from orchestrator.store import report as fleetreport
     from tests.fleet import STATES, fleet_history
 
     now = time.time()

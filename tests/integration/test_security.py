@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import protocol
-from orchestrator.agent_client import AgentClient
+from orchestrator.agent import protocol
+from orchestrator.agent.client import AgentClient
+from orchestrator.config.inventory import load_inventory
+from orchestrator.connectors.ssh import KnownHosts, SshConnector
 from orchestrator.errors import AgentError
-from orchestrator.inventory import load_inventory
-from orchestrator.ssh import KnownHosts, SshConnector
 from tests.integration.conftest import Sandbox, write_playbook
 
 

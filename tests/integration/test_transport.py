@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.config.inventory import Target, load_inventory
+from orchestrator.connectors.ssh import Command, KnownHosts, RetryPolicy, SshConnector, _PromptAckSocket
 from orchestrator.errors import AuthenticationFailed, CommandTimeout, ConnectFailed, ConnectionLost
-from orchestrator.inventory import Target, load_inventory
-from orchestrator.ssh import Command, KnownHosts, RetryPolicy, SshConnector, _PromptAckSocket
 from tests.integration.conftest import Sandbox
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_wait=0.01, max_wait=0.05)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.rules.serving import VLLM_CLI
 from orchestrator.sandbox.processes import proc_start
-from orchestrator.serving import VLLM_CLI
 
 VENV_PYTHON = "vllm-venv/bin/python"
 

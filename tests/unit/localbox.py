@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import yaml
 
+from orchestrator.config.inventory import Inventory, load_inventory
+from orchestrator.config.playbook import Playbook, load_playbook
 from orchestrator.deployment import Deployment
-from orchestrator.inventory import Inventory, load_inventory
-from orchestrator.playbook import Playbook, load_playbook
+from orchestrator.engine.runner import RunOptions
 from orchestrator.results import HostReport, RunReport
-from orchestrator.runner import RunOptions
 
 STANDIN = Path(__file__).with_name("standin_vllm.py")
 GOOD_MASK = 5

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import remote_agent
-from orchestrator.agent_client import BOOTSTRAP, decode_response, encode_request, packed_agent
+from orchestrator.agent.client import BOOTSTRAP, decode_response, encode_request, packed_agent
 from orchestrator.errors import AgentError, ConnectionLost
 
 # The keys a request needs beyond those a test is about, as the controller would send them (the
@@ -508,7 +508,7 @@ def test_a_lock_whose_recorded_holder_is_gone_says_so(tmp_path: Path) -> None:
 
 
 def local_target(tmp_path: Path) -> Any:
-    from orchestrator.inventory import load_inventory
+    from orchestrator.config.inventory import load_inventory
 
     inventory = tmp_path / "inventory.yaml"
     container = {"connection": "local", "deploy_root": str(tmp_path / "root"), "python": sys.executable}
@@ -519,9 +519,9 @@ def local_target(tmp_path: Path) -> Any:
 def test_a_session_answers_request_after_request_and_holds_no_lock_between_them(tmp_path: Path) -> None:
     """One agent process for many batches (``watch``): each answer framed, each batch's lock released
     when its answer is sent, so a deploy is never kept waiting by a watch."""
-    from orchestrator import protocol
-    from orchestrator.agent_client import AgentClient, AgentSession
-    from orchestrator.local import LocalConnector
+    from orchestrator.agent import protocol
+    from orchestrator.agent.client import AgentClient, AgentSession
+    from orchestrator.connectors.local import LocalConnector
 
     target = local_target(tmp_path)
     root = str(tmp_path / "root")
@@ -552,9 +552,9 @@ def test_a_session_answers_request_after_request_and_holds_no_lock_between_them(
 def test_a_session_asked_the_same_ops_again_runs_them_again_and_other_ops_as_asked(tmp_path: Path) -> None:
     """A watch asks the very same ops every round (their request is encoded once): each round runs
     them on the host as it is then, and ops that differ are sent as themselves."""
-    from orchestrator import protocol
-    from orchestrator.agent_client import AgentSession
-    from orchestrator.local import LocalConnector
+    from orchestrator.agent import protocol
+    from orchestrator.agent.client import AgentSession
+    from orchestrator.connectors.local import LocalConnector
 
     root = tmp_path / "root"
     root.mkdir()
@@ -575,9 +575,9 @@ def test_a_session_asked_the_same_ops_again_runs_them_again_and_other_ops_as_ask
 
 
 def test_a_session_that_is_sent_garbage_says_so_and_ends(tmp_path: Path) -> None:
-    from orchestrator.agent_client import AgentSession
+    from orchestrator.agent.client import AgentSession
+    from orchestrator.connectors.local import LocalConnector
     from orchestrator.errors import AgentProtocolError
-    from orchestrator.local import LocalConnector
 
     session = AgentSession(LocalConnector(), local_target(tmp_path))
     session.open()

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.containers import diff, spec_for
+from orchestrator.config.inventory import load_inventory
+from orchestrator.config.playbook import Disk
 from orchestrator.errors import InputError
-from orchestrator.inventory import load_inventory
-from orchestrator.playbook import Disk
+from orchestrator.lxd.containers import diff, spec_for
 
 INV = """\
 hosts:

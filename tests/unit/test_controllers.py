@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.state import StateDB, whoami
+from orchestrator.store.state import StateDB, whoami
 from tests.postgres import Postgres
 from tests.unit.localbox import Box
 

@@ -19,11 +19,11 @@ import yaml
 
 import remote_agent
 from orchestrator import Deployment, Observer, RunOptions, load_inventory, load_playbook
+from orchestrator.config.inventory import Target
+from orchestrator.connectors.fake import FakeConnector, answer
+from orchestrator.engine.runner import Step
 from orchestrator.errors import ConnectionLost, InputError
-from orchestrator.fake import FakeConnector, answer
-from orchestrator.inventory import Target
 from orchestrator.results import HostReport
-from orchestrator.runner import Step
 
 OPTIONS = RunOptions(forks=2, lock_timeout=1.0)
 ROOT = "/srv/dflash"

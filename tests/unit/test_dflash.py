@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator import dflash
-from orchestrator.configs import read_mapping
+from orchestrator.config.readers import read_mapping
+from orchestrator.rules import dflash
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = REPO / "playbooks" / "files"

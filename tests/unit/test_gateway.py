@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 
-from orchestrator import gateway, protocol, serving
+from orchestrator.agent import protocol
+from orchestrator.config.inventory import Container, SshSettings
+from orchestrator.config.playbook import Gateway, load_playbook
 from orchestrator.errors import GatewayError, InputError
-from orchestrator.inventory import Container, SshSettings
-from orchestrator.playbook import Gateway, load_playbook
+from orchestrator.gateways import client as gateway
+from orchestrator.rules import serving
 from tests.unit.test_agent import run
 
 STAT_HEAD = (
@@ -381,8 +383,8 @@ def test_a_program_whose_child_holds_its_output_is_ended_at_the_bound(tmp_path: 
 
 
 def test_a_gateway_on_no_container_of_the_inventory_is_bad_input_before_anything_runs(tmp_path: Path) -> None:
+    from orchestrator.config.inventory import load_inventory
     from orchestrator.deployment import Deployment
-    from orchestrator.inventory import load_inventory
 
     (tmp_path / "inventory.yaml").write_text(
         "hosts:\n  box:\n    containers:\n      g1: {connection: local, address: 127.0.0.11}\n"

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator import cli
+from orchestrator.cli import main as cli
 from orchestrator.results import GATE_GPUS
 from remote_agent import checks as agent
 from tests.unit.localbox import Box, deploy, host, verify

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator import dflash, probe
+from orchestrator.rules import dflash, probe
 
 RUN = Path(__file__).resolve().parent.parent / "data" / "gpu" / "serve"
 CONFIGS = RUN / "configs"

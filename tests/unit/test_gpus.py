@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 
-from orchestrator import gpus, plan, protocol
+from orchestrator.agent import protocol
+from orchestrator.config.inventory import Container, ContainerLxd, SshSettings
+from orchestrator.config.playbook import Playbook, load_playbook
 from orchestrator.errors import InputError
-from orchestrator.inventory import Container, ContainerLxd, SshSettings
-from orchestrator.playbook import Playbook, load_playbook
 from orchestrator.results import GATE_GPUS, Gate, HostReport
+from orchestrator.rules import gpus, plan
 from remote_agent import checks as agent
 
 H200 = Path(__file__).resolve().parent.parent / "data" / "gpu" / "h200"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cli
+from orchestrator.cli import main as cli
 
 DRAFTER = {
     "architectures": ["DFlashDraftModel"],

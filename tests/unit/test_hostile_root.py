@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.playbook import Playbook, load_playbook
+from orchestrator.config.playbook import Playbook, load_playbook
 from tests.unit.localbox import Box, alive, deploy, host, stop, verify
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.config.inventory import load_inventory
 from orchestrator.errors import InputError
-from orchestrator.inventory import load_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import paramiko
 import pytest
 
+from orchestrator.connectors.ssh import KnownHosts
 from orchestrator.errors import HostKeyChanged, InputError, UnknownHostKey
-from orchestrator.ssh import KnownHosts
 
 
 def keypair(tmp_path: Path, name: str) -> tuple[paramiko.PKey, str]:

@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from orchestrator.config.playbook import Playbook
 from orchestrator.deployment import Deployment
-from orchestrator.playbook import Playbook
 from tests.unit.localbox import (
     DRAFTER_CONFIG,
     OPTIONS,
@@ -384,7 +384,7 @@ def test_the_mask_token_is_named_from_the_targets_tokenizer_on_the_host(box: Box
 
 def test_the_digest_key_is_made_once_and_readable_by_this_user_alone(tmp_path: Path) -> None:
     from orchestrator.errors import StateError
-    from orchestrator.state import digest_key
+    from orchestrator.store.state import digest_key
 
     key = digest_key(tmp_path / "state")
     assert len(key) == 64 and int(key, 16) >= 0 and digest_key(tmp_path / "state") == key

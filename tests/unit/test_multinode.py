@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import plan, protocol, serving
+from orchestrator.agent import protocol
+from orchestrator.config.inventory import load_inventory
+from orchestrator.config.playbook import load_playbook
 from orchestrator.errors import InputError
-from orchestrator.inventory import load_inventory
-from orchestrator.placement import group_build_problems, place, ray_status
-from orchestrator.playbook import load_playbook
+from orchestrator.rules import plan, serving
+from orchestrator.rules.placement import group_build_problems, place, ray_status
 
 REPO = Path(__file__).resolve().parents[2]
 PLAYBOOK = REPO / "playbooks" / "qwen36-27b-dflash-2x4.yaml"
@@ -230,7 +231,7 @@ def test_ray_status_counts_active_nodes_and_gpus() -> None:
 
 def test_cli_refuses_a_bad_group_before_any_connection(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Exit 2 with the playbook's file and line, for a node the inventory does not have."""
-    from orchestrator import cli
+    from orchestrator.cli import main as cli
 
     (tmp_path / "inv.yaml").write_text(INV)
     path = write_playbook(tmp_path, "  tensor_parallel_size: 2\n  multi_node: {nodes: [cpu0, ghost]}\n")
@@ -242,8 +243,8 @@ def test_cli_refuses_a_bad_group_before_any_connection(tmp_path: Path, capsys: p
 
 
 def test_a_group_rolls_back_only_to_a_release_every_node_holds() -> None:
-    from orchestrator.plan import common_release
-    from orchestrator.protocol import Releases
+    from orchestrator.agent.protocol import Releases
+    from orchestrator.rules.plan import common_release
 
     def listing(current: str, previous: str | None, *held: str) -> Releases:
         return Releases(current, previous, held)

@@ -12,8 +12,9 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from orchestrator import cli, metrics
-from orchestrator.watch import STATES
+from orchestrator.cli import main as cli
+from orchestrator.rules.watch import STATES
+from orchestrator.store import metrics
 
 OPS = Path(__file__).resolve().parents[2] / "ops"
 

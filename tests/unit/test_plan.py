@@ -7,10 +7,11 @@ import json
 import marshal
 from pathlib import Path
 
-from orchestrator import plan, probe, protocol
-from orchestrator.agent_client import MARSHAL_VERSION
-from orchestrator.playbook import load_playbook
+from orchestrator.agent import protocol
+from orchestrator.agent.client import MARSHAL_VERSION
+from orchestrator.config.playbook import load_playbook
 from orchestrator.results import Gate, HostReport
+from orchestrator.rules import plan, probe
 
 PB = """\
 name: demo

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.config.playbook import load_playbook
 from orchestrator.errors import InputError
-from orchestrator.playbook import load_playbook
 
 REPO = Path(__file__).resolve().parents[2]
 

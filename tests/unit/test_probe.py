@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator import probe
+from orchestrator.rules import probe
 
 
 def metrics(drafts: float, tokens: float, accepted: float, per_pos: list[float], engines: int = 1) -> str:
@@ -157,9 +157,10 @@ def test_the_warm_pass_is_told_apart_and_a_drop_with_cached_prefixes_is_a_findin
     """The probe sends half its prompts again: their prefixes come from vLLM's prefix cache, where
     DFlash acceptance can fall (vLLM issue 47930) while the cold pass looks fine. The cold pass is
     what the thresholds judge; the warm one is a warning, or the gate's failure when strict."""
-    from orchestrator import plan, protocol
-    from orchestrator.playbook import load_playbook
+    from orchestrator.agent import protocol
+    from orchestrator.config.playbook import load_playbook
     from orchestrator.results import HostReport
+    from orchestrator.rules import plan
 
     (tmp_path / "a.txt").write_text("a\n")
 

@@ -16,7 +16,7 @@ import termios
 import time
 from pathlib import Path
 
-from orchestrator.agent_client import Event, EventReader, read_event, without_events
+from orchestrator.agent.client import Event, EventReader, read_event, without_events
 from tests.unit.localbox import Box
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,9 +115,9 @@ def test_nothing_a_host_says_reaches_the_terminal_as_control_codes() -> None:
     rewrite the user's terminal through them."""
     import io
 
-    from orchestrator.report import ProgressPrinter, render_table
+    from orchestrator.cli.render import ProgressPrinter, render_table
+    from orchestrator.engine.runner import Step
     from orchestrator.results import Gate, HostReport, RunReport
-    from orchestrator.runner import Step
 
     evil = "\x1b[2J\x1b]0;owned\x07\r\x9bplain words\ttab"
     host = HostReport("gpu-a")
@@ -141,9 +141,9 @@ def test_a_fleet_that_does_not_fit_the_terminal_is_summarised_live() -> None:
 
     from rich.console import Console
 
-    from orchestrator.report import ProgressPrinter
+    from orchestrator.cli.render import ProgressPrinter
+    from orchestrator.engine.runner import Step
     from orchestrator.results import Gate, HostReport
-    from orchestrator.runner import Step
 
     out = io.StringIO()
     printer = ProgressPrinter("deploy", 1024, out, mode="live")

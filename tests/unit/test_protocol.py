@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 
 import remote_agent
-from orchestrator import protocol
-from orchestrator.agent_client import AgentClient
-from orchestrator.connector import Command, OnStderr, Result, Session
+from orchestrator.agent import protocol
+from orchestrator.agent.client import AgentClient
+from orchestrator.config.inventory import Container, SshSettings, Target
+from orchestrator.connectors.base import Command, OnStderr, Result, Session
 from orchestrator.errors import AgentError, AgentProtocolError
-from orchestrator.inventory import Container, SshSettings, Target
-from orchestrator.serving import ServerCommand
+from orchestrator.rules.serving import ServerCommand
 
-PACKAGE = Path(protocol.__file__).parent
+PACKAGE = Path(protocol.__file__).parent.parent  # the whole controller
 
 
 def agent_ops() -> list[str]:

@@ -19,7 +19,7 @@ import yaml
 
 from lab import vllmverdict
 from lab.vllmverdict import Case, load_cases
-from orchestrator import dflash
+from orchestrator.rules import dflash
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "real-drafters"
 CASES = load_cases(DATA / "cases.yaml")

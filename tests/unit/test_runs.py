@@ -24,9 +24,9 @@ import pytest
 import yaml
 
 import orchestrator
-from orchestrator import cli
+from orchestrator.cli import main as cli
+from orchestrator.config.playbook import load_playbook
 from orchestrator.deployment import Deployment
-from orchestrator.playbook import load_playbook
 from tests.unit.localbox import (
     GOOD_MASK,
     OPTIONS,
@@ -681,7 +681,7 @@ def test_a_run_holding_more_than_1024_descriptors_still_waits_on_its_hosts(box: 
     it). Here 1100 descriptors are taken first, so the run's own pipes lie past 1024."""
     import resource
 
-    from orchestrator import cli
+    from orchestrator.cli import main as cli
 
     cli.more_files()
     if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1300:

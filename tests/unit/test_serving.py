@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from orchestrator import serving
-from orchestrator.inventory import load_inventory
-from orchestrator.playbook import load_playbook
+from orchestrator.config.inventory import load_inventory
+from orchestrator.config.playbook import load_playbook
+from orchestrator.rules import serving
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from orchestrator.ssh import _PromptAckSocket
+from orchestrator.connectors.ssh import _PromptAckSocket
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
 

@@ -26,7 +26,7 @@ def imported_modules(*argv: str, code: int = 0) -> set[str]:
 def test_help_loads_no_ssh_library() -> None:
     """SSH is opened only for a run that has an SSH target: paramiko is not imported before."""
     modules = imported_modules("--help")
-    assert "orchestrator.cli" in modules and "paramiko" not in modules
+    assert "orchestrator.cli.main" in modules and "paramiko" not in modules
 
 
 @pytest.mark.skipif(importlib.util.find_spec("invoke") is None, reason="invoke is not installed beside paramiko")

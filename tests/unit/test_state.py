@@ -19,7 +19,7 @@ import pytest
 
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_NOT_READY, StateError
 from orchestrator.results import Gate, HostReport, RunReport
-from orchestrator.state import SCHEMA_VERSION, LockHeld, StateDB, StateUrlError, whoami
+from orchestrator.store.state import SCHEMA_VERSION, LockHeld, StateDB, StateUrlError, whoami
 from tests.postgres import PASSWORD, Postgres
 
 REPO = Path(__file__).resolve().parents[2]
@@ -241,7 +241,7 @@ def test_controllers_opening_a_new_sqlite_file_at_once_all_open_it(tmp_path: Pat
     at once, without waiting its busy timeout: two deploys started together on a new state file,
     the second failed before any host (tests/integration/test_faults.py, one run in three). Eight
     controllers open new files at once, twelve times: every one opens and writes."""
-    code = "import sys; from orchestrator.state import StateDB; StateDB(None, sys.argv[1]).check_writable()"
+    code = "import sys; from orchestrator.store.state import StateDB; StateDB(None, sys.argv[1]).check_writable()"
     for attempt in range(12):
         url = f"sqlite://{tmp_path}/s{attempt}/state.db"
         procs = [

@@ -24,13 +24,15 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator import cli, metrics, probe
+from orchestrator.cli import main as cli
+from orchestrator.config.playbook import AcceptanceGate, Playbook
 from orchestrator.deployment import Deployment
-from orchestrator.playbook import AcceptanceGate, Playbook
+from orchestrator.engine.watcher import Watcher
 from orchestrator.results import GATE_FILES, GATE_HEALTH, GATE_READY, FileState, Gate, HostReport
-from orchestrator.state import StateDB
-from orchestrator.watch import DEGRADED, DOWN, DRIFT, READY, HostWatch, Seen, changed_fields, step
-from orchestrator.watcher import Watcher
+from orchestrator.rules import probe
+from orchestrator.rules.watch import DEGRADED, DOWN, DRIFT, READY, HostWatch, Seen, changed_fields, step
+from orchestrator.store import metrics
+from orchestrator.store.state import StateDB
 from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, K, alive, deploy, free_port, immutable, stop
 
 GATE = AcceptanceGate(min_mean_acceptance_length=3.0, min_drafts=50)
@@ -368,7 +370,7 @@ def test_watch_once_through_the_cli_runs_on_change_and_records(
     (change,) = [json.loads(line) for line in changes.read_text().splitlines()]
     assert (change["host"], change["from"], change["to"]) == ("solo", None, DRIFT)
     assert any("notes.txt" in reason for reason in change["reasons"])
-    from orchestrator.state import StateDB
+    from orchestrator.store.state import StateDB
 
     db = StateDB(state)
     try:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.state import StateDB
-from orchestrator.watch import DEGRADED, READY
+from orchestrator.rules.watch import DEGRADED, READY
+from orchestrator.store.state import StateDB
 from tests.postgres import Postgres
 from tests.unit.localbox import GOOD_MASK, Box, deploy, free_port
 from tests.unit.test_watch import complete, gone, restart_by_hand

@@ -1,0 +1,393 @@
+"""Starting a unit's servers and proving them: READY on every node, or back to what was current.
+
+A unit starts on one release (the new one, or an earlier one on the way back): every node is
+switched to it where it changed, and its process launched (vLLM; on a group, every rank, or a Ray
+cluster and then vLLM on the head). The proof goes through the head: ``/health``, then acceptance
+on live traffic; on a group every other rank must still be alive after it. A single node needs
+to wait for no other, so its switch, launch, health wait and probe are one exec, holding the
+deploy-root lock throughout. A group starts together: everything of it is stopped first (a
+surviving rank would hold the old group's ports), and stopping checks that nothing is left (a
+headless rank outlives its head otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from orchestrator.agent import protocol
+from orchestrator.agent.client import AgentClient
+from orchestrator.config.inventory import Target
+from orchestrator.config.playbook import Playbook
+from orchestrator.engine.runner import Node, Run, Unit
+from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError
+from orchestrator.results import (
+    GATE_ACCEPTANCE,
+    GATE_ENGINE,
+    GATE_FILES,
+    GATE_GATEWAY,
+    GATE_GROUP,
+    GATE_HEALTH,
+    GATE_READY,
+    GATE_STOPPED,
+    Gate,
+)
+from orchestrator.rules import plan, serving
+from orchestrator.rules.placement import Placement, ray_status
+
+
+def serve(run: Run, unit: Unit) -> None:
+    """Start the release the head's report names (unless the unit already runs it), prove it, and
+    record READY on every node; when that fails, go back to the release that was current.
+
+    With a gateway, a server that will be restarted leaves its rotation first (drained), and READY
+    needs the gateway to send the host traffic again (``rotation``)."""
+    from orchestrator.engine import rotation  # the gateway's steps, only for a playbook with one
+
+    release = unit.head.report.release_id
+    assert release is not None
+    changed = {n.name for n in unit.nodes if n.report.changed}
+    if run.gateway is not None and changed and not rotation.drain(run, unit):
+        unit.fail_others([unit.head.name], "not launched")
+        return  # the gateway refused, or capacity would fall below its floor: nothing was stopped
+    if start_and_prove(run, unit, release, switch=changed, keep=not changed):
+        if run.gateway is None or rotation.admit(run, unit):
+            write_ready(run, unit, release)
+        else:
+            unit.fail_others([unit.head.name], "not served through the gateway")
+            unit.head.report.diagnosis.append(
+                "every gate passed on the host, but the gateway did not serve it: left out of rotation (see the gateway gate)"
+            )
+    elif any(n.disturbed for n in unit.nodes):
+        roll_back(run, unit)
+    elif run.gateway is not None:
+        # the lock, the switch or vLLM's verdict failed before anything was stopped or started:
+        # what ran, runs, and goes back into rotation
+        rotation.put_back(run, unit)
+
+
+def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: bool) -> bool:
+    """Switch the ``switch`` nodes to ``release``, start the unit on it, prove it through the head.
+
+    ``keep``: nothing changed, so a unit already running this release is kept and proven again.
+    """
+    playbook, head = run.playbook, unit.head
+    host = serving.probe_host(playbook, head.target.container)
+    health, probe = plan.health_op(playbook, head.root, serving.SERVER, host), plan.probe_op(playbook, host)
+    # The READY record the head held before this run: the probe is held to its tau. Read with
+    # the proof, before this run writes its own.
+    record = protocol.serving_status(head.root, serving.SERVER, None)
+    proof: list[protocol.Op[Any]] = [record, health, probe]
+    together = unit.single  # no other node to wait for: start and proof in one exec
+    kept = keep and not together and _all_running(run, unit, release)
+    if not together and not kept:
+        stop_all(run, unit)
+        if unit.failed():
+            return False
+
+    def start(node: Node) -> None:
+        switch_op = protocol.release_switch(node.root, release, playbook.keep_releases) if node.name in switch else None
+        launch = _launch_op(run, unit, node, release, keep=keep and together)
+        # vLLM's own verdict on the command before anything is switched or stopped for it: a
+        # refusal leaves the release that serves serving (one node alone; a group is stopped
+        # before its ranks start, see stop_all).
+        engine = None
+        if together and launch is not None:
+            command = serving.command(playbook, node.target.container, release)
+            want = serving.resolved(playbook, node.target.container, release)
+            engine = protocol.engine_check(node.root, serving.SERVER, command, want, keep_if_running=keep)
+        steps = (engine, switch_op, launch)
+        ops: list[protocol.Op[Any]] = [run.lock(node), *(op for op in steps if op is not None)]
+        if together:
+            ops += proof
+        try:
+            answers = run.batch(node, ops)
+        except AgentProtocolError:
+            # The host's answer cannot be read: whatever of the batch ran may have stopped or
+            # started the server, so a failure from here rolls back.
+            node.disturbed = True
+            raise
+        except AgentError as exc:
+            if exc.failure.gate == GATE_ENGINE:
+                # vLLM refused the command (or could not be asked): nothing was switched or
+                # stopped for it, and its own words are the gate.
+                node.report.gates[GATE_ENGINE] = Gate(False, exc.failure.message, reason=exc.failure.code)
+                return
+            # The lock or the switch (the files gate's ops): nothing was stopped or started.
+            before_launch = exc.failure.gate == GATE_FILES
+            node.disturbed = node.disturbed or not before_launch
+            if not together or before_launch:
+                raise  # the node's own gate says why (on one node alone: its files gate)
+            _proof_failed(run, unit, exc.failure)
+            return
+        node.disturbed = True
+        if engine is not None:
+            plan.read_engine(answers[engine], node.report)
+        plan.read_started(playbook, answers.get(switch_op) if switch_op else None, node.report)
+        if together:
+            assert launch is not None
+            _read_proof(run, unit, answers[health], answers[probe], answers[launch].kept, answers[record].ready)
+        elif launch is not None:
+            node.report.gates[GATE_GROUP] = Gate(
+                True, f"rank {node.rank} ({unit.role(node)}) started, pid {answers[launch].pid}"
+            )
+
+    if kept:
+        run.note(unit, f"release {release} already runs on every node: proving it again")
+    else:
+        run.note(unit, f"launching release {release} on {', '.join(n.name for n in unit.nodes)}")
+        unit.each(start, GATE_FILES if together else GATE_HEALTH)
+    if together or unit.failed():
+        unit.fail_others(unit.failed(), "not launched")
+        return not unit.failed()
+    if unit.ray and not kept and not _ray_cluster_then_vllm(run, unit, release):
+        return False
+    run.note(unit, f"waiting for the head {head.name} to be healthy, then probing acceptance")
+    try:
+        answers = run.batch(head, proof)
+    except AgentError as exc:
+        _proof_failed(run, unit, exc.failure)
+        return False
+    if not _read_proof(run, unit, answers[health], answers[probe], kept, answers[record].ready):
+        return False
+    return _ranks_alive(run, unit)
+
+
+def _launch_op(run: Run, unit: Unit, node: Node, release: str, keep: bool) -> protocol.Op[protocol.Launched] | None:
+    """What a node starts: vLLM (a single host, or an ``mp`` rank), or Ray (None: a Ray head
+    starts vLLM only once the cluster is up)."""
+    playbook, port = run.playbook, run.playbook.serving.port
+    host = serving.probe_host(playbook, unit.head.target.container)
+    if unit.single:
+        command = serving.command(playbook, node.target.container, release)
+        return protocol.launch(node.root, serving.SERVER, command, release, port, keep_if_running=keep, host=host)
+    placement = unit.placement
+    if unit.ray:
+        command = serving.ray_command(playbook, placement, node.rank)
+        return protocol.launch(node.root, serving.RAY, command, release, None)
+    rank_command = serving.rank_command(playbook, placement, node.rank, release)
+    assert rank_command is not None
+    return protocol.launch(
+        node.root, serving.SERVER, rank_command, release, port if node.rank == 0 else None, host=host
+    )
+
+
+def _read_proof(
+    run: Run,
+    unit: Unit,
+    healthy: protocol.Healthy,
+    scrapes: protocol.Scrapes,
+    kept: bool,
+    last_ready: dict[str, Any] | None,
+) -> bool:
+    head = unit.head
+    head.pid = healthy.pid
+    plan.read_health(healthy, kept, head.report)
+    plan.read_probe(run.playbook, scrapes, head.report, last_ready)
+    if head.report.gates[GATE_ACCEPTANCE].ok:
+        return True
+    head.report.diagnosis = plan.diagnose(run.playbook, head.report)
+    unit.fail_others([head.name], "group not ready")
+    return False
+
+
+def _proof_failed(run: Run, unit: Unit, failure: AgentFailure) -> None:
+    """The server did not start, did not become healthy, or the probe could not talk to it."""
+    head = unit.head
+    head.report.gates[failure.gate] = Gate(False, failure.message)
+    head.report.diagnosis = plan.diagnose(run.playbook, head.report, failure=failure)
+    unit.fail_others([head.name], "group not ready")
+
+
+def _all_running(run: Run, unit: Unit, release: str) -> bool:
+    """A group where nothing changed: is every rank still up on this release? Then it is kept."""
+    alive: dict[str, bool] = {}
+
+    def status(node: Node) -> None:
+        names = ([serving.RAY] if unit.ray else []) + ([serving.SERVER] if node.rank == 0 or not unit.ray else [])
+        ops = [protocol.serving_status(node.root, name, None) for name in names]
+        answers = run.batch(node, list(ops))
+        servers = [answers[op].server for op in ops]
+        alive[node.name] = all(s is not None and s.alive and s.release_id in (release, None) for s in servers)
+
+    unit.each(status, GATE_HEALTH)
+    return all(alive.get(n.name) for n in unit.nodes) and not unit.failed()
+
+
+def _ranks_alive(run: Run, unit: Unit) -> bool:
+    """After the proof: every rank but the head still alive (its health is its process)."""
+
+    def check(node: Node) -> None:
+        if node.rank == 0:
+            return
+        op = protocol.serving_status(node.root, unit.process(node), None)
+        server = run.batch(node, [op])[op].server
+        gate = plan.rank_alive(server, unit.role(node))
+        node.report.gates[GATE_HEALTH] = gate
+        if gate.ok and server is not None:
+            node.pid = server.pid
+
+    unit.each(check, GATE_HEALTH)
+    unit.fail_others(unit.failed(), "group not ready")
+    return not unit.failed()
+
+
+def stop_all(run: Run, unit: Unit) -> None:
+    """Stop vLLM and Ray on every node; a node where anything is left fails its ``stopped`` gate."""
+
+    def stop(node: Node) -> None:
+        wait = run.playbook.serving.stop_timeout
+        ops = [
+            protocol.stop(node.root, name, wait if name == serving.SERVER else 30.0)
+            for name in (serving.SERVER, serving.RAY)
+        ]
+        node.disturbed = True
+        answers = run.batch(node, [run.lock(node), *ops])
+        left = [op.request["name"] for op in ops if not answers[op].gone]
+        pids = [str(answers[op].pid) for op in ops if answers[op].pid]
+        if left:
+            node.report.gates[GATE_STOPPED] = Gate(False, f"still running after stop: {', '.join(left)}")
+        else:
+            node.report.gates[GATE_STOPPED] = Gate(
+                True, f"stopped pid {', '.join(pids)}" if pids else "nothing was running"
+            )
+
+    unit.each(stop, GATE_STOPPED)
+
+
+def write_ready(run: Run, unit: Unit, release: str) -> None:
+    """The READY record on every node: which release, on what evidence, served by which process."""
+    head = unit.head
+    proof = head.report.gates[GATE_ACCEPTANCE]
+
+    def write(node: Node) -> None:
+        report = node.report
+        if node is not head:
+            report.gates[GATE_ACCEPTANCE] = Gate(True, f"through the head {head.name}: {proof.detail}")
+        gates: dict[str, Any] = {k: g.to_json() for k, g in report.gates.items()}
+        if not unit.single:
+            placement = unit.placement
+            gates[GATE_GROUP] = {
+                "rank": node.rank,
+                "nodes": [n.name for n in unit.nodes],
+                "executor": placement.multi.executor,
+            }
+        record = serving.ready_record(release, gates, [f.record() for f in report.files], node.pid)
+        # Under the deploy-root lock, as every write: another run cannot switch or restart
+        # between this run's proof and its record of it without holding the lock itself.
+        run.batch(node, [run.lock(node), protocol.put(node.root, "ready.json", record)])
+        report.gates[GATE_READY] = Gate(True, f"{node.root}/ready.json records release {release}")
+
+    unit.each(write, GATE_READY)
+
+
+def roll_back(run: Run, unit: Unit) -> None:
+    """After a failure past launch: stop every node (checking each is gone), then start the release
+    that was current on every node again and prove it; READY again if it passes. With nothing to
+    go back to, the unit stays stopped."""
+    run.note(unit, f"not ready: stopping {', '.join(n.name for n in unit.nodes)}")
+    stop_all(run, unit)
+    reports = [n.report for n in unit.nodes]
+    previous = {r.previous if r.changed else r.release_id for r in reports}
+    back = previous.pop() if len(previous) == 1 else None
+    changed = any(r.changed for r in reports)
+    stopped = all(r.gates.get(GATE_STOPPED, Gate(False, "")).ok for r in reports)
+    everywhere = "" if unit.single else " on every node"
+    if back is None or not changed or not stopped:  # nothing else to go back to, or a node is stuck
+        if not stopped:
+            line = "the deployment could not be stopped: see the stopped gate"
+        elif not changed:
+            line = (
+                f"release {back} was already current and does not pass with this playbook's serving settings: "
+                f"stopped{everywhere} (no vLLM or Ray process left)"
+            )
+        else:
+            line = f"no previous release to go back to: stopped{everywhere} (no vLLM or Ray process left)"
+        if unit.head.drained:
+            line += "; left out of the gateway's rotation (taken out before the stop)"
+        for report in reports:
+            report.diagnosis.append(line)
+        return
+    run.note(unit, f"rolling back to release {back}")
+    again = unit.again()
+    switch = {n.name for n in unit.nodes if n.report.changed}
+    if start_and_prove(run, again, back, switch, keep=False) and _admitted(run, again, unit):
+        write_ready(run, again, back)
+        proof = again.head.report.gates[GATE_ACCEPTANCE].detail
+        line = f"rolled back: release {back} is current again{everywhere}, healthy and READY ({proof})"
+    elif again.head.report.gates.get(GATE_ACCEPTANCE, Gate(False, "")).ok:
+        refused = again.head.report.gates[GATE_GATEWAY].detail
+        line = f"rolled back to release {back}, healthy, but not served through the gateway ({refused})"
+    else:
+        stop_all(run, again)
+        why = "; ".join(
+            f"{n.name}: {n.report.gates[gate].detail}" for n in again.nodes if (gate := n.report.failed_gate)
+        )
+        line = f"rolled back to release {back}, but it does not pass either ({why}): stopped"
+    if unit.head.drained and not again.head.report.gates.get(GATE_READY, Gate(False, "")).ok:
+        line += "; left out of the gateway's rotation (taken out before the stop)"
+    for report in reports:
+        report.diagnosis.append(line)
+
+
+def _admitted(run: Run, again: Unit, unit: Unit) -> bool:
+    """After a rollback proved the previous release: back into the gateway's rotation (the failed
+    attempt's drain is in ``unit``'s report)."""
+    if run.gateway is None:
+        return True
+    from orchestrator.engine import rotation
+
+    drained = unit.head.report.gates.get(GATE_GATEWAY)
+    if drained is not None:
+        again.head.report.gates[GATE_GATEWAY] = drained
+    again.head.drained = unit.head.drained
+    return rotation.admit(run, again)
+
+
+def _ray_cluster_then_vllm(run: Run, unit: Unit, release: str) -> bool:
+    """Wait until ``ray status`` on the head shows every node (and their GPUs), then start vLLM there."""
+    playbook, head, placement = run.playbook, unit.head, unit.placement
+    want_nodes = len(unit.nodes)
+    want_gpus = sum(len(n.target.container.gpus) for n in unit.nodes)
+    run.note(unit, f"waiting for the Ray cluster to show {want_nodes} nodes")
+    nodes, gpus, text = cluster_size(playbook, run.client, head.target, placement, want_nodes)
+    if nodes < want_nodes or gpus < want_gpus:
+        head.report.gates[GATE_GROUP] = Gate(
+            False, f"ray status shows {nodes} of {want_nodes} nodes and {gpus:g} of {want_gpus} GPUs: {text[-300:]}"
+        )
+        unit.fail_others([head.name], "not launched")
+        return False
+    command = serving.rank_command(playbook, placement, 0, release)
+    assert command is not None
+    host = serving.probe_host(playbook, head.target.container)
+    launch = protocol.launch(head.root, serving.SERVER, command, release, playbook.serving.port, host=host)
+    try:
+        answers = run.batch(head, [run.lock(head), launch])
+    except AgentError as exc:
+        _proof_failed(run, unit, exc.failure)
+        return False
+    head.report.gates[GATE_GROUP] = Gate(
+        True, f"Ray cluster of {nodes} nodes ({gpus:g} GPUs); vLLM started on the head, pid {answers[launch].pid}"
+    )
+    return True
+
+
+def cluster_size(
+    playbook: Playbook,
+    client: AgentClient,
+    head: Target,
+    placement: Placement,
+    want_nodes: int,
+    deadline_s: float | None = None,
+) -> tuple[int, float, str]:
+    """Poll ``ray status`` on the head until it shows ``want_nodes`` nodes or the deadline passes."""
+    op = protocol.command(serving.ray_status_argv(playbook, placement))
+    deadline = time.monotonic() + (deadline_s if deadline_s is not None else playbook.serving.startup_timeout)
+    delay = 1.0
+    while True:
+        output = client.batch(head, [op])[op]
+        nodes, gpus = ray_status(output.output) if output.returncode == 0 else (0, 0.0)
+        if nodes >= want_nodes or time.monotonic() + delay > deadline:
+            return nodes, gpus, output.output
+        time.sleep(delay)  # the raylets register within seconds: poll, backing off
+        delay = min(delay * 1.5, 5.0)

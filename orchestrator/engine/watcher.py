@@ -1,0 +1,317 @@
+"""``orchestrate watch``: rounds over every node, each over a session kept for the watch's life.
+
+Each node keeps one connection and one agent process (``agent.AgentSession``): a round is one
+framed request and answer on that channel, with no SSH handshake or interpreter start. A session
+that fails is closed and opened again at the next round after a backoff (1, 2, 4 ... 60 s); until
+then the node is reported DOWN with why, never skipped. What the rounds mean is ``watch``'s.
+"""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from orchestrator.agent import protocol
+from orchestrator.agent.client import AgentClient, AgentSession
+from orchestrator.config.inventory import Target
+from orchestrator.connectors.router import Connections
+from orchestrator.engine.runner import ContainerGate, Node, Scope, Unit, finish, units_for
+from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, TransportError
+from orchestrator.results import GATE_FILES, HostReport
+from orchestrator.rules import plan, probe, serving
+from orchestrator.rules.watch import HostWatch, Round, Seen, Transition, changed_fields, step
+
+BACKOFF_MAX_S = 60.0
+ON_CHANGE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Watched:
+    node: Node
+    unit: Unit
+    session: AgentSession | None = None
+    host: HostWatch = field(init=False)
+    inventory_target: Target = field(init=False)
+    failures: int = 0
+    retry_at: float = 0.0
+    last_error: str | None = None
+    # A round's checks, kept while what they are built from stays the same (they are the same
+    # every round: building them again was a tenth of a served round's CPU).
+    checks: tuple[tuple[Any, ...], plan.ServedChecks, protocol.Op[str] | None, list[protocol.Op[Any]]] | None = None
+
+    def __post_init__(self) -> None:
+        self.host = HostWatch(self.node.name)
+        self.inventory_target = self.node.target  # as the inventory gives it (the address found later)
+
+
+class Watcher:
+    """Every node of a playbook, watched round after round. Not thread-safe: one caller."""
+
+    def __init__(self, scope: Scope) -> None:
+        playbook, inventory, options = scope.playbook, scope.inventory, scope.options
+        self.playbook, self.options = playbook, options
+        self.connections = Connections(inventory, options.accept_new_host_keys, options.retry, scope.connector)
+        self.key = options.key()
+        self.containers = ContainerGate(inventory, playbook, ensure=False, skip=options.skip_containers)
+        self.watched = [_Watched(n, u) for u in units_for(playbook, inventory, list(scope.targets)) for n in u.nodes]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(options.forks, len(self.watched))))
+        self._gateway: Any = None  # gateway.GatewayClient, made on the first round that needs it
+
+    def round(self) -> tuple[list[Round], list[Transition]]:
+        """One round over every node at once: each node's round, and the transitions it showed."""
+        futures = [self._pool.submit(self._observe, w) for w in self.watched]
+        finish(futures)  # wakes for signals: a Ctrl-C may land on any thread
+        seen = [f.result() for f in futures]
+        down = {w.node.name for w, s in zip(self.watched, seen, strict=True) if s.down}
+        for i, w in enumerate(self.watched):
+            if not w.unit.single:
+                others = tuple(n.name for n in w.unit.nodes if n.name in down and n.name != w.node.name)
+                if others:
+                    seen[i] = replace(seen[i], group_down=others)
+        if self.playbook.gateway is not None:
+            seen = self._rotation(seen)
+        rounds, transitions = [], []
+        for w, s in zip(self.watched, seen, strict=True):
+            w.host, rnd, change = step(w.host, s, self.playbook.gates.live)
+            rounds.append(rnd)
+            if change is not None:
+                transitions.append(change)
+        return rounds, transitions
+
+    def _rotation(self, seen: list[Seen]) -> list[Seen]:
+        """The gateway's rotation, read once a round from its host, on every head's round."""
+        from orchestrator.gateways.client import GatewayClient, gateway_target
+
+        heads = [(i, w) for i, w in enumerate(self.watched) if w.node.rank == 0]
+        try:
+            if self._gateway is None:
+                target = gateway_target(self.playbook, self.connections.inventory)
+                self._gateway = GatewayClient(self.playbook, target, AgentClient(self.connections, self.key))
+            servers = {i: self._gateway.server(w.node.target.container) for i, w in heads}
+            rotation = self._gateway.rotation(list(servers.values()))
+        except OrchestratorError as exc:
+            return [
+                replace(s, rotation_status=f"cannot be read: {exc}") if i in dict(heads) else s
+                for i, s in enumerate(seen)
+            ]
+        out = list(seen)
+        for i, server in servers.items():
+            member = rotation.of(server)
+            out[i] = replace(out[i], in_rotation=member.in_rotation, rotation_status=member.status)
+        return out
+
+    def close(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        for w in self.watched:
+            if w.session is not None:
+                w.session.close()
+        self.connections.close()
+
+    # --- one node ------------------------------------------------------------------------
+
+    def _observe(self, w: _Watched) -> Seen:
+        now = time.time()
+        if w.session is None or not w.session.is_open:
+            if time.monotonic() < w.retry_at:
+                wait = w.retry_at - time.monotonic()
+                return Seen(now, error=f"{w.last_error} (trying again in {wait:.0f} s)")
+            try:
+                self._open(w)
+            except OrchestratorError as exc:
+                return self._failed(w, now, _message(exc))
+            fresh = True
+        else:
+            fresh = False
+        try:
+            return self._read(w, now)
+        except (TransportError, AgentProtocolError) as exc:
+            if fresh:
+                return self._failed(w, now, _message(exc))
+            lost = _message(exc)
+        # A session that answered before and failed now (a dropped connection, an agent that was
+        # killed): one fresh session at once, so that a blip costs no round; said either way.
+        try:
+            self._open(w)
+            return replace(self._read(w, now), notes=(f"reconnected ({lost})",))
+        except OrchestratorError as exc:
+            return self._failed(w, now, f"{_message(exc)} (after: {lost})")
+
+    def _open(self, w: _Watched) -> None:
+        node = w.node
+        if not node.located:
+            report = HostReport(node.name)
+            found = self.containers.locate(w.inventory_target, report)
+            if found is None:
+                failed = report.failed_gate
+                raise TransportError(node.name, report.gates[failed].detail if failed else "container not running")
+            node.target, node.located = found, True
+        w.session = AgentSession(self.connections, node.target, self.key)
+        w.session.open()
+        w.failures, w.retry_at = 0, 0.0
+
+    def _failed(self, w: _Watched, now: float, message: str) -> Seen:
+        if w.session is not None:
+            w.session.close()
+            w.session = None
+        w.failures += 1
+        w.last_error = message
+        # Found again through LXD next time: a container that restarted may have a new address.
+        w.node.located = w.node.target.container.lxd is None
+        w.retry_at = time.monotonic() + min(BACKOFF_MAX_S, 2.0 ** (w.failures - 1))
+        return Seen(now, error=message)
+
+    def _read(self, w: _Watched, now: float) -> Seen:
+        playbook, node, unit = self.playbook, w.node, w.unit
+        assert w.session is not None
+        head = node.rank == 0
+        # What verify checks too (the target's model files by the host's digest cache: a stat per
+        # file), and on the head the production counters.
+        host = serving.probe_host(playbook, node.target.container) if head else protocol.LOOPBACK
+        built_from = (node.root, unit.process(node), head, host)
+        if w.checks is None or w.checks[0] != built_from:
+            served = plan.ServedChecks(playbook, node.root, unit.process(node), head, tokens=False, host=host)
+            ops: list[protocol.Op[Any]] = list(served.ops)
+            metrics = None
+            if served.status is not None and head:
+                metrics = protocol.metrics(playbook.serving.port, probe.FAMILIES, host=host).finding()
+                ops.append(metrics)
+            w.checks = (built_from, served, metrics, ops)
+        _, served, metrics, ops = w.checks
+        try:
+            answers = w.session.batch(ops)
+        except AgentError as exc:  # the release itself could not be read: the host says why
+            return Seen(now, error=exc.failure.describe())
+        report = HostReport(node.name)
+        served.read(answers, report, None if head else unit.role(node))
+        failed = answers.failure(metrics)
+        metrics_error = failed.message if failed is not None else None
+        # The metrics' failure is the round's finding (a server down), not a gate: watch judges it.
+        plan.read_failures(answers, report, besides=[metrics] if metrics is not None else [])
+        pid = None
+        if served.status is not None and served.status in answers:
+            server = answers[served.status].server
+            pid = server.pid if server is not None and server.alive else None
+        counters = None
+        if metrics is not None and metrics in answers:
+            try:
+                counters = probe.parse(answers[metrics])
+            except probe.ProbeError as exc:
+                metrics_error = str(exc)
+        fields: tuple[str, ...] = ()
+        files = report.gates.get(GATE_FILES)
+        if files is not None and not files.ok:
+            fields = tuple(self._changed_fields(w, report))
+        return Seen(
+            now,
+            report=report,
+            head=node.rank == 0 and playbook.serving.target is not None,
+            counters=counters,
+            metrics_error=metrics_error,
+            server_pid=pid,
+            changed_fields=fields,
+        )
+
+    def _changed_fields(self, w: _Watched, report: HostReport) -> list[str]:
+        """Name what changed in drifted JSON files the host lets us read (never a private one)."""
+        specs = {f.dest: f for f in self.playbook.release_files}
+        drifted = [f.dest for f in report.files if f.drift and f.dest in specs and not specs[f.dest].private]
+        wanted = [p for p in drifted if p.endswith(".json")]
+        if not wanted or w.session is None:
+            return []
+        op = protocol.release_inspect(w.node.root, wanted)
+        try:
+            inspected = w.session.batch([op])[op]
+        except AgentError:
+            return []
+        out: list[str] = []
+        for f in inspected.files:
+            if f.path in specs and not f.private:
+                out += changed_fields(f.path, specs[f.path].content, f.content)
+        return out
+
+
+def _message(exc: OrchestratorError) -> str:
+    if isinstance(exc, AgentProtocolError):
+        return str(exc).split(": ", 1)[-1]
+    return getattr(exc, "message", None) or str(exc)
+
+
+class OnChange:
+    """``--on-change CMD``: run by ``/bin/sh -c`` (the operator's own command line) for each
+    transition, the transition as JSON on its stdin; never with anything of the hosts in argv.
+
+    Off the round: a call queues the transition and returns, and ``workers`` threads run the
+    commands (a slow pager used to hold the watch for every transition of a round). One host's
+    transitions always go to the same worker, so each host's commands run in the order its
+    transitions happened; hosts run side by side. ``close`` lets the queued ones finish."""
+
+    def __init__(self, command: str, say: Callable[[str], None], workers: int = 8) -> None:
+        self.command, self.say = command, say
+        self._queues: list[queue.Queue[Transition | None]] = [queue.Queue() for _ in range(workers)]
+        self._threads = [threading.Thread(target=self._work, args=(q,), daemon=True) for q in self._queues]
+        for thread in self._threads:
+            thread.start()
+
+    def __call__(self, transition: Transition) -> None:
+        self._queues[zlib.crc32(transition.host.encode()) % len(self._queues)].put(transition)
+
+    def close(self, wait: bool = True) -> None:
+        """No more transitions; with ``wait``, return once every queued command has run (each is
+        bounded by ON_CHANGE_TIMEOUT_S)."""
+        for q in self._queues:
+            q.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+    def _work(self, transitions: queue.Queue[Transition | None]) -> None:
+        while (transition := transitions.get()) is not None:
+            self._run(transition)
+
+    def _run(self, transition: Transition) -> None:
+        import json
+
+        data = (json.dumps(transition.to_json()) + "\n").encode()  # one JSON line: appends make JSON Lines
+        try:
+            done = subprocess.run(
+                ["/bin/sh", "-c", self.command],
+                input=data,
+                capture_output=True,
+                timeout=ON_CHANGE_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            self.say(f"--on-change for {transition.host}: did not finish within {ON_CHANGE_TIMEOUT_S:.0f} s")
+            return
+        except OSError as exc:
+            self.say(f"--on-change for {transition.host}: {exc.strerror or exc}")
+            return
+        if done.returncode != 0:
+            tail = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+            self.say(f"--on-change for {transition.host}: exit status {done.returncode} {tail[0]}".rstrip())
+
+
+def run_rounds(
+    watcher: Watcher,
+    interval: float,
+    once: bool,
+    on_round: Callable[[int, list[Round], list[Transition]], None],
+    stop: threading.Event,
+) -> list[Round]:
+    """Rounds every ``interval`` seconds (from the start of one to the start of the next) until
+    ``stop`` is set, or one with ``once``; the last round's results."""
+    number = 0
+    while True:
+        started = time.monotonic()
+        number += 1
+        rounds, transitions = watcher.round()
+        on_round(number, rounds, transitions)
+        if once or stop.wait(max(0.0, interval - (time.monotonic() - started))):
+            return rounds

@@ -1,0 +1,221 @@
+"""The GPU gate, pure: what ``nvidia-smi`` says of a container's GPUs, judged before a server loads.
+
+The ways a GPU deploy dies after minutes of model loading, each visible in seconds beforehand: the
+container sees other GPUs than the inventory gives it (or fewer than tensor x pipeline parallel
+needs there), a GPU pinned by PCI address is not the one seen, another process holds memory that
+``--gpu-memory-utilization`` counts on, the driver is older than the serving torch's CUDA needs.
+Memory held by the server we started ourselves does not count: the launch stops it first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.config.inventory import Container
+from orchestrator.config.playbook import Playbook
+
+# The oldest driver each CUDA major version of a serving torch runs on, by minor version
+# compatibility: NVIDIA's "CUDA Compatibility" guide (docs.nvidia.com/deploy/cuda-compatibility,
+# table 1: 13.x >= 580, 12.x >= 525, 11.x >= 450) and the CUDA Toolkit release notes' driver table
+# for the exact Linux builds (11.x >= 450.80.02, 12.0 GA 525.60.13, 13.0 GA 580.65.06). Below it,
+# torch.cuda.is_available() is False and vLLM fails at its first CUDA call.
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization when not given
+
+
+class FactsError(ValueError):
+    """nvidia-smi's output is not what the query asked for."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as nvidia-smi's CSV describes it."""
+
+    index: int
+    uuid: str
+    name: str
+    pci: str
+    total_mib: int
+    used_mib: int
+    free_mib: int
+    driver: str
+    compute_mode: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "name": self.name,
+            "pci": self.pci,
+            "memory_total_mib": self.total_mib,
+            "memory_used_mib": self.used_mib,
+            "memory_free_mib": self.free_mib,
+            "driver": self.driver,
+            "compute_mode": self.compute_mode,
+        }
+
+
+@dataclass(frozen=True)
+class App:
+    """One compute process on a GPU, as nvidia-smi's CSV describes it."""
+
+    pid: int
+    gpu_uuid: str
+    used_mib: int
+    name: str
+
+
+def _rows(text: str, width: int) -> list[list[str]]:
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != width:
+            raise FactsError(f"unexpected nvidia-smi line {line!r}")
+        rows.append(cells)
+    return rows
+
+
+def _mib(text: str) -> int:
+    try:
+        return int(float(text))
+    except ValueError:
+        return 0  # "[N/A]" (memory of a process it cannot see): counted as none
+
+
+def parse_gpus(text: str) -> list[Gpu]:
+    """``--query-gpu=index,uuid,name,pci.bus_id,memory.total,memory.used,memory.free,driver_version,
+    compute_mode --format=csv,noheader,nounits``."""
+    out = []
+    for cells in _rows(text, 9):
+        try:
+            index = int(cells[0])
+        except ValueError as exc:
+            raise FactsError(f"unexpected GPU index {cells[0]!r}") from exc
+        out.append(
+            Gpu(index, cells[1], cells[2], cells[3], _mib(cells[4]), _mib(cells[5]), _mib(cells[6]), cells[7], cells[8])
+        )
+    return out
+
+
+def parse_apps(text: str) -> list[App]:
+    """``--query-compute-apps=pid,gpu_uuid,used_memory,process_name --format=csv,noheader,nounits``."""
+    out = []
+    for cells in _rows(text, 4):
+        if cells[0].isdigit():
+            out.append(App(int(cells[0]), cells[1], _mib(cells[2]), cells[3]))
+    return out
+
+
+def pci_key(address: str) -> str:
+    """PCI addresses as nvidia-smi (00000000:17:00.0) and LXD or lspci (0000:17:00.0, 17:00.0)
+    write them, to one form: bus:device.function, lower case."""
+    parts = address.strip().lower().split(":")
+    return ":".join(parts[-2:]) if len(parts) >= 2 else address.strip().lower()
+
+
+def memory_utilization(playbook: Playbook) -> float:
+    """The share of GPU memory vLLM will ask for: --gpu-memory-utilization from serving.extra_args,
+    else vLLM's default 0.9."""
+    args = list(playbook.serving.extra_args)
+    for i, arg in enumerate(args):
+        value = None
+        if arg == "--gpu-memory-utilization" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--gpu-memory-utilization="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            try:
+                return float(value)
+            except ValueError:
+                break
+    return DEFAULT_MEMORY_UTILIZATION
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".") if p.isdigit())
+
+
+def ranks_here(playbook: Playbook, container: Container, nodes: int) -> int:
+    """GPUs one node's server uses: tensor x pipeline parallel over the group's nodes."""
+    s = playbook.serving
+    if s.tensor_parallel_size is None:
+        return len(container.gpus)
+    return s.tensor_parallel_size * s.pipeline_parallel_size // max(1, nodes)
+
+
+def judge(
+    playbook: Playbook,
+    container: Container,
+    gpus: list[Gpu],
+    apps: list[App],
+    ours: set[int],
+    torch_cuda: str | None,
+    nodes: int = 1,
+) -> list[str]:
+    """Why this container's GPUs cannot carry the server (empty: they can)."""
+    problems: list[str] = []
+    want = list(container.gpus)
+    seen = {g.index: g for g in gpus}
+    if container.lxd is not None and len(gpus) != len(want):
+        problems.append(f"the container sees {len(gpus)} GPUs, the inventory gives it {len(want)}")
+    missing = [i for i in want if i not in seen]
+    if container.lxd is None and missing:
+        problems.append(f"GPU {', '.join(map(str, missing))} of the inventory is not seen (seen: {sorted(seen)})")
+    needed = ranks_here(playbook, container, nodes)
+    if needed != len(want):
+        problems.append(
+            f"tensor x pipeline parallel needs {needed} GPUs on this node, the inventory gives it {len(want)}"
+        )
+    used = [seen[i] for i in want if i in seen] if container.lxd is None else gpus
+    pins = container.lxd.gpu_pci if container.lxd is not None else ()
+    for pin, gpu in zip(pins, sorted(used, key=lambda g: g.index), strict=False):
+        if pci_key(pin) != pci_key(gpu.pci):
+            problems.append(f"GPU {gpu.index} is at PCI {gpu.pci}, the inventory pins {pin}")
+    by_uuid = {g.uuid: g for g in used}
+    ours_mib = {g.uuid: 0 for g in used}
+    for app in apps:
+        held = by_uuid.get(app.gpu_uuid)
+        if held is None:
+            continue
+        if app.pid in ours:
+            ours_mib[held.uuid] += app.used_mib
+        else:
+            problems.append(
+                f"GPU {held.index} is used by another process: pid {app.pid} ({app.name or '?'}) holds {app.used_mib} MiB"
+            )
+    share = memory_utilization(playbook)
+    for gpu in used if playbook.serving.target is not None else ():  # files only: nothing loads
+        free = gpu.free_mib + ours_mib[gpu.uuid]  # our own server is stopped before the launch
+        need = int(gpu.total_mib * share)
+        if free < need:
+            problems.append(
+                f"GPU {gpu.index} has {free} MiB free of {gpu.total_mib}; --gpu-memory-utilization {share:g} asks {need}"
+            )
+    if torch_cuda == "":
+        problems.append(f"the serving python {playbook.serving.python} has no torch")
+    elif torch_cuda == "None":
+        problems.append("the serving torch is a CPU build (torch.version.cuda is None): it cannot use these GPUs")
+    elif torch_cuda and torch_cuda != "unknown":
+        major = _version(torch_cuda)[:1]
+        floor = MIN_DRIVER.get(major[0]) if major else None
+        drivers = {g.driver for g in used}
+        for driver in sorted(drivers):
+            if floor is not None and _version(driver) < _version(floor):
+                problems.append(
+                    f"driver {driver} is older than the serving torch's CUDA {torch_cuda} needs (>= {floor})"
+                )
+    return problems
+
+
+def describe(gpus: list[Gpu], torch_cuda: str | None) -> str:
+    """The gpus gate's one line: how many GPUs of which kind, the driver, torch's CUDA and each
+    GPU's free memory."""
+    if not gpus:
+        return "no GPU"
+    names = sorted({g.name for g in gpus})
+    free = ", ".join(f"{g.index}: {g.free_mib} MiB free" for g in gpus)
+    cuda = f", torch CUDA {torch_cuda}" if torch_cuda not in (None, "", "None") else ""
+    return f"{len(gpus)} x {', '.join(names)} (driver {gpus[0].driver}{cuda}; {free})"

@@ -1,0 +1,839 @@
+"""The controller's state: runs, per-host gates and file digests, watch's transitions and the
+acceptance series, and the rollout leases of controllers that share it.
+
+Two stores behind one small SQL layer (DB-API 2, the same statements for both):
+
+- SQLite, the embedded default: ``$ORCHESTRATE_STATE_DIR`` or ``$XDG_STATE_HOME/dflash-orchestrator``
+  (``~/.local/state/dflash-orchestrator``), one file per user, the standard library only;
+- PostgreSQL, for a team: ``--state-url`` / ``$ORCHESTRATE_STATE_URL`` ``postgresql://...``, through
+  psycopg 3 (the ``postgres`` extra). Shared by every controller and watcher; it adds the
+  fleet-wide rollout lock (``rollout_lock``), session-scoped advisory locks a dead controller
+  cannot leave behind.
+
+The schema carries its version; a store of an older version is upgraded on open, one of a newer
+version is refused. Each run is written in one transaction at its end, with who ran it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import hashlib
+import json
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+from orchestrator.errors import EXIT_BAD_INPUT, StateError
+from orchestrator.results import GATE_ACCEPTANCE, Gate, RunReport
+
+if TYPE_CHECKING:
+    from orchestrator.rules.watch import Round, Transition
+
+SCHEMA_VERSION = 2
+
+# The tables, written once for both stores: {id} is each dialect's generated key, {real} its float.
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS checks (
+    what TEXT PRIMARY KEY,
+    at {real} NOT NULL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    id {id},
+    kind TEXT NOT NULL,
+    playbook TEXT NOT NULL,
+    inventory TEXT NOT NULL,
+    release_id TEXT,
+    started {real} NOT NULL,
+    finished {real} NOT NULL,
+    ok INTEGER NOT NULL,
+    hosts_total INTEGER NOT NULL,
+    hosts_ready INTEGER NOT NULL,
+    user_name TEXT,
+    controller TEXT,
+    pid INTEGER
+);
+CREATE TABLE IF NOT EXISTS host_results (
+    run_id INTEGER NOT NULL REFERENCES runs(id),
+    host TEXT NOT NULL,
+    ready INTEGER NOT NULL,
+    release_id TEXT,
+    changed INTEGER NOT NULL,
+    gates TEXT NOT NULL,
+    duration_s {real} NOT NULL,
+    PRIMARY KEY (run_id, host)
+);
+CREATE TABLE IF NOT EXISTS file_digests (
+    run_id INTEGER NOT NULL REFERENCES runs(id),
+    host TEXT NOT NULL,
+    remote_path TEXT NOT NULL,
+    sha256 TEXT,
+    expected_sha256 TEXT NOT NULL,
+    changed INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS audit (
+    run_id INTEGER REFERENCES runs(id),
+    at {real} NOT NULL,
+    event TEXT NOT NULL,
+    detail TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS host_results_by_host ON host_results(host);
+CREATE TABLE IF NOT EXISTS watch_transitions (
+    {seq}
+    at {real} NOT NULL,
+    host TEXT NOT NULL,
+    before TEXT,
+    after TEXT NOT NULL,
+    evidence TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS watch_transitions_by_host ON watch_transitions(host, at);
+CREATE TABLE IF NOT EXISTS acceptance_samples (
+    {seq}
+    at {real} NOT NULL,
+    host TEXT NOT NULL,
+    source TEXT NOT NULL,
+    release_id TEXT,
+    mean_acceptance_length {real} NOT NULL,
+    mean_acceptance_length_low {real},
+    acceptance_rate {real} NOT NULL,
+    drafts INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS acceptance_samples_by_host ON acceptance_samples(host, at);
+CREATE TABLE IF NOT EXISTS leases (
+    name TEXT PRIMARY KEY,
+    user_name TEXT NOT NULL,
+    controller TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    since {real} NOT NULL,
+    run TEXT NOT NULL
+);
+"""
+
+# Upgrades from each version to the next (SQLite files written before the schema had a version
+# are version 1: no who-ran-it columns, no leases).
+UPGRADES: dict[int, tuple[str, ...]] = {
+    1: (
+        "ALTER TABLE runs ADD COLUMN user_name TEXT",
+        "ALTER TABLE runs ADD COLUMN controller TEXT",
+        "ALTER TABLE runs ADD COLUMN pid INTEGER",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a rollout lease: the controller's user, host and pid, since when, and its run."""
+
+    user: str
+    controller: str
+    pid: int
+    since: float
+    run: str
+
+    @classmethod
+    def of(cls, row: Sequence[Any]) -> Holder:
+        """A holder from its leases row (user_name, controller, pid, since, run)."""
+        return cls(str(row[0]), str(row[1]), int(row[2]), float(row[3]), str(row[4]))
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"{self.user}@{self.controller} pid {self.pid}, since {when}, run {self.run}"
+
+
+class LockHeld(StateError):
+    """Another controller holds the rollout lease of some of the targets past --lock-timeout."""
+
+    def __init__(self, name: str, holder: Holder | None, waited: float) -> None:
+        who = holder.describe() if holder else "a controller that left no record"
+        super().__init__(f"{name} is being rolled out by {who} (waited {waited:g} s; --lock-timeout)")
+        self.name, self.holder = name, holder
+
+
+class StateUrlError(StateError):
+    """A state URL this controller cannot use: its scheme, its form, the driver, the credentials or
+    a store of a newer schema (bad input: exit 2)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced, as every message shows it."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0].split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+
+
+def whoami() -> tuple[str, str, int]:
+    """The controller as runs and leases name it: its user, host and pid."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return user, socket.gethostname(), os.getpid()
+
+
+def default_state_dir() -> Path:
+    """Where the state database lives: $ORCHESTRATE_STATE_DIR, else the user's XDG state directory."""
+    explicit = os.environ.get("ORCHESTRATE_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "dflash-orchestrator"
+
+
+DIGEST_KEY = "digest.key"
+
+
+def digest_key(directory: Path | None = None) -> str:
+    """The controller's key (hex) that signs the lines of the hosts' digest caches: made once, 32
+    random bytes readable by this user alone, in the state directory. It travels with each request
+    and is never stored on a host, so a cache line nobody signed with it (a planted one) is only
+    ever a re-hash. Another controller, with another key, re-hashes once and signs anew."""
+    base = directory or default_state_dir()
+    path = base / DIGEST_KEY
+    try:
+        base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            text = path.read_text().strip()
+            bytes.fromhex(text)
+            if len(text) != 64:
+                raise ValueError(f"{len(text)} hex digits") from None
+            return text
+        key = os.urandom(32).hex()
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        return key
+    except (OSError, ValueError) as exc:
+        raise StateError(f"the digest key {path} cannot be used: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class _Dialect:
+    """What differs between the two stores: the generated key, floats, the order rows were written
+    in, the parameter mark, and how to ask whether a table exists."""
+
+    name: str
+    id: str
+    bigint: str
+    real: str
+    seq_column: str  # a column of its own for write order ("" where the store has rowid)
+    seq: str
+    mark: str
+    has_table: str
+
+    def schema(self) -> list[str]:
+        text = SCHEMA.format(id=self.id, real=self.real, seq=self.seq_column, bigint=self.bigint)
+        return [stmt.strip() for stmt in text.split(";") if stmt.strip()]
+
+    def sql(self, text: str) -> str:
+        return text if self.mark == "?" else text.replace("?", self.mark)
+
+
+SQLITE = _Dialect(
+    "sqlite", "INTEGER PRIMARY KEY", "INTEGER", "REAL", "", "rowid", "?",
+    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+)  # fmt: skip
+POSTGRESQL = _Dialect(
+    "postgresql", "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY", "BIGINT", "DOUBLE PRECISION",
+    "id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,", "id", "%s", "SELECT to_regclass(?) IS NOT NULL",
+)  # fmt: skip
+_SCHEMA_LOCK = 0x64666C617368  # serialises two controllers opening a new PostgreSQL store at once
+
+
+def _present(rows: list[Any]) -> bool:
+    """What a dialect's ``has_table`` answered: a row (SQLite) or a true one (PostgreSQL)."""
+    return bool(rows) and bool(rows[0][0])
+
+
+def _lock_key(name: str) -> int:
+    """The advisory lock key of a rollout lease (a signed 64-bit int, as PostgreSQL takes it)."""
+    return int.from_bytes(
+        hashlib.sha256(f"dflash-orchestrator rollout {name}".encode()).digest()[:8], "big", signed=True
+    )
+
+
+class StateDB:
+    """The controller's state, on SQLite (the default: a file per user) or on PostgreSQL (a team's,
+    shared): runs, per-host gates, digests and the audit log; watch's samples and transitions;
+    rollout leases."""
+
+    def __init__(self, directory: Path | None = None, url: str | None = None) -> None:
+        url = url or os.environ.get("ORCHESTRATE_STATE_URL") or None
+        self.directory = directory or default_state_dir()
+        self.url = url
+        self.conn: Any
+        if url is None:
+            self.path: Path | None = self.directory / "state.db"
+            self.where = str(self.path)
+            self._open_sqlite(self.path)
+        else:
+            parts = urlsplit(url)
+            scheme = parts.scheme.split("+", 1)[0]
+            self.where = redact(url)
+            if scheme == "sqlite":
+                if not parts.path or parts.path == "/":
+                    raise StateUrlError(f"state URL {self.where}: no database file (sqlite:///path/to/state.db)")
+                self.path = Path(parts.path)
+                self._open_sqlite(self.path)
+            elif scheme in ("postgresql", "postgres"):
+                self.path = None
+                self._open_postgresql(urlunsplit(parts._replace(scheme="postgresql")))
+            else:
+                raise StateUrlError(f"state URL {self.where}: scheme {parts.scheme!r} is neither sqlite nor postgresql")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self._migrate()
+                return
+            except StateError as exc:
+                # A new SQLite file that another controller is switching to WAL, making or
+                # recovering answers "locked" at once, without its busy timeout: asked again, as long.
+                if self.dialect is not SQLITE or "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    # --- the two stores ------------------------------------------------------------------
+
+    def _open_sqlite(self, path: Path) -> None:
+        self.dialect = SQLITE
+        self._errors: tuple[type[Exception], ...] = (sqlite3.Error,)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # autocommit: every transaction is our own BEGIN IMMEDIATE ... COMMIT
+            self.conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise StateError(f"state database {self.where}: {exc}") from exc
+
+    def _open_postgresql(self, dsn: str) -> None:
+        self.dialect = POSTGRESQL
+        self._dsn = dsn
+        try:
+            import psycopg
+        except ImportError:
+            raise StateUrlError(
+                f"state URL {self.where}: PostgreSQL needs psycopg 3 (pip install 'dflash-orchestrator[postgres]')"
+            ) from None
+        self._errors = (psycopg.Error,)
+        self.conn = self._pg_connect()
+
+    def _pg_connect(self, autocommit: bool = False) -> Any:
+        import psycopg
+
+        try:
+            return psycopg.connect(self._dsn, autocommit=autocommit, connect_timeout=10, application_name="orchestrate")
+        except psycopg.Error as exc:
+            text = " ".join(str(exc).split())
+            # credentials, or a database or role that is not there: the URL is wrong, not the network
+            if any(w in text for w in ("password authentication failed", "no password supplied", "does not exist")):
+                raise StateUrlError(f"state database {self.where}: {text}") from None
+            raise StateError(f"state database {self.where} cannot be reached: {text}") from None
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[Any]:
+        """One transaction, committed at the end or rolled back on any error; errors of either
+        store come out as StateError naming the store."""
+        cur = None
+        try:
+            cur = self.conn.cursor()
+            if self.dialect is SQLITE:
+                cur.execute("BEGIN IMMEDIATE")
+            try:
+                yield cur
+            except BaseException:
+                with contextlib.suppress(*self._errors):
+                    self.conn.rollback() if self.dialect is POSTGRESQL else cur.execute("ROLLBACK")
+                raise
+            if self.dialect is SQLITE:
+                cur.execute("COMMIT")
+            else:
+                self.conn.commit()
+        except self._errors as exc:
+            raise StateError(f"state database {self.where}: {' '.join(str(exc).split())}") from exc
+        finally:
+            if cur is not None:
+                with contextlib.suppress(*self._errors):
+                    cur.close()
+
+    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        try:
+            cur = self.conn.cursor()
+            try:
+                cur.execute(self.dialect.sql(sql), tuple(args))
+                rows = list(cur.fetchall())
+            finally:
+                cur.close()
+            if self.dialect is POSTGRESQL:
+                self.conn.rollback()  # end the read's transaction: no session left idle in one
+            return rows
+        except self._errors as exc:
+            raise StateError(f"state database {self.where}: {' '.join(str(exc).split())}") from exc
+
+    def _migrate(self) -> None:
+        """Bring the store to SCHEMA_VERSION: create it when new, upgrade it when older, refuse it
+        when newer (this controller would misread it)."""
+        d = self.dialect
+        if d is SQLITE:
+            self._query("PRAGMA journal_mode=WAL")
+        # A store at this version is only read (no write transaction): it opens read-only too
+        # (history, report), and says it cannot be written only where a run writes.
+        if _present(self._query(d.has_table, ("schema_version",))):
+            rows = self._query("SELECT version FROM schema_version")
+            if rows and int(rows[0][0]) == SCHEMA_VERSION:
+                return
+        if d is POSTGRESQL:
+            # Two controllers opening a new store at once: one makes it, the other waits and finds
+            # it made. A session lock taken before the transaction, so the transaction that follows
+            # sees the catalog as the first left it.
+            self._query("SELECT pg_advisory_lock(?)", (_SCHEMA_LOCK,))
+        try:
+            self._upgrade()
+        finally:
+            if d is POSTGRESQL:
+                self._query("SELECT pg_advisory_unlock(?)", (_SCHEMA_LOCK,))
+
+    def _upgrade(self) -> None:
+        d = self.dialect
+        with self._tx() as cur:
+            cur.execute(d.sql(d.has_table), ("schema_version",))  # again: another may have made it
+            row = None
+            if _present(cur.fetchall()):
+                cur.execute("SELECT version FROM schema_version")
+                row = cur.fetchone()
+            else:
+                cur.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+            if row is None:
+                cur.execute(d.sql(d.has_table), ("runs",))
+                version = 1 if _present(cur.fetchall()) else 0  # 1: a file from before versions
+                cur.execute(d.sql("INSERT INTO schema_version (version) VALUES (?)"), (version,))
+            else:
+                version = int(row[0])
+            if version > SCHEMA_VERSION:
+                raise StateUrlError(
+                    f"state database {self.where} has schema version {version}, newer than this orchestrate knows "
+                    f"({SCHEMA_VERSION}): use the orchestrate that wrote it, or a newer one"
+                )
+            if version and version < SCHEMA_VERSION:
+                for v in range(version, SCHEMA_VERSION):
+                    for stmt in UPGRADES.get(v, ()):
+                        cur.execute(stmt)
+            if version < SCHEMA_VERSION:
+                for stmt in d.schema():
+                    cur.execute(stmt)
+                cur.execute(d.sql("UPDATE schema_version SET version = ?"), (SCHEMA_VERSION,))
+
+    def close(self) -> None:
+        """Close the store (what was committed stays)."""
+        with contextlib.suppress(*self._errors):
+            self.conn.close()
+
+    def check_writable(self) -> None:
+        """Write and commit a row, before a run touches any host: a store that is read-only,
+        locked past its timeout, full or gone is said now, not after the hosts changed."""
+        try:
+            with self._tx() as cur:
+                cur.execute(
+                    self.dialect.sql(
+                        "INSERT INTO checks (what, at) VALUES ('writable', ?) "
+                        "ON CONFLICT (what) DO UPDATE SET at = excluded.at"
+                    ),
+                    (time.time(),),
+                )
+        except StateError as exc:
+            raise StateError(f"{exc} (cannot be written)") from exc
+
+    # --- what is recorded ------------------------------------------------------------------
+
+    def record(self, run: RunReport) -> int:
+        """A run, its hosts' gates, digests and acceptance, and the host keys it accepted, in one
+        transaction, with who ran it (user, host, pid)."""
+        q = self.dialect.sql
+        user, controller, pid = whoami()
+        with self._tx() as cur:
+            cur.execute(
+                q(
+                    "INSERT INTO runs (kind, playbook, inventory, release_id, started, finished, ok, hosts_total, "
+                    "hosts_ready, user_name, controller, pid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id"
+                ),
+                (
+                    run.kind,
+                    run.playbook,
+                    run.inventory,
+                    run.release_id,
+                    run.started,
+                    run.finished,
+                    int(run.ok),
+                    len(run.hosts),
+                    sum(h.ready for h in run.hosts),
+                    user,
+                    controller,
+                    pid,
+                ),
+            )
+            run_id = int(cur.fetchone()[0])
+            cur.executemany(
+                q(
+                    "INSERT INTO host_results (run_id, host, ready, release_id, changed, gates, duration_s) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+                ),
+                [
+                    (
+                        run_id,
+                        h.name,
+                        int(h.ready),
+                        h.release_id,
+                        int(h.changed),
+                        json.dumps({k: g.to_json() for k, g in h.gates.items()}),
+                        h.duration_s,
+                    )
+                    for h in run.hosts
+                ],
+            )
+            digests = [
+                (run_id, h.name, f.remote_path, f.sha256, f.expected, int(f.changed))
+                for h in run.hosts
+                for f in h.files
+            ]
+            if digests:
+                cur.executemany(
+                    q(
+                        "INSERT INTO file_digests (run_id, host, remote_path, sha256, expected_sha256, changed) "
+                        "VALUES (?, ?, ?, ?, ?, ?)"
+                    ),
+                    digests,
+                )
+            self._insert_samples(
+                cur,
+                [
+                    (run.finished, h.name, run.kind, h.release_id, *numbers)
+                    for h in run.hosts
+                    if (numbers := _acceptance_numbers(h.gates.get(GATE_ACCEPTANCE))) is not None
+                ],
+            )
+            keys = [(run_id, run.finished, "host_key_accepted", key) for key in run.accepted_host_keys]
+            if keys:
+                cur.executemany(q("INSERT INTO audit (run_id, at, event, detail) VALUES (?, ?, ?, ?)"), keys)
+        return run_id
+
+    def _insert_samples(self, cur: Any, rows: list[tuple[Any, ...]]) -> None:
+        if rows:
+            cur.executemany(
+                self.dialect.sql(
+                    "INSERT INTO acceptance_samples (at, host, source, release_id, mean_acceptance_length, "
+                    "mean_acceptance_length_low, acceptance_rate, drafts) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                ),
+                rows,
+            )
+
+    def record_watch(self, transitions: list[Transition], rounds: list[Round]) -> None:
+        """A watch round: its transitions with their evidence, and each window it judged."""
+        with self._tx() as cur:
+            if transitions:
+                cur.executemany(
+                    self.dialect.sql(
+                        "INSERT INTO watch_transitions (at, host, before, after, evidence) VALUES (?, ?, ?, ?, ?)"
+                    ),
+                    [(t.at, t.host, t.before, t.after, json.dumps(t.to_json())) for t in transitions],
+                )
+            self._insert_samples(
+                cur,
+                [
+                    (
+                        r.at,
+                        r.host,
+                        "watch",
+                        r.release_id,
+                        r.live.mean_acceptance_length,
+                        r.live.mean_acceptance_length_low,
+                        r.live.rate,
+                        r.live.drafts,
+                    )
+                    for r in rounds
+                    if r.live is not None and r.live.until == r.at  # judged in this round
+                ],
+            )
+
+    # --- what is read ----------------------------------------------------------------------
+
+    def transitions(self, host: str | None = None) -> list[dict[str, Any]]:
+        """watch's state changes of a host (or all hosts), oldest first."""
+        query, args = "SELECT evidence FROM watch_transitions", []
+        if host:
+            query += " WHERE host = ?"
+            args.append(host)
+        rows = self._query(f"{query} ORDER BY at, {self.dialect.seq}", args)
+        return [json.loads(row[0]) for row in rows]
+
+    def last_states(self) -> dict[str, str]:
+        """Each host's state as last recorded by watch (its last transition's)."""
+        rows = self._query(f"SELECT host, after FROM watch_transitions ORDER BY at, {self.dialect.seq}")
+        return {host: after for host, after in rows}
+
+    def samples(self, host: str | None = None) -> list[dict[str, Any]]:
+        """Acceptance samples of a host (or all hosts), oldest first."""
+        names: tuple[str, ...] = ("at", "host", "source", "release_id", "mean_acceptance_length")
+        names += ("mean_acceptance_length_low", "acceptance_rate", "drafts")
+        query, args = f"SELECT {', '.join(names)} FROM acceptance_samples", []
+        if host:
+            query += " WHERE host = ?"
+            args.append(host)
+        rows = self._query(f"{query} ORDER BY at, {self.dialect.seq}", args)
+        return [dict(zip(names, row, strict=True)) for row in rows]
+
+    RUN_COLUMNS = (
+        "id", "kind", "playbook", "release_id", "started", "finished", "ok", "hosts_total", "hosts_ready",
+        "user_name", "controller", "pid",
+    )  # fmt: skip
+
+    def history(self, limit: int = 20, host: str | None = None) -> list[dict[str, Any]]:
+        """The runs recorded (by every controller that shares the store), newest first, with their
+        per-host results and who ran each (``by``: user, host, pid; None for runs recorded before
+        the store kept it)."""
+        query, args = f"SELECT {', '.join(self.RUN_COLUMNS)} FROM runs", []
+        if host:
+            query += " WHERE id IN (SELECT run_id FROM host_results WHERE host = ?)"
+            args.append(host)
+        rows = self._query(query + " ORDER BY id DESC LIMIT ?", [*args, limit])
+        runs = []
+        for row in rows:
+            run = dict(zip(self.RUN_COLUMNS, row, strict=True))
+            run["ok"] = bool(run["ok"])
+            user, controller, pid = run.pop("user_name"), run.pop("controller"), run.pop("pid")
+            run["by"] = {"user": user, "host": controller, "pid": pid} if user is not None else None
+            hosts = self._query(
+                "SELECT host, ready, release_id, changed, gates, duration_s FROM host_results WHERE run_id = ? "
+                "ORDER BY host",
+                (run["id"],),
+            )
+            run["hosts"] = [
+                {
+                    "name": h[0],
+                    "ready": bool(h[1]),
+                    "release_id": h[2],
+                    "changed": bool(h[3]),
+                    "gates": json.loads(h[4]),
+                    "duration_s": h[5],
+                }
+                for h in hosts
+                if host is None or h[0] == host
+            ]
+            runs.append(run)
+        return runs
+
+    def files(self, run_id: int) -> list[dict[str, Any]]:
+        """A run's per-host file digests: what each host served and what was expected."""
+        rows = self._query(
+            "SELECT host, remote_path, sha256, expected_sha256, changed FROM file_digests WHERE run_id = ? "
+            "ORDER BY host, remote_path",
+            (run_id,),
+        )
+        return [
+            {"host": r[0], "remote_path": r[1], "sha256": r[2], "expected_sha256": r[3], "changed": bool(r[4])}
+            for r in rows
+        ]
+
+    # --- the fleet-wide rollout lock ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def rollout_lock(
+        self,
+        names: Sequence[str],
+        run: str,
+        timeout: float,
+        on_wait: Callable[[str, Holder | None], None] | None = None,
+    ) -> Iterator[None]:
+        """Hold the rollout lease of each target for the block: on PostgreSQL a session-scoped
+        advisory lock per target (disjoint rollouts run side by side; a controller that dies
+        releases its leases with its session) and a row that names the holder. A lease another
+        controller holds is waited for up to ``timeout`` seconds (``on_wait`` is told once per
+        holder), then LockHeld names it. On SQLite (one controller's own file) there is nothing
+        to share: each host's deploy-root lock keeps runs apart."""
+        if self.dialect is not POSTGRESQL or not names:
+            yield
+            return
+        import psycopg
+
+        session = self._pg_connect(autocommit=True)
+        keys = sorted({_lock_key(n): n for n in names}.items())
+        deadline = time.monotonic() + timeout
+        told: Holder | str | None = "nobody"
+        try:
+            while True:
+                rows = session.execute(
+                    "SELECT k, pg_try_advisory_lock(k) FROM unnest(%s::bigint[]) AS k", ([k for k, _ in keys],)
+                ).fetchall()
+                blocked = [k for k, got in rows if not got]
+                if not blocked:
+                    break
+                taken = [k for k, got in rows if got]
+                if taken:
+                    session.execute("SELECT pg_advisory_unlock(k) FROM unnest(%s::bigint[]) AS k", (taken,))
+                name = dict(keys)[blocked[0]]
+                holder = self._holder(session, name)
+                if time.monotonic() >= deadline:
+                    raise LockHeld(name, holder, timeout)
+                if on_wait is not None and holder != told:
+                    on_wait(name, holder)
+                    told = holder
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            user, controller, pid = whoami()
+            now = time.time()
+            with session.transaction():
+                session.cursor().executemany(
+                    "INSERT INTO leases (name, user_name, controller, pid, since, run) VALUES (%s, %s, %s, %s, %s, %s) "
+                    "ON CONFLICT (name) DO UPDATE SET user_name = excluded.user_name, controller = excluded.controller, "
+                    "pid = excluded.pid, since = excluded.since, run = excluded.run",
+                    [(n, user, controller, pid, now, run) for _, n in keys],
+                )
+            yield
+            with contextlib.suppress(psycopg.Error):
+                session.execute(
+                    "DELETE FROM leases WHERE name = ANY(%s) AND controller = %s AND pid = %s",
+                    ([n for _, n in keys], controller, pid),
+                )
+        except psycopg.Error as exc:
+            raise StateError(f"state database {self.where}: {' '.join(str(exc).split())}") from exc
+        finally:
+            with contextlib.suppress(psycopg.Error):
+                session.close()  # the session's end releases every advisory lock it took
+
+    def watch_lead(self, group: str) -> WatchLead:
+        """The lead of a watch group: the one watcher of many that records transitions and runs
+        --on-change (``WatchLead``)."""
+        return WatchLead(self, group)
+
+    @staticmethod
+    def _holder(session: Any, name: str) -> Holder | None:
+        row = session.execute(
+            "SELECT user_name, controller, pid, since, run FROM leases WHERE name = %s", (name,)
+        ).fetchone()
+        return Holder.of(row) if row else None
+
+
+class WatchLead:
+    """Which of the watchers of one group leads it. Every watcher runs its rounds and serves its
+    metrics; the one holding the group's lock records the transitions and runs --on-change. The
+    lock is a PostgreSQL session advisory lock on a shared store, an flock on the state directory
+    of a SQLite one: either goes with the process that held it, so a follower takes the lead at its
+    next round (``poll``) after the leader dies."""
+
+    def __init__(self, db: StateDB, group: str) -> None:
+        self.db, self.group = db, group
+        self.leading = False
+        self.name = f"watch {group}"
+        self._session: Any = None
+        self._file: Any = None
+
+    def poll(self) -> bool:
+        """Try for the lead if not holding it, check it is still held if holding it; whether this
+        watcher leads now."""
+        if self.db.dialect is POSTGRESQL:
+            self.leading = self._poll_postgresql()
+        else:
+            self.leading = self._poll_file()
+        return self.leading
+
+    def holder(self) -> Holder | None:
+        """Who leads the group, as the leader recorded it (None: nobody has, or it cannot be read)."""
+        if self.db.dialect is POSTGRESQL:
+            try:
+                rows = self.db._query(
+                    "SELECT user_name, controller, pid, since, run FROM leases WHERE name = ?", (self.name,)
+                )
+            except StateError:
+                return None
+            return Holder.of(rows[0]) if rows else None
+        try:
+            data = json.loads(self._path().read_text() or "null")
+            return Holder.of((data["user"], data["host"], data["pid"], data["since"], data["run"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def close(self) -> None:
+        """Give the lead up (a follower takes it at its next round)."""
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                self._session.close()
+            self._session = None
+        if self._file is not None:
+            self._file.close()  # the flock goes with the descriptor
+            self._file = None
+        self.leading = False
+
+    def _poll_postgresql(self) -> bool:
+        import psycopg
+
+        try:
+            if self._session is None or self._session.closed:
+                self._session = self.db._pg_connect(autocommit=True)
+                self.leading = False
+            if self.leading:
+                self._session.execute("SELECT 1")  # a session lost (the database restarted) is a lead lost
+                return True
+            got = self._session.execute("SELECT pg_try_advisory_lock(%s)", (_lock_key(self.name),)).fetchone()[0]
+            if got:
+                user, controller, pid = whoami()
+                self._session.execute(
+                    "INSERT INTO leases (name, user_name, controller, pid, since, run) VALUES (%s, %s, %s, %s, %s, "
+                    "'watch') ON CONFLICT (name) DO UPDATE SET user_name = excluded.user_name, controller = "
+                    "excluded.controller, pid = excluded.pid, since = excluded.since, run = excluded.run",
+                    (self.name, user, controller, pid, time.time()),
+                )
+            return bool(got)
+        except (psycopg.Error, StateError):
+            with contextlib.suppress(Exception):
+                if self._session is not None:
+                    self._session.close()
+            self._session = None
+            return False
+
+    def _path(self) -> Path:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.group)
+        return self.db.directory / f"watch-{safe}.lead"
+
+    def _poll_file(self) -> bool:
+        import fcntl
+
+        if self._file is not None:
+            return True
+        path = self._path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            f = open(path, "a+")  # noqa: SIM115 - held open for as long as the lead is
+        except OSError:
+            return False
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return False
+        user, controller, pid = whoami()
+        f.truncate(0)
+        f.write(json.dumps({"user": user, "host": controller, "pid": pid, "since": time.time(), "run": "watch"}))
+        f.flush()
+        self._file = f
+        return True
+
+
+def _acceptance_numbers(gate: Gate | None) -> tuple[float, float | None, float, int] | None:
+    """tau, its bound, rate and drafts from a probe's acceptance gate (None: no probe ran)."""
+    data = gate.data if gate is not None else {}
+    try:
+        return (
+            float(data["mean_acceptance_length"]),
+            float(data["mean_acceptance_length_low"]) if data.get("mean_acceptance_length_low") is not None else None,
+            float(data["acceptance_rate"]),
+            int(data["drafts"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
