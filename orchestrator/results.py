@@ -6,10 +6,59 @@ that ran the hosts. The JSON written here is the ``--json`` output and the audit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
-from orchestrator.rules import dflash
+
+class RunKind(StrEnum):
+    """The runs a user asks for, by the name they are recorded and shown under."""
+
+    DEPLOY = "deploy"
+    VERIFY = "verify"
+    ROLLBACK = "rollback"
+    STOP = "stop"
+    DRY_RUN = "dry-run"
+
+    @property
+    def rolls_out(self) -> bool:
+        """Whether it changes what hosts serve: such a run holds its targets' rollout lease, while
+        verify and dry-run only read and go on beside it."""
+        return self in (RunKind.DEPLOY, RunKind.ROLLBACK, RunKind.STOP)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of lint, the build table or the weights gate: the field it is about, how bad it
+    is, what was expected and found, the fix, and what real vLLM does with it."""
+
+    field: str
+    severity: str  # "error" | "warning" | "info" (said, costs nothing)
+    message: str
+    expected: Any = None
+    actual: Any = None
+    fix: str = ""
+    # What vLLM itself does with it, where that was observed (tests/data/real-drafters): REFUSES
+    # (it does not start), FIRST_REQUEST (it starts healthy, then the first request kills the
+    # engine), or "" (it serves; the cost, if any, is in the message).
+    vllm: str = ""
+    rule: str = ""  # the lint rule (``RULES``) that found it
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for name in ("fix", "vllm", "rule"):
+            if not out[name]:
+                out.pop(name)
+        return out
+
+    def line(self) -> str:
+        """The problem in one line, as lint prints it."""
+        values = ""
+        if self.expected is not None or self.actual is not None:
+            values = f" (expected {self.expected!r}, got {self.actual!r})"
+        fix = f"; fix: {self.fix}" if self.fix else ""
+        return f"{self.severity}: {self.field}: {self.message}{values}{fix}"
+
 
 # The readiness chain, in order, and the gates of the other runs.
 GATE_LINT = "lint"
@@ -139,7 +188,7 @@ class HostReport:
 class RunReport:
     """One run over its hosts: what was asked, each host's report, and whether every host passed."""
 
-    kind: str
+    kind: RunKind
     playbook: str
     inventory: str
     release_id: str | None
@@ -147,7 +196,7 @@ class RunReport:
     started: float
     finished: float = 0.0
     accepted_host_keys: list[str] = field(default_factory=list)
-    lint: list[dflash.Problem] | None = None
+    lint: list[Problem] | None = None
     interrupted: bool = False
 
     @property

@@ -45,7 +45,17 @@ from orchestrator.results import (
 
 if TYPE_CHECKING:
     from orchestrator.config.playbook import FileSpec
-    from orchestrator.rules.serving import ServerCommand
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """A server's command as a value: argv, environment, and how long a stop may take before
+    SIGKILL. The ``launch`` and ``engine_check`` ops carry it as it is (``rules.serving`` makes it)."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    stop_timeout: int = 30  # SIGTERM, then this long before SIGKILL (the unit's TimeoutStopSec)
+
 
 A = TypeVar("A")
 

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from orchestrator.engine.runner import Observer, Step
-from orchestrator.results import HostReport, RunReport
+from orchestrator.results import HostReport, Problem, RunReport
 from orchestrator.rules import dflash
 
 if TYPE_CHECKING:
@@ -375,7 +375,7 @@ _START_WORDS = {
 }
 
 
-def render_lint(path: object, problems: list[dflash.Problem], vllm: str, stream: TextIO | None = None) -> None:
+def render_lint(path: object, problems: list[Problem], vllm: str, stream: TextIO | None = None) -> None:
     """Each finding on a line, then the count and what vLLM would do."""
     out = _Plain(stream or sys.stdout)
     for p in problems:

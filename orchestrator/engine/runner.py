@@ -47,6 +47,7 @@ from orchestrator.results import (
     GATE_ROLLOUT,
     Gate,
     HostReport,
+    RunKind,
     RunReport,
 )
 from orchestrator.rules import plan, serving
@@ -422,7 +423,7 @@ def _gateway_answers(run: Run, units: list[Unit], reports: list[HostReport]) -> 
 
 
 def execute(
-    kind: str,
+    kind: RunKind,
     scope: Scope,
     units: list[Unit],
     work: Work,
@@ -441,7 +442,7 @@ def execute(
             inventory,
             options,
             AgentClient(connections, options.key()),
-            ContainerGate(inventory, playbook, ensure=kind == "deploy", skip=options.skip_containers),
+            ContainerGate(inventory, playbook, ensure=kind is RunKind.DEPLOY, skip=options.skip_containers),
             observer,
         )
         asks_gateway = playbook.gateway is not None and playbook.serving.target is not None and kind != "dry-run"

@@ -25,6 +25,7 @@ from orchestrator.results import (
     GATE_MODELS,
     GATE_RAY,
     Gate,
+    RunKind,
     RunReport,
 )
 from orchestrator.rules import models, plan, serving
@@ -44,7 +45,9 @@ def deploy(scope: Scope) -> RunReport:
         hosts = [n.report for u in units for n in u.nodes]
         for host in hosts:
             host.gates[GATE_LINT] = lint
-        return RunReport("deploy", str(playbook.file), str(inventory.file), release_id, hosts, now, now, lint=problems)
+        return RunReport(
+            RunKind.DEPLOY, str(playbook.file), str(inventory.file), release_id, hosts, now, now, lint=problems
+        )
 
     def work(run: Run, unit: Unit) -> None:
         if lint is not None:
@@ -58,7 +61,7 @@ def deploy(scope: Scope) -> RunReport:
             unit.each(lambda node: _switch_staged(run, node), GATE_FILES)
 
     report = execute(
-        "deploy", scope, units, work, release_id, playbook.rollout, _bake if playbook.rollout.bake_s else None
+        RunKind.DEPLOY, scope, units, work, release_id, playbook.rollout, _bake if playbook.rollout.bake_s else None
     )
     report.lint = problems
     return report
@@ -266,7 +269,7 @@ def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False
                 node.report.gates[GATE_GROUP] = Gate(False, detail)
         unit.fail_others(unit.failed(), "group not ready")
 
-    return execute("verify", scope, units_for(playbook, inventory, list(scope.targets)), work)
+    return execute(RunKind.VERIFY, scope, units_for(playbook, inventory, list(scope.targets)), work)
 
 
 def dry_run(scope: Scope) -> RunReport:
@@ -294,7 +297,7 @@ def dry_run(scope: Scope) -> RunReport:
         unit.each(lambda node: inspect(run, node), GATE_FILES)
 
     units = units_for(playbook, scope.inventory, list(scope.targets), grouped=False)
-    return execute("dry-run", scope, units, work)
+    return execute(RunKind.DRY_RUN, scope, units, work)
 
 
 def stop(scope: Scope) -> RunReport:
@@ -311,7 +314,7 @@ def stop(scope: Scope) -> RunReport:
         unit.fail_others(unit.failed(), "group stop incomplete")
 
     units = units_for(scope.playbook, scope.inventory, list(scope.targets))
-    return execute("stop", scope, units, work)
+    return execute(RunKind.STOP, scope, units, work)
 
 
 def rollback(scope: Scope, *, to_release: str | None = None) -> RunReport:
@@ -356,4 +359,4 @@ def rollback(scope: Scope, *, to_release: str | None = None) -> RunReport:
         unit.fail_others(unit.failed(), "group not rolled back")
 
     units = units_for(playbook, scope.inventory, list(scope.targets))
-    return execute("rollback", scope, units, work, to_release)
+    return execute(RunKind.ROLLBACK, scope, units, work, to_release)

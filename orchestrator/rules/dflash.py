@@ -12,8 +12,10 @@ import itertools
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from orchestrator.results import Problem
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -63,39 +65,6 @@ PP_TAPS_FROM = "0.30.0"
 # Speculators-format drafters (vllm-project/speculators) name their algorithm instead; vLLM turns
 # them into the layout above (transformers_utils/configs/speculators/algos.py, update_dflash).
 SPECULATORS = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One finding of lint, the build table or the weights gate: the field it is about, how bad it
-    is, what was expected and found, the fix, and what real vLLM does with it."""
-
-    field: str
-    severity: str  # "error" | "warning" | "info" (said, costs nothing)
-    message: str
-    expected: Any = None
-    actual: Any = None
-    fix: str = ""
-    # What vLLM itself does with it, where that was observed (tests/data/real-drafters): REFUSES
-    # (it does not start), FIRST_REQUEST (it starts healthy, then the first request kills the
-    # engine), or "" (it serves; the cost, if any, is in the message).
-    vllm: str = ""
-    rule: str = ""  # the lint rule (``RULES``) that found it
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        for name in ("fix", "vllm", "rule"):
-            if not out[name]:
-                out.pop(name)
-        return out
-
-    def line(self) -> str:
-        """The problem in one line, as lint prints it."""
-        values = ""
-        if self.expected is not None or self.actual is not None:
-            values = f" (expected {self.expected!r}, got {self.actual!r})"
-        fix = f"; fix: {self.fix}" if self.fix else ""
-        return f"{self.severity}: {self.field}: {self.message}{values}{fix}"
 
 
 STARTS = "serves"

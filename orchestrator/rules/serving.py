@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.agent.protocol import ServerCommand
 from orchestrator.config.inventory import Container
 from orchestrator.config.playbook import Playbook
 from orchestrator.errors import InputError
@@ -37,16 +37,6 @@ VLLM_CLI = (
     "sys.argv[0] = 'vllm'\n"
     "main()\n"
 )
-
-
-@dataclass(frozen=True)
-class ServerCommand:
-    """A server's command as a value: argv, environment, and how long a stop may take before
-    SIGKILL."""
-
-    argv: tuple[str, ...]
-    env: dict[str, str]
-    stop_timeout: int = 30  # SIGTERM, then this long before SIGKILL (the unit's TimeoutStopSec)
 
 
 def deploy_root(playbook: Playbook, container: Container) -> str:

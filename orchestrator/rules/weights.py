@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from orchestrator.rules.dflash import Problem, Target
+from orchestrator.results import Problem
+from orchestrator.rules.dflash import Target
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 

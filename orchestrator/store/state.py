@@ -466,7 +466,7 @@ class StateDB:
                     "hosts_ready, user_name, controller, pid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id"
                 ),
                 (
-                    run.kind,
+                    str(run.kind),  # the value, as every driver stores a str
                     run.playbook,
                     run.inventory,
                     run.release_id,
@@ -515,7 +515,7 @@ class StateDB:
             self._insert_samples(
                 cur,
                 [
-                    (run.finished, h.name, run.kind, h.release_id, *numbers)
+                    (run.finished, h.name, str(run.kind), h.release_id, *numbers)
                     for h in run.hosts
                     if (numbers := _acceptance_numbers(h.gates.get(GATE_ACCEPTANCE))) is not None
                 ],

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from orchestrator.config.readers import read_mapping
+from orchestrator.results import Problem
 from orchestrator.rules import dflash
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +26,7 @@ Q8_DRAFTER = json.loads((FILES / "qwen3-8b-dflash" / "config.json").read_text())
 Q8_TARGET = json.loads((FILES / "qwen3-8b" / "config.json").read_text())
 
 
-def errors(problems: list[dflash.Problem]) -> dict[str, dflash.Problem]:
+def errors(problems: list[Problem]) -> dict[str, Problem]:
     return {p.field: p for p in problems if p.severity == "error"}
 
 
@@ -306,7 +307,7 @@ def test_lint_command_exit_codes_and_json(tmp_path: Path) -> None:
     assert lint_cli(broken, "--target", tmp_path / "missing.json").returncode == 2
 
 
-def warnings(problems: list[dflash.Problem]) -> dict[str, dflash.Problem]:
+def warnings(problems: list[Problem]) -> dict[str, Problem]:
     return {p.field: p for p in problems if p.severity == "warning"}
 
 

