@@ -11,12 +11,18 @@ The CLI is a thin shell over this class; anything it does, a program can do the 
 goes to an ``Observer`` (none by default: a library run is quiet), and the hosts are reached
 through the inventory's connections (SSH, or ``connection: local``) unless a ``connector`` is
 given: a test's ``fake.FakeConnector``, say, which answers the agent's ops in memory.
+
+Given a ``store`` (``StateDB``), a run does what ``orchestrate`` does with it: the store must
+take a record before any host is touched, a run that changes what hosts serve holds its targets'
+rollout lease (waiting up to ``options.lock_timeout`` for another controller, naming it), and
+the run is recorded. A watcher of such a deployment leads its watch group or follows it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from orchestrator.config.inventory import LOCAL, Inventory, Target
@@ -24,11 +30,14 @@ from orchestrator.config.playbook import Playbook
 from orchestrator.connectors.base import Connector
 from orchestrator.engine import runs
 from orchestrator.engine.runner import Observer, RunOptions, Scope
-from orchestrator.errors import InputError
-from orchestrator.results import RunReport
+from orchestrator.errors import InputError, StateError
+from orchestrator.results import RunKind, RunReport
+from orchestrator.rules.plan import new_release_id
 
 if TYPE_CHECKING:
     from orchestrator.engine.watcher import Watcher
+    from orchestrator.rules.watch import Transition
+    from orchestrator.store.state import Holder, StateDB
 
 
 def select_targets(playbook: Playbook, inventory: Inventory, limit: Sequence[str] = ()) -> list[Target]:
@@ -94,6 +103,7 @@ class Deployment:
     observer: Observer = field(default_factory=Observer)
     connector: Connector | None = None
     limit: Sequence[str] = ()
+    store: StateDB | None = None
     targets: tuple[Target, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -106,33 +116,79 @@ class Deployment:
     @property
     def scope(self) -> Scope:
         """What every run of this deployment works with."""
-        return Scope(self.playbook, self.inventory, self.targets, self.options, self.observer, self.connector)
+        return self._scope(self.options)
+
+    def _scope(self, options: RunOptions) -> Scope:
+        return Scope(self.playbook, self.inventory, self.targets, options, self.observer, self.connector)
 
     def deploy(self) -> RunReport:
         """Lint, push and check the release on every target, start the server and prove it (health,
         acceptance on live traffic): READY, or the previous release back where it was."""
-        return runs.deploy(self.scope)
+        # Named before the lease is asked for, so that a controller kept waiting names it too.
+        options = replace(self.options, release_id=self.options.release_id or new_release_id())
+        return self._run(RunKind.DEPLOY, lambda: runs.deploy(self._scope(options)), f"release {options.release_id}")
 
     def verify(self, *, probe: bool = False, rehash: bool = False, engine: bool = False) -> RunReport:
         """Read what every target serves and check it (never writes). ``probe``: prove acceptance
         again on live traffic; ``rehash``: hash every model file instead of trusting the cache;
         ``engine``: the installed vLLM's verdict on the served command (the engine gate)."""
-        return runs.verify(self.scope, probe_acceptance=probe, rehash=rehash, engine=engine)
+        return self._run(
+            RunKind.VERIFY, lambda: runs.verify(self.scope, probe_acceptance=probe, rehash=rehash, engine=engine)
+        )
 
     def rollback(self, *, to: str | None = None) -> RunReport:
         """Make the previous release (or ``to``) current again, started and proven like a deploy."""
-        return runs.rollback(self.scope, to_release=to)
+        return self._run(RunKind.ROLLBACK, lambda: runs.rollback(self.scope, to_release=to), f"to {to}" if to else "")
 
     def stop(self) -> RunReport:
         """End the servers (vLLM, and Ray) this playbook runs, checking nothing of them is left."""
-        return runs.stop(self.scope)
+        return self._run(RunKind.STOP, lambda: runs.stop(self.scope))
 
     def dry_run(self) -> RunReport:
         """What a deploy would change on every target, with diffs of text files; writes nothing."""
-        return runs.dry_run(self.scope)
+        return self._run(RunKind.DRY_RUN, lambda: runs.dry_run(self.scope))
 
-    def watcher(self) -> Watcher:
-        """Rounds that keep proving every target (``Watcher.round``); close it when done."""
-        from orchestrator.engine.watcher import Watcher
+    def watcher(self, group: str | None = None, on_change: Callable[[Transition], None] | None = None) -> Watcher:
+        """Rounds that keep proving every target (``Watcher.round``); close it when done. With a
+        store, the watcher joins the watch ``group`` (default: the playbook's name): the one that
+        leads records each round and tells its changes (``on_change``), a follower takes the lead
+        when the leader stops and tells what it finds unrecorded."""
+        from orchestrator.engine.watcher import Watcher, WatchGroup
 
-        return Watcher(self.scope)
+        joined = None
+        if self.store is not None:
+            joined = WatchGroup(self.store, group or self.playbook.name, self.observer.say)
+        return Watcher(self.scope, joined, on_change)
+
+    def _run(self, kind: RunKind, work: Callable[[], RunReport], detail: str = "") -> RunReport:
+        store = self.store
+        if store is not None:
+            store.check_writable()  # the record must be possible before any host changes
+        with self._lease(kind, detail):
+            hosts = len(self.targets)
+            forks = min(self.options.forks, hosts)
+            self.observer.say(f"{kind} {self.playbook.name}: {hosts} host{'s' * (hosts != 1)}, {forks} at once")
+            report = work()
+        report.interrupted = self.options.interrupt.is_set()
+        if store is not None:
+            try:
+                store.record(report)
+            except StateError as exc:
+                # What the hosts did stands: the report is returned, and the loss of its record said.
+                self.observer.say(f"error: the run was not recorded: {exc}")
+        return report
+
+    def _lease(self, kind: RunKind, detail: str) -> contextlib.AbstractContextManager[None]:
+        """The fleet-wide rollout lease of the targets, for the runs that change what hosts serve
+        (on a shared PostgreSQL store; verify and dry-run only read, and go on beside them)."""
+        if self.store is None or not kind.rolls_out:
+            return contextlib.nullcontext()
+        timeout = self.options.lock_timeout
+
+        def waiting(name: str, holder: Holder | None) -> None:
+            who = holder.describe() if holder else "a controller that left no record"
+            self.observer.say(f"waiting for {name}: {who} is rolling it out (up to {timeout:g} s)")
+
+        run = " ".join(filter(None, (str(kind), self.playbook.name, detail)))
+        names = [t.name for t in self.targets]
+        return self.store.rollout_lock(names, run, timeout, waiting, self.options.interrupt)

@@ -38,6 +38,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orchestrate":
     gc.disable()
 
 from orchestrator.cli.render import (
+    MessagePrinter,
     ProgressPrinter,
     message,
     render_fleet,
@@ -65,13 +66,11 @@ from orchestrator.errors import (
     InputError,
     OrchestratorError,
     SandboxError,
-    StateError,
 )
-from orchestrator.results import RunReport
+from orchestrator.results import RunKind, RunReport
 from orchestrator.rules import dflash
-from orchestrator.rules.plan import new_release_id
 from orchestrator.sandbox import DEFAULT_DIR as DEFAULT_SANDBOX_DIR
-from orchestrator.store.state import Holder, StateDB
+from orchestrator.store.state import StateDB
 
 if TYPE_CHECKING:
     from orchestrator.rules import watch
@@ -409,28 +408,17 @@ def _options(args: argparse.Namespace) -> RunOptions:
         accept_new_host_keys=args.accept_new_host_keys,
         lock_timeout=getattr(args, "lock_timeout", _RUN_DEFAULTS.lock_timeout),
         state_dir=getattr(args, "state_dir", None),
-        # a deploy's release is named here, so that a controller kept waiting for it names it too
-        release_id=getattr(args, "release_id", None) or (new_release_id() if _is_deploy(args) else None),
+        release_id=getattr(args, "release_id", None),
     )
 
 
-def _is_deploy(args: argparse.Namespace) -> bool:
-    return getattr(args, "command", None) == "deploy" and not getattr(args, "dry_run", False)
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
-    kind = "dry-run" if getattr(args, "dry_run", False) else args.command
+    kind = RunKind.DRY_RUN if getattr(args, "dry_run", False) else RunKind(args.command)
     options = _options(args)
     deployment = _deployment(args, options)
-    db = _state(args)
+    db = deployment.store = _state(args)
     try:
-        db.check_writable()  # the record must be possible before any host changes
-        with _rollout_lock(db, args, kind, deployment):
-            run = _run(args, kind, deployment, options)
-        try:
-            db.record(run)
-        except StateError as exc:
-            _say(f"error: the run was not recorded: {exc}")
+        run = _run(args, kind, deployment, options)
     finally:
         db.close()
     if run.interrupted:
@@ -438,42 +426,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK if run.ok else EXIT_NOT_READY
 
 
-# The runs that change what hosts serve take the fleet-wide rollout lease of their targets (on a
-# shared PostgreSQL store); verify and dry-run only read, and go on beside them.
-_ROLLOUTS = ("deploy", "rollback", "stop")
-
-
-def _rollout_lock(
-    db: StateDB, args: argparse.Namespace, kind: str, deployment: Deployment
-) -> contextlib.AbstractContextManager[None]:
-    if kind not in _ROLLOUTS:
-        return contextlib.nullcontext()
-
-    def waiting(name: str, holder: Holder | None) -> None:
-        who = holder.describe() if holder else "a controller that left no record"
-        _say(f"waiting for {name}: {who} is rolling it out (up to {args.lock_timeout:g} s)")
-
-    run = f"{kind} {deployment.playbook.name}"
-    if kind == "deploy" and deployment.options.release_id:
-        run += f" release {deployment.options.release_id}"
-    elif kind == "rollback" and args.to_release:
-        run += f" to {args.to_release}"
-    return db.rollout_lock([t.name for t in deployment.targets], run, args.lock_timeout, waiting)
-
-
-def _run(args: argparse.Namespace, kind: str, deployment: Deployment, options: RunOptions) -> RunReport:
-    """One run with its progress, interrupts and result (said before it is recorded: what the
-    hosts did reaches the terminal even when recording it fails)."""
+def _run(args: argparse.Namespace, kind: RunKind, deployment: Deployment, options: RunOptions) -> RunReport:
+    """One run with its progress, interrupts and result."""
     progress = ProgressPrinter(kind, len(deployment.targets), mode="json" if args.json else "auto")
     deployment.observer = progress
-    hosts = len(deployment.targets)
-    _say(f"{kind} {deployment.playbook.name}: {hosts} host{'s' * (hosts != 1)}, {min(args.forks, hosts)} at once")
     run_kind: Callable[[], RunReport] = {
-        "dry-run": deployment.dry_run,
-        "deploy": deployment.deploy,
-        "stop": deployment.stop,
-        "verify": lambda: deployment.verify(probe=args.probe, rehash=args.rehash, engine=args.engine),
-        "rollback": lambda: deployment.rollback(to=args.to_release),
+        RunKind.DRY_RUN: deployment.dry_run,
+        RunKind.DEPLOY: deployment.deploy,
+        RunKind.STOP: deployment.stop,
+        RunKind.VERIFY: lambda: deployment.verify(probe=args.probe, rehash=args.rehash, engine=args.engine),
+        RunKind.ROLLBACK: lambda: deployment.rollback(to=args.to_release),
     }[kind]
 
     def first() -> None:
@@ -485,7 +447,6 @@ def _run(args: argparse.Namespace, kind: str, deployment: Deployment, options: R
             run = run_kind()
     finally:
         progress.close()
-    run.interrupted = options.interrupt.is_set()
     for key in run.accepted_host_keys:
         _say(f"accepted new host key: {key}")
     if args.json:
@@ -525,15 +486,21 @@ def _interrupts(first: Callable[[], None], terminate: Callable[[], None] | None 
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
+    deployment = _deployment(args, _options(args), MessagePrinter(_json_stderr))
+    db = deployment.store = _state(args)
+    try:
+        return _watch(args, deployment)
+    finally:
+        db.close()
+
+
+def _watch(args: argparse.Namespace, deployment: Deployment) -> int:
     from orchestrator.engine import watcher
     from orchestrator.rules.watch import READY
 
-    deployment = _deployment(args, _options(args))
-    db = _state(args)
-    group = args.watch_group or deployment.playbook.name
-    lead = db.watch_lead(group)
     stop, interrupted = threading.Event(), threading.Event()
     collector = server = None
+    group = args.watch_group or deployment.playbook.name
     if args.metrics_port is not None:
         from orchestrator.store import metrics
 
@@ -548,55 +515,20 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     on_change = watcher.OnChange(args.on_change, _say) if args.on_change else None
     what = "one round" if args.once else f"every {args.interval:g} s"
     _say(f"watch {deployment.playbook.name}: {len(deployment.targets)} hosts, {what}")
-
-    unrecorded: list[str] = []
+    w = deployment.watcher(group, on_change)
 
     def on_round(number: int, rounds: list[watch.Round], transitions: list[watch.Transition]) -> None:
-        was = lead.leading
-        leading = lead.poll()
-        told = transitions
-        if leading and not was:
-            if number > 1:
-                # What changed while another led, and it may not have recorded before it stopped:
-                # each host whose recorded state is not the one seen now is told now, once.
-                told = transitions + _caught_up(db, rounds, transitions)
-                _say(f"watch group {group}: taking the lead (the leader stopped); {len(told)} changes to tell")
-            else:
-                _say(f"watch group {group}: leading")
-        elif not leading and (was or number == 1):
-            holder = lead.holder()
-            who = holder.describe() if holder else "another watcher"
-            _say(f"watch group {group}: following {who}: it records the changes and runs --on-change")
-        # Watching outlives its own bookkeeping: a database that is full or locked is said (once
-        # per kind of failure, and again when it recovers) while the rounds, the transitions and
-        # --on-change go on.
-        if leading:
-            try:
-                db.record_watch(told, rounds)
-            except StateError as exc:
-                if str(exc) not in unrecorded:
-                    _say(f"error: watch round {number} was not recorded (watching goes on): {exc}")
-                    unrecorded.append(str(exc))
-            else:
-                if unrecorded:
-                    _say(f"watch round {number} recorded again")
-                    unrecorded.clear()
         if collector is not None:
-            collector.update(rounds, leading)
+            collector.update(rounds, w.leading)
         _say(round_summary(number, rounds))
         if not args.once:
             render_round(number, rounds, transitions, args.json)
-        for t in told if leading else ():
-            # A watch that starts does not page for hosts that are fine.
-            if on_change is not None and (t.before is not None or t.after != READY):
-                on_change(t)
 
     def first() -> None:
         interrupted.set()
         _say("interrupted: ending after this round (Ctrl-C again to abort)")
         stop.set()
 
-    w = deployment.watcher()
     aborted = False
     try:
         with _interrupts(first, terminate=stop.set):
@@ -608,8 +540,6 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         w.close(wait=not aborted)
         if on_change is not None:
             on_change.close(wait=not aborted)  # the transitions already seen are told
-        lead.close()
-        db.close()
         if server is not None:
             server.shutdown()
     if args.once:
@@ -620,21 +550,6 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     if interrupted.is_set():
         return EXIT_INTERRUPTED
     return EXIT_OK if all(r.state == READY for r in last) else EXIT_NOT_READY
-
-
-def _caught_up(db: StateDB, rounds: list[watch.Round], transitions: list[watch.Transition]) -> list[watch.Transition]:
-    """The changes a new lead tells for the hosts whose last recorded state is not what this round
-    saw (a change the previous lead saw and could not record, or did not see before it stopped)."""
-    try:
-        recorded = db.last_states()
-    except StateError:
-        return []
-    seen = {t.host for t in transitions}
-    return [
-        watch.Transition(r.host, r.at, recorded.get(r.host), r.state, r)
-        for r in rounds
-        if r.host not in seen and recorded.get(r.host) != r.state
-    ]
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

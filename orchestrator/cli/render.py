@@ -56,6 +56,16 @@ class _Plain:
         self.stream.flush()
 
 
+class MessagePrinter(Observer):
+    """Only a run's messages, each a line on stderr (a watch's: its group's lead and its records)."""
+
+    def __init__(self, as_json: bool = False) -> None:
+        self.as_json = as_json
+
+    def say(self, text: str) -> None:
+        message(text, self.as_json)
+
+
 class ProgressPrinter(Observer):
     """Progress on stderr, safe to call from worker threads: what each host is doing as it
     changes, and one line per host as it finishes; the run's messages between them.

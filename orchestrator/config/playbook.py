@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config.readers import read_json, read_mapping
+from orchestrator.config.readers import parse_json, read_json, read_mapping
 from orchestrator.config.yamlsource import Field, load_file, read_text
 from orchestrator.errors import InputError
 
@@ -332,7 +332,9 @@ def load_playbook(path: Path | str) -> Playbook:
         target = None
         if "target_config" in d:
             target = read_json(_local(d["target_config"], d["target_config"].str(), base))
-        drafter = Drafter(config, read_json(config.src), reference, target)
+        # The values judged are parsed from the very bytes pushed: the file is read once, so an
+        # editor's save in between cannot make lint pass one config while hosts receive another.
+        drafter = Drafter(config, parse_json(config.content, config.src), reference, target)
     every = {spec.dest: item["dest"] for spec, item in zip(files, top["files"].sequence(), strict=True)}
     if drafter is not None:
         every[DRAFTER_CONFIG_DEST] = top["drafter"]["config"]

@@ -32,7 +32,19 @@ def _no_constant(name: str) -> Any:
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a local file, strictly: a key given twice, NaN or Infinity, or any other
     value than an object is an InputError naming the file and line."""
-    text = read_text(path)
+    return parse_json(read_text(path), path)
+
+
+def parse_json(content: str | bytes, path: Path) -> dict[str, Any]:
+    """A JSON object from bytes already read (``path`` names them in errors), as ``read_json``:
+    what is judged is then exactly what was read, whatever the file holds by now."""
+    if isinstance(content, bytes):
+        try:
+            text = content.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"cannot read: {exc}", file=str(path)) from exc
+    else:
+        text = content
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:

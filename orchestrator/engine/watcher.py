@@ -4,6 +4,9 @@ Each node keeps one connection and one agent process (``agent.AgentSession``): a
 framed request and answer on that channel, with no SSH handshake or interpreter start. A session
 that fails is closed and opened again at the next round after a backoff (1, 2, 4 ... 60 s); until
 then the node is reported DOWN with why, never skipped. What the rounds mean is ``watch``'s.
+
+Watchers of one playbook share the work as a group (``WatchGroup``): each runs its rounds, the
+lead records them and tells their changes, and a follower takes the lead when the leader stops.
 """
 
 from __future__ import annotations
@@ -16,17 +19,20 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.agent import protocol
 from orchestrator.agent.client import AgentClient, AgentSession
 from orchestrator.config.inventory import Target
 from orchestrator.connectors.router import Connections
 from orchestrator.engine.runner import ContainerGate, Node, Scope, Unit, finish, units_for
-from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, TransportError
+from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, StateError, TransportError
 from orchestrator.results import GATE_FILES, HostReport
 from orchestrator.rules import plan, probe, serving
-from orchestrator.rules.watch import HostWatch, Round, Seen, Transition, changed_fields, step
+from orchestrator.rules.watch import READY, HostWatch, Round, Seen, Transition, changed_fields, step
+
+if TYPE_CHECKING:
+    from orchestrator.store.state import StateDB
 
 BACKOFF_MAX_S = 60.0
 ON_CHANGE_TIMEOUT_S = 30.0
@@ -51,10 +57,84 @@ class _Watched:
         self.inventory_target = self.node.target  # as the inventory gives it (the address found later)
 
 
-class Watcher:
-    """Every node of a playbook, watched round after round. Not thread-safe: one caller."""
+class WatchGroup:
+    """The watchers of one group sharing the work. Every watcher runs its rounds and serves its
+    metrics; the lead (one at a time, ``WatchLead``) records each round and tells its changes; a
+    watcher that takes the lead from one that stopped tells, once, each host whose recorded state
+    is not what it sees now (a change the other saw and could not record, or never saw)."""
 
-    def __init__(self, scope: Scope) -> None:
+    def __init__(self, db: StateDB, name: str, say: Callable[[str], None]) -> None:
+        self.db, self.name, self.say = db, name, say
+        self.lead = db.watch_lead(name)
+        self.rounds = 0
+        self._unrecorded: list[str] = []
+
+    @property
+    def leading(self) -> bool:
+        return self.lead.leading
+
+    def after(self, rounds: list[Round], transitions: list[Transition]) -> list[Transition]:
+        """After a round: lead or follow, and record the round when leading; the changes to tell
+        (none for a follower: its lead tells them)."""
+        self.rounds += 1
+        was = self.lead.leading
+        leading = self.lead.poll()
+        told = transitions
+        if leading and not was:
+            if self.rounds > 1:
+                told = transitions + self._caught_up(rounds, transitions)
+                self.say(f"watch group {self.name}: taking the lead (the leader stopped); {len(told)} changes to tell")
+            else:
+                self.say(f"watch group {self.name}: leading")
+        elif not leading and (was or self.rounds == 1):
+            holder = self.lead.holder()
+            who = holder.describe() if holder else "another watcher"
+            self.say(f"watch group {self.name}: following {who}: it records the changes and runs --on-change")
+        if not leading:
+            return []
+        # Watching outlives its own bookkeeping: a store that is full or locked is said (once per
+        # kind of failure, and again when it recovers) while the rounds and their changes go on.
+        try:
+            self.db.record_watch(told, rounds)
+        except StateError as exc:
+            if str(exc) not in self._unrecorded:
+                self.say(f"error: watch round {self.rounds} was not recorded (watching goes on): {exc}")
+                self._unrecorded.append(str(exc))
+        else:
+            if self._unrecorded:
+                self.say(f"watch round {self.rounds} recorded again")
+                self._unrecorded.clear()
+        return told
+
+    def _caught_up(self, rounds: list[Round], transitions: list[Transition]) -> list[Transition]:
+        try:
+            recorded = self.db.last_states()
+        except StateError:
+            return []
+        seen = {t.host for t in transitions}
+        return [
+            Transition(r.host, r.at, recorded.get(r.host), r.state, r)
+            for r in rounds
+            if r.host not in seen and recorded.get(r.host) != r.state
+        ]
+
+    def close(self) -> None:
+        """Give the lead up (a follower takes it at its next round)."""
+        self.lead.close()
+
+
+class Watcher:
+    """Every node of a playbook, watched round after round. Not thread-safe: one caller. In a
+    ``group``, the lead's rounds are recorded; whoever leads (a watcher alone always does) tells
+    each change to ``on_change``, except the first sight of a host that is READY."""
+
+    def __init__(
+        self,
+        scope: Scope,
+        group: WatchGroup | None = None,
+        on_change: Callable[[Transition], None] | None = None,
+    ) -> None:
+        self.group, self.on_change = group, on_change
         playbook, inventory, options = scope.playbook, scope.inventory, scope.options
         self.playbook, self.options = playbook, options
         self.connections = Connections(inventory, options.accept_new_host_keys, options.retry, scope.connector)
@@ -83,7 +163,17 @@ class Watcher:
             rounds.append(rnd)
             if change is not None:
                 transitions.append(change)
+        told = self.group.after(rounds, transitions) if self.group is not None else transitions
+        for change in told:
+            # A watch that starts does not page for hosts that are fine.
+            if self.on_change is not None and (change.before is not None or change.after != READY):
+                self.on_change(change)
         return rounds, transitions
+
+    @property
+    def leading(self) -> bool:
+        """Whether this watcher records and tells (alone, it does)."""
+        return self.group is None or self.group.leading
 
     def _rotation(self, seen: list[Seen]) -> list[Seen]:
         """The gateway's rotation, read once a round from its host, on every head's round."""
@@ -113,6 +203,8 @@ class Watcher:
             if w.session is not None:
                 w.session.close()
         self.connections.close()
+        if self.group is not None:
+            self.group.close()
 
     # --- one node ------------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ import json
 import os
 import socket
 import sqlite3
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -202,20 +204,31 @@ def digest_key(directory: Path | None = None) -> str:
     path = base / DIGEST_KEY
     try:
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError:
-            text = path.read_text().strip()
-            bytes.fromhex(text)
-            if len(text) != 64:
-                raise ValueError(f"{len(text)} hex digits") from None
-            return text
-        key = os.urandom(32).hex()
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-        return key
+        if not path.exists():
+            _create_key(path)
+        text = path.read_text().strip()
+        bytes.fromhex(text)
+        if len(text) != 64:
+            raise ValueError(f"{len(text)} hex digits") from None
+        return text
     except (OSError, ValueError) as exc:
         raise StateError(f"the digest key {path} cannot be used: {exc}") from exc
+
+
+def _create_key(path: Path) -> None:
+    """The key written whole in a file of its own, then linked into place only if none is there:
+    a controller killed mid-write leaves no empty key, and of two made at once the first linked
+    is the one both use."""
+    fd, tmp = tempfile.mkstemp(prefix=".digest-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
 
 
 @dataclass(frozen=True)
@@ -651,12 +664,14 @@ class StateDB:
         run: str,
         timeout: float,
         on_wait: Callable[[str, Holder | None], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> Iterator[None]:
         """Hold the rollout lease of each target for the block: on PostgreSQL a session-scoped
         advisory lock per target (disjoint rollouts run side by side; a controller that dies
         releases its leases with its session) and a row that names the holder. A lease another
         controller holds is waited for up to ``timeout`` seconds (``on_wait`` is told once per
-        holder), then LockHeld names it. On SQLite (one controller's own file) there is nothing
+        holder), then LockHeld names it; ``stop`` set while waiting (a run's interrupt) ends the wait
+        as a Ctrl-C always did. On SQLite (one controller's own file) there is nothing
         to share: each host's deploy-root lock keeps runs apart."""
         if self.dialect is not POSTGRESQL or not names:
             yield
@@ -685,7 +700,11 @@ class StateDB:
                 if on_wait is not None and holder != told:
                     on_wait(name, holder)
                     told = holder
-                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                pause = min(0.1, max(0.0, deadline - time.monotonic()))
+                if stop is None:
+                    time.sleep(pause)
+                elif stop.wait(pause):
+                    raise KeyboardInterrupt  # nothing was taken yet: the run ends as interrupted
             user, controller, pid = whoami()
             now = time.time()
             with session.transaction():

@@ -11,12 +11,20 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.store.state import StateDB, whoami
+import pytest
+
+from orchestrator.deployment import Deployment
+from orchestrator.engine.runner import Observer
+from orchestrator.engine.watcher import WatchGroup
+from orchestrator.rules.watch import READY
+from orchestrator.store.state import LockHeld, StateDB, whoami
 from tests.postgres import Postgres
-from tests.unit.localbox import Box
+from tests.unit.localbox import OPTIONS, Box, deploy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,3 +130,95 @@ def test_a_controller_killed_mid_run_leaves_no_lease(box: Box, postgres: Postgre
     code, _, err = finish(orchestrate(box, url, "deploy", str(slow.file)))
     assert code == 0, err
     assert "waiting for solo" not in err
+
+
+class Said(Observer):
+    """What a run says, as it says it."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.waiting = threading.Event()
+
+    def say(self, message: str) -> None:
+        self.lines.append(message)
+        if message.startswith("waiting for "):
+            self.waiting.set()
+
+
+def test_a_deploy_from_python_waits_for_the_held_lease_names_the_holder_then_runs_and_records(
+    box: Box, postgres: Postgres
+) -> None:
+    """The library does what ``orchestrate deploy`` does with a store: no second rollout beside a
+    held lease, whoever calls it."""
+    url = postgres.socket_url(postgres.new_database())
+    playbook = box.playbook()
+    held, store = StateDB(box.dir, url), StateDB(box.dir, url)
+    said = Said()
+    deployment = Deployment(playbook, box.inventory, replace(OPTIONS, lock_timeout=60.0), said, store=store)
+    released = threading.Event()
+
+    def hold() -> None:
+        with held.rollout_lock(["solo"], "deploy held-by-the-test", 30.0):
+            assert said.waiting.wait(60)  # the deploy is seen waiting before the lease is let go
+            assert not (box.root("solo") / "current").exists()  # and has touched nothing
+        released.set()
+
+    holder = threading.Thread(target=hold)
+    try:
+        holder.start()
+        deadline = time.monotonic() + 30
+        while not held._query("SELECT run FROM leases WHERE name = 'solo'"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        report = deployment.deploy()
+        holder.join(60)
+        runs = store.history()
+    finally:
+        held.close()
+        store.close()
+    user, controller, pid = whoami()
+    assert released.is_set() and report.ok, [h.failed_gate for h in report.hosts]
+    assert f"waiting for solo: {user}@{controller} pid {pid}" in said.lines[0]
+    assert said.lines[1].startswith("deploy pb: 1 host")
+    assert [(r["kind"], r["release_id"]) for r in runs] == [("deploy", report.release_id)]
+
+
+def test_a_deploy_from_python_past_its_lock_timeout_raises_naming_the_holder(box: Box, postgres: Postgres) -> None:
+    url = postgres.socket_url(postgres.new_database())
+    held, store = StateDB(box.dir, url), StateDB(box.dir, url)
+    deployment = Deployment(box.playbook(), box.inventory, replace(OPTIONS, lock_timeout=0.5), store=store)
+    try:
+        with held.rollout_lock(["solo"], "deploy held-by-the-test", 30.0), pytest.raises(LockHeld) as refused:
+            deployment.deploy()
+        runs = store.history()
+    finally:
+        held.close()
+        store.close()
+    assert "run deploy held-by-the-test" in str(refused.value) and runs == []
+    assert not (box.root("solo") / "current").exists()
+
+
+def test_python_watchers_of_one_group_lead_follow_record_and_take_over(box: Box, tmp_path: Path) -> None:
+    """``Deployment.watcher()`` with a store joins the watch group as ``orchestrate watch`` does."""
+    playbook = box.playbook()
+    assert deploy(box, playbook).ok
+    one, two = StateDB(tmp_path / "state"), StateDB(tmp_path / "state")
+    told: list[str] = []
+    first = Deployment(playbook, box.inventory, OPTIONS, store=one).watcher(on_change=lambda t: told.append(t.host))
+    second = Deployment(playbook, box.inventory, OPTIONS, Said(), store=two).watcher()
+    try:
+        first.round()
+        second.round()
+        assert (first.leading, second.leading) == (True, False)
+        assert one.last_states() == {"solo": READY}
+        assert told == []  # a host first seen READY pages nobody
+        first.close()
+        second.round()
+        assert second.leading
+        assert isinstance(second.group, WatchGroup)
+    finally:
+        first.close()
+        second.close()
+        one.close()
+        two.close()
+    assert [(t["from"], t["to"]) for t in StateDB(tmp_path / "state").transitions("solo")] == [(None, READY)]

@@ -479,3 +479,48 @@ def test_many_small_files_push_in_few_execs_and_leave_no_stale_partials(box: Box
     assert pushed["files"] == 302 and (dest / "shard-299.txt").read_text() == "line 299\n"
     assert first.ssh["execs"] <= 10, first.ssh  # it was 300 execs and more for the push alone
     assert not stale.exists() and not list(dest.glob(".*.partial-*"))
+
+
+def test_controllers_making_the_digest_key_at_once_all_use_one_whole_key(tmp_path: Path) -> None:
+    """The key is written whole before it is linked into place: a controller that reads it while
+    another makes it (or after one was killed making it) never finds it empty."""
+    import subprocess
+    import sys
+
+    code = "import sys; from orchestrator.store.state import digest_key; print(digest_key(__import__('pathlib').Path(sys.argv[1])))"
+    for attempt in range(5):
+        state = tmp_path / f"state{attempt}"
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(state)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(8)
+        ]
+        said = [p.communicate(timeout=60) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err for _, err in said]
+        assert len({out.strip() for out, _ in said}) == 1
+        assert sorted(p.name for p in state.iterdir()) == ["digest.key"]  # no temporary file left
+
+
+def test_a_controller_killed_while_making_the_digest_key_leaves_none_half_made(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from orchestrator.store.state import digest_key
+
+    # Held where the key's bytes are made, then killed there: by PID, the process this test started.
+    code = (
+        "import os, sys, threading; from pathlib import Path; from orchestrator.store import state\n"
+        "def held(n): print('making', flush=True); threading.Event().wait()\n"
+        "state.os.urandom = held\n"
+        "state.digest_key(Path(sys.argv[1]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "state")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "making\n"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    key = digest_key(tmp_path / "state")  # the next controller makes one, whole
+    assert len(key) == 64 and (tmp_path / "state" / "digest.key").read_text() == key + "\n"

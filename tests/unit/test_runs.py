@@ -716,3 +716,35 @@ def test_a_drafter_whose_heads_its_tensor_parallel_size_cannot_split_is_refused_
         ("heads_per_rank", "num_key_value_heads"),
     }
     assert not box.root("solo").exists()
+
+
+def test_an_editors_save_while_the_playbook_loads_cannot_split_what_lint_judges_from_what_lands(
+    box: Box, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drafter config is read once. An editor's atomic save (a new file renamed over the old
+    one) lands right after the tool read the bytes it pushes: lint must judge those bytes, so the
+    out-of-range mask that was read is refused, though the file now on disk is fine."""
+    box.playbook(mask=999)  # the config as read: mask 999 past the target's 64 tokens
+    config = box.dir / "pb-drafter.json"
+    good = config.read_text().replace('"mask_token_id": 999', f'"mask_token_id": {GOOD_MASK}')
+    read_bytes = Path.read_bytes
+    saved: list[Path] = []
+
+    def read_then_editor_saves(self: Path) -> bytes:
+        content = read_bytes(self)
+        if self == config and not saved:
+            (box.dir / ".pb-drafter.json.swp").write_text(good)
+            os.replace(box.dir / ".pb-drafter.json.swp", config)
+            saved.append(self)
+        return content
+
+    monkeypatch.setattr(Path, "read_bytes", read_then_editor_saves)
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: read_then_editor_saves(self).decode())
+    playbook = load_playbook(box.dir / "pb.yaml")
+    monkeypatch.undo()
+    assert saved and json.loads(config.read_text())["dflash_config"]["mask_token_id"] == GOOD_MASK
+    assert playbook.drafter is not None and playbook.drafter.values == json.loads(playbook.drafter.config.content)
+    run = Deployment(playbook, box.inventory, OPTIONS).deploy()
+    assert not run.ok and host(run, "solo").gates["lint"].detail.startswith("not attempted")
+    assert {p.field for p in run.lint or [] if p.severity == "error"} == {"dflash_config.mask_token_id"}
+    assert not (box.root("solo") / "current").exists()
