@@ -22,12 +22,11 @@ from __future__ import annotations
 import hashlib
 import math
 import posixpath
-import re
-import urllib.parse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from orchestrator.config.gateway import Gateway, parse_gateway
 from orchestrator.config.readers import parse_json, read_json, read_mapping
 from orchestrator.config.yamlsource import Field, load_file, read_text
 from orchestrator.errors import InputError
@@ -210,31 +209,6 @@ class Rollout:
 
 
 PREFIX_CACHE = ("warn", "strict", "off")
-GATEWAY_KINDS = ("vllm-router", "haproxy", "endpoints-file", "command")
-# HAProxy's runtime API takes a line of commands split at ';' and spaces: a backend or server name
-# is a plain identifier, checked here so that no name can carry a second command.
-_HAPROXY_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-
-
-@dataclass(frozen=True)
-class Gateway:
-    """What sends users' requests to the servers: the adapter, where it runs (an inventory container,
-    reached as hosts are) and how it is told that a host leaves or comes back."""
-
-    kind: str
-    runs_on: str  # the inventory container the gateway runs on (``connection: local`` for this machine)
-    url: str  # where clients send requests, as seen from ``on``: READY's probe goes through it
-    admin: str | None = None  # vllm-router: its admin API (default: ``url``)
-    socket: str | None = None  # haproxy: the runtime API's unix socket
-    backend: str | None = None  # haproxy: the backend that holds the servers
-    servers: dict[str, str] = field(default_factory=dict)  # haproxy: container -> server name
-    path: str | None = None  # endpoints-file: the file the router reads
-    command: tuple[str, ...] = ()  # command: the hook's argv
-    timeout_s: float = 10.0  # one call to the gateway
-
-    def server(self, container: str) -> str:
-        """The gateway's name for a container's server (HAProxy's server name, else the container's)."""
-        return self.servers.get(container, container)
 
 
 @dataclass(frozen=True)
@@ -347,7 +321,7 @@ def load_playbook(path: Path | str) -> Playbook:
     if models.drafter is not None and drafter is None:
         raise top["models"]["drafter"].error("a drafter model needs drafter.config: the config its release serves")
 
-    gateway = _gateway(top["gateway"], serving) if "gateway" in top else None
+    gateway = parse_gateway(top["gateway"], serving.target is not None) if "gateway" in top else None
     if gateway is not None and "drain_timeout" not in top["serving"]:
         # Behind a gateway a restart must not cost requests: drain by default.
         serving = replace(serving, drain_timeout=DRAIN_TIMEOUT_S)
@@ -699,64 +673,3 @@ def _rollout(f: Field) -> Rollout:
     if rollout.bake_s and not rollout.canary:
         raise f["bake_s"].error("a bake watches the canary: set rollout.canary too")
     return rollout
-
-
-def _http_url(f: Field) -> str:
-    url: str = f.str()
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.query or parts.fragment or parts.username:
-        raise f.error(f"expected http://HOST:PORT (as seen from the gateway's host), got {url!r}")
-    try:
-        parts.port  # noqa: B018 - a port that is not a number raises here
-    except ValueError as exc:
-        raise f.error(f"{url!r}: {exc}") from None
-    return url.rstrip("/")
-
-
-def _gateway(f: Field, serving: Serving) -> Gateway:
-    f.mapping(
-        {"kind", "runs_on", "url", "admin", "socket", "backend", "servers", "path", "command", "timeout_s"},
-        required=frozenset({"kind", "runs_on", "url"}),
-    )
-    kind = f["kind"].str()
-    if kind not in GATEWAY_KINDS:
-        raise f["kind"].error(f"expected one of {', '.join(GATEWAY_KINDS)}")
-    if serving.target is None:
-        raise f.error("a gateway sends traffic to servers: the playbook needs serving.target")
-    needs = {"haproxy": ("socket", "backend"), "endpoints-file": ("path",), "command": ("command",)}
-    for key in needs.get(kind, ()):
-        if key not in f:
-            raise f.error(f"a {kind} gateway needs '{key}'")
-    for key in {"admin", "socket", "backend", "servers", "path", "command"} - set(_GATEWAY_KEYS[kind]):
-        if key in f:
-            raise f[key].error(f"not a key of a {kind} gateway (its keys: {', '.join(_GATEWAY_KEYS[kind])})")
-    servers = f["servers"].str_map({})
-    for name in [f["backend"].str(None), *servers.values()]:
-        if name is not None and not _HAPROXY_NAME.fullmatch(name):
-            raise f.error(f"{name!r} is not an HAProxy name (letters, digits, '_.:-')")
-    for key in ("socket", "path"):
-        if key in f and not f[key].str().startswith("/"):
-            raise f[key].error("expected an absolute path on the gateway's host")
-    command = tuple(f["command"].str_list(()))
-    if "command" in f and not command:
-        raise f["command"].error("expected the hook's argv: [program, args...]")
-    return Gateway(
-        kind=kind,
-        runs_on=f["runs_on"].str(),
-        url=_http_url(f["url"]),
-        admin=_http_url(f["admin"]) if "admin" in f else None,
-        socket=f["socket"].str(None),
-        backend=f["backend"].str(None),
-        servers=servers,
-        path=f["path"].str(None),
-        command=command,
-        timeout_s=f["timeout_s"].seconds(Gateway.timeout_s, minimum=1),
-    )
-
-
-_GATEWAY_KEYS = {
-    "vllm-router": ("admin",),
-    "haproxy": ("socket", "backend", "servers"),
-    "endpoints-file": ("path",),
-    "command": ("command",),
-}

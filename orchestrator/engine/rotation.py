@@ -19,7 +19,8 @@ from typing import Any
 from orchestrator.agent import protocol
 from orchestrator.engine.runner import Node, Run, Unit
 from orchestrator.errors import AgentError, GatewayError, InputError
-from orchestrator.gateways.client import GatewayClient, Server
+from orchestrator.gateways.base import Server
+from orchestrator.gateways.client import GatewayClient
 from orchestrator.results import GATE_BAKE, GATE_GATEWAY, Gate
 from orchestrator.rules import probe, serving
 from orchestrator.rules.probe import ProbeError

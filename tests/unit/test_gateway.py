@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from orchestrator.agent import protocol
+from orchestrator.config.gateway import KINDS, Gateway
 from orchestrator.config.inventory import Container, SshSettings
-from orchestrator.config.playbook import Gateway, load_playbook
+from orchestrator.config.playbook import load_playbook
 from orchestrator.errors import GatewayError, InputError
-from orchestrator.gateways import client as gateway
+from orchestrator.gateways import base, command, haproxy, vllm_router
 from orchestrator.rules import serving
 from tests.unit.test_agent import run
 
@@ -46,7 +47,7 @@ def test_haproxy_show_stat_reads_rotation_and_in_flight_of_its_backend_only() ->
         + stat_row("other", "g1", 7, "DOWN")
         + "\n"
     )
-    rotation = gateway.read_haproxy_stat(text, "vllm")
+    rotation = haproxy.read_haproxy_stat(text, "vllm")
     assert {k: (m.in_rotation, m.in_flight) for k, m in rotation.members.items()} == {
         "g1": (True, 3),
         "g2": (False, 1),
@@ -56,8 +57,8 @@ def test_haproxy_show_stat_reads_rotation_and_in_flight_of_its_backend_only() ->
         "g6": (False, 0),
     }
     assert rotation.serving() == 2 and rotation.serving(besides="g1") == 1
-    server = gateway.Server("g9", "g9", "http://10.0.0.9:8000")
-    assert rotation.of(server) == gateway.Member("g9", False, None, "absent")
+    server = base.Server("g9", "g9", "http://10.0.0.9:8000")
+    assert rotation.of(server) == base.Member("g9", False, None, "absent")
 
 
 @pytest.mark.parametrize(
@@ -72,13 +73,13 @@ def test_haproxy_show_stat_reads_rotation_and_in_flight_of_its_backend_only() ->
 )
 def test_haproxy_answers_that_cannot_be_read_are_gateway_errors(text: str, said: str) -> None:
     with pytest.raises(GatewayError, match=said):
-        gateway.read_haproxy_stat(text, "vllm")
+        haproxy.read_haproxy_stat(text, "vllm")
 
 
 def test_haproxy_changes_answer_nothing_when_they_work_and_their_words_when_refused() -> None:
-    gateway.haproxy_changed("\n", "set server vllm/g1 state drain")
+    haproxy.haproxy_changed("\n", "set server vllm/g1 state drain")
     with pytest.raises(GatewayError, match=r"HAProxy refused `set server vllm/g9 state drain`: No such server\."):
-        gateway.haproxy_changed("No such server.\n\n", "set server vllm/g9 state drain")
+        haproxy.haproxy_changed("No such server.\n\n", "set server vllm/g9 state drain")
 
 
 def test_vllm_router_workers_and_their_loads() -> None:
@@ -91,13 +92,13 @@ def test_vllm_router_workers_and_their_loads() -> None:
             ]
         }
     )
-    rotation = gateway.read_router_workers(200, text)
+    rotation = vllm_router.read_router_workers(200, text)
     assert {k: (m.in_rotation, m.in_flight) for k, m in rotation.members.items()} == {
         "http://10.0.0.1:8000": (True, 2),
         "http://10.0.0.2:8000": (True, None),  # -1: the router does not know
         "http://10.0.0.3:8000": (False, None),  # a bool is not a load; unhealthy takes no traffic
     }
-    assert gateway.read_router_urls(200, '{"urls": ["http://a:1"]}').members["http://a:1"].in_rotation
+    assert vllm_router.read_router_urls(200, '{"urls": ["http://a:1"]}').members["http://a:1"].in_rotation
 
 
 @pytest.mark.parametrize(
@@ -113,19 +114,19 @@ def test_vllm_router_workers_and_their_loads() -> None:
 )
 def test_vllm_router_answers_that_cannot_be_read(status: int | None, text: str, said: str) -> None:
     with pytest.raises(GatewayError, match=said):
-        gateway.read_router_workers(status, text)
+        vllm_router.read_router_workers(status, text)
 
 
 def test_vllm_router_is_asked_with_the_worker_url_quoted() -> None:
-    adapter = gateway.RouterAdapter(Gateway("vllm-router", "gw", "http://127.0.0.1:30000"))
-    server = gateway.Server("g1", "http://10.0.0.1:8000", "http://10.0.0.1:8000")
+    adapter = vllm_router.RouterAdapter(Gateway("vllm-router", "gw", "http://127.0.0.1:30000"))
+    server = base.Server("g1", "http://10.0.0.1:8000", "http://10.0.0.1:8000")
     op, check = adapter.change(server, into=False)
     assert op.request["method"] == "POST"
     assert op.request["url"] == "http://127.0.0.1:30000/remove_worker?url=http%3A%2F%2F10.0.0.1%3A8000"
     check(protocol.HttpAnswer(200, "Successfully removed worker"))
     with pytest.raises(GatewayError, match="HTTP 400"):
         check(protocol.HttpAnswer(400, "bad url"))
-    admin = gateway.RouterAdapter(
+    admin = vllm_router.RouterAdapter(
         Gateway("vllm-router", "gw", "http://127.0.0.1:30000", admin="http://127.0.0.1:30001")
     )
     assert admin.change(server, into=True)[0].request["url"].startswith("http://127.0.0.1:30001/add_worker?url=")
@@ -133,8 +134,8 @@ def test_vllm_router_is_asked_with_the_worker_url_quoted() -> None:
 
 def test_haproxy_commands_name_the_backend_and_server() -> None:
     spec = Gateway("haproxy", "gw", "http://127.0.0.1:80", socket="/run/h.sock", backend="vllm", servers={"g1": "s-1"})
-    adapter = gateway.HaproxyAdapter(spec)
-    server = gateway.Server("g1", adapter.key("g1", "http://x:1"), "http://x:1")
+    adapter = haproxy.HaproxyAdapter(spec)
+    server = base.Server("g1", adapter.key("g1", "http://x:1"), "http://x:1")
     assert server.key == "s-1"
     op, _ = adapter.change(server, into=False)
     assert op.request == {
@@ -151,12 +152,12 @@ def output(code: int, text: str) -> protocol.Output:
 
 
 def test_the_command_hook_gets_the_host_on_stdin_and_must_say_where_it_stands() -> None:
-    server = gateway.Server("g1", "g1", "http://10.0.0.1:8000")
-    assert json.loads(gateway.hook_request("out", server)) == {
+    server = base.Server("g1", "g1", "http://10.0.0.1:8000")
+    assert json.loads(command.hook_request("out", server)) == {
         "action": "out",
         "host": {"name": "g1", "url": "http://10.0.0.1:8000", "address": "10.0.0.1", "port": 8000},
     }
-    member = gateway.read_hook(output(0, 'draining g1\n{"in_rotation": false, "in_flight": 3}\n'), "out", server)
+    member = command.read_hook(output(0, 'draining g1\n{"in_rotation": false, "in_flight": 3}\n'), "out", server)
     assert (member.in_rotation, member.in_flight) == (False, 3)
     for code, text, said in [
         (3, "lb says no", "exited 3: lb says no"),
@@ -167,7 +168,7 @@ def test_the_command_hook_gets_the_host_on_stdin_and_must_say_where_it_stands() 
         (0, "", "must end with"),
     ]:
         with pytest.raises(GatewayError, match=said):
-            gateway.read_hook(output(code, text), "out", server)
+            command.read_hook(output(code, text), "out", server)
 
 
 # --- the playbook's gateway: block ------------------------------------------------------------
@@ -395,3 +396,17 @@ def test_a_gateway_on_no_container_of_the_inventory_is_bad_input_before_anything
         with pytest.raises(InputError, match=said) as caught:
             Deployment(pb, inventory)
         assert caught.value.exit_code == 2 and caught.value.key == "gateway.runs_on"
+
+
+def test_every_gateway_kind_the_playbook_takes_has_one_adapter_module_and_no_other() -> None:
+    """A kind is one row of ``config.gateway.KINDS`` (its keys) and one module of
+    ``orchestrator.gateways`` registered under the same name: neither without the other."""
+    import pkgutil
+
+    import orchestrator.gateways as gateways
+    from orchestrator.gateways import ADAPTERS
+
+    assert list(ADAPTERS) == list(KINDS)
+    modules = {m.name for m in pkgutil.iter_modules(gateways.__path__)} - {"base", "client"}
+    assert {ADAPTERS[k].__module__.rsplit(".", 1)[1] for k in KINDS} == modules
+    assert len(modules) == len(KINDS)  # one module a kind

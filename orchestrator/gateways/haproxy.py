@@ -1,0 +1,79 @@
+"""HAProxy: the runtime API on its stats socket (``level admin``), run on the gateway's host."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from orchestrator.agent import protocol
+from orchestrator.agent.protocol import Op
+from orchestrator.errors import GatewayError
+from orchestrator.gateways.base import Adapter, Member, Rotation, Server
+
+
+def read_haproxy_stat(text: str, backend: str) -> Rotation:
+    """``show stat``'s CSV: the servers of ``backend``, each in rotation when its status is UP (or
+    "no check") and its weight above 0; in flight: current sessions plus those queued for it."""
+    head, _, body = text.lstrip().partition("\n")
+    if not head.startswith("# "):
+        raise GatewayError(f"HAProxy's `show stat` did not answer with its CSV: {text.strip()[:200]!r}")
+    rows = list(csv.reader(io.StringIO(head[2:] + "\n" + body)))
+    columns = {name: i for i, name in enumerate(rows[0])}
+    missing = {"pxname", "svname", "scur", "qcur", "status", "weight"} - set(columns)
+    if missing:
+        raise GatewayError(f"HAProxy's `show stat` has no column {', '.join(sorted(missing))}")
+    members: dict[str, Member] = {}
+    found = False
+    for row in rows[1:]:
+        if len(row) < len(columns) - 1 or row[columns["pxname"]] != backend:
+            continue
+        found = True
+        name = row[columns["svname"]]
+        if name in ("FRONTEND", "BACKEND"):
+            continue
+        status = row[columns["status"]]
+        try:
+            in_flight = int(row[columns["scur"]] or 0) + int(row[columns["qcur"]] or 0)
+            weight = int(row[columns["weight"]] or 0)
+        except ValueError:
+            raise GatewayError(f"HAProxy's `show stat` row for {backend}/{name} is not numbers: {row[:8]}") from None
+        serving_now = (status.startswith("UP") or status == "no check") and weight > 0
+        # Failed answers: responses cut or refused (eresp) and 5xx sent back (hrsp_5xx), when shown.
+        errors = None
+        if "eresp" in columns and "hrsp_5xx" in columns:
+            counts = [row[columns[c]] for c in ("eresp", "hrsp_5xx")]
+            errors = sum(int(c) for c in counts if c.isdigit())
+        members[name] = Member(name, serving_now, in_flight, status, errors)
+    if not found:
+        raise GatewayError(f"HAProxy has no backend {backend!r} (`show stat` lists none by that name)")
+    return Rotation(members)
+
+
+def haproxy_changed(answer: str, command: str) -> None:
+    """A runtime API command that changes something answers nothing when it worked, else its words."""
+    if answer.strip():
+        raise GatewayError(f"HAProxy refused `{command}`: {answer.strip()[:300]}")
+
+
+class HaproxyAdapter(Adapter):
+    kind = "haproxy"
+
+    def key(self, container: str, url: str) -> str:
+        return self.spec.server(container)
+
+    def state(self, servers: Sequence[Server]) -> tuple[list[Op[Any]], Callable[[protocol.Answers], Rotation]]:
+        assert self.spec.socket is not None and self.spec.backend is not None
+        op = protocol.gateway_socket(self.spec.socket, "show stat", self.spec.timeout_s)
+        backend = self.spec.backend
+        return [op], lambda answers: read_haproxy_stat(answers[op], backend)
+
+    def change(self, server: Server, into: bool) -> tuple[Op[Any], Callable[[Any], None]]:
+        assert self.spec.socket is not None
+        # drain: weight 0, so no new request goes to it while those it holds finish (maint would
+        # also stop its health checks, and a server coming back would wait for none).
+        command = f"set server {self.spec.backend}/{server.key} state {'ready' if into else 'drain'}"
+        return protocol.gateway_socket(self.spec.socket, command, self.spec.timeout_s), lambda a: haproxy_changed(
+            a, command
+        )
