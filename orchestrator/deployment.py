@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from orchestrator.config.inventory import LOCAL, Inventory, Target
+from orchestrator.config.inventory import Inventory, Target
 from orchestrator.config.playbook import Playbook
 from orchestrator.connectors.base import Connector
 from orchestrator.engine import runs
@@ -58,7 +58,7 @@ def select_targets(playbook: Playbook, inventory: Inventory, limit: Sequence[str
     local: dict[str, str] = {}
     for target in chosen:
         _check_root(playbook, inventory, target)
-        if target.container.connection == LOCAL:
+        if target.container.on_this_machine:
             # Two local containers on one deploy root would be one server, READY twice.
             root = target.container.deploy_root or playbook.deploy_root
             other = local.setdefault(root, target.name)

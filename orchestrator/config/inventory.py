@@ -44,6 +44,21 @@ from orchestrator.errors import InputError
 
 SSH = "ssh"
 LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Connection:
+    """A way of reaching a container, as the inventory names it (``connection:``): one row each in
+    ``CONNECTIONS``, and one module of ``orchestrator.connectors`` registered under the same name.
+    ``this_machine``: the controller's own machine, so no address is needed, a deploy root names
+    the place, and what reaches other machines (``jump``, ``lxd``) is refused."""
+
+    name: str
+    this_machine: bool = False
+    refuses: tuple[str, ...] = ()
+
+
+CONNECTIONS = {c.name: c for c in (Connection(SSH), Connection(LOCAL, this_machine=True, refuses=("jump", "lxd")))}
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 SSH_KEYS = {"user", "port", "key", "python", "connect_timeout", "command_timeout"}
 
@@ -105,8 +120,13 @@ class Container:
     groups: tuple[str, ...] = ()
     vars: dict[str, Any] = field(default_factory=dict)
     lxd: ContainerLxd | None = None
-    connection: str = SSH  # or LOCAL: this machine, no SSH
+    connection: str = SSH  # a name of CONNECTIONS: SSH, or LOCAL (this machine, no SSH)
     deploy_root: str | None = None  # overrides the playbook's for this container
+
+    @property
+    def on_this_machine(self) -> bool:
+        """Reached on the controller's own machine (``connection: local``), not over a network."""
+        return CONNECTIONS[self.connection].this_machine
 
     @property
     def endpoint(self) -> Endpoint:
@@ -249,21 +269,21 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
                 raise cfield.error("a container cannot share its name with a GPU host")
             seen[cname] = hname
             connection = cfield["connection"].str(SSH)
-            if connection not in (SSH, LOCAL):
-                raise cfield["connection"].error(f"expected '{SSH}' or '{LOCAL}'")
+            if connection not in CONNECTIONS:
+                raise cfield["connection"].error(f"expected {' or '.join(repr(c) for c in CONNECTIONS)}")
+            how = CONNECTIONS[connection]
             cfield.mapping(
                 SSH_KEYS | {"address", "jump", "gpus", "groups", "vars", "lxd", "connection", "deploy_root"},
-                required=frozenset() if lxd or connection == LOCAL else frozenset({"address"}),
+                required=frozenset() if lxd or how.this_machine else frozenset({"address"}),
             )
-            if connection == LOCAL:
-                # An address stays allowed: it is where the other nodes of a group reach this one.
-                for key in ("jump", "lxd"):
-                    if key in cfield:
-                        raise cfield[key].error(f"a container with connection: {LOCAL} is this machine: no {key}")
-                if lxd is not None:
-                    raise cfield["connection"].error(
-                        f"GPU host '{hname}' has an lxd: block, so its containers are LXD containers reached over SSH"
-                    )
+            # An address stays allowed on this machine: it is where the other nodes of a group reach it.
+            for key in how.refuses:
+                if key in cfield:
+                    raise cfield[key].error(f"a container with connection: {connection} is this machine: no {key}")
+            if how.this_machine and lxd is not None:
+                raise cfield["connection"].error(
+                    f"GPU host '{hname}' has an lxd: block, so its containers are LXD containers reached over SSH"
+                )
             deploy_root = cfield["deploy_root"].directory(None)
             container_lxd = None
             if lxd is not None:
@@ -325,15 +345,15 @@ def _check_distinct(top: Field, hosts: dict[str, GpuHost], group_vars: dict[str,
                 raise top["hosts"][h.name]["containers"][c.name]["groups"].error(f"group name '{g}' is a container")
     places: dict[tuple[Any, ...], str] = {}
     for h, c in containers.values():
-        if c.connection == LOCAL:
-            place: tuple[Any, ...] = (LOCAL, c.deploy_root)
+        if c.on_this_machine:
+            place: tuple[Any, ...] = (c.connection, c.deploy_root)
         elif c.address is not None:
             place = (SSH, _one_spelling(c.address), c.ssh.port, h.name if c.jump else None)
         else:
             continue  # discovered through LXD: one container, one address
         if place in places:
             where = top["hosts"][h.name]["containers"][c.name]
-            what = "the same deploy root on this machine" if c.connection == LOCAL else "the same address and port"
+            what = "the same deploy root on this machine" if c.on_this_machine else "the same address and port"
             raise where.error(f"{what} as container '{places[place]}': one place cannot be two containers")
         places[place] = c.name
 

@@ -1,8 +1,8 @@
 """Every target of a run to its connector: SSH unless the inventory says ``connection: local``.
 
-The router above the seam (as mitogen's ``get_connection_class``): ``connector.py`` is the
-interface, ``ssh.py`` and ``local.py`` the two ways of reaching a host. SSH is opened only when a
-target needs it, so paramiko is not imported for a run that is all local.
+The router above the seam (as mitogen's ``get_connection_class``): ``base`` is the interface,
+``CONNECTORS`` the ways of reaching a host. A connector is made only when a target needs it, so
+paramiko is not imported for a run that is all local.
 """
 
 from __future__ import annotations
@@ -10,15 +10,11 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from orchestrator.config.inventory import LOCAL, Inventory, Target
+from orchestrator.config.inventory import Inventory, Target
 from orchestrator.config.localfiles import KNOWN_HOSTS_IS_A_FILE, open_regular
+from orchestrator.connectors import CONNECTORS
 from orchestrator.connectors.base import Command, Connector, Counters, OnStderr, Result, RetryPolicy, Session, Stdin
-
-if TYPE_CHECKING:
-    from orchestrator.connectors.local import LocalConnector
-    from orchestrator.connectors.ssh import SshConnector
 
 
 @dataclass
@@ -30,14 +26,13 @@ class Connections:
     accept_new_host_keys: bool = False
     retry: RetryPolicy | None = None
     connector: Connector | None = None
-    _ssh: SshConnector | None = field(default=None, init=False)
-    _local: LocalConnector | None = field(default=None, init=False)
+    _made: dict[str, Connector] = field(default_factory=dict, init=False)  # by connection name
     _guard: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __post_init__(self) -> None:
         # known_hosts is checked before any host is touched: one that is no file (a FIFO would
         # block the run opening it) is bad input, said once, not as every host's failure.
-        if self.connector is None and any(c.connection != LOCAL for c in self.inventory.containers):
+        if self.connector is None and not all(c.on_this_machine for c in self.inventory.containers):
             fd = open_regular(self.inventory.known_hosts, os.O_RDONLY, KNOWN_HOSTS_IS_A_FILE)
             if fd is not None:
                 os.close(fd)
@@ -46,22 +41,14 @@ class Connections:
         if self.connector is not None:
             return self.connector
         # Every host's thread asks at once when a run starts: one connector each, made once.
+        how = target.container.connection
         with self._guard:
-            if target.container.connection == LOCAL:
-                if self._local is None:
-                    from orchestrator.connectors.local import LocalConnector
-
-                    self._local = LocalConnector()
-                return self._local
-            if self._ssh is None:
-                from orchestrator.connectors.ssh import KnownHosts, SshConnector
-
-                self._ssh = SshConnector(
-                    KnownHosts(self.inventory.known_hosts),
-                    accept_new_host_keys=self.accept_new_host_keys,
-                    retry=self.retry or RetryPolicy(),
+            made = self._made.get(how)
+            if made is None:
+                made = self._made[how] = CONNECTORS[how](
+                    self.inventory, self.accept_new_host_keys, self.retry or RetryPolicy()
                 )
-            return self._ssh
+            return made
 
     def run(
         self,
@@ -80,22 +67,21 @@ class Connections:
         """What reaching the container of this name cost so far (connections, execs, retries)."""
         if self.connector is not None:
             return self.connector.counters(name)
-        local = any(c.name == name and c.connection == LOCAL for c in self.inventory.containers)
-        connector = self._local if local else self._ssh
+        how = next((c.connection for c in self.inventory.containers if c.name == name), None)
+        connector = self._made.get(how) if how is not None else None
         return connector.counters(name) if connector is not None else Counters()
 
     @property
     def accepted_host_keys(self) -> list[str]:
         """The host keys this run trusted for the first time (--accept-new-host-keys), to print and
         record."""
-        return list(self._ssh.known_hosts.accepted) if self._ssh is not None else []
+        # Only a connector that checks host keys (SSH) has any to tell.
+        return [key for c in self._made.values() for key in getattr(c, "accepted_host_keys", ())]
 
     def close(self) -> None:
         """Close what this router opened (a connector given to it is its caller's to close)."""
-        if self._ssh is not None:
-            self._ssh.close()
-        if self._local is not None:
-            self._local.close()
+        for connector in self._made.values():
+            connector.close()
 
     def __enter__(self) -> Connections:
         return self

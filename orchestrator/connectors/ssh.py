@@ -309,6 +309,11 @@ class SshConnector:
 
     # --- public --------------------------------------------------------------------------
 
+    @property
+    def accepted_host_keys(self) -> list[str]:
+        """The host keys this run trusted for the first time (--accept-new-host-keys)."""
+        return list(self.known_hosts.accepted)
+
     def run(
         self,
         target: Target,

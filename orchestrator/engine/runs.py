@@ -119,8 +119,8 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
             push.note(pushed, node.report)
             models.read_weights(playbook, drafter, config, node.report)
             if batch.checks is not None:
+                batch.checks.read(playbook, answers, node.report)
                 build = answers[batch.checks.build]
-                plan.read_checks(playbook, answers[batch.checks.loader], build, node.report)
                 if build.version:
                     builds[node.name] = build.describe()
 
@@ -230,7 +230,7 @@ def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False
         report = node.report
         served.read(answers, report, None if head else unit.role(node))
         if checks is not None:
-            plan.read_checks(playbook, answers.get(checks.loader), answers.get(checks.build), report)
+            checks.read(playbook, answers, report)
         gpu.read(answers, report)
         if probe is not None and probe in answers:
             # held to the READY record's own probe: a fall since READY is found here too

@@ -32,7 +32,7 @@ def gateway_target(playbook: Playbook, inventory: Inventory) -> Target:
             key="gateway.runs_on",
         )
     target = found[0]
-    if target.container.address is None and target.container.connection != "local":
+    if target.container.address is None and not target.container.on_this_machine:
         raise InputError(
             f"{name} needs an address in {inventory.file} (or connection: local): the gateway is reached there",
             file=str(playbook.file),

@@ -134,6 +134,12 @@ class Checks:
         """Whether a playbook has them: a serving Python to ask, and a drafter config to ask about."""
         return playbook.serving.python is not None and playbook.drafter is not None
 
+    def read(self, playbook: Playbook, answers: protocol.Answers, report: HostReport) -> None:
+        """Their gates, from the batch's answers (a check whose op failed is its gate's failure,
+        ``read_failures``): the one place deploy and verify read them, so a check added here is
+        run and judged by both."""
+        read_checks(playbook, answers.get(self.loader), answers.get(self.build), report)
+
 
 class ModelChecks:
     """The model directories of a playbook, read on a host: every file's digest (cached on the

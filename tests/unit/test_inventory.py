@@ -185,3 +185,12 @@ def test_a_local_container_cannot_sit_on_an_lxd_managed_host(tmp_path: Path) -> 
         tmp_path, "hosts:\n  box:\n    lxd: {endpoint: local}\n    containers:\n      me: {connection: local}\n"
     )
     assert "hosts.box.containers.me.connection" in text and "LXD containers reached over SSH" in text
+
+
+def test_every_connection_the_inventory_takes_has_one_connector_and_no_other() -> None:
+    """A way of reaching a host is one row of ``config.inventory.CONNECTIONS`` (what the inventory
+    takes for it) and one row of ``connectors.CONNECTORS`` (its connector), under one name."""
+    from orchestrator.config.inventory import CONNECTIONS
+    from orchestrator.connectors import CONNECTORS
+
+    assert list(CONNECTORS) == list(CONNECTIONS)
