@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from orchestrator.config.inventory import Inventory, load_inventory
     from orchestrator.config.playbook import Playbook, load_playbook
     from orchestrator.deployment import Deployment, select_targets
-    from orchestrator.engine.runner import Observer, RunOptions, Step
+    from orchestrator.engine.observer import Observer, Step
+    from orchestrator.engine.runner import RunOptions
     from orchestrator.results import HostReport, RunReport
 
 __version__ = "0.1.0"
@@ -27,9 +28,9 @@ __version__ = "0.1.0"
 _HOMES = {
     "Deployment": "orchestrator.deployment",
     "select_targets": "orchestrator.deployment",
-    "Observer": "orchestrator.engine.runner",
+    "Observer": "orchestrator.engine.observer",
     "RunOptions": "orchestrator.engine.runner",
-    "Step": "orchestrator.engine.runner",
+    "Step": "orchestrator.engine.observer",
     "HostReport": "orchestrator.results",
     "RunReport": "orchestrator.results",
     "Inventory": "orchestrator.config.inventory",

@@ -29,7 +29,8 @@ from orchestrator.config.inventory import Inventory, Target
 from orchestrator.config.playbook import Playbook
 from orchestrator.connectors.base import Connector
 from orchestrator.engine import runs
-from orchestrator.engine.runner import Observer, RunOptions, Scope
+from orchestrator.engine.observer import Observer
+from orchestrator.engine.runner import RunOptions, Scope
 from orchestrator.errors import InputError, StateError
 from orchestrator.results import RunKind, RunReport
 from orchestrator.rules.plan import new_release_id

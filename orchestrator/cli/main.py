@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import math
 import os
 import re
@@ -58,14 +57,14 @@ from orchestrator.config.playbook import load_playbook
 from orchestrator.config.readers import read_json, read_mapping
 from orchestrator.config.yamlsource import MAX_SECONDS
 from orchestrator.deployment import Deployment
-from orchestrator.engine.runner import Observer, RunOptions
+from orchestrator.engine.observer import Observer
+from orchestrator.engine.runner import RunOptions
 from orchestrator.errors import (
     EXIT_INTERRUPTED,
     EXIT_NOT_READY,
     EXIT_OK,
     InputError,
     OrchestratorError,
-    SandboxError,
 )
 from orchestrator.results import RunKind, RunReport
 from orchestrator.rules import dflash
@@ -557,13 +556,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     db = _state(args)
     try:
-        hosts = fleetreport.collect(
-            db.history(limit=1_000_000, host=args.host), db.samples(args.host), db.transitions(args.host)
-        )
+        hosts = fleetreport.from_store(db, args.host)
     finally:
         db.close()
-    if args.host:
-        hosts = [h for h in hosts if h.name == args.host]
     now = time.time()
     if args.html is not None:
         fleetreport.write_html(args.html, hosts, now)
@@ -656,20 +651,15 @@ def _cmd_history(args: argparse.Namespace) -> int:
 
 
 def _open_sandbox(args: argparse.Namespace) -> SshSandbox | LxdSandbox:
-    from orchestrator.sandbox.lxdhosts import LxdSandbox
-    from orchestrator.sandbox.sshhosts import SshSandbox
+    from orchestrator.sandbox.kind import open_sandbox
 
-    directory = args.dir or DEFAULT_SANDBOX_DIR
-    kind = getattr(args, "kind", None)
-    try:
-        existing = json.loads((directory / "sandbox.json").read_text()).get("kind")
-    except (OSError, ValueError):
-        existing = None
-    if kind and existing and kind != existing:
-        raise SandboxError(f"{directory} holds a {existing} sandbox: run 'orchestrate sandbox down' first")
-    if (kind or existing or "lxd") == "lxd":
-        return LxdSandbox(directory, getattr(args, "prefix", None), getattr(args, "jump_port", None))
-    return SshSandbox(directory, getattr(args, "prefix", None), getattr(args, "subnet", None))
+    return open_sandbox(
+        args.dir,
+        getattr(args, "kind", None),
+        getattr(args, "prefix", None),
+        getattr(args, "jump_port", None),
+        getattr(args, "subnet", None),
+    )
 
 
 def _cmd_sandbox(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
-from orchestrator.engine.runner import Observer, Step
+from orchestrator.engine.observer import Observer, Step
 from orchestrator.results import HostReport, Problem, RunReport
 from orchestrator.rules import dflash
 

@@ -14,9 +14,12 @@ import time
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.config.localfiles import write_output
+
+if TYPE_CHECKING:
+    from orchestrator.store.state import StateDB
 
 SHADED = {"DEGRADED": "#f4c7c3", "DRIFT": "#fce8b2", "DOWN": "#dadce0"}
 SOURCE_COLOURS = {"deploy": "#1a73e8", "rollback": "#9334e6", "verify": "#188038", "watch": "#5f6368"}
@@ -62,6 +65,12 @@ class HostHistory:
             entry = seen.setdefault(rid, {"release_id": rid, "first": run["started"], "runs": 0})
             entry.update(last=run["finished"], runs=entry["runs"] + 1, ready=host["ready"], kind=run["kind"])
         return sorted(seen.values(), key=lambda e: e["first"], reverse=True)
+
+
+def from_store(db: StateDB, host: str | None = None) -> list[HostHistory]:
+    """Every host's history as the store holds it (``host``: that one alone)."""
+    hosts = collect(db.history(limit=1_000_000, host=host), db.samples(host), db.transitions(host))
+    return [h for h in hosts if h.name == host] if host else hosts
 
 
 def collect(

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.deployment import Deployment
-from orchestrator.engine.runner import Observer
+from orchestrator.engine.observer import Observer
 from orchestrator.engine.watcher import WatchGroup
 from orchestrator.rules.watch import READY
 from orchestrator.store.state import LockHeld, StateDB, whoami

@@ -21,7 +21,7 @@ import remote_agent
 from orchestrator import Deployment, Observer, RunOptions, load_inventory, load_playbook
 from orchestrator.config.inventory import Target
 from orchestrator.connectors.fake import FakeConnector, answer
-from orchestrator.engine.runner import Step
+from orchestrator.engine.observer import Step
 from orchestrator.errors import ConnectionLost, InputError
 from orchestrator.results import HostReport
 

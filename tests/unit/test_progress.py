@@ -116,7 +116,7 @@ def test_nothing_a_host_says_reaches_the_terminal_as_control_codes() -> None:
     import io
 
     from orchestrator.cli.render import ProgressPrinter, render_table
-    from orchestrator.engine.runner import Step
+    from orchestrator.engine.observer import Step
     from orchestrator.results import Gate, HostReport, RunReport
 
     evil = "\x1b[2J\x1b]0;owned\x07\r\x9bplain words\ttab"
@@ -142,7 +142,7 @@ def test_a_fleet_that_does_not_fit_the_terminal_is_summarised_live() -> None:
     from rich.console import Console
 
     from orchestrator.cli.render import ProgressPrinter
-    from orchestrator.engine.runner import Step
+    from orchestrator.engine.observer import Step
     from orchestrator.results import Gate, HostReport
 
     out = io.StringIO()
