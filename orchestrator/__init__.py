@@ -3,7 +3,7 @@
 A host is READY only when every gate of the readiness chain has passed on it. The public API:
 load an inventory and a playbook, make a ``Deployment`` of them, then ``deploy``, ``verify``,
 ``rollback``, ``stop`` or ``dry_run`` (a multi-node playbook is run as one group: the library
-decides). An ``Observer`` sees the progress; ``fake.FakeConnector`` answers the agent's ops in a
+decides). An ``Observer`` sees the progress; ``connectors.fake.FakeConnector`` answers the agent's ops in a
 test, without hosts.
 
 The names below load on first use, so that importing one submodule (``orchestrator.cli.main``,

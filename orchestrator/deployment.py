@@ -10,7 +10,7 @@
 The CLI is a thin shell over this class; anything it does, a program can do the same way. Progress
 goes to an ``Observer`` (none by default: a library run is quiet), and the hosts are reached
 through the inventory's connections (SSH, or ``connection: local``) unless a ``connector`` is
-given: a test's ``fake.FakeConnector``, say, which answers the agent's ops in memory.
+given: a test's ``connectors.fake.FakeConnector``, say, which answers the agent's ops in memory.
 
 Given a ``store`` (``StateDB``), a run does what ``orchestrate`` does with it: the store must
 take a record before any host is touched, a run that changes what hosts serve holds its targets'

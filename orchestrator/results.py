@@ -1,6 +1,6 @@
 """What a run found: gates per host, the files each host serves, the run as a whole. Pure data.
 
-Rendering (``report``) and the state database (``state``) read these; they never need the code
+Rendering (``cli.render``) and the state database (``store.state``) read these; they never need the code
 that ran the hosts. The JSON written here is the ``--json`` output and the audit record.
 """
 

@@ -1,7 +1,7 @@
 """``orchestrate``: a thin shell over the library. Parse, dispatch, exit codes.
 
 Each command parses its arguments into the library's values (a ``Deployment``, ``RunOptions``),
-calls it, and hands the result to a renderer of ``report``; progress goes to stderr through the
+calls it, and hands the result to a renderer of ``render``; progress goes to stderr through the
 ``ProgressPrinter`` observer, results to stdout (``--json`` for machines). One interrupt handler
 serves every command: the first Ctrl-C lets what is in flight finish, a second aborts.
 

@@ -2,7 +2,7 @@
 
 Two connectors implement it: ``ssh.SshConnector`` (the default: SSH, with jump hosts) and
 ``local.LocalConnector`` (``connection: local`` in the inventory: this machine, no SSH), the way
-pyinfra's connectors or httpx's transports sit behind one interface. ``connections.Connections``
+pyinfra's connectors or httpx's transports sit behind one interface. ``router.Connections``
 routes each target to its connector; a test passes its own connector instead (as httpx's
 ``MockTransport``). This module is the interface only: it imports no connector.
 """

@@ -126,7 +126,7 @@ class LocalConnector:
 
 
 class LocalSession:
-    """A local process kept running for a conversation (``connector.Session``)."""
+    """A local process kept running for a conversation (``base.Session``)."""
 
     def __init__(self, name: str, proc: subprocess.Popen[bytes]) -> None:
         self._name, self._proc = name, proc

@@ -336,7 +336,7 @@ class SshConnector:
         return retrying(self._run_once, target, command, stdin, timeout, on_stderr)
 
     def open(self, target: Target, command: Command) -> _SshSession:
-        """Start ``command`` for a long conversation (``connector.Session``), over the target's
+        """Start ``command`` for a long conversation (``base.Session``), over the target's
         pooled connection; connecting is retried like ``run``. Keepalives every 15 s find a
         connection that died while the conversation was quiet."""
         counters = self.counters(target.name)
@@ -676,7 +676,7 @@ class SshConnector:
 
 
 class _SshSession:
-    """One command's channel, kept open (``connector.Session``)."""
+    """One command's channel, kept open (``base.Session``)."""
 
     def __init__(self, transport: SshConnector, name: str, chan: paramiko.Channel) -> None:
         self._transport, self._name, self._chan = transport, name, chan

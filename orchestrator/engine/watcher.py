@@ -1,6 +1,6 @@
 """``orchestrate watch``: rounds over every node, each over a session kept for the watch's life.
 
-Each node keeps one connection and one agent process (``agent.AgentSession``): a round is one
+Each node keeps one connection and one agent process (``agent.client.AgentSession``): a round is one
 framed request and answer on that channel, with no SSH handshake or interpreter start. A session
 that fails is closed and opened again at the next round after a backoff (1, 2, 4 ... 60 s); until
 then the node is reported DOWN with why, never skipped. What the rounds mean is ``watch``'s.
