@@ -156,6 +156,12 @@ class Connector(Protocol):
         """What reaching the target of this name cost so far (connections, execs, retries)."""
         ...
 
+    @property
+    def accepted_host_keys(self) -> list[str]:
+        """The host keys this run trusted for the first time (--accept-new-host-keys): only a
+        connector that checks host keys has any."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -122,5 +122,9 @@ class FakeConnector:
         """Execs per target (a fake has no connections to count)."""
         return self._counters.setdefault(name, Counters())
 
+    @property
+    def accepted_host_keys(self) -> list[str]:
+        return []  # no host keys: no hosts
+
     def close(self) -> None:
         """Nothing to close."""

@@ -121,6 +121,10 @@ class LocalConnector:
             raise ConnectionLost(target.name, f"could not start {command.argv[0]}: {exc.strerror or exc}") from exc
         return LocalSession(target.name, proc)
 
+    @property
+    def accepted_host_keys(self) -> list[str]:
+        return []  # this machine: no host key to trust
+
     def close(self) -> None:
         """Nothing is held open between commands (a session is closed by its owner)."""
 

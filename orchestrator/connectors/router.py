@@ -75,8 +75,7 @@ class Connections:
     def accepted_host_keys(self) -> list[str]:
         """The host keys this run trusted for the first time (--accept-new-host-keys), to print and
         record."""
-        # Only a connector that checks host keys (SSH) has any to tell.
-        return [key for c in self._made.values() for key in getattr(c, "accepted_host_keys", ())]
+        return [key for c in self._made.values() for key in c.accepted_host_keys]
 
     def close(self) -> None:
         """Close what this router opened (a connector given to it is its caller's to close)."""
