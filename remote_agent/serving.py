@@ -749,8 +749,13 @@ def op_probe(req):
     started = time.monotonic()
     prompts = req["prompts"]
     warm = max(0, min(req["warm"], len(prompts)))
-    middle = None
+    middle = first = None
     for i, prompt in enumerate(prompts + prompts[:warm]):
+        if 0 < warm == i < len(prompts):
+            # the cold tau of the prompts the warm pass repeats: what the warm pass compares with
+            first_status, first = _http(port, "GET", "/metrics", timeout=30, host=host)
+            if first_status != 200:
+                raise OpError("probe", "GET /metrics in the cold pass failed: %s %s" % (first_status, first[:200]))
         if i == len(prompts):
             middle_status, middle = _http(port, "GET", "/metrics", timeout=30, host=host)
             if middle_status != 200:
@@ -777,6 +782,7 @@ def op_probe(req):
     return {
         "before": before,
         "middle": middle,
+        "first": first,
         "after": after,
         "completions": completions,
         "seconds": round(time.monotonic() - started, 2),

@@ -347,12 +347,14 @@ class Output:
 @dataclass(frozen=True)
 class Scrapes:
     """The probe: /metrics before and after the probe prompts (and, with a warm pass, between the
-    cold pass and the prompts sent again)."""
+    cold pass and the prompts sent again, and in the cold pass after the prompts the warm pass
+    repeats: the cold tau of those same prompts)."""
 
     before: str
     after: str
     seconds: float | None
     middle: str | None = None
+    first: str | None = None
 
 
 # --- operations --------------------------------------------------------------------------------
@@ -889,6 +891,7 @@ def _scrapes(v: dict[str, Any]) -> Scrapes:
         _field(v, "after", str),
         _field(v, "seconds", float, optional=True),
         _field(v, "middle", str, optional=True),
+        _field(v, "first", str, optional=True),
     )
 
 

@@ -714,7 +714,14 @@ def read_probe(
         if not ok:
             detail, reason = said, "acceptance_regressed"
     if scrapes.middle is not None:
-        data["warm"], finding = warm_pass(gate.max_regression, a, scrapes.middle, scrapes.after)
+        # like with like: the cold pass's tau over the prompts the warm pass sends again
+        cold = a
+        if scrapes.first is not None:
+            try:
+                cold = probe.measure(scrapes.before, scrapes.first)
+            except probe.ProbeError:
+                cold = a
+        data["warm"], finding = warm_pass(gate.max_regression, cold, scrapes.middle, scrapes.after)
         if finding is not None and ok and gate.prefix_cache == "strict":
             ok, detail, reason = False, finding, "prefix_cache_acceptance"
         elif finding is not None:
@@ -749,6 +756,7 @@ def warm_pass(
         return data, None
     data["compared"] = "yes"
     cold_tau, warm_tau = cold.mean_acceptance_length, warm.mean_acceptance_length
+    data["cold_mean_acceptance_length"] = round(cold_tau, 3)  # the same prompts, their prefixes cold
     if warm_tau < cold_tau * (1 - max_regression):
         return data, (
             f"with its prefix cached, tau falls to {warm_tau:.2f} from the cold pass's {cold_tau:.2f} "

@@ -185,7 +185,7 @@ def test_the_warm_pass_is_told_apart_and_a_drop_with_cached_prefixes_is_a_findin
     assert warned.ok and warned.data["mean_acceptance_length"] == 8.0  # the cold pass
     assert warned.data["warm"] == {
         "mean_acceptance_length": 5.0, "acceptance_rate": 0.5714, "drafts": 50, "prefix_cache_hits": 192,
-        "prefix_cache_queries": 200, "compared": "yes",
+        "prefix_cache_queries": 200, "compared": "yes", "cold_mean_acceptance_length": 8.0,
     }  # fmt: skip
     assert warned.data["warnings"] == [
         "with its prefix cached, tau falls to 5.00 from the cold pass's 8.00 (192 of 200 prompt tokens from the "
@@ -196,3 +196,40 @@ def test_the_warm_pass_is_told_apart_and_a_drop_with_cached_prefixes_is_a_findin
     # No prefix cache hits (caching off, or prompts shorter than a block): nothing to compare.
     uncached = gate("strict", metrics(150, 1050, 900, [150] * 7) + cache(0, 600))
     assert uncached.ok and uncached.data["warm"]["compared"].startswith("no: ")
+
+
+def test_the_warm_pass_is_compared_with_the_cold_tau_of_the_same_prompts(tmp_path: Path) -> None:
+    """A real drafter's tau differs by prompt (the real pair on the H200: code 2.8, math 3.5, chat
+    1.4; tests/data/gpu/real-pair). The warm pass repeats the first half of the prompts, so held to
+    the cold tau of *all* of them it hides a drop: here the repeated prompts fall from 3.00 to 2.60
+    (13%, more than max_regression) while the whole cold pass says 2.25. The agent scrapes once more
+    inside the cold pass, after the prompts the warm pass repeats, and the gate compares those."""
+    from orchestrator.agent import protocol
+    from orchestrator.config.playbook import load_playbook
+    from orchestrator.results import HostReport
+    from orchestrator.rules import plan
+
+    (tmp_path / "a.txt").write_text("a\n")
+    cache = 'vllm:prefix_cache_hits_total{{engine="0"}} {}\nvllm:prefix_cache_queries_total{{engine="0"}} {}\n'
+    before = metrics(0, 0, 0, [0] * 7) + cache.format(0, 0)
+    first = metrics(100, 700, 200, [60, 40, 30, 30, 20, 10, 10]) + cache.format(0, 300)  # the repeated half: 3.00
+    middle = metrics(400, 2800, 500, [200, 100, 80, 50, 30, 20, 20]) + cache.format(0, 600)  # all: 2.25
+    after = metrics(500, 3500, 660, [270, 140, 100, 60, 40, 25, 25]) + cache.format(250, 900)  # warm: 2.60
+    book = tmp_path / "b.yaml"
+    book.write_text(
+        "name: p\ntargets: [me]\ndeploy_root: /unused\nfiles: [{src: a.txt, dest: a.txt}]\n"
+        "gates: {acceptance: {min_mean_acceptance_length: 1.8, min_drafts: 10, prefix_cache: strict}}\n"
+    )
+    report = HostReport("h")
+    plan.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle, first), report)
+    gate = report.gates["acceptance"]
+    assert gate.data["mean_acceptance_length"] == 2.25  # the thresholds judge the whole cold pass
+    assert gate.data["warm"]["cold_mean_acceptance_length"] == 3.0
+    assert not gate.ok and gate.reason == "prefix_cache_acceptance"
+    assert "tau falls to 2.60 from the cold pass's 3.00" in gate.detail
+    # An agent that sends no such scrape: the whole cold pass, as before (and here no finding).
+    report = HostReport("h")
+    plan.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle), report)
+    assert (
+        report.gates["acceptance"].ok and report.gates["acceptance"].data["warm"]["cold_mean_acceptance_length"] == 2.25
+    )
