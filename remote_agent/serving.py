@@ -756,6 +756,7 @@ def op_probe(req):
             first_status, first = _http(port, "GET", "/metrics", timeout=30, host=host)
             if first_status != 200:
                 raise OpError("probe", "GET /metrics in the cold pass failed: %s %s" % (first_status, first[:200]))
+            first = _families(first, ("vllm:spec_decode",))  # all the comparison reads
         if i == len(prompts):
             middle_status, middle = _http(port, "GET", "/metrics", timeout=30, host=host)
             if middle_status != 200:
@@ -796,10 +797,14 @@ def op_metrics(req):
     status, text = _http(req["port"], "GET", "/metrics", timeout=float(req["timeout"]), host=req["host"])
     if status != 200:
         raise OpError("metrics", "GET /metrics failed: %s %s" % (status, text[:200]))
-    prefixes = tuple(req["prefixes"]) or ("",)
+    return {"text": _families(text, tuple(req["prefixes"]) or ("",))}
+
+
+def _families(text, prefixes):
+    """Only the lines of a /metrics text whose family starts with one of ``prefixes``."""
     kept = []
     for line in text.split("\n"):
         name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
         if name.startswith(prefixes):
             kept.append(line)
-    return {"text": "\n".join(kept) + "\n"}
+    return "\n".join(kept) + "\n"

@@ -714,19 +714,24 @@ def read_probe(
         if not ok:
             detail, reason = said, "acceptance_regressed"
     if scrapes.middle is not None:
-        # like with like: the cold pass's tau over the prompts the warm pass sends again
-        cold = a
-        if scrapes.first is not None:
-            try:
-                cold = probe.measure(scrapes.before, scrapes.first)
-            except probe.ProbeError:
-                cold = a
+        cold = _cold_of_repeated(scrapes, a)
         data["warm"], finding = warm_pass(gate.max_regression, cold, scrapes.middle, scrapes.after)
         if finding is not None and ok and gate.prefix_cache == "strict":
             ok, detail, reason = False, finding, "prefix_cache_acceptance"
         elif finding is not None:
             data["warnings"] = [*data.get("warnings", []), finding]
     report.gates[GATE_ACCEPTANCE] = Gate(ok, detail, data, reason)
+
+
+def _cold_of_repeated(scrapes: protocol.Scrapes, cold: probe.Acceptance) -> probe.Acceptance:
+    """Like with like: the cold pass's acceptance over the prompts the warm pass sends again (the
+    scrape inside the cold pass, after them); the whole cold pass where there is none to read."""
+    if scrapes.first is None:
+        return cold
+    try:
+        return probe.measure(scrapes.before, scrapes.first)
+    except probe.ProbeError:
+        return cold
 
 
 PREFIX_HITS, PREFIX_QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"

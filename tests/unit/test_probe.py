@@ -233,3 +233,55 @@ def test_the_warm_pass_is_compared_with_the_cold_tau_of_the_same_prompts(tmp_pat
     assert (
         report.gates["acceptance"].ok and report.gates["acceptance"].data["warm"]["cold_mean_acceptance_length"] == 2.25
     )
+
+
+def test_the_agent_scrapes_inside_the_cold_pass_after_the_prompts_the_warm_pass_repeats() -> None:
+    """The real agent's probe op against a loopback server whose counters grow by prompt (a code
+    prompt accepts 3 a draft, a chat one none): the scrape inside the cold pass comes after exactly
+    the repeated prompts, holds only the spec-decode families the comparison reads, and the gate
+    compares the warm pass with those prompts' cold tau. A stand-in server, not vLLM: real vLLM
+    serves this path in tests/integration/test_real_pair.py, where the CPU build caches nothing."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from orchestrator.agent import protocol
+    from remote_agent import serving
+
+    counts = {"drafts": 0, "accepted": 0}
+
+    class Server(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _send(self, body: str) -> None:
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            d, acc = counts["drafts"], counts["accepted"]
+            noise = 'vllm:e2e_request_latency_seconds_bucket{le="1.0"} 3\n'
+            self._send(noise + metrics(d, 7 * d, acc, [acc / 3] * 3 + [0] * 4))
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            counts["drafts"] += 10
+            counts["accepted"] += 30 if body["prompt"] == "code" else 0
+            self._send(json.dumps({"usage": {"completion_tokens": 40}}))
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        req = {"host": "127.0.0.1", "port": server.server_address[1], "model": "m", "max_tokens": 40,
+               "timeout": 30, "prompts": ["code", "chat"], "warm": 1}  # fmt: skip
+        answer = serving.op_probe(req)
+    finally:
+        server.shutdown()
+    scrapes = protocol._scrapes(answer)
+    assert scrapes.first is not None and "e2e_request_latency" not in scrapes.first
+    assert probe.measure(scrapes.before, scrapes.first).mean_acceptance_length == 4.0  # "code" alone
+    assert probe.measure(scrapes.before, scrapes.middle or "").mean_acceptance_length == 2.5  # both
+    assert probe.measure(scrapes.middle or "", scrapes.after).mean_acceptance_length == 4.0  # "code" again
