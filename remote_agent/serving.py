@@ -736,27 +736,22 @@ def op_serving_status(req):
 
 @op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER, warm=int)
 def op_probe(req):
-    """Scrape /metrics, run the probe prompts (greedy, fixed budget), scrape again. With ``warm``,
-    the first ``warm`` prompts are sent once more after a scrape in the middle: the second pass
-    finds their prefixes in vLLM's prefix cache, and its acceptance is told apart."""
+    """Scrape /metrics, run the probe prompts (greedy, fixed budget) one at a time, the spec-decode
+    counters read after each (each prompt's acceptance: the bound is over prompts), scrape again.
+    With ``warm``, the first ``warm`` prompts are sent once more after a scrape in the middle: the
+    second pass finds their prefixes in vLLM's prefix cache, and its acceptance is told apart."""
     import json
 
     port, timeout, host = req["port"], float(req["timeout"]), req["host"]
     before_status, before = _http(port, "GET", "/metrics", timeout=30, host=host)
     if before_status != 200:
         raise OpError("probe", "GET /metrics failed: %s %s" % (before_status, before[:200]))
-    completions = []
+    completions, each = [], []
     started = time.monotonic()
     prompts = req["prompts"]
     warm = max(0, min(req["warm"], len(prompts)))
-    middle = first = None
+    middle = None
     for i, prompt in enumerate(prompts + prompts[:warm]):
-        if 0 < warm == i < len(prompts):
-            # the cold tau of the prompts the warm pass repeats: what the warm pass compares with
-            first_status, first = _http(port, "GET", "/metrics", timeout=30, host=host)
-            if first_status != 200:
-                raise OpError("probe", "GET /metrics in the cold pass failed: %s %s" % (first_status, first[:200]))
-            first = _families(first, ("vllm:spec_decode",))  # all the comparison reads
         if i == len(prompts):
             middle_status, middle = _http(port, "GET", "/metrics", timeout=30, host=host)
             if middle_status != 200:
@@ -777,13 +772,20 @@ def op_probe(req):
         except ValueError:
             usage = {}
         completions.append({"tokens": usage.get("completion_tokens")})
+        if i < len(prompts):
+            each_status, scraped = _http(port, "GET", "/metrics", timeout=30, host=host)
+            if each_status != 200:
+                raise OpError(
+                    "probe", "GET /metrics after prompt %d failed: %s %s" % (i + 1, each_status, scraped[:200])
+                )
+            each.append(_families(scraped, ("vllm:spec_decode",)))  # all the per-prompt reading needs
     after_status, after = _http(port, "GET", "/metrics", timeout=30, host=host)
     if after_status != 200:
         raise OpError("probe", "GET /metrics after the probe failed: %s %s" % (after_status, after[:200]))
     return {
         "before": before,
         "middle": middle,
-        "first": first,
+        "each": each,
         "after": after,
         "completions": completions,
         "seconds": round(time.monotonic() - started, 2),

@@ -346,15 +346,22 @@ class Output:
 
 @dataclass(frozen=True)
 class Scrapes:
-    """The probe: /metrics before and after the probe prompts (and, with a warm pass, between the
-    cold pass and the prompts sent again, and in the cold pass after the prompts the warm pass
-    repeats: the cold tau of those same prompts)."""
+    """The probe: /metrics before and after the probe prompts, the spec-decode counters after each
+    prompt of the cold pass, and, with a warm pass, /metrics between the cold pass and the prompts
+    sent again."""
 
     before: str
     after: str
     seconds: float | None
     middle: str | None = None
-    first: str | None = None
+    each: tuple[str, ...] = ()  # after each prompt of the cold pass, in order
+    warm: int = 0  # how many prompts the warm pass sent again
+
+    @property
+    def first(self) -> str | None:
+        """The counters in the cold pass after the prompts the warm pass repeats (the cold tau of
+        those same prompts); None without a warm pass or where they were not read."""
+        return self.each[self.warm - 1] if 0 < self.warm <= len(self.each) else None
 
 
 # --- operations --------------------------------------------------------------------------------
@@ -882,16 +889,20 @@ def probe(
         "timeout": timeout,
         "warm": warm,
     }
-    return Op(request, _scrapes, budget_s=timeout)
+    return Op(request, lambda v: _scrapes(v, min(max(warm, 0), len(prompts)), len(prompts)), budget_s=timeout)
 
 
-def _scrapes(v: dict[str, Any]) -> Scrapes:
+def _scrapes(v: dict[str, Any], warm: int, prompts: int) -> Scrapes:
+    each = _field(v, "each", list)
+    if len(each) != prompts or not all(isinstance(t, str) for t in each):
+        raise AnswerError(f"'each' holds {len(each)} scrapes for {prompts} prompts, or one that is not a text")
     return Scrapes(
         _field(v, "before", str),
         _field(v, "after", str),
         _field(v, "seconds", float, optional=True),
         _field(v, "middle", str, optional=True),
-        _field(v, "first", str, optional=True),
+        tuple(each),
+        warm,
     )
 
 

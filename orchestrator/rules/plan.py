@@ -690,7 +690,7 @@ def read_probe(
     gate = playbook.gates.acceptance
     try:
         # the cold pass is what the thresholds and the history judge
-        a = probe.measure(scrapes.before, scrapes.middle or scrapes.after)
+        a = probe.measure(scrapes.before, scrapes.middle or scrapes.after, scrapes.each)
     except probe.ProbeError as exc:
         report.gates[GATE_ACCEPTANCE] = Gate(False, str(exc), reason=exc.reason)
         return
@@ -699,9 +699,11 @@ def read_probe(
     data: dict[str, Any] = {
         "mean_acceptance_length": tau,
         "mean_acceptance_length_low": round(a.mean_acceptance_length_low, 3),
+        "bound": a.bound_over,
         "acceptance_rate": round(a.rate, 4),
         "drafts": a.drafts,
         "per_position": [round(p, 3) for p in a.per_position],
+        "per_prompt": [round(t, 3) for t in a.per_prompt],
         "seconds": scrapes.seconds,
         # what makes two probes comparable: the same K, prompts and budget, target and weights
         "num_speculative_tokens": playbook.serving.num_speculative_tokens,

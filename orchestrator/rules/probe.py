@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -179,6 +180,15 @@ class Acceptance:
     mean_acceptance_length: float
     mean_acceptance_length_low: float  # 95% lower bound
     per_position: list[float]
+    # Each prompt's tau, where the probe read the counters after each prompt. Then the bound is
+    # over prompts (each prompt's drafts one sample): acceptance within a request is not
+    # independent token by token, and a per-token bound is several times too narrow for it.
+    per_prompt: tuple[float, ...] = ()
+
+    @property
+    def bound_over(self) -> str:
+        """What the 95% bound counts as independent samples, in the user's words."""
+        return f"over {len(self.per_prompt)} prompts" if self.per_prompt else "per token"
 
 
 def deltas(before: Counters, after: Counters) -> Counters | None:
@@ -217,26 +227,31 @@ def unjudgeable(d: Counters) -> str | None:
     return None
 
 
-def acceptance(d: Counters) -> Acceptance | None:
-    """The statistics of counter deltas; None when they hold no drafts."""
+def acceptance(d: Counters, prompts: Sequence[Counters] = ()) -> Acceptance | None:
+    """The statistics of counter deltas; None when they hold no drafts. ``prompts``: the deltas
+    of each prompt alone, where they were read: the bound is then over prompts."""
     drafts, tokens, accepted = int(d.drafts), int(d.draft_tokens), int(d.accepted)
     if drafts == 0 or tokens == 0:
         return None
     k = tokens / drafts
+    clusters = [(int(p.drafts), int(p.accepted)) for p in prompts]
+    low = prompts_low(clusters)
     return Acceptance(
         drafts=drafts,
         draft_tokens=tokens,
         accepted=accepted,
         rate=accepted / tokens,
         mean_acceptance_length=1 + accepted / drafts,
-        mean_acceptance_length_low=1 + k * wilson_low(accepted, tokens),
+        mean_acceptance_length_low=low if low is not None else 1 + k * wilson_low(accepted, tokens),
         per_position=[d.per_pos[p] / drafts for p in sorted(d.per_pos)],
+        per_prompt=tuple(1 + a / n if n else 1.0 for n, a in clusters) if low is not None else (),
     )
 
 
-def measure(before_text: str, after_text: str) -> Acceptance:
+def measure(before_text: str, after_text: str, each: Sequence[str] = ()) -> Acceptance:
     """The acceptance of the traffic between two scrapes; a ProbeError when there is no speculation,
-    a restart or nothing drafted."""
+    a restart or nothing drafted. ``each``: the scrapes after each prompt, in order (the last
+    prompt's may be ``after`` itself), for the bound over prompts."""
     before, after = parse(before_text), parse(after_text)
     if before is None or after is None:
         raise ProbeError(
@@ -248,10 +263,45 @@ def measure(before_text: str, after_text: str) -> Acceptance:
     why = unjudgeable(d)
     if why is not None:
         raise ProbeError(f"acceptance cannot be judged: {why}", UNJUDGEABLE)
-    a = acceptance(d)
+    prompts, last = [], before
+    for i, text in enumerate(each, 1):
+        now = parse(text)
+        if now is None:
+            raise ProbeError(f"the counters read after prompt {i} show no vllm:spec_decode_* series", UNJUDGEABLE)
+        step = deltas(last, now)
+        if step is None:
+            raise ProbeError("a spec-decode counter went down during the probe: the server restarted", RESTARTED)
+        prompts.append(step)
+        last = now
+    a = acceptance(d, prompts)
     if a is None:
         raise ProbeError("the probe produced no drafts: speculative decoding is not running", NO_SPECULATION)
     return a
+
+
+# Student's t, two-sided 95%, for a few degrees of freedom; beyond, its Cornish-Fisher expansion
+# (within 0.003 of the exact value from 11 on).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def t975(df: int) -> float:
+    """Student's t quantile at 0.975 with ``df`` degrees of freedom (df >= 1)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df * df)
+
+
+def prompts_low(clusters: Sequence[tuple[int, int]]) -> float | None:
+    """tau's 95% lower bound with each prompt's (drafts, accepted) one sample: the ratio
+    estimator's variance over clusters (a prompt that drafts well drafts well all along), with
+    Student's t for the few prompts a probe sends. None with fewer than 2 prompts or no drafts."""
+    n, drafts, accepted = len(clusters), sum(c[0] for c in clusters), sum(c[1] for c in clusters)
+    if n < 2 or drafts == 0:
+        return None
+    r = accepted / drafts
+    spread = sum((a - r * d) ** 2 for d, a in clusters) / (n - 1)
+    return max(1.0, 1 + r - t975(n - 1) * math.sqrt(n * spread) / drafts)
 
 
 def wilson_low(successes: int, trials: int, z: float = 1.96) -> float:
@@ -268,7 +318,7 @@ def wilson_low(successes: int, trials: int, z: float = 1.96) -> float:
 def judge(a: Acceptance, min_tau: float, min_rate: float | None, min_drafts: int) -> Judged:
     """The acceptance gate's verdict on these numbers: enough drafts to decide, then tau, then the rate."""
     numbers = (
-        f"tau {a.mean_acceptance_length:.2f} (95% >= {a.mean_acceptance_length_low:.2f}), "
+        f"tau {a.mean_acceptance_length:.2f} (95% >= {a.mean_acceptance_length_low:.2f} {a.bound_over}), "
         f"rate {a.rate:.1%}, {a.drafts} drafts"
     )
     if a.drafts < min_drafts:

@@ -221,13 +221,14 @@ def test_the_warm_pass_is_compared_with_the_cold_tau_of_the_same_prompts(tmp_pat
         "gates: {acceptance: {min_mean_acceptance_length: 1.8, min_drafts: 10, prefix_cache: strict}}\n"
     )
     report = HostReport("h")
-    plan.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle, first), report)
+    each = (first, middle)  # the agent's scrapes after each prompt of the cold pass: two here
+    plan.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle, each, warm=1), report)
     gate = report.gates["acceptance"]
     assert gate.data["mean_acceptance_length"] == 2.25  # the thresholds judge the whole cold pass
     assert gate.data["warm"]["cold_mean_acceptance_length"] == 3.0
     assert not gate.ok and gate.reason == "prefix_cache_acceptance"
     assert "tau falls to 2.60 from the cold pass's 3.00" in gate.detail
-    # An agent that sends no such scrape: the whole cold pass, as before (and here no finding).
+    # Without the scrapes after each prompt: the whole cold pass, as before (and here no finding).
     report = HostReport("h")
     plan.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle), report)
     assert (
@@ -280,8 +281,72 @@ def test_the_agent_scrapes_inside_the_cold_pass_after_the_prompts_the_warm_pass_
         answer = serving.op_probe(req)
     finally:
         server.shutdown()
-    scrapes = protocol._scrapes(answer)
+    scrapes = protocol._scrapes(answer, 1, 2)
+    assert len(scrapes.each) == 2  # after each prompt of the cold pass
+    a = probe.measure(scrapes.before, scrapes.middle or "", scrapes.each)
+    assert a.per_prompt == (4.0, 1.0) and a.bound_over == "over 2 prompts"
     assert scrapes.first is not None and "e2e_request_latency" not in scrapes.first
     assert probe.measure(scrapes.before, scrapes.first).mean_acceptance_length == 4.0  # "code" alone
     assert probe.measure(scrapes.before, scrapes.middle or "").mean_acceptance_length == 2.5  # both
     assert probe.measure(scrapes.middle or "", scrapes.after).mean_acceptance_length == 4.0  # "code" again
+
+
+def _real_pair_prompts() -> list[tuple[int, int]]:
+    """Each held-out prompt's (drafts, accepted) as the real pair's reference loop measured it on
+    the H200 (tests/data/gpu/real-pair/reference.json: 128 tokens a prompt, tau per prompt)."""
+    import json
+
+    data = json.loads((Path(__file__).parent.parent / "data/gpu/real-pair/reference.json").read_text())
+    return [(round(128 / t), round(round(128 / t) * (t - 1))) for t in data["all"]["per_prompt"]]
+
+
+def test_the_bound_over_prompts_holds_where_the_per_token_bound_does_not() -> None:
+    """Acceptance within a request is not independent token by token: a prompt that drafts well
+    drafts well all along (the real pair: tau 1.35 to 4.27 by prompt). Probes of 12 prompts drawn
+    from the real pair's own, 4000 times: the true tau falls below the bound over prompts about as
+    often as a 95% bound allows (one-sided, 2.5%), and below the per-token Wilson bound 4 times in 10."""
+    import random
+
+    population = _real_pair_prompts()
+    true = 1 + sum(a for _, a in population) / sum(d for d, _ in population)
+    rng = random.Random(42)
+    over_prompts = per_token = 0
+    for _ in range(4000):
+        sample = [rng.choice(population) for _ in range(12)]
+        drafts, accepted = sum(d for d, _ in sample), sum(a for _, a in sample)
+        low = probe.prompts_low(sample)
+        assert low is not None
+        over_prompts += low > true
+        per_token += 1 + 7 * probe.wilson_low(accepted, 7 * drafts) > true
+    assert over_prompts / 4000 < 0.04
+    assert per_token / 4000 > 0.3
+
+
+def test_the_probe_reports_the_bound_over_its_prompts() -> None:
+    """Counters read after each prompt: tau per prompt, and the 95% bound over them, said as such.
+    Prompts that all accept alike leave the bound at tau; spread between them widens it; fewer than
+    two prompts fall back to the per-token bound, said as such."""
+    scrapes, drafts, accepted, each = [metrics(0, 0, 0, [0] * 7)], 0, 0, []
+    for d, a in _real_pair_prompts():
+        drafts, accepted = drafts + d, accepted + a
+        each.append(metrics(drafts, 7 * drafts, accepted, [accepted / 7] * 7))
+    a = probe.measure(scrapes[0], each[-1], each)
+    assert len(a.per_prompt) == 12 and min(a.per_prompt) < 1.5 < 4.0 < max(a.per_prompt)
+    assert (
+        a.bound_over == "over 12 prompts" and 1.5 < a.mean_acceptance_length_low < 1.7 < 2.2 < a.mean_acceptance_length
+    )
+    assert "(95% >= 1.60 over 12 prompts)" in probe.judge(a, 1.8, None, 50).detail
+    alike = [metrics(40 * i, 280 * i, 80 * i, [80 * i / 7] * 7) for i in range(1, 5)]
+    same = probe.measure(scrapes[0], alike[-1], alike)
+    assert same.per_prompt == (3.0,) * 4 and same.mean_acceptance_length_low == pytest.approx(3.0)
+    one = probe.measure(scrapes[0], each[0], each[:1])
+    assert one.per_prompt == () and one.bound_over == "per token"
+    with pytest.raises(probe.ProbeError, match="restarted"):
+        probe.measure(scrapes[0], each[-1], [each[1], each[0], each[-1]])  # a counter went down in between
+    with pytest.raises(probe.ProbeError, match="after prompt 2 show no vllm:spec_decode_"):
+        probe.measure(scrapes[0], each[-1], [each[0], "vllm:num_requests_running 0\n", each[-1]])
+
+
+def test_students_t() -> None:
+    for df, t in ((1, 12.706), (5, 2.571), (11, 2.201), (20, 2.086), (30, 2.042), (120, 1.980)):
+        assert probe.t975(df) == pytest.approx(t, abs=0.003)

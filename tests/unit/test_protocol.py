@@ -100,6 +100,7 @@ GOOD = {
     "stop": {"stopped": None, "gone": True},
     "serving_status": {"server": {"pid": 7, "alive": True, "release_id": "R1"}, "health": 200, "ready": None},
     "model_files": {"path": "/m", "files": [], "missing": [], "tokens": {"5": {"kind": "none", "vocab_size": 9}}},
+    "probe": {"before": "", "after": "", "each": [""], "seconds": 1.0},
 }
 MODEL_DIR = GOOD["model_files"]
 BAD = [
@@ -117,6 +118,9 @@ BAD = [
     ("release_switch", {**GOOD["release_switch"], "files": "all of them"}, "'files' is str, expected list"),
     ("release_switch", {**GOOD["release_switch"], "files": ["a"]}, "an item of 'files' is str"),
     ("serving_status", {**GOOD["serving_status"], "server": {"pid": 7}}, "'alive' is missing"),
+    ("probe", {**GOOD["probe"], "each": []}, "'each' holds 0 scrapes for 1 prompts"),
+    ("probe", {**GOOD["probe"], "each": [7]}, "or one that is not a text"),
+    ("probe", {**GOOD["probe"], "each": None}, "'each' is missing"),
 ]
 
 
