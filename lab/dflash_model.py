@@ -257,8 +257,10 @@ def load(path: Path, config: dict[str, Any] | None = None) -> Drafter:
 
 
 def tapped(hidden_states: tuple[torch.Tensor, ...], taps: tuple[int, ...]) -> torch.Tensor:
-    """vLLM's aux hidden states for ``target_layer_ids``: the residual stream after layer i."""
-    return torch.cat([hidden_states[i + 1] for i in taps], dim=-1)
+    """vLLM's aux hidden states for ``target_layer_ids``: the residual stream after layer i, in
+    layer order whatever the config's order (vLLM keeps ``tuple(sorted(set(layers)))``:
+    model_executor/models/interfaces.py, ``_set_aux_hidden_state_layers``)."""
+    return torch.cat([hidden_states[i + 1] for i in sorted(set(taps))], dim=-1)
 
 
 def block_mask(context: int, block: int, causal: bool, device: torch.device, window: int | None = None) -> torch.Tensor:

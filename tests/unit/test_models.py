@@ -87,6 +87,23 @@ def test_the_overlay_serves_the_releases_config_beside_the_model_directorys_weig
     assert "2 links in sync" in host(checked, "solo").gates["models"].detail
 
 
+def test_verify_probe_holds_the_probe_to_the_history_of_the_drafter_it_reads_through_the_links(box: Box) -> None:
+    """verify reads the drafter through the release's links, deploy as a directory: both must name
+    the same acceptance history, or `verify --probe` never compares with the READY record (seen on
+    the H200: every verify said "a new acceptance history" of the very release it probed)."""
+    model_dirs(box)
+    playbook = with_models(box)
+    run = deploy(box, playbook)
+    assert run.ok, host(run, "solo").gates
+    ready = host(run, "solo").gates["acceptance"].data
+    probed = verify(box, playbook, probe=True)
+    data = host(probed, "solo").gates["acceptance"].data
+    assert probed.ok and data["history"] == ready["history"]
+    assert data["regression"] == f"tau 8.00 against 8.00 of the last READY release {run.release_id} (floor 7.20)"
+    drafted = next(m for m in host(probed, "solo").models if m["name"] == "drafter")
+    assert drafted["sha256"] == next(m for m in host(run, "solo").models if m["name"] == "drafter")["sha256"]
+
+
 def test_a_flipped_byte_in_a_weight_file_is_drift_named_by_path(box: Box) -> None:
     _, drafter = model_dirs(box)
     playbook = with_models(box)
@@ -155,7 +172,8 @@ def test_a_planted_digest_cache_line_costs_a_rehash_never_a_pass(box: Box) -> No
     assert verify(box, playbook).ok
     signed = (box.root("solo") / ".digests").read_text().splitlines()
     assert signed and all(len(line.split(" ", 1)[0]) == 64 for line in signed)
-    assert [m["verified"] for m in host(verify(box, playbook), "solo").models] == ["cached"]  # the target's
+    # the target's from the digest cache; the drafter's read through the release's links
+    assert [m["verified"] for m in host(verify(box, playbook), "solo").models] == ["cached", "release"]
 
 
 def test_a_manifest_pins_every_file_and_names_the_one_that_differs(box: Box) -> None:

@@ -74,56 +74,116 @@ def test_vllm_s_cuda_build_serves_the_pair_at_the_reference_tau() -> None:
     assert spread["verify_probe_taus"] == [served["mean_acceptance_length"]] * 3
 
 
-def served_like(reference_tau: float, good_reference: float, good_served: float) -> float:
-    """A fault's tau as the server would give it: the good pair's served tau, scaled by the cost the
-    reference loop measured for the fault."""
-    return good_served * reference_tau / good_reference
+FAULT_VERDICTS = [
+    ("stale-mask", "refused"),  # another token for the mask: nothing accepted
+    ("other-target", "refused"),  # fc's slots trained for other layers (weights: a new history)
+    ("unsorted-taps", "lint"),  # the taps in another order: vLLM taps them in layer order anyway
+    ("k-larger", "lint"),  # K = 15 from a block of 8
+    ("stale-layers", "passes"),  # the stale 64-layer spread, mapped: -1% served
+    ("layer-shift", "passes"),  # one tap off by one: -0.5% served
+    ("sliding", "passes"),  # every layer sliding (causal, 64 tokens): -3.4% served
+    ("stale-bos", "passes"),  # vLLM's DFlash path never reads bos_token_id: 0%
+]
 
 
-@pytest.mark.parametrize(
-    ("fault", "verdict"),
-    [
-        ("stale-mask", "refused"),  # another token for the mask: nothing accepted
-        ("other-target", "refused"),  # the taps in another order: fc reads the wrong layers
-        ("k-larger", "lint"),  # K = 15 from a block of 8
-        ("stale-layers", "passes"),  # the stale 64-layer spread, mapped: -2.3%
-        ("layer-shift", "passes"),  # one tap off by one: -1.3%
-        ("sliding", "passes"),  # every layer sliding (causal, 64 tokens): -2.5%
-        ("stale-bos", "passes"),  # vLLM's DFlash path never reads bos_token_id: -0%
-    ],
-)
-def test_the_gate_refuses_every_fault_that_costs_more_than_max_regression(fault: str, verdict: str) -> None:
-    """Each fault's cost is the reference loop's on the H200 (the same prompts, K = 7 unless said);
-    the verdict is the gate's own rules on it: lint first, then the thresholds of the shipped
-    playbook, then the history of the good release (the same weights, prompts and K)."""
-    faults = load("faults-reference.json")
-    good_served = load("ready-deploy.json")["hosts"][0]["gates"]["acceptance"]
-    good_ref = faults["good"]["all"]["tau"]
+def served(fault: str) -> dict[str, Any]:
+    """The fault as vLLM 0.26.0 served it on the H200 (lab/gpu/served_faults.py), prompts one at a time."""
+    return dict(load("served-faults.json")["cases"][fault]["one_at_a_time_0"])
+
+
+@pytest.mark.parametrize(("fault", "verdict"), FAULT_VERDICTS)
+def test_the_gate_refuses_every_served_fault_that_costs_more_than_max_regression(fault: str, verdict: str) -> None:
+    """Each fault served by vLLM's CUDA build on the H200, its counters read as the probe reads
+    them; the verdict is the gate's own rules on them: lint first, then the shipped playbook's
+    thresholds, then the history of the good release served the same way (a config fault keeps the
+    weights, so the history; a weights fault starts a new one and only the thresholds hold it)."""
+    faults = load("served-faults.json")["cases"]
+    good = served("good")
     book = yaml.safe_load((REPO / "playbooks" / "smollm2-dflash.yaml").read_text())
     gate = book["gates"]["acceptance"]
     config = json.loads((DRAFTER / "config.json").read_text())
+    fault_config = {
+        "unsorted-taps": config | {"dflash_config": config["dflash_config"]
+                                   | {"target_layer_ids": config["dflash_config"]["target_layer_ids"][::-1]}},
+    }.get(fault, config)  # fmt: skip
     k = faults[fault]["k"]
-    errors = [p.rule for p in dflash.lint(config, num_speculative_tokens=k) if p.severity == "error"]
+    errors = [p.rule for p in dflash.lint(fault_config, num_speculative_tokens=k) if p.severity == "error"]
     if verdict == "lint":
-        assert errors == ["speculative_tokens"]
+        assert errors == {"k-larger": ["speculative_tokens"], "unsorted-taps": ["target_layers"]}[fault]
         return
     assert errors == []
-    tau = served_like(faults[fault]["all"]["tau"], good_ref, good_served["mean_acceptance_length"])
-    drafts = faults[fault]["all"]["drafts"]
-    accepted = round((tau - 1) * drafts)
-    a = probe.Acceptance(drafts, drafts * k, accepted, accepted / (drafts * k), tau, tau, [])
+    now = served(fault)
+    a = probe.Acceptance(now["drafts"], now["draft_tokens"], now["accepted"], now["accepted"] / now["draft_tokens"],
+                         now["tau"], now["low"], [], tuple(now["per_prompt"]))  # fmt: skip
     ok, _, _ = probe.judge(a, gate["min_mean_acceptance_length"], None, gate["min_drafts"])
-    now = {
-        "mean_acceptance_length": tau,
-        "history": good_served["history"],
-        "num_speculative_tokens": k,
-        "prompts_sha256": good_served["prompts_sha256"],
-    }
-    last_ready = {"release_id": "good", "gates": {"acceptance": good_served}}
-    held, said = plan.regression(MAX_REGRESSION, now, last_ready)
-    cost = 1 - tau / good_served["mean_acceptance_length"]
+    history = {"good": "the good weights", "other": "weights whose fc reads other layers"}
+    data = {"mean_acceptance_length": now["tau"], "num_speculative_tokens": k, "prompts_sha256": "held-out"}
+    last_ready = {"release_id": "good", "gates": {"acceptance": {
+        "mean_acceptance_length": good["tau"], "num_speculative_tokens": 7, "prompts_sha256": "held-out",
+        "history": history["good"]}}}  # fmt: skip
+    data["history"] = history["other" if fault == "other-target" else "good"]
+    held, said = plan.regression(MAX_REGRESSION, data, last_ready)
+    cost = 1 - now["tau"] / good["tau"]
     assert (ok and held) == (verdict == "passes"), (fault, cost, said)
-    assert held == (cost <= MAX_REGRESSION), (fault, cost, said)
+    if fault == "other-target":
+        assert held and said.startswith("a new acceptance history") and not ok  # min tau refuses it
+    else:
+        assert held == (cost <= MAX_REGRESSION), (fault, cost, said)
+
+
+@pytest.mark.parametrize("fault", [f for f, _ in FAULT_VERDICTS if f != "unsorted-taps"])
+def test_each_fault_costs_served_what_the_reference_loop_says(fault: str) -> None:
+    """The offline loop predicted each fault's cost, vLLM's counters confirm it within 3 points
+    (the served pair is eager here: its good tau is 2.31 against the reference's 2.24). The
+    reference's ``other-target`` was measured as the taps reversed in the config, the same
+    arithmetic as the fc's blocks reversed in the weights that vLLM served."""
+    reference = load("faults-reference.json")
+    ref_cost = 1 - reference[fault]["all"]["tau"] / reference["good"]["all"]["tau"]
+    cost = 1 - served(fault)["tau"] / served("good")["tau"]
+    assert abs(cost - ref_cost) <= 0.03, (fault, cost, ref_cost)
+
+
+def test_vllm_taps_the_layers_in_layer_order_whatever_the_config_says() -> None:
+    """The taps reversed in the config gave exactly the good pair's counts: vLLM keeps
+    ``tuple(sorted(set(layers)))`` (model_executor/models/interfaces.py). So a drafter trained with
+    its taps in another order is read in the wrong slots: lint refuses the order (an error, since
+    the loss is total: ``other-target``, the same arithmetic, costs 55%)."""
+    assert served("unsorted-taps") == served("good") | {"seconds": served("unsorted-taps")["seconds"]}
+    assert 1 - served("other-target")["tau"] / served("good")["tau"] > 0.5
+
+
+def test_one_build_gives_the_same_counts_at_batch_1_and_12_and_again() -> None:
+    """Greedy decoding of fixed prompts on one build: the good pair twice, one prompt at a time and
+    all 12 at once, gives one tau; the faults moved by at most 0.2% between batch sizes."""
+    cases = load("served-faults.json")["cases"]
+    good = cases["good"]
+    taus = {good[f"{mode}_{i}"]["tau"] for mode in ("one_at_a_time", "all_at_once") for i in (0, 1)}
+    assert taus == {good["one_at_a_time_0"]["tau"]}
+    for fault, case in cases.items():
+        one, all_ = case["one_at_a_time_0"]["tau"], case["all_at_once_0"]["tau"]
+        assert abs(one - all_) <= 0.002 * one, fault
+
+
+def test_the_h200_gate_reports_the_bound_over_its_prompts_and_never_refused_the_good_pair() -> None:
+    """The agent reading the counters after each prompt, on the H200: READY, then 20 `verify --probe`
+    of the same server, each exit 0 with the same tau; the gate's bound is over the 12 prompts, far
+    below the per-token one, and the per-prompt taus average to what the reference loop gives."""
+    gates = load("bound/ready-deploy.json")["hosts"][0]["gates"]
+    acc = gates["acceptance"]
+    assert gates["ready"]["ok"] and acc["bound"] == "over 12 prompts" and len(acc["per_prompt"]) == 12
+    assert "(95% >= 1.66 over 12 prompts)" in acc["detail"]
+    per_token = 1 + 7 * probe.wilson_low(round(acc["acceptance_rate"] * acc["drafts"] * 7), acc["drafts"] * 7)
+    assert acc["mean_acceptance_length_low"] < per_token - 0.4
+    probes = json.loads((GPU / "bound" / "verify-probes.json").read_text())["verify_probe_taus"]
+    assert probes == [acc["mean_acceptance_length"]] * 20
+    timings = load("bound/timings-probes.json")
+    assert [timings[f"verify-probe-{i}"]["exit"] for i in range(20)] == [0] * 20
+    verified = load("bound/verify-probe-0.json")["hosts"][0]["gates"]["acceptance"]
+    assert verified["ok"] and verified["per_prompt"] == acc["per_prompt"]
+    # These verify runs named "a new acceptance history" for the very release they probed (verify read
+    # the drafter through the links, deploy as a directory): the defect they found, fixed since and
+    # held by tests/unit/test_models.py's test_verify_probe_holds_the_probe_to_the_history...
+    assert verified["regression"].startswith("a new acceptance history")
 
 
 def test_the_sandbox_playbook_probes_with_the_held_out_prompts() -> None:
