@@ -1,0 +1,182 @@
+"""The speed-up gate's arithmetic, pure: the same load (concurrency, prompts, greedy, a fixed
+output length) run against the target alone (the baseline arm) and with the drafter (the drafter
+arm), repeated; per concurrency the output tokens per second of each arm, their spread, the
+speed-up with its 95% lower bound, and the verdict against ``gates.speedup.min``.
+
+    total tokens/s     = sum(output tokens) / wall seconds of the run      (what the host serves)
+    per request        = (tokens - 1) / (seconds - time to first token)    (what a user waits on)
+    speed-up           = drafter arm's mean total tokens/s / the baseline's, per concurrency
+
+Published DFlash speed-ups fall with load (2.8x at 1 request to 2.4x at 8 on one model; 2.7x to
+1.0x on another): acceptance says the drafter's tokens are kept, not that keeping them pays at the
+fleet's load. So the verdict is per concurrency, and a level where acceptance is fine but the
+speed-up is absent is told apart from a level where acceptance itself is low.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from orchestrator.rules.probe import t975
+
+# Why the speed-up gate fails, as codes (``Gate.reason``; the diagnosis reads them).
+NO_SPEEDUP = "speedup_absent"  # acceptance fine, speculation does not pay at this load
+LOW_ACCEPTANCE = "speedup_low_acceptance"  # the drafter's tokens are not kept: acceptance's finding
+UNMEASURED = "speedup_unmeasured"  # an arm has no runs at a level the playbook asks for
+# A spread above this (relative standard deviation of one arm's repeats) widens the bound, said.
+STEADY = 0.05
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a load run: output tokens, seconds from send to last token, and to the first."""
+
+    tokens: int
+    seconds: float
+    first_token_s: float | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """The request's own decode speed, after its first token (None: too short to say)."""
+        if self.first_token_s is None or self.tokens < 2 or self.seconds <= self.first_token_s:
+            return None
+        return (self.tokens - 1) / (self.seconds - self.first_token_s)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One load run at one concurrency: every request, and the run's wall time."""
+
+    concurrency: int
+    wall_s: float
+    requests: tuple[Request, ...]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(r.tokens for r in self.requests) / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm's repeats at one concurrency: the mean total tokens/s and its spread."""
+
+    concurrency: int
+    runs: tuple[Run, ...]
+
+    @property
+    def mean(self) -> float:
+        return sum(r.tokens_per_s for r in self.runs) / len(self.runs)
+
+    @property
+    def spread(self) -> float:
+        """The repeats' relative standard deviation (0 with one run: unknown, said by ``n``)."""
+        n = len(self.runs)
+        if n < 2 or self.mean <= 0:
+            return 0.0
+        sd = math.sqrt(sum((r.tokens_per_s - self.mean) ** 2 for r in self.runs) / (n - 1))
+        return sd / self.mean
+
+    def percentile(self, q: float, what: str = "first_token_s") -> float | None:
+        """A percentile (nearest rank) of the requests' time to first token, or their decode speed."""
+        if what == "first_token_s":
+            values = sorted(r.first_token_s for run in self.runs for r in run.requests if r.first_token_s is not None)
+        else:
+            values = sorted(v for run in self.runs for r in run.requests if (v := r.decode_tokens_per_s) is not None)
+        if not values:
+            return None
+        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+@dataclass(frozen=True)
+class Level:
+    """The speed-up at one concurrency: both arms' numbers and the ratio with its 95% lower bound."""
+
+    concurrency: int
+    baseline: float  # total tokens/s
+    drafter: float
+    speedup: float
+    low: float  # 95% lower bound of the speed-up
+    spread: float  # the larger of the two arms' relative spreads
+    repeats: tuple[int, int]  # (baseline runs, drafter runs)
+
+    @property
+    def steady(self) -> bool:
+        return self.spread <= STEADY
+
+
+def level(baseline: Arm, drafter: Arm) -> Level:
+    """Both arms at one concurrency: the ratio of means, and its lower bound from each arm's
+    repeats (the delta method: the ratio's relative variance is the sum of the arms' relative
+    variances of their means), Student's t on the fewer repeats. One run an arm: no bound."""
+    ratio = drafter.mean / baseline.mean if baseline.mean > 0 else 0.0
+    n = min(len(baseline.runs), len(drafter.runs))
+    if n >= 2:
+        rel_se = math.sqrt(baseline.spread**2 / len(baseline.runs) + drafter.spread**2 / len(drafter.runs))
+        low = ratio * max(0.0, 1 - t975(n - 1) * rel_se)
+    else:
+        low = ratio
+    return Level(
+        concurrency=drafter.concurrency,
+        baseline=baseline.mean,
+        drafter=drafter.mean,
+        speedup=ratio,
+        low=low,
+        spread=max(baseline.spread, drafter.spread),
+        repeats=(len(baseline.runs), len(drafter.runs)),
+    )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    detail: str
+    reason: str = ""
+    levels: tuple[Level, ...] = ()
+
+
+def judge(
+    levels: Sequence[Level], minimum: float, tau: float | None = None, min_tau: float | None = None, k: int = 0
+) -> Verdict:
+    """The gate: every concurrency at ``minimum`` or above. A level below it is told apart by
+    acceptance (``tau`` against ``min_tau``): low acceptance is acceptance's finding; acceptance
+    fine with no speed-up is the drafter's cost at that load (K drafted a step, tau kept)."""
+    said = "; ".join(_numbers(lv) for lv in levels)
+    if not levels:
+        return Verdict(False, "no load was measured", UNMEASURED)
+    unsteady = [lv for lv in levels if not lv.steady]
+    if unsteady:
+        said += "; " + ", ".join(
+            f"at {lv.concurrency} the repeats spread {lv.spread:.0%} (over {STEADY:.0%}): the bound is widened by it"
+            for lv in unsteady
+        )
+    slow = [lv for lv in levels if lv.speedup < minimum]
+    if not slow:
+        return Verdict(True, said, levels=tuple(levels))
+    at = ", ".join(str(lv.concurrency) for lv in slow)
+    if tau is not None and min_tau is not None and tau < min_tau:
+        return Verdict(
+            False,
+            f"speed-up below {minimum:g} at concurrency {at}, and acceptance is low (tau {tau:.2f} < {min_tau:g}): "
+            f"the drafter's tokens are not kept. {said}",
+            LOW_ACCEPTANCE,
+            tuple(levels),
+        )
+    kept = f"tau {tau:.2f} of K = {k} drafted" if tau is not None and k else "acceptance fine"
+    return Verdict(
+        False,
+        f"speed-up below {minimum:g} at concurrency {at} with acceptance fine ({kept}): speculation does not pay "
+        f"at this load (the drafter's cost per step outweighs what it keeps: a lower K, less load per host, or no "
+        f"speculation here). {said}",
+        NO_SPEEDUP,
+        tuple(levels),
+    )
+
+
+def _numbers(lv: Level) -> str:
+    bound = f", 95% >= {lv.low:.2f}" if lv.repeats[0] > 1 and lv.repeats[1] > 1 else ", one run an arm: no bound"
+    return (
+        f"at {lv.concurrency}: {lv.speedup:.2f}x ({lv.drafter:.0f} against {lv.baseline:.0f} tokens/s{bound}, "
+        f"n = {lv.repeats[0]}+{lv.repeats[1]})"
+    )
