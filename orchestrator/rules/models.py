@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from orchestrator.agent import protocol
@@ -61,6 +62,11 @@ def _drift(model: Model, found: protocol.ModelFiles, pinned: dict[str, str] | No
     return drift, changed, f"release {found.release_id}"
 
 
+def directory_digest(files: Iterable[tuple[str, str | None]]) -> str:
+    """A model directory as one digest: its files' ``sha256sum`` lines, sorted by path."""
+    return hashlib.sha256("".join(f"{sha}  {path}\n" for path, sha in sorted(files)).encode()).hexdigest()
+
+
 def _summary(model: Model, found: protocol.ModelFiles, drift: list[str], changed: bool) -> dict[str, Any]:
     return {
         "name": model.role,
@@ -71,22 +77,19 @@ def _summary(model: Model, found: protocol.ModelFiles, drift: list[str], changed
         "verified": "hashed" if any(f.verified == "hashed" for f in found.files) else "cached",
         "drift": drift,
         # the directory as one digest: the acceptance history follows it
-        "sha256": hashlib.sha256(
-            "".join(f"{f.sha256}  {f.path}\n" for f in sorted(found.files, key=lambda f: f.path)).encode()
-        ).hexdigest(),
+        "sha256": directory_digest((f.path, f.sha256) for f in found.files),
     }
 
 
 def _linked_summary(model: Model, links: tuple[protocol.ServedFile, ...]) -> dict[str, Any]:
     """The drafter as verify finds it through the release's links: the same directory digest as
     ``_summary`` gives deploy for the same files (each link's path, relative to the overlay)."""
-    files = sorted((link.path.split("/", 1)[-1], link.sha256) for link in links)
     return {
         "name": model.role,
         "path": model.path,
-        "files": len(files),
+        "files": len(links),
         "verified": "release",
-        "sha256": hashlib.sha256("".join(f"{sha}  {path}\n" for path, sha in files).encode()).hexdigest(),
+        "sha256": directory_digest((link.path.split("/", 1)[-1], link.sha256) for link in links),
     }
 
 
