@@ -120,7 +120,7 @@ class Deployment:
         return self._scope(self.options)
 
     def _scope(self, options: RunOptions) -> Scope:
-        return Scope(self.playbook, self.inventory, self.targets, options, self.observer, self.connector)
+        return Scope(self.playbook, self.inventory, self.targets, options, self.observer, self.connector, self.store)
 
     def deploy(self) -> RunReport:
         """Lint, push and check the release on every target, start the server and prove it (health,
@@ -129,12 +129,16 @@ class Deployment:
         options = replace(self.options, release_id=self.options.release_id or new_release_id())
         return self._run(RunKind.DEPLOY, lambda: runs.deploy(self._scope(options)), f"release {options.release_id}")
 
-    def verify(self, *, probe: bool = False, rehash: bool = False, engine: bool = False) -> RunReport:
+    def verify(
+        self, *, probe: bool = False, rehash: bool = False, engine: bool = False, speedup: bool = False
+    ) -> RunReport:
         """Read what every target serves and check it (never writes). ``probe``: prove acceptance
         again on live traffic; ``rehash``: hash every model file instead of trusting the cache;
-        ``engine``: the installed vLLM's verdict on the served command (the engine gate)."""
+        ``engine``: the installed vLLM's verdict on the served command (the engine gate);
+        ``speedup``: the speed-up gate's drafter arm again, against the baseline in ``store``."""
         return self._run(
-            RunKind.VERIFY, lambda: runs.verify(self.scope, probe_acceptance=probe, rehash=rehash, engine=engine)
+            RunKind.VERIFY,
+            lambda: runs.verify(self.scope, probe_acceptance=probe, rehash=rehash, engine=engine, speedup=speedup),
         )
 
     def rollback(self, *, to: str | None = None) -> RunReport:

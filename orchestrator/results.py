@@ -73,6 +73,7 @@ GATE_BUILD = "build"
 GATE_ENGINE = "engine"  # the installed vLLM's own verdict on the exact command, before launch
 GATE_HEALTH = "health"
 GATE_ACCEPTANCE = "acceptance"
+GATE_SPEEDUP = "speedup"  # speculation pays at the fleet's load: the drafter arm against the baseline
 GATE_GATEWAY = "gateway"  # drained before the stop, and served through the gateway before READY
 GATE_READY = "ready"
 GATE_BAKE = "bake"  # the canary's live acceptance and gateway errors, watched before the next batch

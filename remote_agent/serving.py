@@ -792,6 +792,141 @@ def op_probe(req):
     }
 
 
+@op("load", host=str, port=int, model=str, prompts=list, max_tokens=int, concurrency=int, requests=int, timeout=NUMBER)
+def op_load(req):
+    """A load run for the speed-up gate: ``requests`` greedy completions of a fixed length (the
+    prompts in turn), ``concurrency`` in flight at a time, each streamed so that its first token
+    is timed. Per request: output tokens, seconds, seconds to the first token (or why it failed);
+    and the run's wall time. Bounded by ``timeout`` in all."""
+    import threading
+
+    port, host, prompts = req["port"], req["host"], req["prompts"]
+    if not prompts or req["concurrency"] < 1 or req["requests"] < 1:
+        raise OpError("load", "nothing to send: prompts, concurrency and requests must not be empty")
+    deadline = time.monotonic() + float(req["timeout"])
+    results = [None] * req["requests"]
+    lock = threading.Lock()
+    todo = iter(range(req["requests"]))
+
+    def worker():
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            body = {
+                "model": req["model"],
+                "prompt": prompts[i % len(prompts)],
+                "max_tokens": req["max_tokens"],
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            results[i] = _streamed(host, port, _dumps(body).encode("utf-8"), deadline)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(req["concurrency"], req["requests"]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + 1.0)
+    wall = time.monotonic() - started
+    unfinished = {"tokens": 0, "seconds": round(wall, 4), "first_token_s": None, "error": "not finished in time"}
+    return {"wall_s": round(wall, 4), "requests": [r if r is not None else unfinished for r in results]}
+
+
+def _streamed(host, port, data, deadline):
+    """One streamed completion: its output tokens (the final usage chunk's, else the chunks that
+    carried text), seconds in all and to the first text. Every read is bounded by ``deadline``
+    (a socket timeout, not a signal: requests run in threads)."""
+    import json
+    import socket
+
+    started = time.monotonic()
+    out = {"tokens": 0, "seconds": None, "first_token_s": None, "error": None}  # type: dict
+
+    def left():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("past the run's deadline")
+        return remaining
+
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=left())
+    except OSError as exc:
+        out.update(error=str(exc), seconds=round(time.monotonic() - started, 4))
+        return out
+    try:
+        authority = "[%s]:%d" % (host, port) if ":" in host else "%s:%d" % (host, port)
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: %s\r\nConnection: close\r\nAccept: text/event-stream\r\n"
+            "Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (authority, len(data))
+        )
+        sock.sendall(head.encode("latin-1") + data)
+        answer = sock.makefile("rb")
+        sock.settimeout(left())
+        status = answer.readline(65537).split(None, 2)
+        chunked = False
+        while True:
+            sock.settimeout(left())
+            line = answer.readline(65537)
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            chunked = chunked or (name.strip().lower() == "transfer-encoding" and "chunked" in value.lower())
+        if len(status) < 2 or status[1] != b"200":
+            out["error"] = "HTTP %s" % (status[1].decode("latin-1", "replace") if len(status) > 1 else "?")
+            return out
+        chunks, usage, pending = 0, None, b""
+        for piece in _pieces(answer, chunked, sock, left):
+            pending += piece
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    continue
+                try:
+                    event = json.loads(payload)
+                except ValueError:
+                    continue
+                text = "".join(c.get("text") or "" for c in event.get("choices") or [] if isinstance(c, dict))
+                if text:
+                    chunks += 1
+                    if out["first_token_s"] is None:
+                        out["first_token_s"] = round(time.monotonic() - started, 4)
+                if isinstance(event.get("usage"), dict) and isinstance(event["usage"].get("completion_tokens"), int):
+                    usage = event["usage"]["completion_tokens"]
+        out["tokens"] = usage if usage is not None else chunks
+    except (OSError, ValueError) as exc:
+        out["error"] = str(exc) or type(exc).__name__
+    finally:
+        out["seconds"] = round(time.monotonic() - started, 4)
+        sock.close()
+    return out
+
+
+def _pieces(answer, chunked, sock, left):
+    """The body as it arrives: chunk by chunk (chunked), else read by read to the end."""
+    while True:
+        sock.settimeout(left())
+        if not chunked:
+            piece = answer.read1(65536)
+            if not piece:
+                return
+            yield piece
+            continue
+        size = int(answer.readline(1026).split(b";", 1)[0].strip() or b"0", 16)
+        if size == 0:
+            return
+        piece = answer.read(size)
+        answer.readline(3)  # the chunk's CRLF
+        yield piece
+
+
 @op("metrics", host=str, port=int, prefixes=list, timeout=NUMBER)
 def op_metrics(req):
     """Read-only: the server's spec-decode counters as /metrics shows them now (only the lines of

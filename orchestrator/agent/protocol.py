@@ -40,6 +40,7 @@ from orchestrator.results import (
     GATE_MODELS,
     GATE_RAY,
     GATE_READY,
+    GATE_SPEEDUP,
     GATE_STOPPED,
 )
 
@@ -906,6 +907,63 @@ def _scrapes(v: dict[str, Any], warm: int, prompts: int) -> Scrapes:
     )
 
 
+@dataclass(frozen=True)
+class Sent:
+    """load: one request as the agent timed it (``error``: why it gave no whole answer)."""
+
+    tokens: int
+    seconds: float
+    first_token_s: float | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """load: every request of one load run, and the run's wall time."""
+
+    wall_s: float
+    requests: tuple[Sent, ...]
+
+
+def load(
+    port: int,
+    model: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    concurrency: int,
+    requests: int,
+    timeout: float,
+    host: str = LOOPBACK,
+) -> Op[Loaded]:
+    """A load run: ``requests`` greedy streamed completions of ``max_tokens``, ``concurrency`` at
+    a time, each timed (the speed-up gate's arms)."""
+    request = {
+        "op": "load",
+        "host": host,
+        "port": port,
+        "model": model,
+        "prompts": list(prompts),
+        "max_tokens": max_tokens,
+        "concurrency": concurrency,
+        "requests": requests,
+        "timeout": timeout,
+    }
+    return Op(request, _loaded, budget_s=timeout)
+
+
+def _loaded(v: dict[str, Any]) -> Loaded:
+    sent = tuple(
+        Sent(
+            _field(r, "tokens", int),
+            _field(r, "seconds", float),
+            _field(r, "first_token_s", float, optional=True),
+            _field(r, "error", str, optional=True),
+        )
+        for r in _items(v, "requests")
+    )
+    return Loaded(_field(v, "wall_s", float), sent)
+
+
 def metrics(port: int, prefixes: Sequence[str], timeout: float = 10.0, host: str = LOOPBACK) -> Op[str]:
     """The server's /metrics now, only the lines of the families named by ``prefixes``."""
     request = {"op": "metrics", "host": host, "port": port, "prefixes": list(prefixes), "timeout": timeout}
@@ -1127,6 +1185,7 @@ OPS = (
     OpSpec("wait_health", "serving", GATE_HEALTH, "waiting for health", wait_health),
     OpSpec("serving_status", "serving", GATE_HEALTH, "reading the server's status", serving_status),
     OpSpec("probe", "serving", GATE_ACCEPTANCE, "probing acceptance", probe),
+    OpSpec("load", "serving", GATE_SPEEDUP, "sending the speed-up load", load),
     OpSpec("metrics", "serving", GATE_ACCEPTANCE, "reading the server's metrics", metrics),
     OpSpec("loader_view", "checks", GATE_LOADER, "loading the drafter config with transformers", loader_view),
     OpSpec("vllm_build", "checks", GATE_BUILD, "reading the vLLM build", vllm_build),

@@ -251,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         "before a restart finds out); seconds to a minute per host",
     )
     v.add_argument(
+        "--speedup",
+        action="store_true",
+        help="also send the speed-up gate's load again and judge it against the baseline the state store keeps "
+        "(gates.speedup; a deploy's canary measured it)",
+    )
+    v.add_argument(
         "--rehash",
         action="store_true",
         help="hash every model file again instead of trusting the host's digest cache (reads all of each model)",
@@ -433,7 +439,9 @@ def _run(args: argparse.Namespace, kind: RunKind, deployment: Deployment, option
         RunKind.DRY_RUN: deployment.dry_run,
         RunKind.DEPLOY: deployment.deploy,
         RunKind.STOP: deployment.stop,
-        RunKind.VERIFY: lambda: deployment.verify(probe=args.probe, rehash=args.rehash, engine=args.engine),
+        RunKind.VERIFY: lambda: deployment.verify(
+            probe=args.probe, rehash=args.rehash, engine=args.engine, speedup=args.speedup
+        ),
         RunKind.ROLLBACK: lambda: deployment.rollback(to=args.to_release),
     }[kind]
 

@@ -188,6 +188,19 @@ class NcclGate:
 
 
 @dataclass(frozen=True)
+class SpeedupGate:
+    """Does speculation pay at the fleet's load: the same greedy load, at each ``concurrency``, with
+    and without the drafter; the drafter arm's output tokens per second at least ``min`` times the
+    baseline's at every level (orchestrator/rules/speedup.py)."""
+
+    concurrency: tuple[int, ...] = (1, 8)
+    min: float = 1.1
+    max_tokens: int = 256
+    repeats: int = 3  # runs an arm at each concurrency: the spread, and the bound
+    prompts: tuple[str, ...] = ()  # the acceptance probe's unless set
+
+
+@dataclass(frozen=True)
 class Gates:
     """Every threshold of the readiness chain that the playbook sets."""
 
@@ -196,6 +209,7 @@ class Gates:
     # watch's judgement of production traffic: the acceptance gate's thresholds unless set apart
     # (traffic sampled at temperature > 0 accepts fewer drafted tokens than the greedy probe).
     live: AcceptanceGate = AcceptanceGate()
+    speedup: SpeedupGate | None = None  # no speed-up gate unless the playbook asks for one
 
 
 @dataclass(frozen=True)
@@ -621,8 +635,26 @@ def _rate(f: Field, default: float | None) -> float | None:
     return rate
 
 
+def _speedup(f: Field) -> SpeedupGate | None:
+    if not f.present:
+        return None
+    g = f.mapping({"concurrency", "min", "max_tokens", "repeats", "prompts"})
+    levels = g["concurrency"].int_list(list(SpeedupGate.concurrency))
+    if not levels or any(not 1 <= c <= 4096 for c in levels) or len(set(levels)) != len(levels):
+        raise g["concurrency"].error(f"distinct request counts from 1 to 4096, got {g['concurrency'].value}")
+    minimum = _above(g["min"], SpeedupGate.min, 0.0, "a speed-up is never below 0, so it would pass any drafter")
+    assert minimum is not None
+    return SpeedupGate(
+        concurrency=tuple(sorted(levels)),
+        min=minimum,
+        max_tokens=g["max_tokens"].int(SpeedupGate.max_tokens, minimum=1, maximum=4096),
+        repeats=g["repeats"].int(SpeedupGate.repeats, minimum=1, maximum=20),
+        prompts=tuple(g["prompts"].str_list(())),
+    )
+
+
 def _gates(f: Field) -> Gates:
-    f.mapping({"acceptance", "nccl", "live"})
+    f.mapping({"acceptance", "nccl", "live", "speedup"})
     nccl = f["nccl"].mapping({"min_busbw_gbps", "timeout_s"})
     a = f["acceptance"].mapping(
         {
@@ -658,6 +690,7 @@ def _gates(f: Field) -> Gates:
             min_acceptance_rate=_rate(live["min_acceptance_rate"], acceptance.min_acceptance_rate),
             min_drafts=live["min_drafts"].int(acceptance.min_drafts, minimum=1),
         ),
+        speedup=_speedup(f["speedup"]),
         nccl=NcclGate(
             min_busbw_gbps=_above(nccl["min_busbw_gbps"], None, 0.0, "0 GB/s cannot fail: leave it out for no floor"),
             timeout_s=nccl["timeout_s"].seconds(NcclGate.timeout_s, minimum=1),

@@ -42,15 +42,28 @@ def serve(run: Run, unit: Unit) -> None:
 
     With a gateway, a server that will be restarted leaves its rotation first (drained), and READY
     needs the gateway to send the host traffic again (``rotation``)."""
-    from orchestrator.engine import rotation  # the gateway's steps, only for a playbook with one
+    from orchestrator.engine import (
+        rotation,  # the gateway's steps, only for a playbook with one
+        speedup,  # the speed-up gate's arms, only for a playbook with one
+    )
 
     release = unit.head.report.release_id
     assert release is not None
     changed = {n.name for n in unit.nodes if n.report.changed}
-    if run.gateway is not None and changed and not rotation.drain(run, unit):
+    baseline = speedup.needs_baseline(run, unit)  # one extra start: out of rotation for it too
+    if run.gateway is not None and (changed or baseline) and not rotation.drain(run, unit):
         unit.fail_others([unit.head.name], "not launched")
         return  # the gateway refused, or capacity would fall below its floor: nothing was stopped
-    if start_and_prove(run, unit, release, switch=changed, keep=not changed):
+    if baseline and not speedup.before_launch(run, unit, release):
+        unit.head.report.diagnosis = plan.diagnose(run.playbook, unit.head.report)
+        roll_back(run, unit)
+        return
+    proven = start_and_prove(run, unit, release, switch=changed, keep=not changed and not baseline)
+    if proven and not speedup.after_proof(run, unit):
+        unit.head.report.diagnosis = plan.diagnose(run.playbook, unit.head.report)
+        unit.fail_others([unit.head.name], "group not ready")
+        roll_back(run, unit)
+    elif proven:
         if run.gateway is None or rotation.admit(run, unit):
             write_ready(run, unit, release)
         else:

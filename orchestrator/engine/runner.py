@@ -53,7 +53,7 @@ from orchestrator.results import (
 )
 from orchestrator.rules import plan, serving
 from orchestrator.rules.placement import Placement, place
-from orchestrator.store.state import digest_key
+from orchestrator.store.state import StateDB, digest_key
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,7 @@ class Scope:
     options: RunOptions = field(default_factory=RunOptions)
     observer: Observer = field(default_factory=Observer)
     connector: Connector | None = None
+    store: StateDB | None = None  # where the speed-up gate's baselines are kept (None: none kept)
 
 
 class Node:
@@ -296,6 +297,11 @@ class Run:
     once: dict[Any, Any] = field(default_factory=dict)
     once_lock: threading.Lock = field(default_factory=threading.Lock)
     gateway: Any = None  # gateway.GatewayClient: the router or load balancer in front, when the playbook has one
+    store: StateDB | None = None  # the speed-up gate's baselines
+    # The canary batch's hosts, once the rollout has one (only a canary measures speed-up), and
+    # what each canary's speed-up gate found, by baseline key: the later hosts of one key hold it.
+    canaries: frozenset[str] = frozenset()
+    speedups: dict[str, tuple[str, Gate]] = field(default_factory=dict)
 
     def locate(self, node: Node) -> bool:
         """The containers gate, once per node per run; False when the node cannot be reached."""
@@ -398,6 +404,7 @@ def execute(
             AgentClient(connections, options.key()),
             ContainerGate(inventory, playbook, ensure=kind is RunKind.DEPLOY, skip=options.skip_containers),
             observer,
+            store=scope.store,
         )
         asks_gateway = playbook.gateway is not None and playbook.serving.target is not None and kind != "dry-run"
         if asks_gateway and not _gateway_answers(run, units, reports):
@@ -424,6 +431,8 @@ def execute(
         batches = (
             plan.rollout_batches(list(by_name), rollout.canary, rollout.batch_size) if rollout else [list(by_name)]
         )
+        if rollout and rollout.canary:
+            run.canaries = frozenset(batches[0])
         failures = 0
         pool = ThreadPoolExecutor(max_workers=max(1, options.forks))
         try:

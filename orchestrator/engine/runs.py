@@ -24,6 +24,7 @@ from orchestrator.results import (
     GATE_LINT,
     GATE_MODELS,
     GATE_RAY,
+    GATE_SPEEDUP,
     Gate,
     RunKind,
     RunReport,
@@ -201,14 +202,17 @@ def _switch_staged(run: Run, node: Node) -> None:
     plan.read_made_current(run.playbook, answers[switch], node.report)
 
 
-def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False, engine: bool = False) -> RunReport:
+def verify(
+    scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False, engine: bool = False, speedup: bool = False
+) -> RunReport:
     """Read only, one exec per node (two with ``engine``): the files the server reads against the
     playbook's digests, the model files (their digests from the host's cache, or hashed again with
     ``rehash``) and the overlay's links against their pins, the loader and build checks, the server
     (or rank) alive and healthy, the READY record; with ``probe_acceptance`` the acceptance probe
     through the head, held to the READY record's; with ``engine`` the installed vLLM's verdict on
     the served command. A group also needs every node on one release (and, with Ray, every node
-    in the cluster)."""
+    in the cluster). ``speedup``: the speed-up gate's drafter arm again, against the baseline
+    the store keeps (``engine.speedup``; a host that fails a gate before it is not loaded)."""
     playbook, inventory = scope.playbook, scope.inventory
 
     def check(run: Run, unit: Unit, node: Node) -> None:
@@ -250,6 +254,8 @@ def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False
 
     def work(run: Run, unit: Unit) -> None:
         unit.each(lambda node: check(run, unit, node), GATE_FILES)
+        if speedup and unit.single and not unit.failed():
+            _speedup_again(run, unit)
         if run.gateway is not None:
             from orchestrator.engine import rotation
 
@@ -270,6 +276,23 @@ def verify(scope: Scope, *, probe_acceptance: bool = False, rehash: bool = False
         unit.fail_others(unit.failed(), "group not ready")
 
     return execute(RunKind.VERIFY, scope, units_for(playbook, inventory, list(scope.targets)), work)
+
+
+def _speedup_again(run: Run, unit: Unit) -> None:
+    """verify --speedup: the drafter arm on the server as it runs, against the kept baseline."""
+    from orchestrator.engine import speedup
+
+    head = unit.head
+    if run.playbook.gates.speedup is None:
+        head.report.gates[GATE_SPEEDUP] = Gate(False, "the playbook has no gates.speedup to measure against")
+        return
+    found = plan.speedup_key(run.playbook, head.target.container, head.report)
+    if found is None:
+        head.report.gates[GATE_SPEEDUP] = Gate(
+            False, "the vLLM build or the target is not known here (the build check did not run)"
+        )
+        return
+    speedup.measure(run, unit, *found)
 
 
 def dry_run(scope: Scope) -> RunReport:

@@ -28,12 +28,13 @@ from orchestrator.results import (
     GATE_HEALTH,
     GATE_LOADER,
     GATE_READY,
+    GATE_SPEEDUP,
     FileState,
     Gate,
     HostReport,
     Problem,
 )
-from orchestrator.rules import dflash, gpus, models, placement, probe, serving
+from orchestrator.rules import dflash, gpus, models, placement, probe, serving, speedup
 
 KNOWN_BUGS = "known_bugs"  # the build gate's reason when rows of the build table apply
 
@@ -343,6 +344,64 @@ def probe_op(playbook: Playbook, host: str = protocol.LOOPBACK) -> protocol.Op[p
     )
 
 
+def speedup_prompts(playbook: Playbook) -> tuple[str, ...]:
+    """The speed-up gate's prompts: its own, or the acceptance probe's."""
+    gate = playbook.gates.speedup
+    return (gate.prompts if gate is not None else ()) or probe_prompts(playbook)
+
+
+# Waves of requests a load run sends at the least: one wave's ramp and tail are most of a short
+# run (the H200's runs of one wave at 16 and 64 spread 17-20% between repeats).
+LOAD_WAVES = 4
+
+
+def load_requests(playbook: Playbook, concurrency: int) -> int:
+    """Requests of one load run at ``concurrency``: every prompt at least once, in whole waves of
+    ``concurrency`` (a last wave half full would measure a lighter load than asked), and at least
+    ``LOAD_WAVES`` waves."""
+    prompts = len(speedup_prompts(playbook))
+    return concurrency * max(-(-prompts // concurrency), LOAD_WAVES)
+
+
+def load_ops(playbook: Playbook, host: str = protocol.LOOPBACK) -> list[protocol.Op[protocol.Loaded]]:
+    """One arm of the speed-up gate: a load run per concurrency per repeat, repeats interleaved
+    across the levels (a slow minute of the host spreads over every level, not one), after a
+    warm-up run at the highest concurrency whose numbers are not kept (the first requests after a
+    start pay for allocations and compiled shapes the later ones reuse)."""
+    gate = playbook.gates.speedup
+    assert gate is not None
+    s, prompts = playbook.serving, speedup_prompts(playbook)
+
+    def run(concurrency: int, max_tokens: int) -> protocol.Op[protocol.Loaded]:
+        requests = load_requests(playbook, concurrency)
+        # a token a second for each request in a wave, at the least: a CPU server is that slow
+        timeout = 60.0 + max_tokens * requests / concurrency
+        return protocol.load(s.port, s.model_name, prompts, max_tokens, concurrency, requests, timeout, host=host)
+
+    warm = run(max(gate.concurrency), min(gate.max_tokens, 16))
+    return [warm] + [run(c, gate.max_tokens) for _ in range(gate.repeats) for c in gate.concurrency]
+
+
+def speedup_key(playbook: Playbook, container: Container, report: HostReport) -> tuple[str, str] | None:
+    """The baseline arm's key for a host, from what its gates found (``speedup.baseline_key``):
+    None while the build or the target is not known (the checks did not run)."""
+    gate, s = playbook.gates.speedup, playbook.serving
+    build = report.gates.get(GATE_BUILD)
+    vllm = build.data.get("vllm") if build is not None else None
+    if gate is None or s.target is None or not isinstance(vllm, str):
+        return None
+    target = next((m.get("sha256") for m in report.models if m.get("name") == "target" and m.get("sha256")), None)
+    prompts = hashlib.sha256(json.dumps(list(speedup_prompts(playbook))).encode()).hexdigest()
+    return speedup.baseline_key(
+        target or s.target,
+        vllm,
+        [str(g.get("name")) for g in report.gpus],
+        (serving.tensor_parallel_size(playbook, container), s.pipeline_parallel_size),
+        {"python": s.python, "env": dict(s.env), "extra_args": list(s.extra_args), "model_name": s.model_name},
+        {"max_tokens": gate.max_tokens, "prompts_sha256": prompts, "requests": f"whole waves, {LOAD_WAVES} at least"},
+    )
+
+
 def paths(playbook: Playbook) -> list[str]:
     """The release's files, as the playbook names them (relative to the release)."""
     return [f.dest for f in playbook.release_files]
@@ -388,10 +447,11 @@ def read_checks(
     errors = [p for p in found if p.severity == "error"]
     text = "; ".join(f"{p.message} ({p.fix})" for p in found)
     name = build.describe()
+    data = {"vllm": name}  # the speed-up gate's baseline is kept per build
     if found:
-        report.gates[GATE_BUILD] = Gate(not errors, f"{name}: {text}", reason=KNOWN_BUGS)
+        report.gates[GATE_BUILD] = Gate(not errors, f"{name}: {text}", data, reason=KNOWN_BUGS)
     else:
-        report.gates[GATE_BUILD] = Gate(True, f"{name}: no known DFlash bug applies")
+        report.gates[GATE_BUILD] = Gate(True, f"{name}: no known DFlash bug applies", data)
 
 
 def read_applied(playbook: Playbook, applied: protocol.Applied, report: HostReport) -> None:
@@ -647,7 +707,25 @@ def _ready_gate(status: protocol.Status, report: HostReport) -> Gate:
         return Gate(
             False, f"the server was restarted since READY (pid {ready.get('pid')} -> {server.pid}): probe again"
         )
-    return Gate(True, f"READY record matches release {report.release_id} and its digests")
+    return Gate(True, f"READY record matches release {report.release_id} and its digests", _recorded_speedup(ready))
+
+
+def _recorded_speedup(ready: dict[str, Any]) -> dict[str, Any]:
+    """The speed-up per concurrency the READY record keeps (watch exports it), if it has one."""
+    gates = ready.get("gates")
+    fast = gates.get(GATE_SPEEDUP) if isinstance(gates, dict) else None
+    levels = fast.get("levels") if isinstance(fast, dict) else None
+    if not isinstance(levels, list):
+        return {}
+    kept = [
+        {"concurrency": lv["concurrency"], "speedup": lv["speedup"]}
+        for lv in levels
+        if isinstance(lv, dict)
+        and isinstance(lv.get("concurrency"), int)
+        and isinstance(lv.get("speedup"), (int, float))
+        and not isinstance(lv.get("speedup"), bool)
+    ]
+    return {"speedup": kept} if kept else {}
 
 
 def common_release(
@@ -901,7 +979,7 @@ def diagnose(playbook: Playbook, report: HostReport, failure: AgentFailure | Non
     build = report.gates.get(GATE_BUILD)
     if build is not None and build.reason == KNOWN_BUGS:
         out.append(f"the vLLM build has known DFlash problems: {build.detail}")
-    if tau is not None and tau < 1.5:
+    if tau is not None and tau < speedup.LOW_TAU:
         cfg = drafter.values.get("dflash_config", {}) if drafter else {}
         out.append(
             f"mean acceptance length {tau:.2f} on a healthy server: the drafter does not match the target. Check "
@@ -912,6 +990,15 @@ def diagnose(playbook: Playbook, report: HostReport, failure: AgentFailure | Non
         out.append("no speculative decoding on the server: check serving.speculative and --speculative-config")
     elif acceptance is not None and not acceptance.ok and acceptance.reason == probe.RESTARTED:
         out.append("the server restarted during the probe: see its log")
+    fast = report.gates.get(GATE_SPEEDUP)
+    if fast is not None and not fast.ok and fast.reason == speedup.NO_SPEEDUP:
+        out.append(
+            "the drafter's tokens are accepted but speculation does not pay at this load: each step drafts K "
+            "tokens and runs the drafter, which costs more than it saves where the target is small or the batch "
+            "is large; try a lower num_speculative_tokens, less load per host, or no speculation on this hardware"
+        )
+    elif fast is not None and not fast.ok and fast.reason == speedup.UNMEASURED:
+        out.append(f"the speed-up could not be measured: {fast.detail}")
     if failure is not None and failure.gate == GATE_HEALTH:
         out.append(f"the server did not become healthy: see {failure.path or 'its log'}")
     elif failure is not None and failure.gate == GATE_ACCEPTANCE:

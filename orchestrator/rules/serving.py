@@ -82,10 +82,11 @@ def tensor_parallel_size(playbook: Playbook, container: Container) -> int:
     return playbook.serving.tensor_parallel_size or max(1, len(container.gpus))
 
 
-def command(playbook: Playbook, container: Container, release_id: str) -> ServerCommand:
+def command(playbook: Playbook, container: Container, release_id: str, speculative: bool = True) -> ServerCommand:
     """The server of one container: `vllm serve` of the target with the drafter of this release, its
     tensor parallel size, port and the playbook's arguments, and its environment (offline, its
-    start budget, its GPUs, serving.env)."""
+    start budget, its GPUs, serving.env). ``speculative=False``: the same server without the
+    drafter (the speed-up gate's baseline arm)."""
     s = playbook.serving
     if s.python is None or s.target is None:
         raise ValueError("serving.python and serving.target are needed to launch a server")
@@ -107,7 +108,7 @@ def command(playbook: Playbook, container: Container, release_id: str) -> Server
         str(s.port),
     ]
     argv += graceful_args(playbook)
-    argv += _speculative_args(playbook, container, release_id) + list(s.extra_args)
+    argv += (_speculative_args(playbook, container, release_id) if speculative else []) + list(s.extra_args)
     env = {"HF_HUB_OFFLINE": "1", **start_budget(playbook), **gpu_env(container)}
     env.update(s.env)
     return ServerCommand(tuple(argv), env, stop_timeout=s.stop_timeout)

@@ -15,16 +15,24 @@ speed-up is absent is told apart from a level where acceptance itself is low.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from orchestrator.agent.protocol import Loaded, Sent
 from orchestrator.rules.probe import t975
 
 # Why the speed-up gate fails, as codes (``Gate.reason``; the diagnosis reads them).
 NO_SPEEDUP = "speedup_absent"  # acceptance fine, speculation does not pay at this load
 LOW_ACCEPTANCE = "speedup_low_acceptance"  # the drafter's tokens are not kept: acceptance's finding
 UNMEASURED = "speedup_unmeasured"  # an arm has no runs at a level the playbook asks for
+# Below this many tokens a step (tau), a drafter is low in acceptance whatever the acceptance gate's
+# own threshold: fewer than one draft in two gets a token kept (a lost drafter gives ~1.03, the real
+# pair 2.25; the diagnosis's "does not match the target" line starts here too).
+LOW_TAU = 1.5
 # A spread above this (relative standard deviation of one arm's repeats) widens the bound, said.
 STEADY = 0.05
 
@@ -56,6 +64,39 @@ class Run:
     @property
     def tokens_per_s(self) -> float:
         return sum(r.tokens for r in self.requests) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """As the state store keeps a baseline's runs (and the READY record the drafter arm's)."""
+        return {
+            "concurrency": self.concurrency,
+            "wall_s": self.wall_s,
+            "requests": [[r.tokens, r.seconds, r.first_token_s] for r in self.requests],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Run:
+        """A run the store kept (``to_json``'s)."""
+        return cls(
+            int(data["concurrency"]),
+            float(data["wall_s"]),
+            tuple(Request(int(t), float(s), None if f is None else float(f)) for t, s, f in data["requests"]),
+        )
+
+
+def run_of(concurrency: int, loaded: Loaded) -> tuple[Run, list[str]]:
+    """The agent's load run as the gate reads it, and why any request failed (a failed request's
+    tokens do not count: a run with failures is said, never silently faster or slower)."""
+
+    def why(sent: Sent) -> str | None:
+        if sent.error is not None:
+            return sent.error
+        # a whole answer with no token streamed: not a measurement (a server or a proxy that
+        # does not stream, or one that stops at once), never a run that looks infinitely slow
+        return None if sent.tokens > 0 else "no output token came back (the completion was not streamed)"
+
+    kept = tuple(su for su in loaded.requests if why(su) is None)
+    failed = [f"request {i + 1}: {w}" for i, su in enumerate(loaded.requests) if (w := why(su)) is not None]
+    return Run(concurrency, loaded.wall_s, tuple(Request(r.tokens, r.seconds, r.first_token_s) for r in kept)), failed
 
 
 @dataclass(frozen=True)
@@ -105,6 +146,18 @@ class Level:
     def steady(self) -> bool:
         return self.spread <= STEADY
 
+    def to_json(self) -> dict[str, Any]:
+        """The level as the gate's data carries it (the READY record, history, the report)."""
+        return {
+            "concurrency": self.concurrency,
+            "speedup": round(self.speedup, 4),
+            "speedup_low": round(self.low, 4),
+            "baseline_tokens_per_s": round(self.baseline, 2),
+            "drafter_tokens_per_s": round(self.drafter, 2),
+            "spread": round(self.spread, 4),
+            "repeats": list(self.repeats),
+        }
+
 
 def level(baseline: Arm, drafter: Arm) -> Level:
     """Both arms at one concurrency: the ratio of means, and its lower bound from each arm's
@@ -126,6 +179,35 @@ def level(baseline: Arm, drafter: Arm) -> Level:
         spread=max(baseline.spread, drafter.spread),
         repeats=(len(baseline.runs), len(drafter.runs)),
     )
+
+
+def baseline_key(
+    target: str,
+    build: str,
+    gpus: Sequence[str],
+    parallel: tuple[int, int],
+    serving: Mapping[str, Any],
+    load: Mapping[str, Any],
+) -> tuple[str, str]:
+    """What a baseline arm depends on, as the key the state store keeps it under, and in words:
+    the target's weights (their digest), the vLLM build, the GPU model and count, the parallel
+    sizes, the server's own arguments and environment (not its GPUs' indices or its release), and
+    the load but its concurrency (each level is kept apart, so that another list reuses the
+    levels it shares). Another drafter over the same target reuses it."""
+    body = {
+        "target": target,
+        "build": build,
+        "gpus": sorted(gpus),
+        "parallel": list(parallel),
+        "serving": dict(serving),
+        "load": dict(load),
+    }
+    key = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+    chips = (
+        f"{len(gpus)} x {sorted(gpus)[0]}" if gpus and len(set(gpus)) == 1 else (", ".join(sorted(gpus)) or "no GPU")
+    )
+    what = f"target {target[:12]}, {build}, {chips}, tp {parallel[0]} pp {parallel[1]}"
+    return key, what
 
 
 @dataclass(frozen=True)
@@ -163,10 +245,13 @@ def judge(
             LOW_ACCEPTANCE,
             tuple(levels),
         )
-    kept = f"tau {tau:.2f} of K = {k} drafted" if tau is not None and k else "acceptance fine"
+    if tau is None:
+        kept = "with acceptance not probed in this run"
+    else:
+        kept = f"with acceptance fine (tau {tau:.2f}" + (f" of K = {k} drafted)" if k else ")")
     return Verdict(
         False,
-        f"speed-up below {minimum:g} at concurrency {at} with acceptance fine ({kept}): speculation does not pay "
+        f"speed-up below {minimum:g} at concurrency {at} {kept}: speculation does not pay "
         f"at this load (the drafter's cost per step outweighs what it keeps: a lower K, less load per host, or no "
         f"speculation here). {said}",
         NO_SPEEDUP,

@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric, StateSetMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from orchestrator.results import GATE_READY
 from orchestrator.rules.watch import STATES, Round
 
 PREFIX = "dflash_orchestrator_"
@@ -87,6 +88,12 @@ class WatchCollector(Collector):
             "The live gate: the mean acceptance length a judged window must reach.",
             labels=["host"],
         )
+        speedup = GaugeMetricFamily(
+            f"{PREFIX}speedup_ratio",
+            "The speed-up gate's drafter arm over its baseline (output tokens per second) at this concurrency, "
+            "as the host's READY record keeps it (absent: no speed-up measured).",
+            labels=["host", "concurrency"],
+        )
         leading = GaugeMetricFamily(
             f"{PREFIX}watch_leader",
             "1 when this watcher leads its watch group (records transitions, runs --on-change), 0 when it follows.",
@@ -112,7 +119,10 @@ class WatchCollector(Collector):
             release.add_metric([r.host], {"release_id": r.release_id or ""})
             if r.in_rotation is not None:
                 rotation.add_metric([r.host], float(r.in_rotation))
+            for lv in r.gates.get(GATE_READY, {}).get("speedup", []):
+                speedup.add_metric([r.host, str(lv["concurrency"])], float(lv["speedup"]))
         yield from (state, tau, rate, drafts, open_drafts, drift, age, stamp, release, rotation, state_rounds, live_min)
+        yield speedup
         if leader is not None:
             yield leading
 

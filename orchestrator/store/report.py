@@ -54,6 +54,14 @@ class HostHistory:
         ends = [float(t["at"]) for t in self.transitions[1:]] + [now] if self.transitions else []
         return [Period(str(t["to"]), float(t["at"]), end) for t, end in zip(self.transitions, ends, strict=True)]
 
+    def speedup(self) -> dict[str, Any] | None:
+        """The last speed-up gate that measured (or held a canary's): its levels, verdict and run."""
+        for run in self.runs:  # newest first
+            gate = run["host"].get("gates", {}).get("speedup")
+            if isinstance(gate, dict) and gate.get("levels"):
+                return {**gate, "kind": run["kind"], "at": run["finished"]}
+        return None
+
     def releases(self) -> list[dict[str, Any]]:
         """Each release the runs saw: when first and last, how many runs, the last run's verdict."""
         seen: dict[str, dict[str, Any]] = {}
@@ -104,6 +112,7 @@ def to_json(hosts: list[HostHistory], now: float) -> dict[str, Any]:
                 "releases": h.releases(),
                 "runs": [{**{k: v for k, v in r.items() if k != "host"}, **r["host"]} for r in h.runs],
                 "acceptance": h.samples,
+                "speedup": h.speedup(),
                 "periods": [p.__dict__ for p in h.periods(now)],
             }
             for h in hosts
@@ -195,6 +204,7 @@ def _overview(hosts: list[HostHistory]) -> str:
         st = h.state or NO_STATE
         last = h.samples[-1] if h.samples else None
         tau = f"{last['mean_acceptance_length']:.2f} ({escape(last['source'])})" if last else "-"
+        fast = _speedup(h.speedup()) or "-"
         change = h.transitions[-1] if h.transitions else None
         changed = (
             f"{_when(change['at'])} {escape(str(change.get('from')))} &rarr; {escape(change['to'])}" if change else "-"
@@ -204,16 +214,31 @@ def _overview(hosts: list[HostHistory]) -> str:
         name = escape(h.name, quote=True)
         rows.append(
             f'<tr class="fleet-row row-{st}" data-state="{st}"><td><a href="#host-{name}">{escape(h.name)}</a></td>'
-            f'<td><span class="state state-{st}">{st}</span></td><td>{tau}</td><td>{changed}</td><td>{ran}</td></tr>'
+            f'<td><span class="state state-{st}">{st}</span></td><td>{tau}</td><td>{fast}</td><td>{changed}</td><td>{ran}</td></tr>'
         )
     hide = " ".join(
         f"#filter-{st}:checked ~ table.fleet tr.fleet-row:not(.row-{st}) {{ display: none; }}" for st in states
     )
-    head = "<tr><th>host</th><th>state</th><th>last tau</th><th>last change</th><th>last run</th></tr>"
+    head = (
+        "<tr><th>host</th><th>state</th><th>last tau</th><th>speed-up by concurrency</th><th>last change</th>"
+        "<th>last run</th></tr>"
+    )
     summary = " &middot; ".join(f'<span class="state state-{st}">{st}</span> {counts[st]}' for st in states)
     return (
         f'<section class="overview"><h2>Fleet</h2><p class="counts">{summary}</p><style>{hide}</style>'
         f'<div class="filters">{"".join(filters)}<table class="fleet">{head}{"".join(rows)}</table></div></section>'
+    )
+
+
+def _speedup(gate: dict[str, Any] | None) -> str:
+    """The speed-up per concurrency, as the report shows it beside tau: "1: 2.10x, 64: 0.91x"."""
+    if not gate:
+        return ""
+    return ", ".join(
+        f'<span class="{"ok" if lv["speedup"] >= gate.get("min", 0) else "fail"}">'
+        f"{int(lv['concurrency'])}: {float(lv['speedup']):.2f}x</span>"
+        for lv in gate.get("levels", [])
+        if isinstance(lv, dict) and "speedup" in lv and "concurrency" in lv
     )
 
 
@@ -231,6 +256,10 @@ def _host(h: HostHistory, now: float) -> str:
     badge = f'<span class="state state-{escape(state)}">{escape(state)}</span>' if state else ""
     last = h.samples[-1] if h.samples else None
     tau = f"last tau {last['mean_acceptance_length']:.2f} ({escape(last['source'])})" if last else "no tau measured yet"
+    fast = h.speedup()
+    if fast is not None:
+        verdict = "passed" if fast.get("ok") else "failed"
+        tau += f"; speed-up by concurrency {_speedup(fast)} (min {fast.get('min')}: {verdict}, {escape(fast['kind'])} {_when(fast['at'])})"
     parts = [
         f'<section class="host" id="host-{escape(h.name, quote=True)}">',
         f"<h2>{escape(h.name)}{badge}</h2><p>{tau}</p>",

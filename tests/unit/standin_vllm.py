@@ -29,7 +29,9 @@ the first N positions of each good draft.
 ``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load (a file
 ``standin-refuse`` in a deploy root: only there);
 ``$STANDIN_START_DELAY`` seconds pass before it listens, as a model loads. ``$STANDIN_TOKEN_S`` seconds pass per
-token of a completion. SIGTERM stops it as vLLM stops: with ``--shutdown-timeout N`` it takes no
+token of a completion; with ``$STANDIN_STEP_S``, a server with a drafter takes that long a step and
+keeps the accepted positions + 1 tokens a step (the speed-up gate's arms: the target alone stays at
+a token per ``$STANDIN_TOKEN_S``). ``"stream": true`` answers as server-sent events, a chunk a step. SIGTERM stops it as vLLM stops: with ``--shutdown-timeout N`` it takes no
 new request and finishes those in flight for up to N s, else it cuts them. SIGHUP
 stands in for a restart behind our back where the server runs as a plain process: the drafter
 config is read again and the counters start again at zero (the pid stays, so the pidfile still
@@ -180,14 +182,34 @@ def serve(args: list[str]) -> None:
             c = counters  # the request's own, though a SIGHUP starts new counters meanwhile
             with inflight_lock:
                 inflight[0] += 1
+            token_s = float(os.environ.get("STANDIN_TOKEN_S", "0"))
+            # $STANDIN_STEP_S: a decoding step's cost with the drafter, which keeps a + 1 tokens a
+            # step where its drafts are accepted (the target alone: one token a $STANDIN_TOKEN_S)
+            stepped = bool(spec) and "STANDIN_STEP_S" in os.environ
+            step_s, per_step = (
+                (float(os.environ["STANDIN_STEP_S"]), c.a + 1 if c.good else 1) if stepped else (token_s, 1)
+            )
+            stream = bool(body.get("stream"))
+            if stream:  # server-sent events, to the end of the connection (HTTP/1.0)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
             try:
                 done = 0
-                while done < tokens and not aborting.is_set():  # decoding, token by token
-                    time.sleep(float(os.environ.get("STANDIN_TOKEN_S", "0")))
-                    done += 1
+                while done < tokens and not aborting.is_set():  # decoding, step by step
+                    time.sleep(step_s)
+                    n = min(per_step, tokens - done)
+                    done += n
+                    if stream:
+                        self.wfile.write(b"data: %s\n\n" % json.dumps({"choices": [{"text": "C" * n}]}).encode())
+                        self.wfile.flush()
                 c.complete(max(done, 1))
                 # vLLM's abort on shutdown ends a request with what it has and finish_reason "abort"
                 reason = "length" if done == tokens else "abort"
+                if stream:
+                    usage = {"choices": [], "usage": {"completion_tokens": done}}
+                    self.wfile.write(b"data: %s\n\ndata: [DONE]\n\n" % json.dumps(usage).encode())
+                    return
                 choice = {"text": "C" * done, "finish_reason": reason}
                 self._send(200, {"choices": [choice], "usage": {"completion_tokens": done}})
             finally:

@@ -78,6 +78,16 @@ def test_loads_everything(tmp_path: Path) -> None:
             "gates.acceptance.min_acceptance_rate: a rate between 0 and 1",
         ),
         ("targets: [all]\n", "", "pb.yaml:1: missing required key 'targets'"),
+        (
+            "rollout:",
+            "  speedup: {concurrency: [1, 0]}\nrollout:",
+            "gates.speedup.concurrency: distinct request counts from 1 to 4096, got [1, 0]",
+        ),
+        ("rollout:", "  speedup: {concurrency: [8, 8]}\nrollout:", "distinct request counts"),
+        ("rollout:", "  speedup: {concurrency: 8}\nrollout:", "speedup.concurrency: expected a list of integers"),
+        ("rollout:", "  speedup: {min: 0}\nrollout:", "gates.speedup.min: must be above 0, got 0"),
+        ("rollout:", "  speedup: {repeats: 0}\nrollout:", "gates.speedup.repeats"),
+        ("rollout:", "  speedup: {mni: 1.2}\nrollout:", "gates.speedup.mni: unknown key (did you mean 'min'?)"),
     ],
 )
 def test_bad_playbooks(tmp_path: Path, old: str, new: str, expected: str) -> None:
@@ -209,3 +219,12 @@ def test_the_live_gate_defaults_to_the_acceptance_gate_and_can_be_set_apart(tmp_
     path.write_text(base + "gates:\n  live: {min_acceptance_rate: 1.5}\n")
     with pytest.raises(InputError, match=r"p.yaml:6 gates.live.min_acceptance_rate: a rate between 0 and 1"):
         load_playbook(path)
+
+
+def test_the_speedup_gate_is_off_unless_asked_for_and_sorted_when_it_is(tmp_path: Path) -> None:
+    assert load_playbook(setup(tmp_path, GOOD)).gates.speedup is None
+    text = GOOD.replace("rollout:", "  speedup: {concurrency: [16, 1, 4], min: 1.2}\nrollout:", 1)
+    text = text.replace("gates:\n  acceptance:", "gates:\n  acceptance:", 1)
+    pb = load_playbook(setup(tmp_path, text.replace("\ngates:\n  speedup", "\n  speedup", 1)))
+    gate = pb.gates.speedup
+    assert gate is not None and gate.concurrency == (1, 4, 16) and gate.min == 1.2 and gate.repeats == 3

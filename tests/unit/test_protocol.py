@@ -73,6 +73,7 @@ def build(name: str) -> protocol.Op[Any]:
         "command": (["ray", "status"],),
         "probe": (8000, "m", ["p"], 16, 60.0),
         "metrics": (8000, ["vllm:spec_decode_"]),
+        "load": (8000, "m", ["p"], 64, 4, 16, 120.0),
         "gateway_socket": ("/run/haproxy/admin.sock", "show stat", 10.0),
         "gateway_http": ("GET", "http://127.0.0.1:30000/workers", None, 10.0),
         "gateway_endpoints": ("/etc/dflash/endpoints.json", "read", None, None, 10.0),
@@ -101,6 +102,7 @@ GOOD = {
     "serving_status": {"server": {"pid": 7, "alive": True, "release_id": "R1"}, "health": 200, "ready": None},
     "model_files": {"path": "/m", "files": [], "missing": [], "tokens": {"5": {"kind": "none", "vocab_size": 9}}},
     "probe": {"before": "", "after": "", "each": [""], "seconds": 1.0},
+    "load": {"wall_s": 2, "requests": [{"tokens": 64, "seconds": 1.5, "first_token_s": 0.1, "error": None}]},
 }
 MODEL_DIR = GOOD["model_files"]
 BAD = [
@@ -121,6 +123,8 @@ BAD = [
     ("probe", {**GOOD["probe"], "each": []}, "'each' holds 0 scrapes for 1 prompts"),
     ("probe", {**GOOD["probe"], "each": [7]}, "or one that is not a text"),
     ("probe", {**GOOD["probe"], "each": None}, "'each' is missing"),
+    ("load", {**GOOD["load"], "requests": [{"tokens": "64", "seconds": 1.0}]}, "'tokens' is str, expected int"),
+    ("load", {"requests": []}, "'wall_s' is missing"),
 ]
 
 

@@ -8,6 +8,7 @@ over SSH against real vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -174,6 +175,9 @@ def test_metrics_are_served_with_prometheus_names_and_values() -> None:
     w, good, _ = step(w, seen(30, counters(100, 6)), GATE)
     v, bad, _ = step(HostWatch("gpu-b"), seen(0, counters(0, 0), report=report(files_ok=False)), GATE)
     v, bad, _ = step(v, seen(30, counters(100, 0.5), report=report(files_ok=False)), GATE)
+    # the READY record's speed-up per concurrency, as verify's ready gate reads it from the record
+    recorded = [{"concurrency": 1, "speedup": 2.25}, {"concurrency": 64, "speedup": 0.91}]
+    good = dataclasses.replace(good, gates={**good.gates, "ready": {"ok": True, "detail": "", "speedup": recorded}})
     collector = metrics.WatchCollector("pb")
     collector.update([good, bad], leader=True)
     port = free_port()
@@ -209,6 +213,9 @@ def test_metrics_are_served_with_prometheus_names_and_values() -> None:
     assert value("state_rounds", "gpu-a") == 2 and value("state_rounds", "gpu-b") == 1  # what alerts count
     assert value("live_min_mean_acceptance_length_tokens", "gpu-b") == GATE.min_mean_acceptance_length
     assert samples[(p + "watch_leader", (("group", "pb"),))] == 1
+    assert value("speedup_ratio", "gpu-a", concurrency="1") == 2.25
+    assert value("speedup_ratio", "gpu-a", concurrency="64") == 0.91
+    assert not any(name == p + "speedup_ratio" and ("host", "gpu-b") in labels for name, labels in samples)
     # Prometheus' own linter finds nothing to say of the names, types and help
     lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert (lint.returncode, lint.stdout + lint.stderr) == (0, ""), lint
