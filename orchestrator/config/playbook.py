@@ -347,6 +347,8 @@ def load_playbook(path: Path | str) -> Playbook:
         raise top["rollout"].error("a multi-node deployment is one group, deployed whole: rollout does not apply")
     if not files and drafter is None:
         raise top.error("the playbook pushes no files: add files: or drafter:")
+    gates = _gates(top["gates"])
+    _speedup_fits(gates.speedup, serving, top["gates"]["speedup"]["concurrency"])
     return Playbook(
         file=path,
         name=top["name"].str(),
@@ -357,7 +359,7 @@ def load_playbook(path: Path | str) -> Playbook:
         drafter=drafter,
         disks=_disks(top["disks"]),
         serving=serving,
-        gates=_gates(top["gates"]),
+        gates=gates,
         rollout=_rollout(top["rollout"]),
         models=models,
         gateway=gateway,
@@ -651,6 +653,26 @@ def _speedup(f: Field) -> SpeedupGate | None:
         repeats=g["repeats"].int(SpeedupGate.repeats, minimum=1, maximum=20),
         prompts=tuple(g["prompts"].str_list(())),
     )
+
+
+def _speedup_fits(gate: SpeedupGate | None, serving: Serving, f: Field) -> None:
+    """A speed-up level above the server's ``--max-num-seqs`` would queue in vLLM and measure
+    fewer requests at once than it names: refused, naming both."""
+    seqs = None
+    args = list(serving.extra_args)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--max-num-seqs", "--max_num_seqs"):
+            seqs = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    if gate is None or seqs is None or not seqs.isdigit():
+        return  # vLLM's own default, or a value the engine gate has vLLM's word on
+    over = [c for c in gate.concurrency if c > int(seqs)]
+    if over:
+        raise f.error(
+            f"{over} requests at once is above serving.extra_args --max-num-seqs {seqs}: vLLM would run "
+            f"{seqs} of them at a time and queue the rest, so the level would measure less than it names "
+            "(raise --max-num-seqs or lower the level)"
+        )
 
 
 def _gates(f: Field) -> Gates:

@@ -228,3 +228,30 @@ def test_the_speedup_gate_is_off_unless_asked_for_and_sorted_when_it_is(tmp_path
     pb = load_playbook(setup(tmp_path, text.replace("\ngates:\n  speedup", "\n  speedup", 1)))
     gate = pb.gates.speedup
     assert gate is not None and gate.concurrency == (1, 4, 16) and gate.min == 1.2 and gate.repeats == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "levels", "expected"),
+    [
+        ("[--max-num-seqs, '4']", "[1, 8]", "pb.yaml:16 gates.speedup.concurrency: [8] requests at once is above"),
+        ("['--max-num-seqs=4']", "[1, 8, 16]", "[8, 16] requests at once is above serving.extra_args --max-num-seqs 4"),
+        ("[--max_num_seqs, '2', --max-num-seqs, '8']", "[1, 16]", "[16] requests at once is above"),  # the last wins
+        ("[--max-num-seqs, '8']", "[1, 8]", None),
+        ("[--enforce-eager]", "[1, 4096]", None),  # vLLM's own default: nothing to hold it to
+    ],
+)
+def test_a_speedup_level_above_max_num_seqs_is_refused_naming_both(
+    tmp_path: Path, args: str, levels: str, expected: str | None
+) -> None:
+    """vLLM runs at most --max-num-seqs requests at once: a level above it would queue the rest and
+    measure less than it names."""
+    text = GOOD.replace("extra_args: [--enforce-eager]", f"extra_args: {args}").replace(
+        "rollout:", f"  speedup: {{concurrency: {levels}}}\nrollout:", 1
+    )
+    path = setup(tmp_path, text)
+    if expected is None:
+        assert load_playbook(path).gates.speedup is not None
+        return
+    with pytest.raises(InputError) as info:
+        load_playbook(path)
+    assert expected in str(info.value)
