@@ -51,14 +51,14 @@ def serve(run: Run, unit: Unit) -> None:
     assert release is not None
     changed = {n.name for n in unit.nodes if n.report.changed}
     baseline = speedup.needs_baseline(run, unit)  # one extra start: out of rotation for it too
-    if run.gateway is not None and (changed or baseline) and not rotation.drain(run, unit):
+    if run.gateway is not None and (changed or baseline is not None) and not rotation.drain(run, unit):
         unit.fail_others([unit.head.name], "not launched")
         return  # the gateway refused, or capacity would fall below its floor: nothing was stopped
-    if baseline and not speedup.before_launch(run, unit, release):
+    if baseline is not None and not speedup.before_launch(run, unit, release, baseline):
         unit.head.report.diagnosis = plan.diagnose(run.playbook, unit.head.report)
         roll_back(run, unit)
         return
-    proven = start_and_prove(run, unit, release, switch=changed, keep=not changed and not baseline)
+    proven = start_and_prove(run, unit, release, switch=changed, keep=not changed and baseline is None)
     if proven and not speedup.after_proof(run, unit):
         unit.head.report.diagnosis = plan.diagnose(run.playbook, unit.head.report)
         unit.fail_others([unit.head.name], "group not ready")

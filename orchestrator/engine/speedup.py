@@ -58,18 +58,15 @@ def _kept(run: Run, key: str) -> dict[int, dict[str, Any]]:
     return dict(found)
 
 
-def before_launch(run: Run, unit: Unit, release: str) -> bool:
+def before_launch(run: Run, unit: Unit, release: str, found: tuple[str, str]) -> bool:
     """On a canary with no baseline kept for its key: start the target alone, measure the load,
     stop it, keep what it measured (a store's, and this run's for the hosts after it). False: it
     could not be measured, and the speed-up gate says why (the host was disturbed: roll back).
 
     The host must serve nothing else meanwhile: with a gateway it is out of rotation (``serve``
-    drains a host before this step whenever it will measure)."""
+    drains a host before this step whenever it will measure). ``found``: its key, in words too
+    (``needs_baseline``'s)."""
     head = unit.head
-    if not needs_baseline(run, unit):
-        return True
-    found = _key(run, unit)
-    assert found is not None
     key, what = found
     playbook = run.playbook
     host = serving.probe_host(playbook, head.target.container)
@@ -109,13 +106,13 @@ def before_launch(run: Run, unit: Unit, release: str) -> bool:
     return True
 
 
-def needs_baseline(run: Run, unit: Unit) -> bool:
-    """This unit measures a baseline before its release starts: a canary, one host, a key, and
-    none kept under it."""
+def needs_baseline(run: Run, unit: Unit) -> tuple[str, str] | None:
+    """The key (and its words) of the baseline this unit measures before its release starts: a
+    canary, one host, a key, and none kept under it. None: it measures none."""
     if not wanted(run) or unit.head.name not in run.canaries or not unit.single:
-        return False
+        return None
     found = _key(run, unit)
-    return found is not None and not _kept(run, found[0])
+    return found if found is not None and not _kept(run, found[0]) else None
 
 
 def after_proof(run: Run, unit: Unit) -> bool:
