@@ -34,7 +34,12 @@ _HERE = Path(__file__).resolve().parent
 # In the order they are packed (and so the order the agent's registry lists its ops in).
 MODULES = ("core", "releases", "models", "serving", "checks", "gateway", "dispatch")
 # What each module uses of the others (besides core, which every module uses).
-NEEDS: dict[str, tuple[str, ...]] = {"models": ("releases",), "checks": ("serving",), "gateway": ("serving",)}
+NEEDS: dict[str, tuple[str, ...]] = {
+    "models": ("releases",),
+    "serving": ("releases",),  # the ``launched`` link is a release link
+    "checks": ("serving",),
+    "gateway": ("serving",),
+}
 _HELPER = re.compile(r'_helper\("(\w+)"\)')
 
 

@@ -146,6 +146,39 @@ def _set_link(root_real, name, release_id):
         raise _os_error("io", exc, link)
 
 
+# The release the server was last started from. The server reads its drafter through this link
+# (``<root>/launched/drafter``), a path that stays the same from release to release: vLLM's compile
+# cache key hashes the drafter's path, so a release's own path would make every release a cold
+# compile. Only a launch (or the engine check just before it) moves it, never a switch: what the
+# server reads is the release it was started from, even while ``current`` moves.
+LAUNCHED = "launched"
+
+
+def _point_launched(root_real, release_id):
+    """Point ``launched`` at a release before a server starts from it; returns the release it
+    pointed at before. A release that is not there removes the link: the server then fails to
+    find its drafter, rather than start from another release's."""
+    _check_release_id(release_id)
+    before = _link_target(root_real, LAUNCHED, strict=False)
+    if before == release_id:
+        return before  # nothing written
+    if os.path.isdir(os.path.join(root_real, "releases", release_id)):
+        _set_link(root_real, LAUNCHED, release_id)
+    else:
+        _unlink_quietly(os.path.join(root_real, LAUNCHED))
+    return before
+
+
+def _restore_launched(root_real, before):
+    """Put ``launched`` back where it was (after an engine check)."""
+    if _link_target(root_real, LAUNCHED, strict=False) == before:
+        return
+    if before is None:
+        _unlink_quietly(os.path.join(root_real, LAUNCHED))
+    else:
+        _set_link(root_real, LAUNCHED, before)
+
+
 def _switch(root_real, release_id):
     """Make ``release_id`` current, keeping the old current as ``previous`` (a damaged link of
     either name, ours by its name, is replaced)."""
@@ -306,9 +339,8 @@ def _next_sequence(releases):
 
 
 def _prune(root_real, releases, keep):
-    protected = set(
-        x for x in (_link_target(root_real, "current", False), _link_target(root_real, "previous", False)) if x
-    )
+    # ``launched``: the release the server was started from reads its drafter through it.
+    protected = set(x for x in (_link_target(root_real, n, False) for n in ("current", "previous", LAUNCHED)) if x)
     candidates = []
     for name in os.listdir(releases):
         if name.startswith(".") or name in protected or not _ours(releases, name):

@@ -30,6 +30,7 @@ from remote_agent.core import (
     os,
     time,
 )
+from remote_agent.releases import LAUNCHED, _link_target, _point_launched, _restore_launched
 
 # The server runs in its own session (so it outlives the SSH session that started it), with
 # its pid and start time in <root>/run/<name>.json: only a process that still has both is ever
@@ -89,6 +90,46 @@ def _log_tail(path, lines=30):
     except OSError:
         return ""
     return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+# What the startup ledger gets of a start's log: its first lines, each cut (vLLM's config line
+# alone is several KB). A start writes about 120 lines up to /health.
+STARTUP_LINES = 600
+STARTUP_LINE_CHARS = 400
+
+
+def _startup(record):
+    """The server's start as the controller's ledger reads it: when it was launched and found
+    healthy (this machine's clock), this machine's UTC offset (vLLM stamps its lines in local time)
+    and the log's lines since the launch. None for a record from before the ledger."""
+    offset = record.get("log_offset")
+    if not isinstance(offset, int) or not isinstance(record.get("started_at"), (int, float)):
+        return None
+    lines: list[str] = []
+    try:
+        with _open_file(record["log"]) as f:
+            f.seek(offset)
+            read = 0
+            while len(lines) < STARTUP_LINES and read < 4 * 1024 * 1024:
+                # Bounded reads: a line with no end (a progress bar) never fills memory.
+                raw = f.readline(64 * 1024)
+                if not raw:
+                    break
+                read += len(raw)
+                whole = raw.endswith(b"\n")
+                while not whole and read < 4 * 1024 * 1024:
+                    rest = f.readline(64 * 1024)
+                    read += len(rest)
+                    whole = not rest or rest.endswith(b"\n")
+                lines.append(raw.decode("utf-8", "replace").rstrip("\r\n")[:STARTUP_LINE_CHARS])
+    except OSError:
+        return None
+    return {
+        "launched_at": record["started_at"],
+        "healthy_at": time.time(),
+        "utc_offset": time.localtime().tm_gmtoff,
+        "lines": lines,
+    }
 
 
 def _stop(root, name, timeout):
@@ -218,28 +259,57 @@ def _command_digest(argv, env):
     return _sha256(_dumps({"argv": argv, "env": sorted(env.items())}).encode("utf-8"))
 
 
+def _runs(current, argv, env, release_id):
+    """Whether the server we started is alive on this very command, from this release (the same
+    command reads another release's drafter through ``launched``)."""
+    return bool(
+        current
+        and current["alive"]
+        and current.get("command_sha256") == _command_digest(argv, env)
+        and current.get("release_id") == release_id
+    )
+
+
 ENGINE_MARK = "@@dflash-engine@@"
 
 
-@op("engine_check", name=str, root=str, argv=list, env=dict, expect=dict, timeout=NUMBER, keep_if_running=bool)
+@op(
+    "engine_check",
+    name=str,
+    root=str,
+    argv=list,
+    env=dict,
+    expect=dict,
+    timeout=NUMBER,
+    keep_if_running=bool,
+    release_id=(str, NONE),
+)
 def op_engine_check(req):
     """The installed vLLM's own verdict on the server's exact command and environment, before the
     server we started is stopped for it: its parser and its configuration, built without weights
     or GPU memory (helpers/engine_check.py). A refusal fails with vLLM's words. Not asked when
-    that server already runs this very command (the launch keeps it)."""
-    import json
-    import subprocess
-
+    that server already runs this very command from this release (the launch keeps it).
+    ``release_id``: the release the command reads its drafter from through ``launched``, pointed
+    there for the check alone (the running server read its own at its start) and back after it:
+    only a launch leaves it moved."""
     root = _root(req, create=False)
     argv, env = _argv(req), req["env"]
     current = _server(root, req["name"])
-    if (
-        req["keep_if_running"]
-        and current
-        and current["alive"]
-        and current.get("command_sha256") == _command_digest(argv, env)
-    ):
+    if req["keep_if_running"] and _runs(current, argv, env, req["release_id"]):
         return {"skipped": "the server already runs this command"}
+    if req["release_id"] is None:
+        return _engine_check(req, root, argv, env)
+    before = _point_launched(root, req["release_id"])
+    try:
+        return _engine_check(req, root, argv, env)
+    finally:
+        _restore_launched(root, before)
+
+
+def _engine_check(req, root, argv, env):
+    import json
+    import subprocess
+
     if len(argv) < 4 or argv[1] != "-c" or argv[3] != "serve":
         raise OpError("bad_request", "argv is not a `vllm serve` command of the serving Python")
     if _systemd_is_init():
@@ -314,9 +384,11 @@ def op_launch(req):
     env = req["env"]
     spec = _command_digest(argv, env)
     current = _server(root, name)
-    if req["keep_if_running"] and current and current["alive"] and current.get("command_sha256") == spec:
+    if req["keep_if_running"] and _runs(current, argv, env, req["release_id"]):
         return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}
     stopped = _stop(root, name, float(req["stop_timeout"]))
+    # Stopped first: the server that ran read its drafter through ``launched`` at its start.
+    _point_launched(root, req["release_id"])
     if req["port"] is not None and _port_answers(req["host"], int(req["port"])):
         # Health and the probe would be answered by whatever holds it, and our server, unable to
         # bind, would look ready for as long as it takes to die.
@@ -333,6 +405,10 @@ def op_launch(req):
         log.write(
             ("\n=== %s launch %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), req["release_id"])).encode()
         )
+        log.flush()
+        # Where this start's own lines begin: the startup ledger reads from here.
+        log_offset = os.fstat(log.fileno()).st_size
+    launched_at = time.time()
     supervisor = "systemd" if _systemd_is_init() else "process"
     if supervisor == "systemd":
         unit, pid = _launch_unit(root, name, argv, env, log_path, req["release_id"], int(req["stop_timeout"]))
@@ -345,7 +421,8 @@ def op_launch(req):
         "unit": unit,
         "port": req["port"],
         "log": log_path,
-        "started_at": time.time(),
+        "log_offset": log_offset,
+        "started_at": launched_at,
         "argv": argv,
         "command_sha256": spec,
     }
@@ -688,6 +765,7 @@ def op_wait_health(req):
                     "models": models,
                     "pid": record["pid"],
                     "waited_s": round(time.monotonic() - started, 1),
+                    "startup": _startup(record),
                 }
             last = "/v1/models lists %s, not %s" % (models, model)
         else:
@@ -731,7 +809,7 @@ def op_serving_status(req):
         ready = None  # not a record of ours (edited by hand, cut short): as good as none
     if record:
         record.pop("argv", None)
-    return {"server": record, "health": health, "ready": ready}
+    return {"server": record, "health": health, "ready": ready, "launched": _link_target(root, LAUNCHED, strict=False)}
 
 
 @op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER, warm=int)

@@ -312,11 +312,40 @@ class Stopped:
 
 
 @dataclass(frozen=True)
+class Startup:
+    """A server's start as its host saw it: launched and found healthy (the host's clock, epoch
+    seconds), the host's UTC offset (vLLM stamps its lines in local time) and the log's first
+    lines since the launch. What the startup ledger (``rules.startup``) is read from."""
+
+    launched_at: float
+    healthy_at: float
+    utc_offset: int
+    lines: tuple[str, ...]
+
+    @staticmethod
+    def read(value: dict[str, Any] | None) -> Startup | None:
+        if value is None:
+            return None
+        value = _mapping(value, "'startup'")
+        lines = _field(value, "lines", list)
+        if not all(isinstance(line, str) for line in lines):
+            raise AnswerError("'startup.lines' holds something other than text")
+        return Startup(
+            _field(value, "launched_at", float),
+            _field(value, "healthy_at", float),
+            _field(value, "utc_offset", int),
+            tuple(lines),
+        )
+
+
+@dataclass(frozen=True)
 class Healthy:
-    """wait_health: the pid that answered /health and how long the wait took."""
+    """wait_health: the pid that answered /health, how long the wait took, and the start's log
+    (None from an agent's record of before the ledger)."""
 
     pid: int
     waited_s: float
+    startup: Startup | None = None
 
 
 @dataclass(frozen=True)
@@ -335,6 +364,7 @@ class Status:
     server: Process | None
     health: int | None  # /health's HTTP status; None: not asked, or no answer
     ready: dict[str, Any] | None  # ready.json as the host holds it
+    launched: str | None = None  # the release ``launched`` names: the one the server reads its drafter from
 
 
 @dataclass(frozen=True)
@@ -730,6 +760,9 @@ class Engine:
     # The model runner's checks made before weights (mask token, taps across pipeline stages):
     # "ok", or "skipped: why" where this vLLM's code is not the shape the check knows.
     checks: tuple[tuple[str, str], ...] = ()
+    # vLLM's hash of its configuration (``VllmConfig.compute_hash``): its compile cache's key but
+    # for the build's code, environment and compiler. None from a build that cannot say.
+    compile_key: str | None = None
 
 
 # vLLM's import alone takes seconds to a minute on a cold host (40 s seen on an H200's first start).
@@ -737,13 +770,19 @@ ENGINE_CHECK_TIMEOUT = 300.0
 
 
 def engine_check(
-    root: str, name: str, command: ServerCommand, expect: dict[str, Any] | None = None, keep_if_running: bool = False
+    root: str,
+    name: str,
+    command: ServerCommand,
+    expect: dict[str, Any] | None = None,
+    keep_if_running: bool = False,
+    release_id: str | None = None,
 ) -> Op[Engine]:
     """The installed vLLM's verdict on ``command`` (argv and environment, exactly as ``launch``
     would start it): its parser and configuration, before the running server is stopped for it.
     A refusal is a failure in vLLM's own words, and so is a value vLLM resolved other than the
     one ``expect`` names (what the gates prove: the target, the drafter, the port...);
-    ``keep_if_running``: not asked when the server we started already runs this very command."""
+    ``keep_if_running``: not asked when the server we started already runs this very command;
+    ``release_id``: the release the command's drafter is read from (through ``launched``)."""
     request = {
         "op": "engine_check",
         "root": root,
@@ -753,6 +792,7 @@ def engine_check(
         "expect": dict(expect or {}),
         "timeout": ENGINE_CHECK_TIMEOUT,
         "keep_if_running": keep_if_running,
+        "release_id": release_id,
     }
     return Op(request, _engine, budget_s=ENGINE_CHECK_TIMEOUT)
 
@@ -782,6 +822,7 @@ def _engine(v: dict[str, Any]) -> Engine:
         runner,
         _field(v, "seconds", float),
         tuple(sorted(checks.items())),
+        _field(v, "compile_key", str, optional=True),
     )
 
 
@@ -838,7 +879,13 @@ def wait_health(root: str, name: str, port: int, model: str, timeout: float, hos
         "model": model,
         "timeout": timeout,
     }
-    return Op(request, lambda v: Healthy(_field(v, "pid", int), _field(v, "waited_s", float)), budget_s=timeout)
+    return Op(
+        request,
+        lambda v: Healthy(
+            _field(v, "pid", int), _field(v, "waited_s", float), Startup.read(_field(v, "startup", dict, optional=True))
+        ),
+        budget_s=timeout,
+    )
 
 
 def _status(v: dict[str, Any]) -> Status:
@@ -851,7 +898,7 @@ def _status(v: dict[str, Any]) -> Status:
             alive=_field(server, "alive", bool),
             release_id=_field(server, "release_id", str, optional=True),
         )
-    return Status(process, _field(v, "health", int, optional=True), ready)
+    return Status(process, _field(v, "health", int, optional=True), ready, _field(v, "launched", str, optional=True))
 
 
 def serving_status(root: str, name: str, port: int | None, host: str = LOOPBACK) -> Op[Status]:

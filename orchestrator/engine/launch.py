@@ -108,7 +108,9 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
         if together and launch is not None:
             command = serving.command(playbook, node.target.container, release)
             want = serving.resolved(playbook, node.target.container, release)
-            engine = protocol.engine_check(node.root, serving.SERVER, command, want, keep_if_running=keep)
+            engine = protocol.engine_check(
+                node.root, serving.SERVER, command, want, keep_if_running=keep, release_id=release
+            )
         steps = (engine, switch_op, launch)
         ops: list[protocol.Op[Any]] = [run.lock(node), *(op for op in steps if op is not None)]
         if together:
@@ -195,7 +197,7 @@ def _read_proof(
 ) -> bool:
     head = unit.head
     head.pid = healthy.pid
-    plan.read_health(healthy, kept, head.report)
+    plan.read_health(healthy, kept, head.report, last_ready)
     plan.read_probe(run.playbook, scrapes, head.report, last_ready)
     if head.report.gates[GATE_ACCEPTANCE].ok:
         return True

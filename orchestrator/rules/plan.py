@@ -34,7 +34,7 @@ from orchestrator.results import (
     HostReport,
     Problem,
 )
-from orchestrator.rules import dflash, gpus, models, placement, probe, serving, speedup
+from orchestrator.rules import dflash, gpus, models, placement, probe, serving, speedup, startup
 
 KNOWN_BUGS = "known_bugs"  # the build gate's reason when rows of the build table apply
 
@@ -646,10 +646,13 @@ def read_engine(engine: protocol.Engine, report: HostReport) -> None:
     runner = f", {engine.runner.upper()} model runner" if engine.runner else ""
     made = [RUNNER_CHECKS.get(name, name) for name, verdict in engine.checks if verdict == "ok"]
     before = f"; before weights: {', '.join(made)}" if made else ""
+    data: dict[str, Any] = {"seconds": engine.seconds, "checks": dict(engine.checks)}
+    if engine.compile_key is not None:
+        data["compile_key"] = engine.compile_key
     report.gates[GATE_ENGINE] = Gate(
         True,
         f"vLLM {engine.version} accepts the command: target {', '.join(engine.target) or '?'}{drafter}{runner}{before}",
-        {"seconds": engine.seconds, "checks": dict(engine.checks)},
+        data,
     )
 
 
@@ -660,12 +663,42 @@ RUNNER_CHECKS = {
 }
 
 
-def read_health(healthy: protocol.Healthy, kept: bool, report: HostReport) -> None:
-    """The health gate from the health wait's answer (the pid that answered, how long it took)."""
-    already = " (already running)" if kept else ""
-    report.gates[GATE_HEALTH] = Gate(
-        True, f"healthy after {healthy.waited_s} s, pid {healthy.pid}{already}", {"seconds": healthy.waited_s}
-    )
+def read_health(
+    healthy: protocol.Healthy, kept: bool, report: HostReport, last_ready: dict[str, Any] | None = None
+) -> None:
+    """The health gate from the health wait's answer (the pid that answered, how long it took) and,
+    for a server this run started, its startup ledger; a KV cache smaller than the same release's
+    last start (``last_ready``: the READY record the host held before) is said with both numbers."""
+    if kept:
+        detail = f"healthy after {healthy.waited_s} s, pid {healthy.pid} (already running)"
+        data_kept: dict[str, Any] = {"seconds": healthy.waited_s}
+        last = _last_start(last_ready, report.release_id)
+        if last is not None and isinstance(last_ready, dict) and last_ready.get("pid") == healthy.pid:
+            # The same process: its start is still the one that serves (the READY record keeps it
+            # for the next start to compare with); history counts it once.
+            data_kept["startup"] = {**last, "carried": True}
+        report.gates[GATE_HEALTH] = Gate(True, detail, data_kept)
+        return
+    data: dict[str, Any] = {"seconds": healthy.waited_s}
+    detail = f"healthy after {healthy.waited_s} s, pid {healthy.pid}"
+    if healthy.startup is not None:
+        ledger = startup.ledger(healthy.startup)
+        data["startup"] = ledger.to_json()
+        detail = f"healthy {ledger.total_s:.1f} s after the launch, pid {healthy.pid}: {ledger.line()}"
+        if warning := startup.smaller_kv(ledger, _last_start(last_ready, report.release_id)):
+            data["kv_smaller"] = warning
+            detail += f"; warning: {warning}"
+    report.gates[GATE_HEALTH] = Gate(True, detail, data)
+
+
+def _last_start(last_ready: dict[str, Any] | None, release_id: str | None) -> dict[str, Any] | None:
+    """The ledger of the start the host's last READY record names, when it was this release's."""
+    if not isinstance(last_ready, dict) or release_id is None or last_ready.get("release_id") != release_id:
+        return None
+    gates = last_ready.get("gates")
+    health = gates.get(GATE_HEALTH) if isinstance(gates, dict) else None
+    ledger = health.get("startup") if isinstance(health, dict) else None
+    return ledger if isinstance(ledger, dict) else None
 
 
 def read_serving_status(status: protocol.Status, report: HostReport, role: str | None = None) -> None:
@@ -706,6 +739,13 @@ def _ready_gate(status: protocol.Status, report: HostReport) -> Gate:
     if server and ready.get("pid") != server.pid:
         return Gate(
             False, f"the server was restarted since READY (pid {ready.get('pid')} -> {server.pid}): probe again"
+        )
+    if server and server.alive and status.launched is not None and status.launched != report.release_id:
+        # A server started by hand, or a launch that did not finish: it reads another drafter.
+        return Gate(
+            False,
+            f"the server reads its drafter from release {status.launched} (the launched link), "
+            f"READY names {report.release_id}: deploy again",
         )
     return Gate(True, f"READY record matches release {report.release_id} and its digests", _recorded_speedup(ready))
 

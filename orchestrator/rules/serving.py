@@ -1,7 +1,14 @@
 """The vLLM DFlash server of one container, as values: its argv and environment. Pure.
 
-The drafter path is the release's own directory (``<root>/releases/<id>/drafter``), never
-``current``: what the gates verified is what the server reads, even while ``current`` moves.
+The server reads its drafter through ``<root>/launched/drafter``: ``launched`` is a link to the
+release the server was started from, moved only by the launch (the agent's ``launch``), never by a
+switch, so what the gates verified is what the server reads even while ``current`` moves. The path
+stays the same from release to release because vLLM's compile cache key hashes it (vLLM 0.32
+``config/model.py`` ``ModelConfig.compute_hash`` hashes ``model``, and
+``config/speculative.py`` hashes the draft model's config): with the release's own directory in
+the command, every release compiled again (the H200 log ``tests/data/gpu/serve/dflash-serve.log``:
+three releases, three cache keys, the rollback the only hit). The drafter's config itself is in
+the key (``hf_config``), so another drafter still compiles for itself.
 """
 
 from __future__ import annotations
@@ -48,6 +55,11 @@ def deploy_root(playbook: Playbook, container: Container) -> str:
 def release_dir(root: str, release_id: str) -> str:
     """A release's directory under a deploy root."""
     return f"{root}/releases/{release_id}"
+
+
+def drafter_path(playbook: Playbook, container: Container) -> str:
+    """Where the server reads its drafter: through ``launched``, the release it was started from."""
+    return f"{deploy_root(playbook, container)}/launched/drafter"
 
 
 def listen_host(playbook: Playbook, container: Container) -> str:
@@ -109,9 +121,23 @@ def command(playbook: Playbook, container: Container, release_id: str, speculati
     ]
     argv += graceful_args(playbook)
     argv += (_speculative_args(playbook, container, release_id) if speculative else []) + list(s.extra_args)
-    env = {"HF_HUB_OFFLINE": "1", **start_budget(playbook), **gpu_env(container)}
+    env = {"HF_HUB_OFFLINE": "1", **start_budget(playbook), **cache_env(playbook, container), **gpu_env(container)}
     env.update(s.env)
     return ServerCommand(tuple(argv), env, stop_timeout=s.stop_timeout)
+
+
+def cache_root(playbook: Playbook, container: Container) -> str:
+    """vLLM's cache root on a container: under its deploy root, beside the releases, so that it
+    outlives every release (a rollback finds its compiled graphs) and is not the serving user's
+    ``$HOME``. vLLM keys what it keeps there by its own hash of the config, the code and the
+    environment (vLLM 0.32 ``compilation/backends.py``; ``VLLM_CACHE_ROOT`` itself is not in the
+    hash, ``envs.compile_factors``), so one root serves every target and drafter."""
+    return f"{deploy_root(playbook, container)}/cache/vllm"
+
+
+def cache_env(playbook: Playbook, container: Container) -> dict[str, str]:
+    """The server's ``VLLM_CACHE_ROOT`` (serving.env may name another)."""
+    return {"VLLM_CACHE_ROOT": cache_root(playbook, container)}
 
 
 def graceful_args(playbook: Playbook) -> list[str]:
@@ -141,7 +167,7 @@ def resolved(playbook: Playbook, container: Container, release_id: str) -> dict[
     if s.speculative:
         want |= {
             "speculative_method": "dflash",
-            "speculative_model": f"{release_dir(deploy_root(playbook, container), release_id)}/drafter",
+            "speculative_model": drafter_path(playbook, container),
             "num_speculative_tokens": s.num_speculative_tokens,
         }
     return want
@@ -160,7 +186,7 @@ def _speculative_args(playbook: Playbook, container: Container, release_id: str)
         return []
     spec = {
         "method": "dflash",
-        "model": f"{release_dir(deploy_root(playbook, container), release_id)}/drafter",
+        "model": drafter_path(playbook, container),
         "num_speculative_tokens": s.num_speculative_tokens,
     }
     return ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
@@ -217,7 +243,13 @@ def rank_command(playbook: Playbook, placement: Placement, rank: int, release_id
         "--pipeline-parallel-size",
         str(placement.pipeline_parallel_size),
     ]
-    env = {"HF_HUB_OFFLINE": "1", **start_budget(playbook), **_node_env(playbook, placement, rank)}
+    container = placement.nodes[rank].container
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        **start_budget(playbook),
+        **cache_env(playbook, container),
+        **_node_env(playbook, placement, rank),
+    }
     if multi.executor == "mp":
         argv += ["--nnodes", str(len(placement.nodes)), "--node-rank", str(rank)]
         argv += ["--master-addr", placement.master_addr, "--master-port", str(multi.master_port)]

@@ -62,6 +62,19 @@ class HostHistory:
                 return {**gate, "kind": run["kind"], "at": run["finished"]}
         return None
 
+    def starts(self) -> list[dict[str, Any]]:
+        """Each server start a run recorded (the health gate's startup ledger), newest first, with
+        the run and release it belongs to."""
+        out = []
+        for run in self.runs:  # newest first
+            health = run["host"].get("gates", {}).get("health")
+            ledger = health.get("startup") if isinstance(health, dict) else None
+            if isinstance(ledger, dict) and isinstance(ledger.get("phases"), dict) and not ledger.get("carried"):
+                out.append(
+                    {**ledger, "kind": run["kind"], "at": run["finished"], "release_id": run["host"].get("release_id")}
+                )
+        return out
+
     def releases(self) -> list[dict[str, Any]]:
         """Each release the runs saw: when first and last, how many runs, the last run's verdict."""
         seen: dict[str, dict[str, Any]] = {}
@@ -113,6 +126,7 @@ def to_json(hosts: list[HostHistory], now: float) -> dict[str, Any]:
                 "runs": [{**{k: v for k, v in r.items() if k != "host"}, **r["host"]} for r in h.runs],
                 "acceptance": h.samples,
                 "speedup": h.speedup(),
+                "starts": h.starts(),
                 "periods": [p.__dict__ for p in h.periods(now)],
             }
             for h in hosts
@@ -264,6 +278,7 @@ def _host(h: HostHistory, now: float) -> str:
         f'<section class="host" id="host-{escape(h.name, quote=True)}">',
         f"<h2>{escape(h.name)}{badge}</h2><p>{tau}</p>",
         chart(h, now),
+        _starts(h),
         _releases(h),
         _runs(h),
         "</section>",
@@ -280,6 +295,56 @@ def _releases(h: HostHistory) -> str:
     )
     head = "<tr><th>release</th><th>first run</th><th>last run</th><th>runs</th><th>last result</th></tr>"
     return f'<h3>Releases</h3><table class="releases">{head}{rows}</table>'
+
+
+# The startup ledger's phases (``rules.startup.PHASES``), coloured in the order vLLM passes them.
+PHASE_COLOURS = {
+    "imports": "#9aa0a6",
+    "config": "#bdc1c6",
+    "weights": "#8ab4f8",
+    "compile": "#f28b82",
+    "profile": "#fdd663",
+    "graphs": "#81c995",
+    "warm-up": "#c58af9",
+    "API": "#78d9ec",
+    "health": "#e8eaed",
+}
+BAR_W = 560
+
+
+def _starts(h: HostHistory) -> str:
+    """One stacked bar per server start (newest first, at most 20), to one scale: where each
+    start's time went, whether the compile cache hit, and the KV cache vLLM sized."""
+    starts = h.starts()[:20]
+    if not starts:
+        return ""
+    longest = max(max(float(s.get("total_s") or 0) for s in starts), 1.0)
+    rows = []
+    for s in starts:
+        x, rects = 0.0, []
+        for name, seconds in s["phases"].items():
+            if not isinstance(seconds, (int, float)) or seconds <= 0:
+                continue
+            w = BAR_W * float(seconds) / longest
+            colour = PHASE_COLOURS.get(name, "#dadce0")
+            rects.append(
+                f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="14" fill="{colour}">'
+                f"<title>{escape(name)} {float(seconds):.1f} s</title></rect>"
+            )
+            x += w
+        bar = f'<svg class="start-bar" width="{BAR_W}" height="14">{"".join(rects)}</svg>'
+        kv = f"{int(s['kv_tokens']):,} tokens" if isinstance(s.get("kv_tokens"), int) else "-"
+        clock = f" ({escape(str(s['clock']))})" if s.get("clock") else ""
+        rows.append(
+            f"<tr><td>{_when(s['at'])}</td><td>{escape(str(s.get('release_id') or '-'))}</td>"
+            f"<td>{float(s.get('total_s') or 0):.1f} s{clock}</td><td>{bar}</td>"
+            f"<td>{escape(str(s.get('compile', '-')))}</td><td>{kv}</td></tr>"
+        )
+    legend = "".join(
+        f'<span><span class="swatch" style="background:{c}"></span>{escape(n)}</span>' for n, c in PHASE_COLOURS.items()
+    )
+    head = "<tr><th>finished</th><th>release</th><th>launch to /health</th><th>phases</th><th>compile</th><th>KV cache</th></tr>"
+    return f'<h3>Server starts</h3><p class="legend">{legend}</p><table class="starts">{head}{"".join(rows)}</table>'
 
 
 def _runs(h: HostHistory) -> str:

@@ -90,6 +90,13 @@ def check(args):
         sys.exit(0)
     parallel = config.parallel_config
     names = getattr(args, "served_model_name", None)
+    try:
+        # vLLM's hash of its configuration: the part of its compile cache's key that the command
+        # and the models' configs decide (compilation/backends.py adds the build's code, the
+        # environment and the compiler). The same key, the same compiled graphs.
+        compile_key = config.compute_hash()
+    except Exception:  # a build whose configuration cannot hash itself
+        compile_key = None
     say(
         {
             "ok": True,
@@ -98,6 +105,7 @@ def check(args):
             "drafter": list(getattr(draft, "architectures", None) or []),
             "runner": None if runner is None else ("v2" if runner else "v1"),
             "checks": made,
+            "compile_key": compile_key,
             # What it would serve, as its own parser and configuration resolved every spelling.
             "resolved": {
                 "model": args.model,

@@ -72,13 +72,23 @@ def model(tmp_path: Path, name: str, base: str, **changes: Any) -> Path:
     return out
 
 
-def engine_check(tmp_path: Path, target: Path, drafter: Path, *args: str, **env: str) -> dict[str, Any]:
-    """The agent's engine_check op, as deploy sends it, answered by the real vLLM."""
+def engine_check(
+    tmp_path: Path,
+    target: Path,
+    drafter: Path,
+    *args: str,
+    root: Path | None = None,
+    release: str | None = None,
+    **env: str,
+) -> dict[str, Any]:
+    """The agent's engine_check op, as deploy sends it, answered by the real vLLM (``release``:
+    the release whose drafter ``<root>/launched`` points at for the check)."""
     spec = json.dumps({"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7})
     argv = [str(VLLM / "bin" / "python"), "-c", CLI, "serve", str(target), "--speculative-config", spec]
     argv += ["--dtype", "float32", "--max-model-len", "512", "--port", "8000", *args]
-    root = tmp_path / f"root-{target.name}-{drafter.name}"
-    root.mkdir()
+    if root is None:
+        root = tmp_path / f"root-{target.name}-{drafter.name}"
+        root.mkdir()
     request = {
         "op": "engine_check",
         "root": str(root),
@@ -88,6 +98,7 @@ def engine_check(tmp_path: Path, target: Path, drafter: Path, *args: str, **env:
         "expect": {"speculative_model": str(drafter), "num_speculative_tokens": 7},
         "timeout": 300.0,
         "keep_if_running": False,
+        "release_id": release,
     }
     proc = subprocess.run(
         [sys.executable, "-c", BOOTSTRAP], input=encode_request([request]), capture_output=True, timeout=330
@@ -157,3 +168,29 @@ def test_vllm_refuses_before_weights_what_its_runner_would_refuse_after(tmp_path
         "vLLM 0.32.0 refuses the command: ValidationError: Total number of attention heads (3) must be divisible "
         "by tensor parallel size (2)."
     )
+
+
+def test_vllm_s_compile_key_follows_the_drafter_s_path_and_config_not_its_release(tmp_path: Path) -> None:
+    """Why the server reads its drafter through ``<root>/launched``: vLLM's compile cache key
+    hashes the drafter's path, so the same drafter from each release's own directory is a new key
+    (a cold compile on every release), while through the one link it keeps its key; a drafter
+    whose config differs gets its own key (its graphs are never another's). vLLM's own
+    ``VllmConfig.compute_hash``, reported by the engine gate."""
+    root = tmp_path / "root"
+    for release, changes in (("A", {}), ("B", {}), ("C", {"rope_theta": 12345.0})):
+        (root / "releases" / release).mkdir(parents=True)
+        made = model(tmp_path, f"drafter-{release}", "drafter-good", **changes)
+        made.rename(root / "releases" / release / "drafter")
+    target, link = MODELS / "target", root / "launched" / "drafter"
+    with ThreadPoolExecutor(2) as pool:
+        direct = pool.submit(engine_check, tmp_path, target, root / "releases" / "A" / "drafter")
+        through = [engine_check(tmp_path, target, link, root=root, release=r) for r in ("A", "B", "C")]
+        own = direct.result()
+    assert own["ok"] and all(a["ok"] for a in through), (own, through)
+    keys = [a["result"]["compile_key"] for a in through]
+    assert keys[0] == keys[1]  # another release, the same drafter config: the same compiled graphs
+    assert keys[2] != keys[0]  # another drafter config: compiled for itself
+    assert own["result"]["compile_key"] != keys[0]  # the same files under their release's path: another key
+    # vLLM keeps the path it was given (the link, not where it leads), and the check left no link moved
+    assert through[0]["result"]["resolved"]["speculative_model"] == str(link)
+    assert not (root / "launched").is_symlink()

@@ -138,6 +138,15 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
         base = sandbox.srv(host) / Path(root_name).name
         ready = json.loads((base / "ready.json").read_text())
         assert ready["release_id"] == good.json["release_id"] == os.readlink(base / "current").split("/")[1]
+        # the start's ledger, from vLLM's own lines: phases that add up to launch -> /health, the
+        # KV cache vLLM sized, no compile (eager on the CPU); kept in the READY record
+        ledger = report["gates"]["health"]["startup"]
+        assert "clock" not in ledger and ledger["compile"] == "none", ledger
+        assert abs(sum(ledger["phases"].values()) - ledger["total_s"]) <= 0.05 * ledger["total_s"], ledger
+        assert ledger["phases"]["imports"] > 0 and ledger["kv_tokens"] > 0 and ledger["weights_s"] >= 0
+        assert ledger["total_s"] >= report["gates"]["health"]["seconds"]
+        assert ready["gates"]["health"]["startup"] == ledger
+        assert (base / "cache" / "vllm").is_dir()  # vLLM's cache root is the deploy root's, not $HOME's
         engine = report["gates"]["engine"]
         assert engine["ok"] and engine["detail"] == (
             "vLLM 0.32.0 accepts the command: target Qwen3ForCausalLM, drafter DFlashDraftModel, V1 model runner; "

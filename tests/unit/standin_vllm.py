@@ -120,6 +120,10 @@ class Counters:
         return "\n".join(lines) + "\n"
 
 
+def log(message: str) -> None:
+    print(f"INFO {time.strftime('%m-%d %H:%M:%S')} [standin_vllm.py:1] {message}", flush=True)
+
+
 def serve(args: list[str]) -> None:
     values, flags = options(args)
     if "headless" in flags:
@@ -127,13 +131,18 @@ def serve(args: list[str]) -> None:
         return
     if os.environ.get("STANDIN_FAIL_START"):
         sys.exit("RuntimeError: Engine core initialization failed (stand-in told to fail)")
+    # vLLM's start, in its own words and stamps (local time, as its logger writes): what the
+    # startup ledger cuts a start at.
+    log(f"Initializing a V1 LLM engine (v{VERSION}) with config: (stand-in)")
+    log("Loading weights took 0.01 seconds")
     if os.environ.get("STANDIN_START_DELAY"):
-        # The model loading, as vLLM logs it, before the port is bound.
-        print("INFO Loading weights took 0.01 seconds (stand-in)", flush=True)
         time.sleep(float(os.environ["STANDIN_START_DELAY"]))
+    kv = int(os.environ.get("STANDIN_KV_TOKENS", "90112"))
+    log(f"CPU KV cache size: {kv:,} tokens, Maximum concurrency for 512 tokens per request: 4.00x")
+    log("init engine (profile, create kv cache, warmup model) took 0.01 s")
     model = values.get("served-model-name", "dflash")
     spec = json.loads(values.get("speculative-config", "{}"))
-    if spec and (Path(spec["model"]).parents[2] / "standin-refuse").exists():
+    if spec and (Path(spec["model"]).resolve().parents[2] / "standin-refuse").exists():
         # A drafter this host's vLLM refuses, whatever the release (planted in one deploy root).
         sys.exit("ValueError: the drafter's config is refused on this host (stand-in told to refuse)")
     k = int(spec.get("num_speculative_tokens", 15))
@@ -227,6 +236,7 @@ def serve(args: list[str]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGHUP, reload)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    log(f"Starting vLLM server on http://{values.get('host', '127.0.0.1')}:{values.get('port', '8000')}")
     # A signal the kernel hands to a serving thread only sets a flag: the main thread runs the
     # handler when it next runs Python, so it wakes often rather than block for ever.
     while not stopping.wait(0.05):

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 PLAYBOOK = REPO / "playbooks" / "qwen36-27b-dflash-2x4.yaml"
 INVENTORY = REPO / "inventory" / "multinode-example.yaml"
 SPEC = json.dumps(
-    {"method": "dflash", "model": "/srv/dflash/releases/R1/drafter", "num_speculative_tokens": 15},
+    {"method": "dflash", "model": "/srv/dflash/launched/drafter", "num_speculative_tokens": 15},
     separators=(",", ":"),
 )
 
@@ -71,6 +71,7 @@ def test_mp_ranks_exact_argv_and_env() -> None:
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": gpus,
         "VLLM_ENGINE_READY_TIMEOUT_S": "1800",  # the playbook's startup_timeout, not vLLM's 600 s
+        "VLLM_CACHE_ROOT": "/srv/dflash/cache/vllm",  # each node's own, under its deploy root
     }
     assert other.env == dict(head.env, VLLM_HOST_IP="10.20.1.2")
 

@@ -81,7 +81,7 @@ def test_without_a_terminal_steps_are_timestamped_lines_and_with_json_json_lines
     assert order.index("launching the server") < order.index("waiting for health") < order.index("probing acceptance")
     waits = [s.split(": ", 2) for s in steps if s.startswith("waiting for health: ")]
     assert waits[0][1] == "at most 30 s", waits  # each step says how long it may take
-    assert any(len(w) == 3 and w[2].startswith("INFO Loading weights") for w in waits), done.stderr
+    assert any(len(w) == 3 and w[2].startswith("INFO ") and "Loading weights took" in w[2] for w in waits), done.stderr
     staging = next(s for s in steps if s.startswith("loading the drafter config"))
     assert staging.endswith(": at most 120 s"), staging
 

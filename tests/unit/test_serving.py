@@ -30,7 +30,7 @@ def test_four_and_eight_gpu_containers(tmp_path: Path) -> None:
     pb = load_playbook(REPO / "playbooks" / "qwen3-8b-dflash.yaml")  # tensor_parallel_size: 1 pinned
     four, eight = inv.hosts["gpu-a"].containers
     spec = json.dumps(
-        {"method": "dflash", "model": "/srv/dflash-qwen3-8b/releases/R1/drafter", "num_speculative_tokens": 15},
+        {"method": "dflash", "model": "/srv/dflash-qwen3-8b/launched/drafter", "num_speculative_tokens": 15},
         separators=(",", ":"),
     )
     cmd = serving.command(pb, four, "R1")
@@ -41,10 +41,12 @@ def test_four_and_eight_gpu_containers(tmp_path: Path) -> None:
         "--attention-backend", "flash_attn", "--max-model-len", "32768",
     )  # fmt: skip
     # vLLM's own engine-start budget is the playbook's (900 s by default), not vLLM's 600 s
-    # and CUDA numbers the GPUs as nvidia-smi (and so the gpus gate) does
+    # and CUDA numbers the GPUs as nvidia-smi (and so the gpus gate) does; vLLM's compile cache
+    # lives under the deploy root, beside the releases, outliving each of them
     assert cmd.env == {
         "HF_HUB_OFFLINE": "1",
         "VLLM_ENGINE_READY_TIMEOUT_S": "900",
+        "VLLM_CACHE_ROOT": "/srv/dflash-qwen3-8b/cache/vllm",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": "0,1,2,3",
     }
@@ -55,12 +57,11 @@ def test_four_and_eight_gpu_containers(tmp_path: Path) -> None:
     assert cmd8.env == {
         "HF_HUB_OFFLINE": "1",
         "VLLM_ENGINE_READY_TIMEOUT_S": "900",
+        "VLLM_CACHE_ROOT": f"{serving.deploy_root(big, eight)}/cache/vllm",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
     }
-    assert (
-        json.loads(cmd8.argv[cmd8.argv.index("--speculative-config") + 1])["model"] == "/srv/dflash/releases/R2/drafter"
-    )
+    assert json.loads(cmd8.argv[cmd8.argv.index("--speculative-config") + 1])["model"] == "/srv/dflash/launched/drafter"
 
 
 def test_tensor_parallel_defaults_to_the_containers_gpu_count(tmp_path: Path) -> None:
