@@ -55,9 +55,10 @@ def test_every_recorded_h200_start_is_cut_into_phases_that_add_up_to_its_time() 
 
 
 def test_the_compile_cache_missed_for_each_new_release_and_hit_on_the_rollback() -> None:
-    """vLLM's compile hash takes in the drafter's path (``ModelConfig.compute_hash`` hashes
-    ``model``; the speculative config hashes the draft model's config): each release directory is a
-    new cache key, while the rollback to the first release finds the first start's graphs."""
+    """Each new release of the recorded run (the wrong-mask drafter, then the mixed-layer one:
+    each another drafter config, and then another release path, both in vLLM's compile key) missed
+    the cache, while the rollback to the first release found the first start's graphs. That the
+    path alone changes the key is real vLLM's own hash in tests/integration/test_engine_gate.py."""
     (r1, cold), (r2, second), (r1b, rollback), (_, eager), (r3, third) = (
         (r, startup.ledger(s)) for r, s in h200_starts()
     )
