@@ -137,6 +137,9 @@ class HostReport:
     ssh: dict[str, int] = field(default_factory=dict)
     models: list[dict[str, Any]] = field(default_factory=list)  # per model directory: files, bytes, drift
     gpus: list[dict[str, Any]] = field(default_factory=list)  # what nvidia-smi said of each GPU
+    # Where the host's time went when the run started a server: vLLM's start, the probe, the
+    # tool's own share (rules.startup.time_split).
+    time: dict[str, float] | None = None
 
     @property
     def ready(self) -> bool:
@@ -182,6 +185,8 @@ class HostReport:
             out["diagnosis"] = self.diagnosis
         if self.diffs:
             out["diffs"] = self.diffs
+        if self.time is not None:
+            out["time"] = self.time
         return out
 
 

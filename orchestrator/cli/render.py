@@ -167,14 +167,19 @@ class ProgressPrinter(Observer):
                 "gate": gate,
                 "detail": detail,
                 "seconds": round(report.duration_s, 2),
+                **({"time": report.time} if report.time else {}),
             }
             self.stream.write(json.dumps(data) + "\n")
             self.stream.flush()
             return
         label = f"{gate}: " if gate else ""
+        split = ""
+        if report.time:
+            t = report.time
+            split = f": vLLM's start {t['vllm_start_s']:.1f} s, the probe {t['probe_s']:.1f} s, the tool {t['tool_s']:.1f} s"
         line = (
             f"[{self.done:>{len(str(self.total))}}/{self.total}] {mark} {report.name}  {label}{detail}"
-            f"  ({report.duration_s:.2f} s)"
+            f"  ({report.duration_s:.2f} s{split})"
         )
         if self._live is not None:
             if report.ready and self.total > self._lines():

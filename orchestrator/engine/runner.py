@@ -51,7 +51,7 @@ from orchestrator.results import (
     RunKind,
     RunReport,
 )
-from orchestrator.rules import plan, serving
+from orchestrator.rules import plan, serving, startup
 from orchestrator.rules.placement import Placement, place
 from orchestrator.store.state import StateDB, digest_key
 
@@ -423,6 +423,8 @@ def execute(
             guarded(unit.head.report, lambda: work(run, unit))
             for node in unit.nodes:
                 node.report.duration_s = time.monotonic() - started
+                gates = {name: g.to_json() for name, g in node.report.gates.items()}
+                node.report.time = startup.time_split(node.report.duration_s, gates)
                 node.report.ssh = connections.counters(node.name).to_json()
                 observer.host_done(node.report)
 

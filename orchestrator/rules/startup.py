@@ -260,3 +260,38 @@ def smaller_kv(new: Ledger, last: dict[str, Any] | None) -> str | None:
         f"the KV cache holds {new.kv_tokens:,} tokens, {before - new.kv_tokens:,} fewer than this"
         f" release's last start ({before:,}): fewer requests fit at once"
     )
+
+
+def time_split(duration_s: float, gates: dict[str, Any]) -> dict[str, float] | None:
+    """Where a host's time in a run went (``gates``: the host's gates as JSON): vLLM's own start
+    (launch to /health, from the ledger), the acceptance probe, the speed-up gate's baseline arm
+    where this run measured it (an extra start and its load), and the rest: the tool's own share
+    (its checks, pushes, waits and round trips; the speed-up gate's drafter arm too, whose time
+    is not recorded apart). None when the run started no server."""
+    health = gates.get("health")
+    ledger = health.get("startup") if isinstance(health, dict) else None
+    if not isinstance(ledger, dict) or ledger.get("carried") or not _seconds(ledger.get("total_s")):
+        return None
+    start = float(ledger["total_s"])
+    acceptance = gates.get("acceptance")
+    probe = (
+        float(acceptance["seconds"]) if isinstance(acceptance, dict) and _seconds(acceptance.get("seconds")) else 0.0
+    )
+    speed = gates.get("speedup")
+    baseline = speed.get("baseline") if isinstance(speed, dict) else None
+    arm = float(baseline["seconds"]) if isinstance(baseline, dict) and _seconds(baseline.get("seconds")) else 0.0
+    tool = max(0.0, duration_s - start - probe - arm)
+    out = {
+        "seconds": round(duration_s, 1),
+        "vllm_start_s": round(start, 1),
+        "probe_s": round(probe, 1),
+        "tool_s": round(tool, 1),
+        "tool_share": round(tool / duration_s, 3) if duration_s > 0 else 0.0,
+    }
+    if arm:
+        out["speedup_baseline_s"] = round(arm, 1)
+    return out
+
+
+def _seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import select
 import struct
 import subprocess
@@ -84,6 +85,9 @@ def test_without_a_terminal_steps_are_timestamped_lines_and_with_json_json_lines
     assert any(len(w) == 3 and w[2].startswith("INFO ") and "Loading weights took" in w[2] for w in waits), done.stderr
     staging = next(s for s in steps if s.startswith("loading the drafter config"))
     assert staging.endswith(": at most 120 s"), staging
+    # the host's line when done says where its time went
+    done_line = next(line for line in lines if "] ok   solo" in line)
+    assert re.search(r"s: vLLM's start \d+\.\d s, the probe \d+\.\d s, the tool \d+\.\d s\)$", done_line), done_line
 
     argv, env = orchestrate(box, "verify", str(slow_playbook(box)), "-i", str(box.inventory_path), "--json")
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)

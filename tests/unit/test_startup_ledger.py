@@ -188,9 +188,45 @@ def test_whole_runs_record_each_start_warn_of_a_smaller_kv_cache_and_the_report_
     assert "80,000 tokens, 10,112 fewer than this release's last start (90,112)" in gate.data["kv_smaller"]
     assert "warning: the KV cache holds 80,000 tokens" in gate.detail
 
+    # where the host's time went: vLLM's start, the probe, the tool's own, adding up to the host's time
+    split = host(first, "solo").time
+    assert split is not None and split["vllm_start_s"] == ledger["total_s"]
+    assert split["probe_s"] == round(host(first, "solo").gates["acceptance"].data["seconds"], 1)
+    parts = split["vllm_start_s"] + split["probe_s"] + split["tool_s"]
+    assert abs(parts - split["seconds"]) <= 0.2 and 0 <= split["tool_share"] <= 1
+    assert first.to_json()["hosts"][0]["time"] == split
+    assert host(again, "solo").time is None  # a kept server: no start to split against
+
     hosts = {h.name: h for h in report.from_store(store)}
     starts = hosts["solo"].starts()
     assert [s["kv_tokens"] for s in starts] == [80000, 90112]  # newest first; the kept run started nothing
     page = report.render_html(list(hosts.values()), now=time.time())
     assert page.count('<svg class="start-bar"') == 2 and "80,000 tokens" in page
     assert re.search(r"<title>(imports|config|weights|profile|warm-up|API|health) \d+\.\d s</title>", page)
+
+
+def test_the_time_split_reads_what_the_gates_recorded_and_nothing_else() -> None:
+    gates = {
+        "health": {"startup": {"total_s": 110.4}},
+        "acceptance": {"seconds": 1.4},
+        "speedup": {"baseline": {"seconds": 150.0}},
+    }
+    split = startup.time_split(400.0, gates)
+    assert split == {
+        "seconds": 400.0,
+        "vllm_start_s": 110.4,
+        "probe_s": 1.4,
+        "tool_s": 138.2,
+        "tool_share": 0.346,
+        "speedup_baseline_s": 150.0,
+    }
+    assert startup.time_split(10.0, {"health": {"startup": {"total_s": 5, "carried": True}}}) is None
+    assert startup.time_split(10.0, {"health": {"startup": {"total_s": True}}}) is None  # no number
+    assert startup.time_split(10.0, {"health": {"seconds": 1}}) is None  # an older record: no ledger
+    assert startup.time_split(10.0, {"health": {"startup": {"total_s": 4}}, "acceptance": {"seconds": -3}}) == {
+        "seconds": 10.0,
+        "vllm_start_s": 4.0,
+        "probe_s": 0.0,
+        "tool_s": 6.0,
+        "tool_share": 0.6,
+    }
