@@ -57,9 +57,30 @@ DRAFTER_CONFIG = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, below the kernel's ephemeral range: a port the kernel handed out (bind to 0)
+    is one it may hand out again as the source port of any outgoing connection (the agent's
+    health polls, a store's), which then holds it when the server binds it: "Address already in use"
+    (seen in a whole-run test of two controllers). The next ones up serve the tests that take
+    ``port + 1``."""
+    import random
+
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    floor = max(1024, low - 12000)
+    for _ in range(200):
+        port = random.randrange(floor, low - 16)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def alive(pid: int) -> bool:
