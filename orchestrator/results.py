@@ -138,7 +138,7 @@ class HostReport:
     models: list[dict[str, Any]] = field(default_factory=list)  # per model directory: files, bytes, drift
     gpus: list[dict[str, Any]] = field(default_factory=list)  # what nvidia-smi said of each GPU
     # Where the host's time went when the run started a server: vLLM's start, the probe, the
-    # tool's own share (rules.startup.time_split).
+    # speed-up gate's arms, the tool's own share (rules.startup.time_split).
     time: dict[str, float] | None = None
 
     @property

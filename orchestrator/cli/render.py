@@ -176,7 +176,10 @@ class ProgressPrinter(Observer):
         split = ""
         if report.time:
             t = report.time
-            split = f": vLLM's start {t['vllm_start_s']:.1f} s, the probe {t['probe_s']:.1f} s, the tool {t['tool_s']:.1f} s"
+            speed = t.get("speedup_baseline_s", 0.0) + t.get("speedup_drafter_s", 0.0)
+            split = f": vLLM's start {t['vllm_start_s']:.1f} s, the probe {t['probe_s']:.1f} s"
+            split += f", the speed-up's load {speed:.1f} s" if speed else ""
+            split += f", the tool {t['tool_s']:.1f} s"
         line = (
             f"[{self.done:>{len(str(self.total))}}/{self.total}] {mark} {report.name}  {label}{detail}"
             f"  ({report.duration_s:.2f} s{split})"

@@ -265,9 +265,9 @@ def smaller_kv(new: Ledger, last: dict[str, Any] | None) -> str | None:
 def time_split(duration_s: float, gates: dict[str, Any]) -> dict[str, float] | None:
     """Where a host's time in a run went (``gates``: the host's gates as JSON): vLLM's own start
     (launch to /health, from the ledger), the acceptance probe, the speed-up gate's baseline arm
-    where this run measured it (an extra start and its load), and the rest: the tool's own share
-    (its checks, pushes, waits and round trips; the speed-up gate's drafter arm too, whose time
-    is not recorded apart). None when the run started no server."""
+    where this run measured it (an extra start and its load) and its drafter arm (the load), and
+    the rest: the tool's own share (its checks, pushes, waits and round trips). None when the run
+    started no server."""
     health = gates.get("health")
     ledger = health.get("startup") if isinstance(health, dict) else None
     if not isinstance(ledger, dict) or ledger.get("carried") or not _seconds(ledger.get("total_s")):
@@ -280,7 +280,8 @@ def time_split(duration_s: float, gates: dict[str, Any]) -> dict[str, float] | N
     speed = gates.get("speedup")
     baseline = speed.get("baseline") if isinstance(speed, dict) else None
     arm = float(baseline["seconds"]) if isinstance(baseline, dict) and _seconds(baseline.get("seconds")) else 0.0
-    tool = max(0.0, duration_s - start - probe - arm)
+    drafter = float(speed["seconds"]) if isinstance(speed, dict) and _seconds(speed.get("seconds")) else 0.0
+    tool = max(0.0, duration_s - start - probe - arm - drafter)
     out = {
         "seconds": round(duration_s, 1),
         "vllm_start_s": round(start, 1),
@@ -290,6 +291,8 @@ def time_split(duration_s: float, gates: dict[str, Any]) -> dict[str, float] | N
     }
     if arm:
         out["speedup_baseline_s"] = round(arm, 1)
+    if drafter:
+        out["speedup_drafter_s"] = round(drafter, 1)
     return out
 
 

@@ -176,3 +176,21 @@ def test_a_fleet_that_does_not_fit_the_terminal_is_summarised_live() -> None:
     console = Console(file=io.StringIO(), width=160, record=True)
     console.print(few._render())
     assert [line.split()[0] for line in console.export_text().splitlines()[:3]] == names[:3]
+
+
+def test_a_host_s_done_line_puts_the_speed_up_s_load_apart_from_the_tool_s_share() -> None:
+    import io
+
+    from orchestrator.cli.render import ProgressPrinter
+    from orchestrator.results import Gate, HostReport
+
+    host = HostReport("gpu-a", duration_s=360.0)
+    host.gates["acceptance"] = Gate(True, "tau 8.00")
+    host.time = {"seconds": 360.0, "vllm_start_s": 109.4, "probe_s": 0.3, "tool_s": 70.0, "tool_share": 0.194}
+    host.time |= {"speedup_baseline_s": 164.8, "speedup_drafter_s": 15.5}
+    out = io.StringIO()
+    ProgressPrinter("deploy", 1, out, mode="lines").host_done(host)
+    said = out.getvalue().strip()
+    assert said.endswith(
+        "(360.00 s: vLLM's start 109.4 s, the probe 0.3 s, the speed-up's load 180.3 s, the tool 70.0 s)"
+    ), said

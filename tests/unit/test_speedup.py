@@ -152,6 +152,12 @@ def test_the_canary_measures_the_baseline_once_and_the_hosts_after_it_hold_its_v
         assert gate.ok and all(lv["speedup"] > GATE["min"] for lv in gate.data["levels"]), gate.detail
         assert gate.data["baseline"]["measured"] and "baseline measured now" in gate.detail
         assert launches(box, "n0") == 2 and launches(box, "solo") == 1  # the baseline: the canary's only
+        # the canary's time: both arms' load apart from the tool's own share, the parts adding up
+        split = canary.time
+        assert split is not None and split["speedup_baseline_s"] == gate.data["baseline"]["seconds"] > 0
+        assert split["speedup_drafter_s"] == gate.data["seconds"] > 0
+        parts = ("vllm_start_s", "probe_s", "speedup_baseline_s", "speedup_drafter_s", "tool_s")
+        assert sum(split[k] for k in parts) == pytest.approx(split["seconds"], abs=0.3)
         held = after.gates["speedup"]
         assert held.ok and held.data["held_from"] == "n0" and held.detail.startswith("held from the canary n0")
         # the READY record carries it, as acceptance

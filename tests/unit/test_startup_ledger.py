@@ -25,12 +25,17 @@ from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, host
 H200_LOG = Path(__file__).parents[1] / "data" / "gpu" / "serve" / "dflash-serve.log"
 
 
-def h200_starts() -> list[tuple[str, Startup]]:
+# The real pair's second speed-up run on the H200 (scripts/gpu-real-pair --only speedup, then
+# --only speedup-more, twice): six starts through the launched link, the access lines taken out.
+H200_SPEEDUP_LOG = Path(__file__).parents[1] / "data" / "gpu" / "real-pair" / "speedup" / "dflash-serve-2.log"
+
+
+def h200_starts(log: Path = H200_LOG) -> list[tuple[str, Startup]]:
     """Each start of the recorded log as the agent would have sent it when /health answered: the
     launch from the agent's header line, healthy 3 s after vLLM said it serves (the recorded
     deploys' health polling), and the lines written until then."""
     starts: list[tuple[str, float, list[str]]] = []
-    for line in H200_LOG.read_text().splitlines():
+    for line in log.read_text().splitlines():
         if m := re.match(r"=== (\S+)Z launch (\S+)$", line):
             starts.append((m.group(2), float(calendar.timegm(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S"))), []))
         elif starts:
@@ -42,9 +47,10 @@ def h200_starts() -> list[tuple[str, Startup]]:
     return out
 
 
-def test_every_recorded_h200_start_is_cut_into_phases_that_add_up_to_its_time() -> None:
-    starts = h200_starts()
-    assert len(starts) == 5
+@pytest.mark.parametrize(("log", "n"), [(H200_LOG, 5), (H200_SPEEDUP_LOG, 6)])
+def test_every_recorded_h200_start_is_cut_into_phases_that_add_up_to_its_time(log: Path, n: int) -> None:
+    starts = h200_starts(log)
+    assert len(starts) == n
     for _, start in starts:
         ledger = startup.ledger(start)
         assert ledger.clock == "ok"
@@ -52,6 +58,36 @@ def test_every_recorded_h200_start_is_cut_into_phases_that_add_up_to_its_time() 
         assert ledger.phase_sum == pytest.approx(ledger.total_s, rel=0.05)
         assert all(s >= 0 for _, s in ledger.phases)
         assert ledger.kv_tokens and ledger.kv_tokens > 1_000_000 and ledger.kv_gib and ledger.weights_s is not None
+
+
+def test_on_the_h200_a_new_release_of_the_same_drafter_hits_the_compile_cache() -> None:
+    """The second speed-up run: the baseline and the release at --max-num-seqs 64, then at 16, the
+    stale mask at 64, and a new release of the good drafter at 16. That last release has another
+    id than the fourth start's, the same drafter config and command; vLLM read both through
+    ``launched/drafter``, so its compile key was the same: vLLM loaded the fourth start's two AOT
+    artifacts from the same hash directories, saved none, and compiled for 4.9 s instead of
+    34.6 s. Before the link, each release's own path was in the key: a miss (the first record's
+    second release). Every other start was another key (no drafter, other --max-num-seqs, another
+    drafter config): a miss, each its own directories."""
+    starts = h200_starts(H200_SPEEDUP_LOG)
+    releases = [r for r, _ in starts]
+    ledgers = [startup.ledger(s) for _, s in starts]
+    assert [lg.compile for lg in ledgers] == ["miss"] * 5 + ["hit"]
+    fourth, sixth = ledgers[3], ledgers[5]
+    assert releases[3] != releases[5]
+    assert sixth.cache_dirs == fourth.cache_dirs and sixth.artifacts_loaded == 2 and sixth.artifacts_saved == 0
+    assert all(
+        not set(lg.cache_dirs) & set(other.cache_dirs) for lg in ledgers[:5] for other in ledgers[:5] if lg is not other
+    )
+    assert sixth.compile_s is not None and fourth.compile_s is not None and sixth.compile_s < fourth.compile_s / 5
+    args = [next(line for line in s.lines if "non-default args" in line) for _, s in starts]
+    assert all("launched/drafter" in a for a in (args[1], args[3], args[4], args[5]))
+    assert "speculative_config" not in args[0] + args[2]
+    # the warm start: 98 s against the same key's cold 135 s (73%); imports, config and the
+    # warm-up after capture, which no cache here saves, are 79 of its 98 s
+    assert sixth.total_s < fourth.total_s * 0.75
+    phases = dict(sixth.phases)
+    assert phases["imports"] + phases["config"] + phases["warm-up"] > 0.75 * sixth.total_s
 
 
 def test_the_compile_cache_missed_for_each_new_release_and_hit_on_the_rollback() -> None:
@@ -209,17 +245,20 @@ def test_the_time_split_reads_what_the_gates_recorded_and_nothing_else() -> None
     gates = {
         "health": {"startup": {"total_s": 110.4}},
         "acceptance": {"seconds": 1.4},
-        "speedup": {"baseline": {"seconds": 150.0}},
+        "speedup": {"baseline": {"seconds": 150.0}, "seconds": 20.5},
     }
     split = startup.time_split(400.0, gates)
     assert split == {
         "seconds": 400.0,
         "vllm_start_s": 110.4,
         "probe_s": 1.4,
-        "tool_s": 138.2,
-        "tool_share": 0.346,
+        "tool_s": 117.7,
+        "tool_share": 0.294,
         "speedup_baseline_s": 150.0,
+        "speedup_drafter_s": 20.5,
     }
+    # a record from before the drafter arm was timed: its load counted in the tool's share
+    assert startup.time_split(400.0, {**gates, "speedup": {"baseline": {"seconds": 150.0}}})["tool_s"] == 138.2
     assert startup.time_split(10.0, {"health": {"startup": {"total_s": 5, "carried": True}}}) is None
     assert startup.time_split(10.0, {"health": {"startup": {"total_s": True}}}) is None  # no number
     assert startup.time_split(10.0, {"health": {"seconds": 1}}) is None  # an older record: no ledger
