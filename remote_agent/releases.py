@@ -29,6 +29,7 @@ from remote_agent.core import (
     _os_error,
     _own_dir,
     _read_back,
+    _read_own,
     _root,
     _sha256,
     _sha256_or_none,
@@ -339,6 +340,7 @@ def _next_sequence(releases):
 
 
 def _prune(root_real, releases, keep):
+    """Remove the oldest releases beyond ``keep``, then the compile caches no kept release used."""
     # ``launched``: the release the server was started from reads its drafter through it.
     protected = set(x for x in (_link_target(root_real, n, False) for n in ("current", "previous", LAUNCHED)) if x)
     candidates = []
@@ -352,7 +354,106 @@ def _prune(root_real, releases, keep):
     for _, name in candidates[: max(0, excess)]:
         _rmtree(os.path.join(releases, name))
         pruned.append(name)
+    _prune_cache(root_real, releases)
     return pruned
+
+
+# --- vLLM's compile cache -----------------------------------------------------------------
+# VLLM_CACHE_ROOT is <root>/cache/vllm (rules.serving.cache_root): it outlives releases, so that a
+# release keeping the drafter's config and the command finds its graphs. vLLM keeps one directory
+# per compile key, ``torch_compile_cache/<hash>`` and ``torch_compile_cache/torch_aot_compile/
+# <hash>``. Which ones a release's start used is in the READY record's ledger (the controller
+# reads vLLM's own lines); each is noted under cache/used/<release id> when the next apply or
+# switch finds it, and a hash directory that no kept release used is removed with the releases.
+
+CACHE = os.path.join("cache", "vllm", "torch_compile_cache")
+AOT = "torch_aot_compile"
+CACHE_USED = os.path.join("cache", "used")
+
+
+def _hash_name(name):
+    return 8 <= len(name) <= 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def _cache_key_dir(path):
+    """A logged cache path cut to its hash directory, relative to the compile cache: ``<hash>``
+    or ``torch_aot_compile/<hash>``; None when it is not one."""
+    parts = [x for x in str(path).split("/") if x]
+    if "torch_compile_cache" not in parts:
+        return None
+    rest = parts[parts.index("torch_compile_cache") + 1 :]
+    if rest[:1] == [AOT]:
+        rest = rest[1:]
+        return AOT + "/" + rest[0] if rest and _hash_name(rest[0]) else None
+    return rest[0] if rest and _hash_name(rest[0]) else None
+
+
+def _note_ready_cache(root_real):
+    """The READY release's compile caches, from its record's ledger, noted as that release's (only
+    those under this root's cache: a cache root set elsewhere in serving.env is not ours). Returns
+    whether the record named any here (no ledger, a rank without one: nothing is pruned)."""
+    import json
+
+    try:
+        record = json.loads(_read_own(os.path.join(root_real, "ready.json")) or b"null")
+        release = record["release_id"]
+        dirs = record["gates"]["health"]["startup"]["cache_dirs"]
+        _check_release_id(release)
+    except (ValueError, TypeError, KeyError, OpError):
+        return False
+    ours = os.path.realpath(os.path.join(root_real, CACHE))
+    names = set()
+    for d in dirs if isinstance(dirs, list) else ():
+        name = _cache_key_dir(d)
+        cut = str(d).split("/torch_compile_cache/")[0]
+        if name and os.path.realpath(os.path.join(cut, "torch_compile_cache")) == ours:
+            names.add(name)
+    if not names:
+        return False
+    used = os.path.join(root_real, CACHE_USED, release)
+    names |= set(_used(used))
+    data = ("\n".join(sorted(names)) + "\n").encode()
+    if _read_own(used) != data:
+        _atomic_write(used, data, _sha256(data), 0o644)
+    return True
+
+
+def _used(path):
+    text = (_read_own(path) or b"").decode("utf-8", "replace")
+    return [x for x in text.splitlines() if _cache_key_dir("torch_compile_cache/" + x) == x]
+
+
+def _prune_cache(root_real, releases):
+    """Remove the hash directories that no kept release used, and the notes of releases gone.
+    Nothing is removed unless the READY release's own are noted (an older record, a rank that
+    keeps no ledger, a cache root elsewhere: the cache is left as it is)."""
+    if not _note_ready_cache(root_real):
+        return []
+    notes = os.path.join(root_real, CACHE_USED)
+    kept, keep = set(x for x in os.listdir(releases) if not x.startswith(".")), set()
+    for name in os.listdir(notes):
+        if name in kept:
+            keep.update(_used(os.path.join(notes, name)))
+        elif not name.startswith("."):
+            _unlink_quietly(os.path.join(notes, name))
+    cache, removed = os.path.join(root_real, CACHE), []
+    for sub in ("", AOT):
+        where = os.path.join(cache, sub) if sub else cache
+        try:
+            names = os.listdir(where)
+        except OSError:
+            continue
+        for name in names:
+            rel = sub + "/" + name if sub else name
+            try:
+                is_dir = stat.S_ISDIR(os.lstat(os.path.join(where, name)).st_mode)  # a link is not
+            except OSError:
+                continue
+            if not is_dir or not _hash_name(name) or rel in keep:
+                continue  # not a compile key's directory as vLLM names them, or one a kept release used
+            _rmtree(os.path.join(where, name), ignore_errors=True)
+            removed.append(rel)
+    return removed
 
 
 def _stage_release(staging, files, wanted, links, models, sequence):

