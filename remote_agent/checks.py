@@ -18,7 +18,11 @@ def _serving_python(req, script, args):
     python = req["python"]
     if not python:
         raise OpError("bad_request", "python (the serving interpreter) is required")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    # Bytecode is written where the site allows it (a read-only site is left as it is): the server
+    # writes it at its first start anyway, and a site installed without it (uv's default) would
+    # otherwise compile every module again at each check.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     try:
         code, out, err = _run_bounded([python, "-c", script, *args], float(req["timeout"]), env=env)
     except FileNotFoundError:

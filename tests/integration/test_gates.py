@@ -123,3 +123,26 @@ def test_verify_runs_the_loader_and_build_gates_too(sandbox: Sandbox, cli, tmp_p
     gates = run.host(host)["gates"]
     assert gates["files"]["ok"] and gates["loader"]["ok"]
     assert not gates["build"]["ok"] and run.code == 1
+
+
+def test_the_loader_check_leaves_the_bytecode_it_compiled_for_the_next_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The serving Python's first import of transformers (the loader gate, before any server) keeps
+    its bytecode, as the server's own first start would: on a site installed without it (uv's
+    default) the engine check and the server then read it instead of compiling again. A cache
+    prefix stands in for the site's own __pycache__ directories (read-only here)."""
+    from remote_agent.checks import _serving_python
+    from remote_agent.core import _helper
+
+    prefix = tmp_path / "pycache"
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(prefix))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # the controller's own setting is not passed on
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(GOOD_DRAFTER.read_text())
+    req = {"python": str(SERVING_PYTHON), "timeout": 300}
+    view = _serving_python(req, _helper("loader_view"), [str(drafter), json.dumps(["sliding_window"])])
+    assert view["class"] == "Qwen3Config"
+    compiled = {p.name.split(".")[0] for p in prefix.rglob("*.pyc") if "transformers" in p.parts}
+    assert {"configuration_utils", "configuration_qwen3"} <= compiled
