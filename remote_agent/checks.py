@@ -6,7 +6,23 @@ the NCCL preflight. Each runs a helper program (``remote_agent/helpers/``) with 
 interpreter, in a process of its own: the agent itself imports nothing heavy.
 """
 
-from remote_agent.core import NONE, NUMBER, REF, OpError, _helper, _inside, _missing, _root, _run_bounded, op, os
+from remote_agent.core import (
+    NONE,
+    NUMBER,
+    REF,
+    OpError,
+    _atomic_write,
+    _helper,
+    _inside,
+    _line_mac,
+    _missing,
+    _read_own,
+    _root,
+    _run_bounded,
+    _sha256,
+    op,
+    os,
+)
 from remote_agent.serving import _server
 
 
@@ -40,10 +56,98 @@ def _serving_python(req, script, args):
     return json.loads(lines[-1])
 
 
-@op("loader_view", root=str, release_id=(str, NONE, REF), subdir=str, python=str, fields=list, timeout=NUMBER)
+# What the serving transformers made of a drafter config, kept per deploy root: reused while the
+# config's bytes, the fields asked, the helper, the interpreter, its import path's directories and
+# every transformers source file the load imported are as they were (stat: device, inode, size,
+# mtime, ctime; an install or upgrade touches the directories, a file edited in place its own
+# stamp). Each entry is signed with the controller's key, as the digest cache's lines: a planted
+# entry is not signed and costs a load, nothing else. Without a key nothing is kept.
+LOADER_CACHE = ".loader-cache"
+LOADER_CACHE_ENTRIES = 8
+LOADER_CACHE_BYTES = 4 << 20  # 8 entries of a few hundred stamped files
+
+
+def _stamp(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _loader_entries(root):
+    import json
+
+    out: list[tuple] = []
+    path = os.path.join(root, LOADER_CACHE)
+    try:
+        if os.lstat(path).st_size > LOADER_CACHE_BYTES:
+            return out  # not one the agent wrote: read nothing of it
+    except OSError:
+        return out
+    text = (_read_own(path) or b"").decode("utf-8", "replace")
+    for line in text.split("\n"):
+        mac, _, body = line.partition(" ")
+        if not body or mac != _line_mac(body):
+            continue
+        try:
+            entry = json.loads(body)
+            out.append((entry["key"], entry["stamps"], entry["view"], body))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _loader_cached(root, key):
+    for k, stamps, view, _ in _loader_entries(root):
+        try:
+            if k == key and stamps and all(_stamp(p) == s for p, s in stamps.items()):
+                return view
+        except (AttributeError, TypeError):
+            continue
+    return None
+
+
+def _loader_keep(root, key, view):
+    import json
+
+    where = view.pop("where", None)
+    if not _line_mac("") or not isinstance(where, dict):
+        return
+    try:
+        paths = [where["executable"], *list(where["paths"]), *list(where["files"])]
+    except (KeyError, TypeError):
+        return
+    stamps = {}
+    for p in paths:
+        stamp = _stamp(p) if isinstance(p, str) else None
+        if stamp is None:
+            return  # what it depends on cannot be stamped: not kept
+        stamps[p] = stamp
+    body = json.dumps({"key": key, "stamps": stamps, "view": view}, sort_keys=True)
+    lines = [body, *[b for k, _, _, b in _loader_entries(root) if k != key][: LOADER_CACHE_ENTRIES - 1]]
+    data = "".join("%s %s\n" % (_line_mac(b), b) for b in lines).encode("utf-8")
+    try:
+        _atomic_write(os.path.join(root, LOADER_CACHE), data, _sha256(data), 0o644)
+    except OpError:
+        pass  # a cache that cannot be written costs the next check a load, nothing else
+
+
+@op(
+    "loader_view",
+    root=str,
+    release_id=(str, NONE, REF),
+    subdir=str,
+    python=str,
+    fields=list,
+    timeout=NUMBER,
+    keep=bool,
+)
 def op_loader_view(req):
     """The drafter config as the serving environment's transformers loads it, from the release
-    named (by id, or by reference to this batch's ``release_apply``), or ``current`` when null."""
+    named (by id, or by reference to this batch's ``release_apply``), or ``current`` when null.
+    Reused from the deploy root's loader cache while nothing it depends on changed (``cached``);
+    ``keep``: a view loaded now is kept there (deploy; verify writes nothing)."""
     import json
 
     root = _root(req, create=False)
@@ -52,7 +156,23 @@ def op_loader_view(req):
     path = _inside(root, os.path.join(base, req["subdir"]))
     if not os.path.isdir(path):
         return {"missing": path}  # nothing deployed there: the files gate already says so
-    view = _serving_python(req, _helper("loader_view"), [path, json.dumps(req["fields"])])
+    config = _read_own(os.path.join(path, "config.json"))
+    script = _helper("loader_view")
+    key = None
+    if config is not None:
+        key = "%s %s %s %s" % (
+            _sha256(config),
+            _sha256(script.encode()),
+            req["python"],
+            json.dumps(req["fields"], sort_keys=True),
+        )
+        cached = _loader_cached(root, key)
+        if cached is not None:
+            return dict(cached, path=path, cached=True)
+    view = _serving_python(req, script, [path, json.dumps(req["fields"])])
+    if key is not None and req["keep"] and isinstance(view, dict):
+        _loader_keep(root, key, view)
+    view.pop("where", None)
     view["path"] = path
     return view
 

@@ -273,6 +273,7 @@ class LoaderView:
     config_class: str = ""
     transformers: str = ""
     fields: dict[str, Any] = field(default_factory=dict)
+    cached: bool = False  # reused from the deploy root's loader cache: nothing it depends on changed
 
 
 @dataclass(frozen=True)
@@ -711,15 +712,23 @@ def _loader_view(v: dict[str, Any]) -> LoaderView:
         config_class=_field(v, "class", str),
         transformers=_field(v, "transformers", str),
         fields=_mapping(_field(v, "fields", dict), "'fields'"),
+        cached=bool(_field(v, "cached", bool, optional=True)),
     )
 
 
 def loader_view(
-    root: str, release: str | Op[Applied] | None, python: str, fields: Sequence[str], subdir: str = "drafter"
+    root: str,
+    release: str | Op[Applied] | None,
+    python: str,
+    fields: Sequence[str],
+    subdir: str = "drafter",
+    keep: bool = False,
 ) -> Op[LoaderView]:
     """The drafter directory (``subdir`` of a release) of ``release`` as the serving environment's
     transformers loads it: the fields named. ``release``: an id, None for ``current``, or this
-    batch's ``release_apply`` (the release it settled on, by reference)."""
+    batch's ``release_apply`` (the release it settled on, by reference). A view the deploy root's
+    loader cache holds is reused while nothing it depends on changed; ``keep``: a view loaded now is
+    kept there (a deploy, under the lock; verify writes nothing)."""
     request = {
         "op": "loader_view",
         "root": root,
@@ -728,6 +737,7 @@ def loader_view(
         "python": python,
         "fields": list(fields),
         "timeout": SERVING_PYTHON_TIMEOUT,
+        "keep": keep,
     }
     return Op(request, _loader_view, budget_s=SERVING_PYTHON_TIMEOUT)
 

@@ -124,7 +124,7 @@ class Checks:
         python, drafter = playbook.serving.python, playbook.drafter
         assert python is not None and drafter is not None
         fields = [f for f in dflash.LOADER_FIELDS if f in drafter.values]
-        self.loader = protocol.loader_view(root, release, python, fields, DRAFTER_DIR)
+        self.loader = protocol.loader_view(root, release, python, fields, DRAFTER_DIR, keep=not findings)
         self.build = protocol.vllm_build(python)
         if findings:
             self.loader, self.build = self.loader.finding(), self.build.finding()
@@ -426,8 +426,9 @@ def read_checks(
             False, "; ".join(p.message for p in drops) + f" (transformers {view.transformers})"
         )
     else:
+        kept = " (the view kept on the host: nothing it depends on changed)" if view.cached else ""
         report.gates[GATE_LOADER] = Gate(
-            True, f"transformers {view.transformers} loads {view.config_class} with every intended value"
+            True, f"transformers {view.transformers} loads {view.config_class} with every intended value{kept}"
         )
     if build.version is None:
         report.gates[GATE_BUILD] = Gate(

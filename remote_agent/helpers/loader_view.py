@@ -1,9 +1,12 @@
 """Run by the serving Python: the drafter config as its transformers loads it (the loader gate).
 
-argv: the drafter directory, and a JSON list of the fields to report. Prints one JSON line.
+argv: the drafter directory, and a JSON list of the fields to report. Prints one JSON line, with
+what the view depends on (``where``): the interpreter, the import path's directories and every
+transformers source file imported, which the agent stamps to know when the view may be reused.
 """
 
 import json
+import os
 import sys
 
 import transformers
@@ -18,4 +21,18 @@ for name in json.loads(sys.argv[2]):
     except TypeError:
         value = repr(value)
     fields[name] = value
-print(json.dumps({"class": type(config).__name__, "transformers": transformers.__version__, "fields": fields}))
+files = set()
+for n, m in list(sys.modules.items()):
+    f = getattr(m, "__file__", None)
+    if (n == "transformers" or n.startswith("transformers.")) and f:
+        files.add(os.path.realpath(f))
+where = {
+    "executable": os.path.realpath(sys.executable),
+    "paths": sorted(set(os.path.realpath(x or os.getcwd()) for x in sys.path if os.path.isdir(x or os.getcwd()))),
+    "files": sorted(files),
+}
+print(
+    json.dumps(
+        {"class": type(config).__name__, "transformers": transformers.__version__, "fields": fields, "where": where}
+    )
+)

@@ -146,3 +146,51 @@ def test_the_loader_check_leaves_the_bytecode_it_compiled_for_the_next_import(
     assert view["class"] == "Qwen3Config"
     compiled = {p.name.split(".")[0] for p in prefix.rglob("*.pyc") if "transformers" in p.parts}
     assert {"configuration_utils", "configuration_qwen3"} <= compiled
+
+
+def test_a_deploy_keeps_the_loader_s_view_and_verify_reuses_it_while_nothing_it_depends_on_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real serving transformers loads the drafter config once; the view is kept in the deploy
+    root, signed with the controller's key, and reused (no serving Python started) while the
+    config's bytes, the fields, the interpreter, its import path's directories and every
+    transformers file the load imported are as they were. Something installed into a directory on
+    the import path, another config, another key (a planted entry) or verify's own load: each is
+    a real load, and verify keeps nothing."""
+    import remote_agent.core as core
+    from remote_agent.checks import LOADER_CACHE, op_loader_view
+
+    site = tmp_path / "site"  # a directory on the serving Python's import path
+    site.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setattr(core, "_digest_key", ["ab" * 32])  # the controller's key, as a batch sets it
+    root = tmp_path / "root"
+    (root / "current" / "drafter").mkdir(parents=True)
+    config = root / "current" / "drafter" / "config.json"
+    config.write_text(GOOD_DRAFTER.read_text())
+    fields = ["sliding_window", "use_sliding_window"]
+
+    def load(keep: bool) -> dict[str, object]:
+        req = {"root": str(root), "release_id": None, "subdir": "drafter", "python": str(SERVING_PYTHON)}
+        return dict(op_loader_view({**req, "fields": fields, "timeout": 300, "keep": keep}))
+
+    first = load(keep=False)  # verify: loads, keeps nothing
+    assert not first.get("cached") and not (root / LOADER_CACHE).exists() and "where" not in first
+    kept = load(keep=True)  # a deploy: loads and keeps
+    assert not kept.get("cached") and (root / LOADER_CACHE).exists()
+    again = load(keep=False)
+    assert again["cached"] is True and again["fields"] == first["fields"] and again["class"] == "Qwen3Config"
+
+    (site / "newly_installed.py").write_text("")  # an install into the import path
+    assert not load(keep=True).get("cached")
+    assert load(keep=False)["cached"] is True  # kept anew, reused
+
+    changed = json.loads(GOOD_DRAFTER.read_text())
+    changed["sliding_window"] = 1024
+    config.write_text(json.dumps(changed))
+    fresh = load(keep=False)
+    assert not fresh.get("cached") and fresh["fields"]["sliding_window"] != first["fields"]["sliding_window"]
+
+    config.write_text(GOOD_DRAFTER.read_text())
+    core._digest_key[0] = "cd" * 32  # another controller: the entries are not its
+    assert not load(keep=False).get("cached")

@@ -36,7 +36,7 @@ REQUEST_KEYS: dict[str, dict[str, Any]] = {
     "release_verify": {"rehash": False},
     "release_inspect": {"max_bytes": 256 * 1024},
     "release_switch": {"release_id": None, "keep": None},
-    "loader_view": {"release_id": None, "subdir": "drafter", "fields": [], "timeout": 120.0},
+    "loader_view": {"release_id": None, "subdir": "drafter", "fields": [], "timeout": 120.0, "keep": False},
     "model_files": {
         "name": "target",
         "files": None,
@@ -730,3 +730,34 @@ def test_the_agent_makes_no_directory_others_may_write_whatever_the_umask(tmp_pa
     assert proc.returncode == 0, proc.stderr.decode()
     for made in (home / ".cache", home / ".cache" / "dflash-orchestrator"):
         assert made.is_dir() and made.stat().st_mode & 0o022 == 0, oct(made.stat().st_mode)
+
+
+def test_a_loader_cache_that_is_no_file_of_ours_is_read_as_empty(tmp_path: Path) -> None:
+    """A FIFO (it would hang a read), a link (never followed), a file past the bound, lines that
+    are not JSON or carry no signature of this controller's key: no entry, and nothing hangs."""
+    import os
+
+    import remote_agent.core as core
+    from remote_agent.checks import LOADER_CACHE, LOADER_CACHE_BYTES, _loader_entries
+
+    key = core._digest_key[0]
+    core._digest_key[0] = "ab" * 32
+    try:
+        path = tmp_path / LOADER_CACHE
+        os.mkfifo(path)
+        assert _loader_entries(str(tmp_path)) == []
+        path.unlink()
+        secret = tmp_path / "elsewhere"
+        body = json.dumps({"key": "k", "stamps": {}, "view": {}})
+        secret.write_text(f"{core._line_mac(body)} {body}\n")
+        path.symlink_to(secret)
+        assert _loader_entries(str(tmp_path)) == []
+        path.unlink()
+        path.write_text(f"{core._line_mac(body)} {body}\n" + " " * LOADER_CACHE_BYTES)
+        assert _loader_entries(str(tmp_path)) == []
+        path.write_text(
+            f"{'0' * 64} {body}\nnot json at all\n{core._line_mac('[1')} [1\n{core._line_mac(body)} {body}\n"
+        )
+        assert [e[0] for e in _loader_entries(str(tmp_path))] == ["k"]  # the one signed, whole entry
+    finally:
+        core._digest_key[0] = key
