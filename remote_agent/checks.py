@@ -40,7 +40,9 @@ def _serving_python(req, script, args):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     try:
-        code, out, err = _run_bounded([python, "-c", script, *args], float(req["timeout"]), env=env)
+        # cwd "/": the script's own directory on the import path is not the agent's (a login's home,
+        # whose every change would count as a change of what the loader's view depends on).
+        code, out, err = _run_bounded([python, "-c", script, *args], float(req["timeout"]), env=env, cwd="/")
     except FileNotFoundError:
         raise OpError("no_python", _missing("serving interpreter", python), python)
     except subprocess.TimeoutExpired:
