@@ -9,6 +9,8 @@ the project, and imported from here by the tests:
     models     model directories: digests, safetensors headers, tokens, uploads
     serving    the server process: launch, stop, health, status, probe, metrics
     checks     what the serving Python answers (loader, build), the GPUs, the NCCL preflight
+    background a deploy's loader and engine checks in one serving-Python process, run on in the
+               background between execs
     gateway    the router or load balancer in front of the servers, on its own host
     dispatch   the request, each op checked against its spec, references, findings, sessions
     helpers/   the programs the serving Python runs for ``checks``
@@ -32,12 +34,13 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 
 # In the order they are packed (and so the order the agent's registry lists its ops in).
-MODULES = ("core", "releases", "models", "serving", "checks", "gateway", "dispatch")
+MODULES = ("core", "releases", "models", "serving", "checks", "background", "gateway", "dispatch")
 # What each module uses of the others (besides core, which every module uses).
 NEEDS: dict[str, tuple[str, ...]] = {
     "models": ("releases",),
     "serving": ("releases",),  # the ``launched`` link is a release link
     "checks": ("serving",),
+    "background": ("checks", "serving", "releases"),
     "gateway": ("serving",),
 }
 _HELPER = re.compile(r'_helper\("(\w+)"\)')

@@ -3,7 +3,8 @@
 The loader gate (what the serving transformers loads from the drafter directory), the build gate
 (which vLLM is installed), the gpus gate (nvidia-smi's view and which GPU processes are ours) and
 the NCCL preflight. Each runs a helper program (``remote_agent/helpers/``) with the serving
-interpreter, in a process of its own: the agent itself imports nothing heavy.
+interpreter, in a process of its own: the agent itself imports nothing heavy. A deploy runs the
+loader and engine checks together in one such process, in the background (``background``).
 """
 
 from remote_agent.core import (
@@ -135,6 +136,22 @@ def _loader_keep(root, key, view):
         pass  # a cache that cannot be written costs the next check a load, nothing else
 
 
+def _loader_key(path, python, fields):
+    """The loader cache's key for a drafter directory: its config's bytes, the helper, the
+    interpreter and the fields asked (None: no config.json to load)."""
+    import json
+
+    config = _read_own(os.path.join(path, "config.json"))
+    if config is None:
+        return None
+    return "%s %s %s %s" % (
+        _sha256(config),
+        _sha256(_helper("loader_view").encode()),
+        python,
+        json.dumps(fields, sort_keys=True),
+    )
+
+
 @op(
     "loader_view",
     root=str,
@@ -158,20 +175,12 @@ def op_loader_view(req):
     path = _inside(root, os.path.join(base, req["subdir"]))
     if not os.path.isdir(path):
         return {"missing": path}  # nothing deployed there: the files gate already says so
-    config = _read_own(os.path.join(path, "config.json"))
-    script = _helper("loader_view")
-    key = None
-    if config is not None:
-        key = "%s %s %s %s" % (
-            _sha256(config),
-            _sha256(script.encode()),
-            req["python"],
-            json.dumps(req["fields"], sort_keys=True),
-        )
+    key = _loader_key(path, req["python"], req["fields"])
+    if key is not None:
         cached = _loader_cached(root, key)
         if cached is not None:
             return dict(cached, path=path, cached=True)
-    view = _serving_python(req, script, [path, json.dumps(req["fields"])])
+    view = _serving_python(req, _helper("loader_view"), [path, json.dumps(req["fields"])])
     if key is not None and req["keep"] and isinstance(view, dict):
         _loader_keep(root, key, view)
     view.pop("where", None)

@@ -307,16 +307,9 @@ def op_engine_check(req):
 
 
 def _engine_check(req, root, argv, env):
-    import json
     import subprocess
 
-    if len(argv) < 4 or argv[1] != "-c" or argv[3] != "serve":
-        raise OpError("bad_request", "argv is not a `vllm serve` command of the serving Python")
-    if _systemd_is_init():
-        # The unit the launch would write, checked before anything serving is switched or stopped.
-        refused = _unit_not_ours(_unit_name(root, req["name"]))
-        if refused is not None:
-            raise OpError("unit_not_ours", refused, _unit_name(root, req["name"]))
+    _engine_may_run(root, req["name"], argv)
     full = dict(os.environ)
     full.update(env)  # as the launch gives it
     try:
@@ -327,7 +320,26 @@ def _engine_check(req, root, argv, env):
         raise OpError("no_python", _missing("serving interpreter", argv[0]), argv[0])
     except subprocess.TimeoutExpired:
         raise OpError("timeout", "vLLM did not finish checking its configuration in %d s" % req["timeout"], argv[0])
-    out = stdout.decode("utf-8", "replace")
+    return _engine_verdict(code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), req["expect"])
+
+
+def _engine_may_run(root, name, argv):
+    """Before vLLM is asked: the command is a `vllm serve` of the serving Python, and where systemd
+    is the init, the unit the launch would write is ours to write."""
+    if len(argv) < 4 or argv[1] != "-c" or argv[3] != "serve":
+        raise OpError("bad_request", "argv is not a `vllm serve` command of the serving Python")
+    if _systemd_is_init():
+        # The unit the launch would write, checked before anything serving is switched or stopped.
+        refused = _unit_not_ours(_unit_name(root, name))
+        if refused is not None:
+            raise OpError("unit_not_ours", refused, _unit_name(root, name))
+
+
+def _engine_verdict(code, out, err, expect):
+    """vLLM's verdict from the check's output (after its marker), or its refusal as an OpError:
+    vLLM's own words, or a value it resolved other than the one ``expect`` names."""
+    import json
+
     verdict = None
     for line in out.splitlines():
         if line.startswith(ENGINE_MARK):
@@ -337,8 +349,8 @@ def _engine_check(req, root, argv, env):
                 verdict = None
     if not isinstance(verdict, dict):
         # vLLM's parser exits before any configuration (exit 2, its usage error on stderr).
-        said = [x for x in stderr.decode("utf-8", "replace").strip().splitlines() if x.strip()]
-        raise OpError("engine_refused", "vLLM exited %d: %s" % (code, " / ".join(said[-2:]) or "no output"))
+        said = [x for x in err.strip().splitlines() if x.strip()]
+        raise OpError("engine_refused", "vLLM exited %s: %s" % (code, " / ".join(said[-2:]) or "no output"))
     if not verdict.get("ok"):
         stages = {
             "import": "cannot be imported",
@@ -351,7 +363,7 @@ def _engine_check(req, root, argv, env):
     resolved = verdict.get("resolved")
     if not isinstance(resolved, dict):
         resolved = {}
-    for key, want in sorted(req["expect"].items()):
+    for key, want in sorted(expect.items()):
         if resolved.get(key) != want:
             # Something besides the tool's own argument set it (a spelling of the flag, a file of
             # arguments): the server would not be the one the gates prove.

@@ -12,6 +12,7 @@ headless rank outlives its head otherwise).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -20,7 +21,7 @@ from orchestrator.agent.client import AgentClient
 from orchestrator.config.inventory import Target
 from orchestrator.config.playbook import Playbook
 from orchestrator.engine.runner import Node, Run, Unit
-from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError
+from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError, OrchestratorError
 from orchestrator.results import (
     GATE_ACCEPTANCE,
     GATE_ENGINE,
@@ -101,17 +102,29 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
     def start(node: Node) -> None:
         switch_op = protocol.release_switch(node.root, release, playbook.keep_releases) if node.name in switch else None
         launch = _launch_op(run, unit, node, release, keep=keep and together)
-        # vLLM's own verdict on the command before anything is switched or stopped for it: a
-        # refusal leaves the release that serves serving (one node alone; a group is stopped
-        # before its ranks start, see stop_all).
+        # The loader and engine checks started at staging: collected before anything is switched
+        # or stopped for the release (a refusal leaves what serves serving); on a host where
+        # nothing serves, the server starts beside them and is stopped if they refuse.
+        pending = node.checks if together and launch is not None else None
+        beside = pending is not None and not pending.serving
+        if pending is not None and not beside and not collect_checks(run, node, pending):
+            return
+        # Else vLLM's own verdict on the command before anything is switched or stopped for it
+        # (going back, or a group: stopped before its ranks start, see stop_all).
         engine = None
-        if together and launch is not None:
+        if together and launch is not None and pending is None and GATE_ENGINE not in node.report.gates:
             command = serving.command(playbook, node.target.container, release)
             want = serving.resolved(playbook, node.target.container, release)
             engine = protocol.engine_check(
                 node.root, serving.SERVER, command, want, keep_if_running=keep, release_id=release
             )
-        steps = (engine, switch_op, launch)
+        if beside:
+            assert pending is not None and launch is not None
+            if not _launch_beside_checks(run, unit, node, launch, pending):
+                return
+            steps: tuple[protocol.Op[Any] | None, ...] = (switch_op,)
+        else:
+            steps = (engine, switch_op, launch)
         ops: list[protocol.Op[Any]] = [run.lock(node), *(op for op in steps if op is not None)]
         if together:
             ops += proof
@@ -128,11 +141,14 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
                 # stopped for it, and its own words are the gate.
                 node.report.gates[GATE_ENGINE] = Gate(False, exc.failure.message, reason=exc.failure.code)
                 return
-            # The lock or the switch (the files gate's ops): nothing was stopped or started.
-            before_launch = exc.failure.gate == GATE_FILES
+            # The lock or the switch (the files gate's ops): nothing was stopped or started
+            # (unless the server started beside the checks).
+            before_launch = exc.failure.gate == GATE_FILES and not beside
             node.disturbed = node.disturbed or not before_launch
             if not together or before_launch:
                 raise  # the node's own gate says why (on one node alone: its files gate)
+            if exc.failure.gate == GATE_FILES:
+                raise  # the switch after a launch beside the checks: the files gate, and back
             _proof_failed(run, unit, exc.failure)
             return
         node.disturbed = True
@@ -141,7 +157,8 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
         plan.read_started(playbook, answers.get(switch_op) if switch_op else None, node.report)
         if together:
             assert launch is not None
-            _read_proof(run, unit, answers[health], answers[probe], answers[launch].kept, answers[record].ready)
+            kept_now = False if beside else answers[launch].kept  # beside: nothing was running to keep
+            _read_proof(run, unit, answers[health], answers[probe], kept_now, answers[record].ready)
         elif launch is not None:
             node.report.gates[GATE_GROUP] = Gate(
                 True, f"rank {node.rank} ({unit.role(node)}) started, pid {answers[launch].pid}"
@@ -166,6 +183,63 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
     if not _read_proof(run, unit, answers[health], answers[probe], kept, answers[record].ready):
         return False
     return _ranks_alive(run, unit)
+
+
+def collect_checks(run: Run, node: Node, started: protocol.ChecksStarted) -> bool:
+    """Wait for a node's background loader and engine checks and read their gates: False when
+    one failed."""
+    assert started.token is not None
+    node.checks = None
+    op = protocol.checks_wait(node.root, started.token)
+    plan.read_checks_done(run.playbook, run.batch(node, [op])[op], node.report)
+    return node.report.failed_gate is None
+
+
+def cancel_checks(run: Run, node: Node) -> None:
+    """A node's background checks the run will not collect (it failed another gate first): stopped,
+    ``launched`` put back. A host that cannot be reached now keeps them until their deadline."""
+    pending, node.checks = node.checks, None
+    if pending is None or pending.token is None:
+        return
+    with contextlib.suppress(OrchestratorError):
+        run.batch(node, [protocol.checks_wait(node.root, pending.token, cancel=True)])
+
+
+def _launch_beside_checks(
+    run: Run, unit: Unit, node: Node, launch: protocol.Op[protocol.Launched], pending: protocol.ChecksStarted
+) -> bool:
+    """Nothing serves on the host: start the server while the checks finish (one exec), switch
+    ``current`` only once they pass, and stop it if they do not (nothing was serving; nothing
+    serves)."""
+    assert pending.token is not None
+    node.checks = None
+    wait = protocol.checks_wait(node.root, pending.token)
+    try:
+        answers = run.batch(node, [run.lock(node), launch, wait])
+    except AgentProtocolError:
+        node.disturbed = True  # the answer cannot be read: the server may have started
+        raise
+    except AgentError as exc:
+        if exc.failure.gate == GATE_FILES:
+            raise  # the lock: nothing was started
+        node.disturbed = True
+        if exc.failure.gate != GATE_ENGINE:
+            _proof_failed(run, unit, exc.failure)  # the launch's own gate says why (a port taken...)
+            return False
+        node.report.gates[GATE_ENGINE] = Gate(False, exc.failure.message, reason=exc.failure.code)
+    else:
+        node.disturbed = True
+        plan.read_checks_done(run.playbook, answers[wait], node.report)
+        if node.report.failed_gate is None:
+            return True
+    stop = protocol.stop(node.root, serving.SERVER, run.playbook.serving.stop_timeout)
+    answers = run.batch(node, [run.lock(node), stop])
+    node.disturbed = not answers[stop].gone
+    if answers[stop].gone:
+        node.report.diagnosis.append(
+            "nothing was serving: the server started beside the checks was stopped, and current was not switched"
+        )
+    return False
 
 
 def _launch_op(run: Run, unit: Unit, node: Node, release: str, keep: bool) -> protocol.Op[protocol.Launched] | None:

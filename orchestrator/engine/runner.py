@@ -107,6 +107,9 @@ class Node:
         self.report = HostReport(target.name)
         self.located = False
         self.staged: protocol.Applied | None = None  # this deploy's release_apply answer
+        # The loader and engine checks running in the background since staging, collected
+        # before the switch (or beside the launch, on a host where nothing serves).
+        self.checks: protocol.ChecksStarted | None = None
         self.pid: int | None = None  # the proven process its READY record names
         self.disturbed = False  # something of it was stopped or started: a failure must roll back
         self.drained = False  # taken out of the gateway's rotation by this run, not yet put back

@@ -54,12 +54,16 @@ def deploy(scope: Scope) -> RunReport:
         if lint is not None:
             for node in unit.nodes:
                 node.report.gates[GATE_LINT] = lint
-        if not _stage(run, unit, release_id):
-            return
-        if playbook.serving.target is not None:
-            launch.serve(run, unit)
-        else:
-            unit.each(lambda node: _switch_staged(run, node), GATE_FILES)
+        try:
+            if not _stage(run, unit, release_id):
+                return
+            if playbook.serving.target is not None:
+                launch.serve(run, unit)
+            else:
+                unit.each(lambda node: _switch_staged(run, node), GATE_FILES)
+        finally:
+            for node in unit.nodes:
+                launch.cancel_checks(run, node)  # started, and not collected: the host failed first
 
     report = execute(
         RunKind.DEPLOY, scope, units, work, release_id, playbook.rollout, _bake if playbook.rollout.bake_s else None
@@ -93,6 +97,9 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
     vLLM. False: a node failed (a group's other nodes then fail their group gate: not launched)."""
     playbook = run.playbook
     builds: dict[str, str] = {}
+    # One host that will launch: its checks run on in the background (launch.start_and_prove
+    # collects them); a group's nodes, or a playbook with nothing to launch, wait for them here.
+    launches = unit.single and playbook.serving.target is not None
 
     def stage(reuse: bool) -> Callable[[Node], None]:
         def on(node: Node) -> None:
@@ -102,7 +109,22 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
             if pushed is None:
                 return
             pins = plan.pins(playbook, {role: done.digests for role, done in pushed.items()})
-            batch = plan.Stage(playbook, node.root, release_id, run.owner, run.options.lock_timeout, reuse, pins=pins)
+            command = expect = None
+            if launches:
+                # vLLM's verdict on the command the launch will run, in the checks' process
+                command = serving.command(playbook, node.target.container, release_id)
+                expect = serving.resolved(playbook, node.target.container, release_id)
+            batch = plan.Stage(
+                playbook,
+                node.root,
+                release_id,
+                run.owner,
+                run.options.lock_timeout,
+                reuse,
+                pins=pins,
+                command=command,
+                expect=expect,
+            )
             started = time.monotonic()
             try:
                 answers = run.batch(node, batch.ops)
@@ -120,10 +142,14 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
             push.note(pushed, node.report)
             models.read_weights(playbook, drafter, config, node.report)
             if batch.checks is not None:
-                batch.checks.read(playbook, answers, node.report)
+                background = batch.checks.read(playbook, answers, node.report)
                 build = answers[batch.checks.build]
                 if build.version:
                     builds[node.name] = build.describe()
+                if background is not None and launches:
+                    node.checks = background  # collected before the switch, or beside the launch
+                elif background is not None:
+                    launch.collect_checks(run, node, background)
 
         return on
 

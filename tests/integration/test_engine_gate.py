@@ -10,6 +10,7 @@ Each check imports vLLM (about 30 s on two cores), so the cases run side by side
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -194,3 +195,103 @@ def test_vllm_s_compile_key_follows_the_drafter_s_path_and_config_not_its_releas
     # vLLM keeps the path it was given (the link, not where it leads), and the check left no link moved
     assert through[0]["result"]["resolved"]["speculative_model"] == str(link)
     assert not (root / "launched").is_symlink()
+
+
+def background(tmp_path: Path, ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One batch of the agent's ops, as a deploy sends them (one exec; the agent then exits)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", BOOTSTRAP], input=encode_request(ops), capture_output=True, timeout=330
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    return json.loads(proc.stdout)["results"]  # type: ignore[no-any-return]
+
+
+def checks_start(root: Path, release: str, drafter: Path, **env: str) -> dict[str, Any]:
+    spec = json.dumps({"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7})
+    argv = [str(VLLM / "bin" / "python"), "-c", CLI, "serve", str(MODELS / "target"), "--speculative-config", spec]
+    argv += ["--dtype", "float32", "--max-model-len", "512", "--port", "8000"]
+    return {
+        "op": "checks_start",
+        "root": str(root),
+        "release_id": release,
+        "subdir": "drafter",
+        "python": str(VLLM / "bin" / "python"),
+        "fields": ["mask_token_id", "dflash_config"],
+        "keep": False,
+        "name": "dflash-serve",
+        "argv": argv,
+        "env": {**ENV, **env},
+        "expect": {"speculative_model": str(drafter), "num_speculative_tokens": 7},
+        "keep_if_running": False,
+        "timeout": 300.0,
+    }
+
+
+def test_a_deploy_s_loader_and_engine_checks_run_in_one_background_process(tmp_path: Path) -> None:
+    """checks_start answers at once and leaves one serving-Python process running the loader check
+    and vLLM's check one after the other (transformers imported once); checks_wait, in a later
+    exec, reads both: the loader's view, and vLLM's verdict or its refusal in its own words as
+    data, not a failure of the batch. ``launched`` is pointed at the release for the check and
+    put back after it; the check's files go. A cancelled check is stopped at once."""
+    roots = {}
+    for name, changes in (("good", {}), ("eagle", {"dflash_config": {"target_layer_ids": [1]}})):
+        root = tmp_path / name
+        (root / "releases").mkdir(parents=True)
+        made = model(tmp_path, f"drafter-{name}", "drafter-good", **changes)
+        if name == "eagle":  # the mask token only where vLLM's proposer does not read it
+            config = json.loads((made / "config.json").read_text())
+            config["eagle_config"] = {"mask_token_id": 5}
+            (made / "config.json").write_text(json.dumps(config))
+        (root / "releases" / "A").mkdir()
+        made.rename(root / "releases" / "A" / "drafter")
+        roots[name] = root
+    started = {}
+    for name, root in roots.items():
+        (answer,) = background(tmp_path, [checks_start(root, "A", root / "launched" / "drafter")])
+        assert answer["ok"], answer
+        started[name] = answer["result"]
+        assert started[name]["token"] and not started[name]["serving"]
+        # the batch has answered; the checks' process runs on, the link pointed for it
+        state = json.loads((root / "run" / f"checks-{started[name]['token']}.json").read_text())
+        assert (Path("/proc") / str(state["pid"])).exists()
+        assert os.readlink(root / "launched") == "releases/A"
+
+    waited = {}
+    for name, root in roots.items():
+        op = {
+            "op": "checks_wait",
+            "root": str(root),
+            "token": started[name]["token"],
+            "timeout": 300.0,
+            "cancel": False,
+        }
+        (answer,) = background(tmp_path, [op])
+        assert answer["ok"], answer
+        waited[name] = answer["result"]
+        assert not (root / "launched").is_symlink()  # nothing serves: the link as it was (none)
+        assert not list((root / "run").glob("checks-*"))
+    good, eagle = waited["good"], waited["eagle"]
+    assert good["loader"]["class"] == "Qwen3Config" and good["loader"]["fields"]["mask_token_id"] == "<absent>"
+    assert good["engine"]["ok"] and good["engine"]["drafter"] == ["DFlashDraftModel"]
+    assert good["engine"]["resolved"]["speculative_model"] == str(roots["good"] / "launched" / "drafter")
+    assert eagle["loader"]["fields"]["dflash_config"] == {"target_layer_ids": [1]}  # the loader still answers
+    assert eagle["engine"] == {
+        "refused": {
+            "code": "engine_refused",
+            "message": "vLLM 0.32.0 refuses the command as its model runner starts: ValueError: For parallel "
+            "drafting, the draft model config must have `dflash_config.mask_token_id`, `mask_token_id`, "
+            "`dspark_noise_token_id`, `pard_token`, or `ptd_token_id` specified in its config.json.",
+        }
+    }
+
+    # cancelled: stopped now, nothing read, nothing left
+    root = roots["good"]
+    (answer,) = background(tmp_path, [checks_start(root, "A", root / "launched" / "drafter")])
+    token = answer["result"]["token"]
+    pid = json.loads((root / "run" / f"checks-{token}.json").read_text())["pid"]
+    op = {"op": "checks_wait", "root": str(root), "token": token, "timeout": 300.0, "cancel": True}
+    (answer,) = background(tmp_path, [op])
+    assert answer["ok"] and answer["result"]["loader"] is None and answer["result"]["engine"] is None
+    assert not list((root / "run").glob("checks-*")) and not (root / "launched").is_symlink()
+    stat = (Path("/proc") / str(pid) / "stat").read_text() if (Path("/proc") / str(pid)).exists() else "x) Z"
+    assert stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")  # killed (a zombie until its parent reaps it)

@@ -10,6 +10,8 @@ exact commands the agent runs (``serving.python`` points at it):
 - ``-c <build script>``: vLLM 0.33.0;
 - ``-c <engine check> serve <target> ...``: the engine gate's verdict (``$STANDIN_ENGINE_REFUSE``:
   refused in those words);
+- ``-c <background checks>`` with its JSON on stdin: the two above in one process, as a deploy
+  runs them;
 - ``-m vllm.entrypoints.openai.api_server ...`` and ``-c <vllm CLI> serve <target> ...``: an
   OpenAI-style server on ``--host/--port`` with ``/health``, ``/v1/models``, ``/v1/completions``
   and vLLM's ``vllm:spec_decode_*`` counters on ``/metrics``; with ``--headless``, a rank that
@@ -394,13 +396,32 @@ def engine_check(target: str, args: list[str]) -> None:
     print("@@dflash-engine@@" + json.dumps({**verdict, "version": VERSION, "seconds": 0.01}))
 
 
+def loader_view(args: list[str]) -> dict[str, Any]:
+    """The loader gate's helper: the fields asked, as read from the drafter's config.json."""
+    config = json.loads((Path(args[0]) / "config.json").read_text())
+    fields = {name: config.get(name, "<absent>") for name in json.loads(args[1])}
+    return {"class": "Qwen3Config", "transformers": "stand-in", "fields": fields}
+
+
+def checks(spec: dict[str, Any]) -> None:
+    """The deploy's background checks: the loader's view, then the engine's verdict, in one
+    process, with the markers of ``remote_agent/helpers/serving_checks.py``."""
+    if spec["loader"]:
+        print("@@dflash-loader@@" + json.dumps({"view": loader_view(spec["loader"]["argv"])}))
+    if spec["engine"]:
+        os.chdir(spec["engine"]["cwd"])
+        argv = spec["engine"]["argv"]
+        engine_check(argv[1], argv[2:])
+    print("@@dflash-checks-done@@" + json.dumps({"code": 0}))
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["-c"]:
         script, rest = argv[1], argv[2:]
-        if "AutoConfig" in script:
-            config = json.loads((Path(rest[0]) / "config.json").read_text())
-            fields = {name: config.get(name, "<absent>") for name in json.loads(rest[1])}
-            print(json.dumps({"class": "Qwen3Config", "transformers": "stand-in", "fields": fields}))
+        if "@@dflash-checks-done@@" in script:
+            checks(json.loads(sys.stdin.read()))
+        elif "AutoConfig" in script:
+            print(json.dumps(loader_view(rest)))
         elif "@@dflash-engine@@" in script and rest[:1] == ["serve"]:
             engine_check(rest[1], rest[2:])
         elif "vllm.entrypoints.cli.main" in script and rest[:1] == ["serve"]:

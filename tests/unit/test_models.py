@@ -192,6 +192,9 @@ def test_a_manifest_pins_every_file_and_names_the_one_that_differs(box: Box) -> 
     run = deploy(box, with_models(box, target={"manifest": "target.sha256"}))
     detail = host(run, "solo").gates["models"].detail
     assert not run.ok and f"model.safetensors has sha256 {real}, the manifest pins {'0' * 64}" in detail
+    # the loader and engine checks started with the staging were stopped, and left nothing
+    assert not list((box.root("solo") / "run").glob("checks-*"))
+    assert not (box.root("solo") / "launched").is_symlink()
 
     (box.dir / "target.sha256").write_text(f"{config}  config.json\n{real}  model.safetensors\n")
     run = deploy(box, with_models(box, target={"manifest": "target.sha256"}))

@@ -83,8 +83,13 @@ def test_without_a_terminal_steps_are_timestamped_lines_and_with_json_json_lines
     waits = [s.split(": ", 2) for s in steps if s.startswith("waiting for health: ")]
     assert waits[0][1] == "at most 30 s", waits  # each step says how long it may take
     assert any(len(w) == 3 and w[2].startswith("INFO ") and "Loading weights took" in w[2] for w in waits), done.stderr
-    staging = next(s for s in steps if s.startswith("loading the drafter config"))
-    assert staging.endswith(": at most 120 s"), staging
+    # the loader and engine checks start with the staging and are waited for beside the launch
+    # (nothing served yet): started before the launch, collected after it, before the health wait
+    assert order.index("starting the loader and engine checks") < order.index("launching the server")
+    checks = next(s for s in steps if s.startswith("waiting for the loader and engine checks"))
+    assert checks.endswith(": at most 300 s"), checks
+    collected = order.index("waiting for the loader and engine checks")
+    assert order.index("launching the server") < collected < order.index("waiting for health")
     # the host's line when done says where its time went
     done_line = next(line for line in lines if "] ok   solo" in line)
     assert re.search(r"s: vLLM's start \d+\.\d s, the probe \d+\.\d s, the tool \d+\.\d s\)$", done_line), done_line

@@ -66,6 +66,8 @@ def build(name: str) -> protocol.Op[Any]:
         "loader_view": ("/r", "R1", "/py", ["model_type"]),
         "vllm_build": ("/py",),
         "engine_check": ("/r", "dflash-serve", command),
+        "checks_start": ("/r", "R1", "/py", ["model_type"], "dflash-serve", command),
+        "checks_wait": ("/r", "1796442498-b7e3cb74"),
         "launch": ("/r", "dflash-serve", command, "R1", 8000),
         "stop": ("/r", "dflash-serve"),
         "wait_health": ("/r", "dflash-serve", 8000, "m", 60.0),

@@ -59,7 +59,8 @@ def test_one_host_ready_refused_rolled_back_rolled_back_again_and_stopped(box: B
         "acceptance",
         "ready",
     ]
-    assert solo.ssh == {"connects": 0, "execs": 3, "retries": 0}  # stage, start+proof, READY record
+    # stage (the checks started), launch beside the checks, switch+proof, READY record
+    assert solo.ssh == {"connects": 0, "execs": 4, "retries": 0}
     good, server = first.release_id, box.pid("solo")
     assert box.current("solo") == f"releases/{good}" and alive(server)
     assert verify(box, good_pb, probe=True).ok
@@ -220,6 +221,32 @@ def test_a_refused_first_release_leaves_nothing_running(box: Box) -> None:
     assert not run.ok and not solo.gates["acceptance"].ok
     assert "no previous release to go back to: stopped (no vLLM or Ray process left)" in solo.diagnosis
     assert not alive(box.pid("solo"))
+
+
+def test_on_a_host_where_nothing_serves_the_server_starts_beside_the_checks_and_stops_if_they_refuse(
+    box: Box,
+) -> None:
+    """Nothing serves yet: the server is launched while the loader and engine checks finish (their
+    time hidden behind its start), and ``current`` moves only once they pass. When vLLM refuses,
+    the server started beside them is stopped and nothing was made current: as it was before."""
+    words = "Total number of attention heads (3) must be divisible by tensor parallel size (2)."
+    refused = deploy(box, box.playbook("refused", env={"STANDIN_ENGINE_REFUSE": words}))
+    solo = host(refused, "solo")
+    assert not refused.ok and solo.failed_gate == "engine", solo.gates
+    assert solo.gates["engine"].detail == f"vLLM 0.33.0 refuses the command: ValueError: {words}"
+    assert solo.gates["loader"].ok  # the same process answered the loader check too
+    assert (
+        "nothing was serving: the server started beside the checks was stopped, and current was not switched"
+        in solo.diagnosis
+    )
+    started = box.pid("solo")  # the record of the server launched beside the checks
+    assert not alive(started)
+    assert not (box.root("solo") / "current").exists() and not (box.root("solo") / "ready.json").exists()
+    assert not list((box.root("solo") / "run").glob("checks-*"))
+
+    accepted = deploy(box, box.playbook())
+    assert accepted.ok, host(accepted, "solo").gates
+    assert box.current("solo") == f"releases/{accepted.release_id}" and alive(box.pid("solo"))
 
 
 def test_verify_catches_a_changed_file_and_a_restarted_server(box: Box) -> None:
