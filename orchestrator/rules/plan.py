@@ -126,20 +126,32 @@ class Checks:
         findings: bool = False,
         command: protocol.ServerCommand | None = None,
         expect: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         python, drafter = playbook.serving.python, playbook.drafter
         assert python is not None and drafter is not None
         fields = [f for f in dflash.LOADER_FIELDS if f in drafter.values]
-        self.build = protocol.vllm_build(python)
+        # The server's environment: the checks import what it will (``serving.environment``).
+        env = dict(command.env) if command is not None else dict(env or playbook.serving.env)
+        self.build = protocol.vllm_build(python, env)
         self.loader: protocol.Op[protocol.LoaderView] | None = None
         self.start: protocol.Op[protocol.ChecksStarted] | None = None
         if findings:
-            self.loader = protocol.loader_view(root, release, python, fields, DRAFTER_DIR).finding()
+            self.loader = protocol.loader_view(root, release, python, fields, DRAFTER_DIR, env=env).finding()
             self.build = self.build.finding()
             self.ops: list[protocol.Op[Any]] = [self.loader, self.build]
         else:
             self.start = protocol.checks_start(
-                root, release, python, fields, serving.SERVER, command, expect, DRAFTER_DIR, keep_if_running=True
+                root,
+                release,
+                python,
+                fields,
+                serving.SERVER,
+                command,
+                expect,
+                DRAFTER_DIR,
+                env=env,
+                keep_if_running=True,
             )
             self.ops = [self.build, self.start]
 
@@ -254,7 +266,7 @@ class GpuChecks:
             self.ops: list[protocol.Op[Any]] = []
             return
         # Findings both: nvidia-smi's facts are reported even when the preflight after them fails.
-        self.facts = protocol.gpus(root, s.python).finding()
+        self.facts = protocol.gpus(root, s.python, serving.environment(playbook, container)).finding()
         count = gpus.ranks_here(playbook, container, nodes)
         if count > 1 and s.python is not None:
             # The server's own GPU environment: what the preflight proves is what the server gets.
@@ -340,6 +352,7 @@ class Stage:
         pins: Pins | None = None,
         command: protocol.ServerCommand | None = None,
         expect: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         pins = pins if pins is not None else manifests(playbook)
         self.models = ModelChecks(playbook, root, record=True, rehash=rehash, pins=pins)
@@ -355,7 +368,7 @@ class Stage:
         )
         # The checks read the release that release_apply settled on (a new one, or current).
         # ``command``: vLLM's verdict on it (the engine gate) in the same background process.
-        self.checks = Checks(playbook, root, self.apply, command=command, expect=expect) if wanted else None
+        self.checks = Checks(playbook, root, self.apply, command=command, expect=expect, env=env) if wanted else None
         self.ops: list[protocol.Op[Any]] = [
             self.lock,
             *self.models.ops,

@@ -121,9 +121,16 @@ def command(playbook: Playbook, container: Container, release_id: str, speculati
     ]
     argv += graceful_args(playbook)
     argv += (_speculative_args(playbook, container, release_id) if speculative else []) + list(s.extra_args)
+    return ServerCommand(tuple(argv), environment(playbook, container), stop_timeout=s.stop_timeout)
+
+
+def environment(playbook: Playbook, container: Container) -> dict[str, str]:
+    """The server's environment on a container (offline, its start budget, its cache root, its
+    GPUs, then serving.env): also the one the serving-Python checks run in, so that they import
+    what the server will (a ``PYTHONPATH`` of serving.env puts another vLLM or transformers first)."""
     env = {"HF_HUB_OFFLINE": "1", **start_budget(playbook), **cache_env(playbook, container), **gpu_env(container)}
-    env.update(s.env)
-    return ServerCommand(tuple(argv), env, stop_timeout=s.stop_timeout)
+    env.update(playbook.serving.env)
+    return env
 
 
 def cache_root(playbook: Playbook, container: Container) -> str:

@@ -141,7 +141,7 @@ def test_the_loader_check_leaves_the_bytecode_it_compiled_for_the_next_import(
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text(GOOD_DRAFTER.read_text())
-    req = {"python": str(SERVING_PYTHON), "timeout": 300}
+    req = {"python": str(SERVING_PYTHON), "timeout": 300, "env": {}}
     view = _serving_python(req, _helper("loader_view"), [str(drafter), json.dumps(["sliding_window"])])
     assert view["class"] == "Qwen3Config"
     compiled = {p.name.split(".")[0] for p in prefix.rglob("*.pyc") if "transformers" in p.parts}
@@ -170,9 +170,9 @@ def test_a_deploy_keeps_the_loader_s_view_and_verify_reuses_it_while_nothing_it_
     config.write_text(GOOD_DRAFTER.read_text())
     fields = ["sliding_window", "use_sliding_window"]
 
-    def load(keep: bool) -> dict[str, object]:
+    def load(keep: bool, env: dict[str, str] | None = None) -> dict[str, object]:
         req = {"root": str(root), "release_id": None, "subdir": "drafter", "python": str(SERVING_PYTHON)}
-        return dict(op_loader_view({**req, "fields": fields, "timeout": 300, "keep": keep}))
+        return dict(op_loader_view({**req, "fields": fields, "timeout": 300, "keep": keep, "env": env or {}}))
 
     first = load(keep=False)  # verify: loads, keeps nothing
     assert not first.get("cached") and not (root / LOADER_CACHE).exists() and "where" not in first
@@ -180,6 +180,7 @@ def test_a_deploy_keeps_the_loader_s_view_and_verify_reuses_it_while_nothing_it_
     assert not kept.get("cached") and (root / LOADER_CACHE).exists()
     again = load(keep=False)
     assert again["cached"] is True and again["fields"] == first["fields"] and again["class"] == "Qwen3Config"
+    assert not load(keep=False, env={"HF_HOME": str(tmp_path)}).get("cached")  # another server environment
 
     (site / "newly_installed.py").write_text("")  # an install into the import path
     assert not load(keep=True).get("cached")
@@ -194,3 +195,37 @@ def test_a_deploy_keeps_the_loader_s_view_and_verify_reuses_it_while_nothing_it_
     config.write_text(GOOD_DRAFTER.read_text())
     core._digest_key[0] = "cd" * 32  # another controller: the entries are not its
     assert not load(keep=False).get("cached")
+
+
+def test_the_loader_and_build_checks_import_what_the_server_s_environment_puts_first(tmp_path: Path) -> None:
+    """serving.env's PYTHONPATH puts another vLLM and another transformers before the serving
+    site's, for the server: the loader and build checks run in the server's environment and see
+    those, not the site's."""
+    from tests.unit.test_agent import run
+
+    shadow = tmp_path / "shadow"
+    (shadow / "vllm-0.99.0.dist-info").mkdir(parents=True)
+    (shadow / "vllm-0.99.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.99.0\n")
+    (shadow / "transformers").mkdir()
+    (shadow / "transformers" / "__init__.py").write_text(
+        '__version__ = "0.0-shadow"\n'
+        "class Qwen3Config:\n    sliding_window = 7\n"
+        "class AutoConfig:\n    @staticmethod\n    def from_pretrained(path):\n        return Qwen3Config()\n"
+    )
+    root = tmp_path / "root"
+    (root / "current" / "drafter").mkdir(parents=True)
+    (root / "current" / "drafter" / "config.json").write_text(GOOD_DRAFTER.read_text())
+    python = str(SERVING_PYTHON)
+
+    def checks(env: dict[str, str]) -> tuple[dict[str, object], dict[str, object]]:
+        view = {"op": "loader_view", "root": str(root), "python": python, "fields": ["sliding_window"], "env": env}
+        build = {"op": "vllm_build", "python": python, "env": env}
+        loaded, built = run([view, build])
+        assert loaded["ok"] and built["ok"], (loaded, built)
+        return loaded["result"], built["result"]
+
+    site_view, site_build = checks({})
+    assert site_view["transformers"] != "0.0-shadow" and site_build["version"] != "0.99.0"
+    view, build = checks({"PYTHONPATH": str(shadow)})
+    assert view["transformers"] == "0.0-shadow" and view["fields"] == {"sliding_window": 7}
+    assert build == {"dist": "vllm", "version": "0.99.0"}

@@ -6,8 +6,9 @@ unit tests that drive whole deploys, rollbacks and groups through the real agent
 against real vLLM in ``tests/integration`` (test_serving.py, test_multinode.py). It answers to the
 exact commands the agent runs (``serving.python`` points at it):
 
-- ``-c <loader script> <dir> <fields>``: the drafter's config.json fields, as read from the file;
-- ``-c <build script>``: vLLM 0.33.0;
+- ``-c <loader script> <dir> <fields>``: the drafter's config.json fields, as read from the file
+  (transformers ``$STANDIN_TRANSFORMERS``, else "stand-in");
+- ``-c <build script>``: vLLM 0.33.0 (or ``$STANDIN_VLLM``);
 - ``-c <engine check> serve <target> ...``: the engine gate's verdict (``$STANDIN_ENGINE_REFUSE``:
   refused in those words);
 - ``-c <background checks>`` with its JSON on stdin: the two above in one process, as a deploy
@@ -400,7 +401,11 @@ def loader_view(args: list[str]) -> dict[str, Any]:
     """The loader gate's helper: the fields asked, as read from the drafter's config.json."""
     config = json.loads((Path(args[0]) / "config.json").read_text())
     fields = {name: config.get(name, "<absent>") for name in json.loads(args[1])}
-    return {"class": "Qwen3Config", "transformers": "stand-in", "fields": fields}
+    return {
+        "class": "Qwen3Config",
+        "transformers": os.environ.get("STANDIN_TRANSFORMERS", "stand-in"),
+        "fields": fields,
+    }
 
 
 def checks(spec: dict[str, Any]) -> None:
@@ -431,7 +436,7 @@ def main(argv: list[str]) -> None:
             if cuda != "absent":
                 print(cuda)
         elif "metadata.version(dist)" in script:
-            print(json.dumps({"dist": "vllm", "version": VERSION}))
+            print(json.dumps({"dist": "vllm", "version": os.environ.get("STANDIN_VLLM", VERSION)}))
         else:
             sys.exit(f"stand-in: unknown program {script[:60]!r}")
     elif argv[:1] and argv[0].endswith("allreduce.py"):

@@ -36,7 +36,7 @@ REQUEST_KEYS: dict[str, dict[str, Any]] = {
     "release_verify": {"rehash": False},
     "release_inspect": {"max_bytes": 256 * 1024},
     "release_switch": {"release_id": None, "keep": None},
-    "loader_view": {"release_id": None, "subdir": "drafter", "fields": [], "timeout": 120.0, "keep": False},
+    "loader_view": {"release_id": None, "subdir": "drafter", "fields": [], "timeout": 120.0, "keep": False, "env": {}},
     "model_files": {
         "name": "target",
         "files": None,
@@ -47,7 +47,7 @@ REQUEST_KEYS: dict[str, dict[str, Any]] = {
         "skip": [],
         "tokens": [],
     },
-    "vllm_build": {"timeout": 120.0},
+    "vllm_build": {"timeout": 120.0, "env": {}},
 }
 
 

@@ -249,6 +249,23 @@ def test_on_a_host_where_nothing_serves_the_server_starts_beside_the_checks_and_
     assert box.current("solo") == f"releases/{accepted.release_id}" and alive(box.pid("solo"))
 
 
+def test_the_loader_and_build_checks_run_in_the_server_s_environment(box: Box) -> None:
+    """serving.env reaches the serving-Python checks as it reaches the server (a PYTHONPATH there
+    would put another transformers or vLLM first): deploy's background checks and verify's alike.
+    The stand-in answers with the versions its environment names."""
+    env = {
+        "STANDIN_GOOD_MASK": str(GOOD_MASK),
+        "STANDIN_TRANSFORMERS": "4.99-from-serving-env",
+        "STANDIN_VLLM": "0.32.0",
+    }
+    playbook = box.playbook(env=env)
+    for run in (deploy(box, playbook), verify(box, playbook)):
+        solo = host(run, "solo")
+        assert run.ok, solo.gates
+        assert "transformers 4.99-from-serving-env loads" in solo.gates["loader"].detail
+        assert solo.gates["build"].detail.startswith("vllm 0.32.0")
+
+
 def test_verify_catches_a_changed_file_and_a_restarted_server(box: Box) -> None:
     playbook = box.playbook()
     first = deploy(box, playbook)
