@@ -110,6 +110,28 @@ def test_each_rule(changes: dict[str, Any], field: str, fragment: str) -> None:
     assert field in found and fragment in found[field].message, found
 
 
+@pytest.mark.parametrize(
+    ("model_type", "switch"),
+    [
+        ("qwen3", "Qwen3Config"),
+        ("qwen2", "Qwen2Config"),
+        ("qwen3_moe", "Qwen3MoeConfig"),
+        ("laguna", None),  # poolside's Laguna drafters: LagunaConfig keeps its window, and serves
+        ("mimo_v2_flash", None),
+        ("qwen3_5_text", None),
+    ],
+)
+def test_the_window_switch_rule_holds_only_the_config_classes_that_have_it(model_type: str, switch: str | None) -> None:
+    """transformers drops sliding_window without use_sliding_window only in the Qwen2/Qwen3 family's
+    config classes (their own code, 5.19.0 and 5.23.0): a drafter parsed with another class keeps its
+    window, and lint must not say vLLM refuses it."""
+    found = errors(dflash.lint(edited(model_type=model_type, use_sliding_window=False), TARGET))
+    if switch is None:
+        assert "use_sliding_window" not in found, found
+    else:
+        assert f"transformers' {switch} drops sliding_window to None" in found["use_sliding_window"].message
+
+
 def test_swa_window_size_is_an_alternative_to_use_sliding_window() -> None:
     config = edited(use_sliding_window=dflash)
     config["dflash_config"]["swa_window_size"] = 2048

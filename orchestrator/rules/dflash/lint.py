@@ -261,6 +261,22 @@ def _layer_types(f: Facts) -> Iterator[Problem]:
         yield Problem("layer_types", "error", f"unknown layer types {unknown}", [SLIDING, FULL], types)
 
 
+# The config classes transformers parses a model_type with that keep ``sliding_window`` only when
+# ``use_sliding_window`` is true (None otherwise; Qwen2MoeConfig 0): ``self.sliding_window =
+# self.sliding_window if self.use_sliding_window else None`` in their configuration files, the same
+# in transformers 5.19.0 and 5.23.0 (models/qwen2, qwen2_moe, qwen2_vl, qwen2_5_vl, qwen3,
+# qwen3_moe). Every other class keeps the window it is given (LagunaConfig, MiMoV2FlashConfig,
+# the Qwen3.5 configs): the switch is those classes' own, and a rule about it is theirs alone.
+WINDOW_SWITCH = {
+    "qwen2": "Qwen2Config",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen2_vl_text": "Qwen2VLTextConfig",
+    "qwen2_5_vl_text": "Qwen2_5_VLTextConfig",
+    "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+}
+
+
 def _sliding_window(f: Facts) -> Iterator[Problem]:
     if SLIDING not in layer_kinds(f.drafter):
         return
@@ -276,14 +292,24 @@ def _sliding_window(f: Facts) -> Iterator[Problem]:
             "dflash_config.swa_window_size): vLLM >= 0.25 refuses to start", "> 0", f.drafter.get("sliding_window"),
             vllm=REFUSES_TO_START if read else "",
         )  # fmt: skip
-    elif f.drafter.get("use_sliding_window") is not True and not swa:
+    elif f.drafter.get("use_sliding_window") is not True and not swa and _window_switch(f) is not None:
         yield Problem(
             "use_sliding_window", "error",
-            "transformers' Qwen3Config drops sliding_window to None unless use_sliding_window is true: the "
-            "reference model runs full attention and vLLM >= 0.25 refuses to start", True,
+            f"transformers' {_window_switch(f)} drops sliding_window to None unless use_sliding_window is true: "
+            "the reference model runs full attention and vLLM >= 0.25 refuses to start", True,
             f.drafter.get("use_sliding_window"), fix="set \"use_sliding_window\": true (or dflash_config.swa_window_size)",
             vllm=REFUSES_TO_START if read else "",
         )  # fmt: skip
+
+
+def _window_switch(f: Facts) -> str | None:
+    """The config class that drops the window without use_sliding_window, when the drafter's
+    model_type is parsed with one (None: its class keeps the window). A config with no model_type
+    is held to Qwen3Config's, the class every DFlash drafter published so far is parsed with."""
+    kind = f.drafter.get("model_type")
+    if kind is None:
+        return WINDOW_SWITCH["qwen3"]
+    return WINDOW_SWITCH.get(kind) if isinstance(kind, str) else None
 
 
 def _causality(f: Facts) -> Iterator[Problem]:
@@ -495,7 +521,8 @@ RULES: tuple[Rule, ...] = (
         "transformers Qwen3Config: len(layer_types) != num_hidden_layers raises",
     )),
     Rule("sliding_window", "sliding layers without the window transformers and vLLM read", _sliding_window, (
-        "transformers 4.57-5.24 Qwen3Config (sliding_window None unless use_sliding_window)",
+        "transformers 4.57-5.24 Qwen3Config (sliding_window None unless use_sliding_window); 5.19.0 and 5.23.0: "
+        "the Qwen2, Qwen2Moe, Qwen2-VL and Qwen2.5-VL text and Qwen3Moe configs alike, no other class (WINDOW_SWITCH)",
         "vLLM 0.32.0 qwen3_dflash.py _resolve_layer_attention",
     )),
     Rule("causality", "a causality flag vLLM misreads, or two that vLLM versions read differently", _causality, (
