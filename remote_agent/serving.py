@@ -10,6 +10,7 @@ open port on the host.
 from remote_agent.core import (
     NONE,
     NUMBER,
+    REF,
     OpError,
     _atomic_write,
     _dumps,
@@ -304,6 +305,15 @@ def op_engine_check(req):
         return _engine_check(req, root, argv, env)
     finally:
         _restore_launched(root, before)
+
+
+@op("serving_runs", name=str, root=str, argv=list, env=dict, release_id=(str, NONE, REF))
+def op_serving_runs(req):
+    """Whether the server we started runs this very command (argv and environment) from this
+    release, alive: then a launch of it keeps it; else the launch restarts it (a changed flag or
+    variable restarts it as changed files do), and a gateway must drain it first. Reads only."""
+    root = _root(req, create=False)
+    return {"runs": _runs(_server(root, req["name"]), _argv(req), req["env"], req["release_id"])}
 
 
 def _engine_check(req, root, argv, env):

@@ -939,6 +939,20 @@ def checks_wait(root: str, token: str, timeout: float = ENGINE_CHECK_TIMEOUT, ca
     return Op(request, _checks_done, budget_s=timeout)
 
 
+def serving_runs(root: str, name: str, command: ServerCommand, release: str | Op[Applied]) -> Op[bool]:
+    """Whether the server we started under ``name`` runs ``command`` from ``release`` (an id, or this
+    batch's ``release_apply`` by reference): True, a launch of it keeps it; False, it restarts it."""
+    request = {
+        "op": "serving_runs",
+        "root": root,
+        "name": name,
+        "argv": list(command.argv),
+        "env": dict(command.env),
+        "release_id": ref(release, "release_id") if isinstance(release, Op) else release,
+    }
+    return Op(request, lambda v: bool(_field(v, "runs", bool)))
+
+
 def launch(
     root: str,
     name: str,
@@ -1342,6 +1356,7 @@ OPS = (
     OpSpec("stop", "serving", GATE_STOPPED, "stopping the server", stop),
     OpSpec("command", "serving", GATE_RAY, "running a command", command),
     OpSpec("engine_check", "serving", GATE_ENGINE, "letting vLLM check the command", engine_check),
+    OpSpec("serving_runs", "serving", GATE_FILES, "reading what the server runs", serving_runs),
     OpSpec("launch", "serving", GATE_HEALTH, "launching the server", launch),
     OpSpec("wait_health", "serving", GATE_HEALTH, "waiting for health", wait_health),
     OpSpec("serving_status", "serving", GATE_HEALTH, "reading the server's status", serving_status),

@@ -52,7 +52,10 @@ def serve(run: Run, unit: Unit) -> None:
     assert release is not None
     changed = {n.name for n in unit.nodes if n.report.changed}
     baseline = speedup.needs_baseline(run, unit)  # one extra start: out of rotation for it too
-    if run.gateway is not None and (changed or baseline is not None) and not rotation.drain(run, unit):
+    # Every restart is drained first, whatever caused it: changed files, a changed command (a flag,
+    # a variable of serving.env: the launch restarts a server whose command differs), no server.
+    restarts = bool(changed) or baseline is not None or unit.head.keeps is False
+    if run.gateway is not None and restarts and not rotation.drain(run, unit):
         unit.fail_others([unit.head.name], "not launched")
         return  # the gateway refused, or capacity would fall below its floor: nothing was stopped
     if baseline is not None and not speedup.before_launch(run, unit, release, baseline):

@@ -110,6 +110,9 @@ class Node:
         # The loader and engine checks running in the background since staging, collected
         # before the switch (or beside the launch, on a host where nothing serves).
         self.checks: protocol.ChecksStarted | None = None
+        # The server we started runs this deploy's very command from its release: a launch keeps it
+        # (None: not asked; False: the launch restarts it, and a gateway drains it first).
+        self.keeps: bool | None = None
         self.pid: int | None = None  # the proven process its READY record names
         self.disturbed = False  # something of it was stopped or started: a failure must roll back
         self.drained = False  # taken out of the gateway's rotation by this run, not yet put back

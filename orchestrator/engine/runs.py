@@ -135,6 +135,7 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
                 node.report.gates[exc.failure.gate or GATE_FILES] = Gate(False, exc.failure.describe())
                 return
             node.staged = answers[batch.apply]
+            node.keeps = answers[batch.runs] if batch.runs is not None else None
             plan.read_applied(playbook, node.staged, node.report)
             node.report.gates[GATE_FILES].data["seconds"] = round(time.monotonic() - started, 2)
             target, drafter = answers.get(batch.models.target), answers.get(batch.models.drafter)

@@ -369,10 +369,14 @@ class Stage:
         # The checks read the release that release_apply settled on (a new one, or current).
         # ``command``: vLLM's verdict on it (the engine gate) in the same background process.
         self.checks = Checks(playbook, root, self.apply, command=command, expect=expect, env=env) if wanted else None
+        # Whether the server runs this very command from the release settled on: else the launch
+        # restarts it, and a gateway must drain it first (a changed flag, not only changed files).
+        self.runs = protocol.serving_runs(root, serving.SERVER, command, self.apply) if command is not None else None
         self.ops: list[protocol.Op[Any]] = [
             self.lock,
             *self.models.ops,
             self.apply,
+            *([self.runs] if self.runs is not None else []),
             *(self.checks.ops if self.checks else []),
         ]
 

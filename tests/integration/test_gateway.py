@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.results import RunReport
+from orchestrator.results import Gate, RunReport
 from tests.integration.gateway_parts import HOSTS, Fleet, Haproxy, Load, Router, free_port, make_fleet, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is installed by scripts/bootstrap")
@@ -116,6 +116,42 @@ def test_a_rolling_deploy_behind_vllm_router_loses_no_request(tmp_path: Path, fl
         assert router.workers() == []
     finally:
         router.stop()
+
+
+def test_a_deploy_that_changes_only_the_server_s_command_drains_each_host_before_its_restart(
+    fleet: Fleet, haproxy: Haproxy
+) -> None:
+    """A variable of serving.env changed and no file: every server restarts (its command differs),
+    so each is taken out of HAProxy's rotation before its stop, as for changed files, and no
+    request is lost. A redeploy that changes nothing keeps every server, in rotation."""
+    import yaml
+
+    from orchestrator.config.playbook import load_playbook
+
+    gateway = haproxy_gateway(haproxy)
+    first = fleet.deploy(fleet.playbook(gateway))
+    assert first.ok, failures(first)
+    wait_for("HAProxy's checks", lambda: haproxy.status() == {name: "UP" for name in HOSTS})
+    book = yaml.safe_load(fleet.playbook(gateway).file.read_text())
+    book["serving"]["env"]["STANDIN_SETTING"] = "a variable the server reads"
+    path = fleet.dir / "command-only.yaml"
+    path.write_text(yaml.safe_dump(book))
+
+    load = Load(haproxy.port).start()
+    second = fleet.deploy(load_playbook(path))
+    load.stop()
+    assert second.ok and not any(h.changed for h in second.hosts), failures(second)
+    for host in second.hosts:
+        gate = host.gates["gateway"]
+        assert gate.detail.startswith("drained in") and gate.data["in_flight_left"] == 0, gate
+        assert "after the launch" in host.gates["health"].detail, host.gates["health"]  # restarted
+    assert load.lost == [] and load.sent > 30, (load.sent, load.lost[:5])
+    wait_for("HAProxy's checks", lambda: haproxy.status() == {name: "UP" for name in HOSTS})
+
+    same = fleet.deploy(load_playbook(path))
+    assert same.ok, failures(same)
+    assert all("drain_s" not in h.gates.get("gateway", Gate(True, "")).data for h in same.hosts)  # kept, undrained
+    assert haproxy.drained() == {name: False for name in HOSTS}
 
 
 def test_a_host_refused_after_its_drain_stays_out_and_the_rotation_is_the_ready_hosts(

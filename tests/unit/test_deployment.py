@@ -105,6 +105,8 @@ class Host:
             return answer(op, {"stopped": None, "gone": True})
         if name == "serving_status":
             return answer(op, {"server": None, "health": None, "ready": None})
+        if name == "serving_runs":
+            return answer(op, {"runs": False})
         raise AssertionError(f"the test's host does not know {name}")
 
 
@@ -176,7 +178,7 @@ def test_a_malformed_answer_during_the_launch_fails_health_and_stops_what_may_ru
     assert not run.ok and host.failed_gate == "health"
     assert host.gates["health"].detail.startswith("wait_health answered badly: 'pid' is str, expected int")
     names = [b.names for b in fake.batches]
-    assert names[0] == ["lock", "release_apply"]
+    assert names[0] == ["lock", "release_apply", "serving_runs"]
     assert names[1][:4] == ["lock", "engine_check", "release_switch", "launch"] and "wait_health" in names[1]
     # The host cannot be trusted to have left nothing running: everything of it is stopped.
     assert names[2] == ["lock", "stop", "stop"]

@@ -66,6 +66,7 @@ def build(name: str) -> protocol.Op[Any]:
         "loader_view": ("/r", "R1", "/py", ["model_type"]),
         "vllm_build": ("/py",),
         "engine_check": ("/r", "dflash-serve", command),
+        "serving_runs": ("/r", "dflash-serve", command, "R1"),
         "checks_start": ("/r", "R1", "/py", ["model_type"], "dflash-serve", command),
         "checks_wait": ("/r", "1796442498-b7e3cb74"),
         "launch": ("/r", "dflash-serve", command, "R1", 8000),
