@@ -471,9 +471,9 @@ def read_checks(
 ) -> None:
     """The loader and build gates (the build's multi-node limits included, for a group's nodes),
     each from its answer where there is one."""
-    if playbook.drafter is None:
-        return
-    if view is not None and view.missing is None:
+    if playbook.drafter is None or (view is not None and view.missing is not None):
+        return  # nothing deployed there: the files gate says so, and there is nothing to ask about
+    if view is not None:
         _read_loader(playbook, view, report)
     if build is not None:
         _read_build(playbook, build, report)
