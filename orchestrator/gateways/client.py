@@ -71,9 +71,18 @@ class GatewayClient:
         return self.adapter.rotation(servers, self._batch)
 
     def put(self, server: Server, into: bool, others: Sequence[Server] = ()) -> Member:
-        """Take ``server`` out of rotation or put it back, and read it back from the gateway."""
+        """Take ``server`` out of rotation or put it back, and read it back from the gateway. A
+        change the gateway refuses because it already holds (vllm-router: ``HTTP 400: Worker ...
+        already exists`` for a worker it still lists) is judged by that read-back, not its words:
+        every change is idempotent."""
         op, check = self.adapter.change(server, into)
-        check(self._batch([op])[op])
+        try:
+            check(self._batch([op])[op])
+        except GatewayError:
+            member = self.rotation([server, *others]).of(server)
+            if (member.status != "absent") if into else not member.in_rotation:
+                return member  # already where it was asked to be
+            raise
         member = self.rotation([server, *others]).of(server)
         if not into and member.in_rotation:
             raise GatewayError(

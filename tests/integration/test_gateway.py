@@ -110,6 +110,11 @@ def test_a_rolling_deploy_behind_vllm_router_loses_no_request(tmp_path: Path, fl
         print(f"\nvllm-router: requests sent {load.sent}, lost {len(load.lost)}")
         assert load.lost == [] and load.sent > 30, load.lost[:5]
         assert set(router.workers() or []) == urls
+        # nothing changed: every server kept, and put back where the router still lists it (its
+        # add_worker answers HTTP 400 "already exists": judged by reading the router back)
+        again = fleet.deploy(fleet.playbook(gateway, "release 2\n"))
+        assert again.ok, failures(again)
+        assert set(router.workers() or []) == urls
         # stop takes each host out of the router before its server ends
         stopped = fleet.stop(fleet.playbook(gateway, "release 2\n"))
         assert stopped.ok, failures(stopped)
