@@ -220,7 +220,9 @@ class Rollout:
     canary: int = 0
     batch_size: int | None = None
     max_failures: int = 0
-    min_in_rotation: int = 0
+    # None: unset, which behind a gateway keeps one host serving while others drain (the gateway's
+    # default: drain every host at once and nothing serves); set 0 to allow it.
+    min_in_rotation: int | None = None
     # After the canary: its live acceptance (and its errors at the gateway) watched this long
     # before the next batch; a canary that degrades is rolled back and the rollout stops.
     bake_s: float = 0.0
@@ -726,7 +728,7 @@ def _rollout(f: Field) -> Rollout:
         canary=f["canary"].int(Rollout.canary, minimum=0),
         batch_size=f["batch_size"].int(None, minimum=1),
         max_failures=f["max_failures"].int(Rollout.max_failures, minimum=0),
-        min_in_rotation=f["min_in_rotation"].int(Rollout.min_in_rotation, minimum=0),
+        min_in_rotation=f["min_in_rotation"].int(None, minimum=0),
         bake_s=f["bake_s"].seconds(Rollout.bake_s, minimum=0),
     )
     if rollout.bake_s and not rollout.canary:

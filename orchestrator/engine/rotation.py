@@ -59,7 +59,12 @@ def drain(run: Run, unit: Unit) -> bool:
     stopped, and the ``gateway`` gate says why."""
     gateway, head, playbook = _client(run), unit.head, run.playbook
     server = gateway.server(head.target.container)
+    # Unset, the floor is one: a rollout with no batches drains every host at once otherwise, and
+    # nothing serves. A host the gateway knows alone is taken out all the same (nothing else could
+    # serve); a floor the playbook sets is held as it is.
     floor = playbook.rollout.min_in_rotation
+    implied = floor is None
+    floor = 1 if floor is None else floor
     started = time.monotonic()
     capacity_deadline = started + playbook.serving.startup_timeout + playbook.serving.drain_timeout
     was_in = True
@@ -70,14 +75,16 @@ def drain(run: Run, unit: Unit) -> bool:
             others = rotation.serving(besides=server.key)
             if not was_in:
                 break  # out already (a first deploy, or drained before): nothing to take out
-            if others >= floor:
+            alone = implied and not any(key != server.key for key in rotation.members)
+            if others >= floor or alone:
                 gateway.put(server, into=False)
                 break
         if time.monotonic() > capacity_deadline:
             head.report.gates[GATE_GATEWAY] = Gate(
                 False,
                 f"not taken out of rotation: {others} other hosts serve, and rollout.min_in_rotation is "
-                f"{floor}; none came back within {capacity_deadline - started:.0f} s",
+                f"{floor}{' (unset: a gateway keeps one host serving; set 0 to allow none)' if implied else ''}; "
+                f"none came back within {capacity_deadline - started:.0f} s",
                 reason="min_in_rotation",
             )
             return False
