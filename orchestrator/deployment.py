@@ -110,9 +110,10 @@ class Deployment:
     def __post_init__(self) -> None:
         self.targets = tuple(select_targets(self.playbook, self.inventory, self.limit))
         if self.playbook.gateway is not None:
-            from orchestrator.gateways.client import gateway_target
+            from orchestrator.gateways.client import check_servers, gateway_target
 
             gateway_target(self.playbook, self.inventory)  # a gateway the inventory cannot reach is bad input
+            check_servers(self.playbook, select_targets(self.playbook, self.inventory, ()))
 
     @property
     def scope(self) -> Scope:

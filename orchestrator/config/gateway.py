@@ -88,6 +88,12 @@ def parse_gateway(f: Field, has_target: bool) -> Gateway:
     for name in [f["backend"].str(None), *servers.values()]:
         if name is not None and not _HAPROXY_NAME.fullmatch(name):
             raise f.error(f"{name!r} is not an HAProxy name (letters, digits, '_.:-')")
+    seen: dict[str, str] = {}
+    for container, name in servers.items():
+        if name in seen:
+            # Draining one would take the other's server out, and each would be judged by the other's state.
+            raise f["servers"][container].error(f"server {name!r} is {seen[name]}'s too: one container, one server")
+        seen[name] = container
     for key in ("socket", "path"):
         if key in f and not f[key].str().startswith("/"):
             raise f[key].error("expected an absolute path on the gateway's host")

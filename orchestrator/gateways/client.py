@@ -31,6 +31,14 @@ def gateway_target(playbook: Playbook, inventory: Inventory) -> Target:
             file=str(playbook.file),
             key="gateway.runs_on",
         )
+    containers = {c.name for c in inventory.containers}
+    for container in playbook.gateway.servers:
+        if container not in containers:
+            raise InputError(
+                f"'{container}' is not a container of {inventory.file}: a server named for no container",
+                file=str(playbook.file),
+                key=f"gateway.servers.{container}",
+            )
     target = found[0]
     if target.container.address is None and not target.container.on_this_machine:
         raise InputError(
@@ -39,6 +47,27 @@ def gateway_target(playbook: Playbook, inventory: Inventory) -> Target:
             key="gateway.runs_on",
         )
     return target
+
+
+def check_servers(playbook: Playbook, targets: Sequence[Target]) -> None:
+    """One container, one server: two containers the gateway would know by one name (a
+    ``gateway.servers`` entry naming another container's server, two containers at one URL) is
+    bad input: draining one would take the other out, and each would be judged by the other."""
+    assert playbook.gateway is not None
+    adapter = ADAPTERS[playbook.gateway.kind](playbook.gateway)
+    keys: dict[str, str] = {}
+    for target in targets:
+        try:
+            key = adapter.key(target.container.name, serving.url(playbook, target.container))
+        except InputError:
+            continue  # an address LXD gives only once it is located: checked when it is
+        if key in keys:
+            raise InputError(
+                f"{keys[key]} and {target.name} are one server to the gateway ({key}): one container, one server",
+                file=str(playbook.file),
+                key="gateway.servers",
+            )
+        keys[key] = target.name
 
 
 class GatewayClient:

@@ -69,6 +69,19 @@ class HaproxyAdapter(Adapter):
         backend = self.spec.backend
         return [op], lambda answers: read_haproxy_stat(answers[op], backend)
 
+    def rotation(self, servers: Sequence[Server], batch: Callable[[list[Op[Any]]], protocol.Answers]) -> Rotation:
+        """The backend's servers; one asked about that the backend does not have is an error, not
+        "out of rotation": HAProxy's servers are its configuration's, so the name is wrong (the
+        host would be restarted undrained while HAProxy sends users to it under its own name)."""
+        found = super().rotation(servers, batch)
+        unknown = sorted({s.key for s in servers if s.key not in found.members})
+        if unknown:
+            raise GatewayError(
+                f"HAProxy's backend {self.spec.backend!r} has no server {', '.join(map(repr, unknown))} (it has: "
+                f"{', '.join(sorted(found.members)) or 'none'}): name each container's server in gateway.servers"
+            )
+        return found
+
     def change(self, server: Server, into: bool) -> tuple[Op[Any], Callable[[Any], None]]:
         assert self.spec.socket is not None
         # drain: weight 0, so no new request goes to it while those it holds finish (maint would

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -224,6 +225,34 @@ def test_an_unreachable_or_refusing_gateway_stops_the_deploy_before_any_server_i
         assert set(refusing.status().values()) == {"UP"}
     finally:
         refusing.stop()
+
+
+def test_a_server_name_the_gateway_does_not_know_or_shares_stops_the_run_before_any_host_is_touched(
+    fleet: Fleet, haproxy: Haproxy
+) -> None:
+    """HAProxy's servers are its configuration's: a name its backend does not have is a wrong name,
+    not a host out of rotation (the host would be restarted undrained while HAProxy sends users to
+    it under its own name), and verify would pass it. Two containers mapped to one server, or a
+    server named for no container, are bad input. Each stops the run before any host is touched."""
+    from orchestrator.errors import InputError
+
+    gateway = haproxy_gateway(haproxy)
+    assert fleet.deploy(fleet.playbook(gateway)).ok
+    pids = {name: fleet.pid(name) for name in HOSTS}
+    renamed = dict(gateway, servers={"g1": "g1-web"})
+    for run in (fleet.deploy(fleet.playbook(renamed, "release 2\n")), fleet.verify(fleet.playbook(renamed))):
+        assert not run.ok
+        for host in run.hosts:
+            detail = host.gates["gateway"].detail
+            assert "HAProxy's backend 'vllm' has no server 'g1-web' (it has: g1, g2, g3)" in detail, detail
+    assert {name: fleet.pid(name) for name in HOSTS} == pids
+    for servers, said in (
+        ({"g1": "g2"}, "gateway.servers: g1 and g2 are one server to the gateway (g2): one container, one server"),
+        ({"nowhere": "g3"}, "gateway.servers.nowhere: 'nowhere' is not a container of"),
+    ):
+        with pytest.raises(InputError, match=re.escape(said)):  # bad input: the CLI's exit 2
+            fleet.deploy(fleet.playbook(dict(gateway, servers=servers), "release 3\n"))
+    assert {name: fleet.pid(name) for name in HOSTS} == pids
 
 
 def test_verify_finds_a_ready_host_left_out_of_rotation(fleet: Fleet, haproxy: Haproxy) -> None:

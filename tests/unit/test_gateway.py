@@ -255,6 +255,11 @@ def test_without_a_gateway_the_server_stays_on_loopback_and_vllms_own_stop(tmp_p
         ),
         ("{kind: vllm-router, runs_on: gw, url: 'http://a:1', timeout_s: 0}", "", "gateway.timeout_s"),
         (
+            "{kind: haproxy, runs_on: gw, url: 'http://a:1', socket: /s, backend: b, servers: {g1: web, g2: web}}",
+            "",
+            r"gateway.servers.g2: server 'web' is g1's too: one container, one server",
+        ),
+        (
             "{kind: vllm-router, runs_on: gw, url: 'http://a:1'}",
             ", extra_args: [--shutdown-timeout, '5']",
             "serving.drain_timeout",
