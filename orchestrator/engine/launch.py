@@ -58,6 +58,13 @@ def serve(run: Run, unit: Unit) -> None:
     if run.gateway is not None and restarts and not rotation.drain(run, unit):
         unit.fail_others([unit.head.name], "not launched")
         return  # the gateway refused, or capacity would fall below its floor: nothing was stopped
+    head = unit.head
+    if baseline is not None and head.checks is not None and not collect_checks(run, head, head.checks):
+        # The baseline arm stops what serves: the loader and engine checks are heard first, so a
+        # refusal still leaves the serving release serving.
+        if run.gateway is not None:
+            rotation.put_back(run, unit)
+        return
     if baseline is not None and not speedup.before_launch(run, unit, release, baseline):
         unit.head.report.diagnosis = plan.diagnose(run.playbook, unit.head.report)
         roll_back(run, unit)

@@ -20,7 +20,7 @@ from orchestrator.deployment import Deployment
 from orchestrator.rules import speedup as su
 from orchestrator.store import report
 from orchestrator.store.state import StateDB
-from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, host
+from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, alive, host
 
 
 def arm(concurrency: int, *tokens_per_s: float, requests: int = 4, tokens: int = 100) -> su.Arm:
@@ -120,7 +120,13 @@ def fleet(box: Box) -> Inventory:
 
 
 def speedup_playbook(
-    box: Box, name: str = "fast", step_s: float = 0.01, targets: str = "[solo, n0]", canary: bool = True, **extra: Any
+    box: Box,
+    name: str = "fast",
+    step_s: float = 0.01,
+    targets: str = "[solo, n0]",
+    canary: bool = True,
+    env: dict[str, str] | None = None,
+    **extra: Any,
 ) -> Playbook:
     top = {
         "gates": {
@@ -129,7 +135,7 @@ def speedup_playbook(
         },
         **({"rollout": {"canary": 1}} if canary else {}),
     }
-    env = {"STANDIN_GOOD_MASK": str(GOOD_MASK), "STANDIN_TOKEN_S": "0.01", "STANDIN_STEP_S": str(step_s)}
+    env = {"STANDIN_GOOD_MASK": str(GOOD_MASK), "STANDIN_TOKEN_S": "0.01", "STANDIN_STEP_S": str(step_s), **(env or {})}
     return box.playbook(name, targets=targets, top=top, env=env, host="address", **extra)
 
 
@@ -214,6 +220,27 @@ def test_accepted_but_slower_is_refused_and_rolled_back_and_the_rollout_stops(bo
         assert (
             launches(box, "solo") == 0 and not after.ready and after.gates["rollout"].detail.startswith("not attempted")
         )
+    finally:
+        Deployment(book, fleet(box), OPTIONS).stop()
+        store.close()
+
+
+def test_a_release_vllm_refuses_is_refused_before_the_baseline_arm_stops_what_serves(box: Box, tmp_path: Path) -> None:
+    """A new release whose speed-up key has no baseline yet (another serving.env), and whose command
+    vLLM refuses: the loader and engine checks, running since the staging, are heard before the
+    baseline arm would stop the serving server for its extra start. Nothing is started or
+    stopped, and the release that served serves."""
+    store = StateDB(tmp_path / "state")
+    book = speedup_playbook(box)
+    try:
+        assert Deployment(book, fleet(box), OPTIONS, store=store).deploy().ok
+        server, started = box.pid("n0"), launches(box, "n0")
+        refusing = speedup_playbook(box, env={"STANDIN_ENGINE_REFUSE": "no such architecture"})
+        run = Deployment(refusing, fleet(box), OPTIONS, store=store).deploy()
+        canary = host(run, "n0")
+        assert not canary.ready and canary.failed_gate == "engine", canary.gates
+        assert "speedup" not in canary.gates  # no baseline measured for a release that cannot run
+        assert launches(box, "n0") == started and box.pid("n0") == server and alive(server)
     finally:
         Deployment(book, fleet(box), OPTIONS).stop()
         store.close()
