@@ -6,7 +6,7 @@ or stops it when the run no longer needs it. The loader's view is the loader gat
 its cache), vLLM's verdict the engine gate's (``serving``: how it is read).
 """
 
-from remote_agent.checks import _loader_cached, _loader_keep, _loader_key
+from remote_agent.checks import _loader_keep, _loader_lookup
 from remote_agent.core import (
     NONE,
     NUMBER,
@@ -15,7 +15,6 @@ from remote_agent.core import (
     _atomic_write,
     _dumps,
     _helper,
-    _inside,
     _missing,
     _open_own,
     _own_dir,
@@ -68,8 +67,7 @@ def op_checks_start(req):
 
     root = _root(req, create=False)
     release = req["release_id"]
-    base = os.path.join("releases", release) if release else "current"
-    path = _inside(root, os.path.join(base, req["subdir"]))
+    path, key, known = _loader_lookup(root, req)
     current = _server(root, req["name"])
     serving = bool(current and current.get("alive"))
     out: dict = {"token": None, "serving": serving, "loader": None, "engine": None}
@@ -78,16 +76,9 @@ def op_checks_start(req):
         # A check a controller never collected may have left it elsewhere: a restart reads it.
         _point_launched(root, current["release_id"])
     spec: dict = {"timeout": float(req["timeout"]), "loader": None, "engine": None}
-    key = None
-    if not os.path.isdir(path):
-        out["loader"] = {"missing": path}  # nothing deployed there: the files gate already says so
-    else:
-        key = _loader_key(path, req["python"], req["fields"], req["env"])
-        cached = _loader_cached(root, key) if key is not None else None
-        if cached is not None:
-            out["loader"] = dict(cached, path=path, cached=True)
-        else:
-            spec["loader"] = {"source": _helper("loader_view"), "argv": [path, json.dumps(req["fields"])]}
+    out["loader"] = known
+    if known is None:
+        spec["loader"] = {"source": _helper("loader_view"), "argv": [path, json.dumps(req["fields"])]}
     python, env = req["python"], req["env"]  # the server's environment, as the launch gives it
     if req["argv"]:
         argv = _argv(req)

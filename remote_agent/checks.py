@@ -156,6 +156,20 @@ def _loader_key(path, python, fields, env):
     )
 
 
+def _loader_lookup(root, req):
+    """The drafter directory a loader check reads (``release_id``'s ``subdir``, or ``current``'s),
+    its cache key, and the answer that needs no load: the directory missing (nothing deployed
+    there: the files gate already says so), or the view the loader cache keeps (None: load it)."""
+    release = req["release_id"]
+    base = os.path.join("releases", release) if release else "current"
+    path = _inside(root, os.path.join(base, req["subdir"]))
+    if not os.path.isdir(path):
+        return path, None, {"missing": path}
+    key = _loader_key(path, req["python"], req["fields"], req["env"])
+    cached = _loader_cached(root, key) if key is not None else None
+    return path, key, (dict(cached, path=path, cached=True) if cached is not None else None)
+
+
 @op(
     "loader_view",
     root=str,
@@ -175,16 +189,9 @@ def op_loader_view(req):
     import json
 
     root = _root(req, create=False)
-    release = req["release_id"]
-    base = os.path.join("releases", release) if release else "current"
-    path = _inside(root, os.path.join(base, req["subdir"]))
-    if not os.path.isdir(path):
-        return {"missing": path}  # nothing deployed there: the files gate already says so
-    key = _loader_key(path, req["python"], req["fields"], req["env"])
-    if key is not None:
-        cached = _loader_cached(root, key)
-        if cached is not None:
-            return dict(cached, path=path, cached=True)
+    path, key, known = _loader_lookup(root, req)
+    if known is not None:
+        return known
     view = _serving_python(req, _helper("loader_view"), [path, json.dumps(req["fields"])])
     if key is not None and req["keep"] and isinstance(view, dict):
         _loader_keep(root, key, view)
