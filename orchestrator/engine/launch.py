@@ -151,14 +151,11 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
                 # stopped for it, and its own words are the gate.
                 node.report.gates[GATE_ENGINE] = Gate(False, exc.failure.message, reason=exc.failure.code)
                 return
-            # The lock or the switch (the files gate's ops): nothing was stopped or started
-            # (unless the server started beside the checks).
-            before_launch = exc.failure.gate == GATE_FILES and not beside
-            node.disturbed = node.disturbed or not before_launch
-            if not together or before_launch:
+            # The lock or the switch (the files gate's ops) stopped or started nothing, unless the
+            # server was started beside the checks: then a failure from here rolls back.
+            node.disturbed = node.disturbed or beside or exc.failure.gate != GATE_FILES
+            if not together or exc.failure.gate == GATE_FILES:
                 raise  # the node's own gate says why (on one node alone: its files gate)
-            if exc.failure.gate == GATE_FILES:
-                raise  # the switch after a launch beside the checks: the files gate, and back
             _proof_failed(run, unit, exc.failure)
             return
         node.disturbed = True
