@@ -124,6 +124,7 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
                 pins=pins,
                 command=command,
                 expect=expect,
+                env=serving.environment(playbook, node.target.container),
             )
             started = time.monotonic()
             try:
@@ -250,7 +251,10 @@ def verify(
             serving.probe_host(playbook, unit.head.target.container) if playbook.serving.target else protocol.LOOPBACK
         )
         served = plan.ServedChecks(playbook, node.root, unit.process(node), head, rehash, host=host)
-        checks = plan.Checks(playbook, node.root, None, findings=True) if plan.Checks.wanted(playbook) else None
+        env = serving.environment(playbook, node.target.container)  # the server's: the deploy's key too
+        checks = (
+            plan.Checks(playbook, node.root, None, findings=True, env=env) if plan.Checks.wanted(playbook) else None
+        )
         gpu = plan.GpuChecks(playbook, node.root, node.target.container, len(unit.nodes))
         ops: list[protocol.Op[Any]] = [*served.ops, *(checks.ops if checks else []), *gpu.ops]
         probe = None

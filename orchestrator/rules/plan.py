@@ -131,8 +131,9 @@ class Checks:
         python, drafter = playbook.serving.python, playbook.drafter
         assert python is not None and drafter is not None
         fields = [f for f in dflash.LOADER_FIELDS if f in drafter.values]
-        # The server's environment: the checks import what it will (``serving.environment``).
-        env = dict(command.env) if command is not None else dict(env or playbook.serving.env)
+        # The server's environment (``serving.environment``, the command's): the checks import what
+        # it will, and deploy and verify key the loader cache alike.
+        env = dict(command.env) if command is not None else dict(env or {})
         self.build = protocol.vllm_build(python, env)
         self.loader: protocol.Op[protocol.LoaderView] | None = None
         self.start: protocol.Op[protocol.ChecksStarted] | None = None

@@ -7,7 +7,8 @@ against real vLLM in ``tests/integration`` (test_serving.py, test_multinode.py).
 exact commands the agent runs (``serving.python`` points at it):
 
 - ``-c <loader script> <dir> <fields>``: the drafter's config.json fields, as read from the file
-  (transformers ``$STANDIN_TRANSFORMERS``, else "stand-in");
+  (transformers ``$STANDIN_TRANSFORMERS``, else "stand-in"; with ``$STANDIN_LOADER_WHERE``, what
+  it depends on, so that the agent's loader cache keeps it);
 - ``-c <build script>``: vLLM 0.33.0 (or ``$STANDIN_VLLM``);
 - ``-c <engine check> serve <target> ...``: the engine gate's verdict (``$STANDIN_ENGINE_REFUSE``:
   refused in those words);
@@ -401,11 +402,14 @@ def loader_view(args: list[str]) -> dict[str, Any]:
     """The loader gate's helper: the fields asked, as read from the drafter's config.json."""
     config = json.loads((Path(args[0]) / "config.json").read_text())
     fields = {name: config.get(name, "<absent>") for name in json.loads(args[1])}
-    return {
+    view: dict[str, Any] = {
         "class": "Qwen3Config",
         "transformers": os.environ.get("STANDIN_TRANSFORMERS", "stand-in"),
         "fields": fields,
     }
+    if os.environ.get("STANDIN_LOADER_WHERE"):  # what the view depends on, so that the agent keeps it
+        view["where"] = {"executable": os.path.realpath(sys.executable), "paths": [], "files": [__file__]}
+    return view
 
 
 def checks(spec: dict[str, Any]) -> None:

@@ -266,6 +266,17 @@ def test_the_loader_and_build_checks_run_in_the_server_s_environment(box: Box) -
         assert solo.gates["build"].detail.startswith("vllm 0.32.0")
 
 
+def test_verify_reuses_the_loader_view_a_deploy_kept(box: Box) -> None:
+    """A deploy's background checks keep the loader's view under the server's environment, and
+    verify asks under the same one: it reuses the view, starting no serving Python for it."""
+    playbook = box.playbook(env={"STANDIN_GOOD_MASK": str(GOOD_MASK), "STANDIN_LOADER_WHERE": "1"})
+    deployed = deploy(box, playbook)
+    assert deployed.ok, host(deployed, "solo").gates
+    assert "kept on the host" not in host(deployed, "solo").gates["loader"].detail  # loaded, then kept
+    checked = host(verify(box, playbook), "solo")
+    assert checked.gates["loader"].detail.endswith("(the view kept on the host: nothing it depends on changed)")
+
+
 def test_verify_catches_a_changed_file_and_a_restarted_server(box: Box) -> None:
     playbook = box.playbook()
     first = deploy(box, playbook)
