@@ -13,6 +13,7 @@ with LXD's own message. A container we fail to change is put back as it was.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import threading
 import time
 from dataclasses import dataclass, field
@@ -252,10 +253,15 @@ class _mapped:
 
 
 def _ipv4(inst: Any) -> str | None:
+    """The container's global IPv4 address on eth0, as LXD reports it; only a well-formed one is
+    taken (it becomes where SSH connects, as an inventory address would)."""
     network = inst.state().network or {}
     for address in network.get("eth0", {}).get("addresses", []):
         if address.get("family") == "inet" and address.get("scope") == "global":
-            return str(address["address"])
+            try:
+                return str(ipaddress.IPv4Address(str(address.get("address"))))
+            except ValueError:
+                continue
     return None
 
 

@@ -83,9 +83,24 @@ def probe_host(playbook: Playbook, container: Container) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
+# Addresses that mean "every address of this machine" to a listening socket.
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
 def url(playbook: Playbook, container: Container) -> str:
-    """The server's base URL as a gateway reaches it."""
-    host = probe_host(playbook, container)
+    """The server's base URL as a gateway reaches it: where vLLM listens, and where it listens on
+    every address, the container's own address (loopback would send the gateway to its own
+    machine); loopback only for a container on the controller's machine with no address."""
+    host = listen_host(playbook, container)
+    if host in WILDCARDS:
+        if container.address is not None:
+            host = container.address
+        elif container.on_this_machine:
+            host = probe_host(playbook, container)
+        else:
+            raise InputError(
+                f"{container.name} listens on {host or 'every address'} but has no address a gateway reaches"
+            )
     return f"http://{'[' + host + ']' if ':' in host else host}:{playbook.serving.port}"
 
 

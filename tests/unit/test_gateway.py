@@ -205,6 +205,24 @@ def test_a_gateway_defaults_drain_and_listening_to_what_a_gateway_needs(tmp_path
         serving.command(pb, Container("g1", "box", None, SshSettings()), "R1")
 
 
+@pytest.mark.parametrize(("listen", "probe"), [("0.0.0.0", "127.0.0.1"), ("'::'", "::1")])
+def test_a_server_on_every_address_is_given_to_the_gateway_at_the_containers_address(
+    tmp_path: Path, listen: str, probe: str
+) -> None:
+    """Loopback is where the container's own agent probes; to the gateway it is the gateway's own
+    machine, which would send its users elsewhere (or nowhere)."""
+    pb = load_playbook(
+        book(tmp_path, "{kind: vllm-router, runs_on: gw, url: 'http://127.0.0.1:30000'}", f", host: {listen}")
+    )
+    container = Container("g1", "box", "10.0.0.5", SshSettings())
+    assert serving.probe_host(pb, container) == probe
+    assert serving.url(pb, container) == "http://10.0.0.5:8000"
+    local = Container("g1", "box", None, SshSettings(), connection="local")
+    assert serving.url(pb, local) == f"http://{'[::1]' if ':' in probe else probe}:8000"
+    with pytest.raises(InputError, match=r"g1 listens on .* but has no address a gateway reaches"):
+        serving.url(pb, Container("g1", "box", None, SshSettings()))
+
+
 def test_without_a_gateway_the_server_stays_on_loopback_and_vllms_own_stop(tmp_path: Path) -> None:
     (tmp_path / "drafter.json").write_text('{"model_type": "qwen3"}\n')
     path = tmp_path / "pb.yaml"

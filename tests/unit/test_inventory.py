@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,41 @@ def test_error_names_file_line_and_key_path(tmp_path: Path) -> None:
 def test_bad_inventories(tmp_path: Path, old: str, new: str, expected: str) -> None:
     assert old in GOOD
     assert expected in error_of(tmp_path, GOOD.replace(old, new, 1))
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "\uff11\uff10.10.1.2",  # fullwidth digits: the resolver folds them to 10.10.1.2
+        "10.10.1.2\u200b",  # a zero-width space: dropped by IDNA
+        "10.10.1.2\u00ad",  # a soft hyphen: dropped too
+        "\uff47pu-b.example",  # a fullwidth letter
+        "10.10.1.2 ",
+        "10.10.1.2\t",
+        "gpu b",
+        "-gpu-b",
+        "gpu_b.example",
+        "gpu-b..example",
+        "a" * 64 + ".example",
+    ],
+)
+def test_an_address_that_is_not_an_ip_or_an_ascii_host_name_is_refused(tmp_path: Path, address: str) -> None:
+    """Whatever a resolver would fold into another address is refused where it is written, for
+    containers and GPU hosts alike: it would pass the one-place-one-container check and reach
+    another container's machine."""
+    text = GOOD.replace("        address: 10.10.1.2\n", f"        address: {json.dumps(address)}\n", 1)
+    assert f":27 hosts.gpu-b.containers.serve-2.address: {address!r} is not an IP address" in error_of(tmp_path, text)
+    text = GOOD.replace("    address: 192.0.2.10\n", f"    address: {json.dumps(address)}\n", 1)
+    assert f":11 hosts.gpu-a.address: {address!r} is not an IP address" in error_of(tmp_path, text)
+
+
+@pytest.mark.parametrize("address", ["10.10.1.2", "10.66.2", "fd00::2", "fe80::1%eth0", "gpu-b.example.", "GPU-B"])
+def test_ip_addresses_and_host_names_are_taken_as_written(tmp_path: Path, address: str) -> None:
+    inv = load_inventory(
+        write(tmp_path, GOOD.replace("        address: 10.10.1.2\n", f"        address: {json.dumps(address)}\n", 1))
+    )
+    (target,) = inv.resolve(["serve-2"])
+    assert target.container.address == address
 
 
 def test_invalid_yaml_reports_line(tmp_path: Path) -> None:
