@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 # The `orchestrate` process is ours alone: paramiko imports invoke (installed beside Fabric) only
 # to run ssh_config `Match exec` lines, which we never read, and that import (asyncio,
@@ -60,6 +60,7 @@ from orchestrator.deployment import Deployment
 from orchestrator.engine.observer import Observer
 from orchestrator.engine.runner import RunOptions
 from orchestrator.errors import (
+    EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
     EXIT_NOT_READY,
     EXIT_OK,
@@ -187,10 +188,21 @@ def _inventory_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors (exit 2) follow ``--json`` like every other error: one
+    JSON line on stderr for a program that reads it."""
+
+    def error(self, message: str) -> NoReturn:
+        if _json_stderr:
+            _say(f"{self.prog}: error: {message}")
+            self.exit(EXIT_BAD_INPUT)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every command and option of `orchestrate`; each subcommand names the function that runs it
     (set_defaults)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="orchestrate",
         description="Deploy vLLM DFlash speculative decoding to LXC containers, and prove each host READY.",
     )
@@ -707,9 +719,11 @@ def more_files() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, dispatch to the command's function, and map what went wrong to an exit code."""
     global _json_stderr, _aborted
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # With --json every error is a JSON line on stderr: those of the arguments themselves too.
+    _json_stderr = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
     args = build_parser().parse_args(argv)
     more_files()
-    _json_stderr = bool(getattr(args, "json", False)) and args.func in (_cmd_run, _cmd_watch)
     try:
         return int(args.func(args))
     except OrchestratorError as exc:

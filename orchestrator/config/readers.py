@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config.yamlsource import load_file, read_text
+from orchestrator.config.yamlsource import MAX_DIGITS, load_file, read_text
 from orchestrator.errors import InputError
 
 
@@ -29,6 +29,13 @@ def _no_constant(name: str) -> Any:
     raise _Refused(f"{name} is not a JSON number")
 
 
+def _int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_DIGITS:
+        raise _Refused(f"an integer of {digits} digits is past any value a config holds")
+    return int(text)
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a local file, strictly: a key given twice, NaN or Infinity, or any other
     value than an object is an InputError naming the file and line."""
@@ -46,7 +53,7 @@ def parse_json(content: str | bytes, path: Path) -> dict[str, Any]:
     else:
         text = content
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_int=_int)
     except json.JSONDecodeError as exc:
         raise InputError(f"invalid JSON at column {exc.colno}: {exc.msg}", file=str(path), line=exc.lineno) from exc
     except _Refused as exc:

@@ -110,7 +110,7 @@ def _build(
         loader.flatten_mapping(node)
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=True)
+            key = _scalar(loader, key_node, path, file)
             if not isinstance(key, (str, int)) or isinstance(key, bool):
                 raise InputError(
                     "mapping keys must be strings", file=file, line=key_node.start_mark.line + 1, key=_dotted(path)
@@ -129,7 +129,24 @@ def _build(
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_build(loader, item, (*path, i), lines, file, seen) for i, item in enumerate(node.value)]
-    return loader.construct_object(node, deep=True)
+    return _scalar(loader, node, path, file)
+
+
+def _scalar(loader: yaml.SafeLoader, node: yaml.Node, path: KeyPath, file: str) -> Any:
+    """A plain value as YAML resolves it; one its constructor cannot make (an integer past
+    Python's 4,300 digits, a date that does not exist) is bad input at its line, never a
+    traceback."""
+    line = node.start_mark.line + 1
+    if node.tag.endswith(":int") and len(str(node.value)) > MAX_DIGITS:
+        raise InputError(
+            f"an integer of {len(str(node.value))} digits is past any value this tool takes",
+            file=file, line=line, key=_dotted(path) or None,
+        )  # fmt: skip
+    try:
+        return loader.construct_object(node, deep=True)
+    except (ValueError, OverflowError) as exc:
+        shown = str(node.value)[:40]
+        raise InputError(f"cannot read {shown!r}: {exc}", file=file, line=line, key=_dotted(path) or None) from None
 
 
 # What plain YAML resolves to by itself; anything else was tagged by hand (``!!python/...``).
@@ -146,6 +163,9 @@ def _dotted(path: KeyPath) -> str:
 
 
 _MISSING: Any = object()
+# An integer's characters past any count, size or id an input holds (Python itself refuses to
+# read one of more than 4,300 digits, with a traceback).
+MAX_DIGITS = 100
 
 
 class Field:

@@ -17,12 +17,15 @@ version is refused. Each run is written in one transaction at its end, with who 
 from __future__ import annotations
 
 import contextlib
+import errno
 import getpass
 import hashlib
 import json
 import os
+import re
 import socket
 import sqlite3
+import stat
 import tempfile
 import threading
 import time
@@ -174,14 +177,24 @@ class StateUrlError(StateError):
     exit_code = EXIT_BAD_INPUT
 
 
+# libpq takes a password in the query string too (``?password=...``, and ``sslpassword`` for
+# the client key): each is a secret wherever it is written.
+_QUERY_SECRET = re.compile(r"(?i)((?:^|[&;])(?:ssl)?password=)[^&;]*")
+
+
 def redact(url: str) -> str:
-    """The URL with its password replaced, as every message shows it."""
+    """The URL with its passwords replaced (the user's, and any in its query string), as every
+    message shows it."""
     parts = urlsplit(url)
-    if parts.password is None:
+    if parts.password is None and not _QUERY_SECRET.search(parts.query) and not _QUERY_SECRET.search(parts.fragment):
         return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+    if parts.password is not None:
+        netloc = parts.netloc.rsplit("@", 1)
+        user = netloc[0].split(":", 1)[0]
+        parts = parts._replace(netloc=f"{user}:***@{netloc[1]}")
+    query = _QUERY_SECRET.sub(r"\1***", parts.query)
+    fragment = _QUERY_SECRET.sub(r"\1***", parts.fragment)
+    return urlunsplit(parts._replace(query=query, fragment=fragment))
 
 
 def whoami() -> tuple[str, str, int]:
@@ -214,15 +227,40 @@ def digest_key(directory: Path | None = None) -> str:
     path = base / DIGEST_KEY
     try:
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if not path.exists():
+        if not os.path.lexists(path):
             _create_key(path)
-        text = path.read_text().strip()
+        text = _read_key(path).strip()
         bytes.fromhex(text)
         if len(text) != 64:
             raise ValueError(f"{len(text)} hex digits") from None
         return text
     except (OSError, ValueError) as exc:
         raise StateError(f"the digest key {path} cannot be used: {exc}") from exc
+
+
+def _read_key(path: Path) -> str:
+    """The key file's text, only from a regular file of this user that no one else may read (as
+    OpenSSH takes a private key): a link is not followed, a FIFO or device is not waited on, and
+    a key others could read could sign a planted digest cache line."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError("it is a symbolic link, not the key file") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError("it is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise OSError(f"it belongs to uid {st.st_uid}, not this user")
+        if st.st_mode & 0o077:
+            raise OSError(f"others may read or write it (mode {stat.S_IMODE(st.st_mode):04o}): chmod 600 it")
+        data = f.read(1024)
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError("it is not hex text") from None
 
 
 def _create_key(path: Path) -> None:
@@ -415,7 +453,7 @@ class StateDB:
         # (history, report), and says it cannot be written only where a run writes.
         if _present(self._query(d.has_table, ("schema_version",))):
             rows = self._query("SELECT version FROM schema_version")
-            if rows and int(rows[0][0]) == SCHEMA_VERSION:
+            if rows and self._version(rows[0][0]) == SCHEMA_VERSION:
                 return
         if d is POSTGRESQL:
             # Two controllers opening a new store at once: one makes it, the other waits and finds
@@ -427,6 +465,17 @@ class StateDB:
         finally:
             if d is POSTGRESQL:
                 self._query("SELECT pg_advisory_unlock(?)", (_SCHEMA_LOCK,))
+
+    def _version(self, value: object) -> int:
+        """The stored schema version, which only this tool writes: anything but a small integer
+        means the store is not one it wrote, or was damaged, and nothing is written to it."""
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**6:
+            return value
+        shown = repr(value)[:40]
+        raise StateUrlError(
+            f"state database {self.where} has schema version {shown}, not a version this tool writes: "
+            "it was not made by orchestrate, or it was damaged"
+        )
 
     def _upgrade(self) -> None:
         d = self.dialect
@@ -443,7 +492,7 @@ class StateDB:
                 version = 1 if _present(cur.fetchall()) else 0  # 1: a file from before versions
                 cur.execute(d.sql("INSERT INTO schema_version (version) VALUES (?)"), (version,))
             else:
-                version = int(row[0])
+                version = self._version(row[0])
             if version > SCHEMA_VERSION:
                 raise StateUrlError(
                     f"state database {self.where} has schema version {version}, newer than this orchestrate knows "

@@ -176,6 +176,24 @@ for key, value, expected in (
     )
 
 
+# Past Python's own limit (a str of more than 4,300 digits is refused by int(), as a traceback),
+# and what YAML's constructors cannot make.
+BIG = "1" + "0" * 5000
+PLAYBOOK_CASES["an integer past 4,300 digits"] = (
+    PLAYBOOK + f"keep_releases: {BIG}\n",
+    "pb.yaml:8 keep_releases: an integer of 5001 digits is past any value this tool takes",
+)
+PLAYBOOK_CASES["a key past 4,300 digits"] = (PLAYBOOK + f"? {BIG}\n: 1\n", "pb.yaml:8: an integer of 5001 digits")
+PLAYBOOK_CASES["a date that does not exist"] = (
+    PLAYBOOK + "keep_releases: 2024-02-30\n",
+    "pb.yaml:8 keep_releases: cannot read '2024-02-30': day is out of range for month",
+)
+PLAYBOOK_CASES["a hex integer past any value"] = (
+    PLAYBOOK + "keep_releases: 0x" + "f" * 200 + "\n",
+    "an integer of 202",
+)
+
+
 @pytest.mark.parametrize("case", list(PLAYBOOK_CASES))
 def test_a_hostile_playbook_is_refused_before_any_host(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
@@ -206,6 +224,37 @@ def test_hostile_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFix
     assert expected in err
 
 
+@pytest.mark.parametrize("case", list(ARGUMENT_CASES))
+def test_with_json_an_argument_refused_is_a_json_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    """A program reading ``--json`` reads every error as JSON, argparse's own too."""
+    extra, expected = ARGUMENT_CASES[case]
+    err = refused(tmp_path, capsys, ["deploy", "--json", *setup(tmp_path), *extra])
+    (line,) = err.strip().splitlines()
+    assert expected in json.loads(line)["message"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["history", "--json", "--bogus"],
+        ["inventory", "validate", "--json", "--nope"],
+        ["deploy", "--json"],
+        ["lint", "drafter.json", "--json"],
+        ["report", "--json", "--limit", "x"],
+        ["watch", "--json"],
+    ],
+)
+def test_with_json_every_commands_usage_errors_are_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    err = refused(tmp_path, capsys, argv)
+    (line,) = err.strip().splitlines()
+    assert json.loads(line)["message"].startswith("orchestrate")
+    assert ": error: " in json.loads(line)["message"]
+
+
 def test_rollback_to_a_path_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = refused(tmp_path, capsys, ["rollback", *setup(tmp_path), "--to", "../../etc"])
     assert "argument --to: '../../etc': a release id" in err
@@ -220,6 +269,11 @@ DRAFTER_CASES = {
     "Infinity": ('{"hidden_size": Infinity}', "drafter.json: invalid JSON: Infinity is not a JSON number"),
     "nested a hundred thousand deep": ("[" * 100_000 + "]" * 100_000, "drafter.json: invalid JSON: nested too deeply"),
     "not an object": ("[1, 2]", "drafter.json:1: expected a JSON object"),
+    "an integer past 4,300 digits": (
+        '{"hidden_size": ' + BIG + "}",
+        "drafter.json: invalid JSON: an integer of 5001 digits is past any value a config holds",
+    ),
+    "a negative one": ('{"hidden_size": -' + BIG + "}", "an integer of 5001 digits"),
 }
 
 

@@ -7,8 +7,11 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from orchestrator.config.playbook import Playbook
 from orchestrator.deployment import Deployment
@@ -425,6 +428,55 @@ def test_the_digest_key_is_made_once_and_readable_by_this_user_alone(tmp_path: P
         assert "digest.key cannot be used" in str(exc)
     else:
         raise AssertionError("a damaged key was used")
+
+
+@pytest.mark.parametrize("kind", ["others-read", "group-write", "fifo", "link", "directory", "binary"])
+def test_a_digest_key_that_is_not_this_users_private_file_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    """As OpenSSH takes a private key: a key others may read could sign a planted digest cache
+    line; a FIFO in its place hung the controller; a link is not followed. One message, at once."""
+    from orchestrator.errors import StateError
+    from orchestrator.store.state import digest_key
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    key = state / "digest.key"
+    if kind in ("others-read", "group-write"):
+        key.write_text("ab" * 32 + "\n")
+        key.chmod(0o644 if kind == "others-read" else 0o620)
+    elif kind == "fifo":
+        os.mkfifo(key, 0o600)
+    elif kind == "link":
+        (tmp_path / "elsewhere").write_text("ab" * 32 + "\n")
+        (tmp_path / "elsewhere").chmod(0o600)
+        key.symlink_to(tmp_path / "elsewhere")
+    elif kind == "directory":
+        key.mkdir()
+    else:
+        key.write_bytes(b"\xff" * 64)
+        key.chmod(0o600)
+    done: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            digest_key(state)
+        except BaseException as exc:  # handed to the test's thread
+            done.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert done, "reading the digest key blocked"
+    (exc,) = done
+    assert isinstance(exc, StateError) and f"the digest key {key} cannot be used" in str(exc)
+    said = {
+        "others-read": "others may read or write it (mode 0644): chmod 600 it",
+        "group-write": "others may read or write it (mode 0620)",
+        "fifo": "it is not a regular file",
+        "link": "it is a symbolic link",
+        "directory": "",
+        "binary": "it is not hex text",
+    }[kind]
+    assert said in str(exc)
 
 
 def test_a_model_file_name_a_release_cannot_hold_is_named_never_an_internal_error(box: Box) -> None:

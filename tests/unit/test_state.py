@@ -251,3 +251,37 @@ def test_controllers_opening_a_new_sqlite_file_at_once_all_open_it(tmp_path: Pat
         ]  # fmt: skip
         errors = [p.communicate(timeout=120)[1] for p in procs]
         assert [p.returncode for p in procs] == [0] * 8, errors
+
+
+@pytest.mark.parametrize("query", ["password=hunter2", "sslmode=disable&password=hunter2", "sslpassword=hunter2"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_password_in_the_state_urls_query_string_is_never_shown(query: str, as_json: bool) -> None:
+    """libpq takes ``?password=`` as readily as ``user:password@``: either is a secret in every
+    message, plain or ``--json``."""
+    with socket_closed() as port:
+        url = f"postgresql://alice@127.0.0.1:{port}/x?{query}"
+        bad = orchestrate("history", "--state-url", url, *(["--json"] if as_json else []))
+    assert bad.returncode == EXIT_NOT_READY and "hunter2" not in bad.stderr + bad.stdout
+    (line,) = bad.stderr.strip().splitlines()
+    said = json.loads(line)["message"] if as_json else line
+    assert f"state database postgresql://alice@127.0.0.1:{port}/x?{query.replace('hunter2', '***')}" in said
+
+
+@pytest.mark.parametrize("stored", ["'three'", "3.5", "-1", "99999999999", "x'00'"])
+def test_a_schema_version_this_tool_never_writes_is_one_line_and_nothing_written(tmp_path: Path, stored: str) -> None:
+    """A store whose version is no small integer was not made by this tool, or was damaged: said
+    in one line, exit 2, and not written to (it was a traceback)."""
+    path = tmp_path / "state.db"
+    StateDB(tmp_path).close()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute(f"UPDATE schema_version SET version = {stored}")
+        conn.commit()
+    before = path.read_bytes()
+    with pytest.raises(StateUrlError) as refused:
+        StateDB(tmp_path)
+    assert "has schema version" in str(refused.value) and "not a version this tool writes" in str(refused.value)
+    assert refused.value.exit_code == EXIT_BAD_INPUT
+    shown = orchestrate("history", "--state-dir", str(tmp_path))
+    assert shown.returncode == EXIT_BAD_INPUT and "Traceback" not in shown.stderr
+    assert len(shown.stderr.strip().splitlines()) == 1
+    assert path.read_bytes() == before
