@@ -30,7 +30,7 @@ from orchestrator.config.playbook import Playbook
 from orchestrator.connectors.base import Connector
 from orchestrator.engine import runs
 from orchestrator.engine.observer import Observer
-from orchestrator.engine.runner import RunOptions, Scope
+from orchestrator.engine.runner import RELEASE_ID, RELEASE_ID_RULE, RunOptions, Scope
 from orchestrator.errors import InputError, StateError
 from orchestrator.results import RunKind, RunReport
 from orchestrator.rules.plan import new_release_id
@@ -144,6 +144,8 @@ class Deployment:
 
     def rollback(self, *, to: str | None = None) -> RunReport:
         """Make the previous release (or ``to``) current again, started and proven like a deploy."""
+        if to is not None and not (isinstance(to, str) and RELEASE_ID.fullmatch(to)):
+            raise InputError(f"{to!r}: {RELEASE_ID_RULE}", key="rollback to")
         return self._run(RunKind.ROLLBACK, lambda: runs.rollback(self.scope, to_release=to), f"to {to}" if to else "")
 
     def stop(self) -> RunReport:

@@ -16,7 +16,6 @@ import contextlib
 import gc
 import math
 import os
-import re
 import signal
 import sys
 import threading
@@ -58,7 +57,7 @@ from orchestrator.config.readers import read_json, read_mapping
 from orchestrator.config.yamlsource import MAX_SECONDS
 from orchestrator.deployment import Deployment
 from orchestrator.engine.observer import Observer
-from orchestrator.engine.runner import RunOptions
+from orchestrator.engine.runner import MAX_COUNT, RELEASE_ID, RELEASE_ID_RULE, RunOptions
 from orchestrator.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -78,9 +77,7 @@ if TYPE_CHECKING:
     from orchestrator.sandbox.sshhosts import SshSandbox
 
 DEFAULT_INVENTORY = "inventory/inventory.yaml"
-_RUN_DEFAULTS = RunOptions()
-MAX_COUNT = 1_000_000  # hosts, forks, rows: past this a number is a typo (and SQLite's limit is 2**63)  # the library's defaults are the CLI's: said once, there
-RELEASE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+_RUN_DEFAULTS = RunOptions()  # the library's defaults are the CLI's: said once, there
 
 
 # With --json, everything on stderr is a JSON line (progress events, and these messages).
@@ -172,9 +169,7 @@ def _port(text: str) -> int:
 def _release_id(text: str) -> str:
     """A release's name: a directory under releases/ on every host, so refused here, not there."""
     if not RELEASE_ID.fullmatch(text):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: a release id is 1 to 128 of letters, digits, '.', '_' and '-', not starting with '.'"
-        )
+        raise argparse.ArgumentTypeError(f"{text!r}: {RELEASE_ID_RULE}")
     return text
 
 

@@ -187,6 +187,15 @@ def render_html(hosts: list[HostHistory], now: float) -> str:
 # (no state) before the READY ones, since nothing vouches for it.
 _RANK = {"DOWN": 0, "DEGRADED": 1, "DRIFT": 2, "OUT_OF_ROTATION": 3, None: 4, "READY": 5}
 NO_STATE = "NOT_WATCHED"
+UNKNOWN = "UNKNOWN"  # a stored state this tool never writes (another tool's row, a damaged one)
+
+
+def _shown(state: Any) -> str:
+    """A host's state as the page names it (in text, class names and its CSS filter): only a
+    state the tool writes, since a stored one is data like any other."""
+    if state is None:
+        return NO_STATE
+    return state if isinstance(state, str) and state in _RANK else UNKNOWN
 
 
 def worst_first(hosts: list[HostHistory]) -> list[HostHistory]:
@@ -204,7 +213,7 @@ def _overview(hosts: list[HostHistory]) -> str:
     state with the radio buttons above it (CSS alone: the page has no script)."""
     counts: dict[str, int] = {}
     for h in hosts:
-        counts[h.state or NO_STATE] = counts.get(h.state or NO_STATE, 0) + 1
+        counts[_shown(h.state)] = counts.get(_shown(h.state), 0) + 1
     states = sorted(counts, key=lambda st: _RANK.get(None if st == NO_STATE else st, 4))
     filters = ['<input type="radio" name="state-filter" id="filter-all" checked><label for="filter-all">'
                f"all ({len(hosts)})</label>"]  # fmt: skip
@@ -215,7 +224,7 @@ def _overview(hosts: list[HostHistory]) -> str:
         )
     rows = []
     for h in worst_first(hosts):
-        st = h.state or NO_STATE
+        st = _shown(h.state)
         last = h.samples[-1] if h.samples else None
         tau = f"{last['mean_acceptance_length']:.2f} ({escape(last['source'])})" if last else "-"
         fast = _speedup(h.speedup()) or "-"
@@ -248,12 +257,22 @@ def _speedup(gate: dict[str, Any] | None) -> str:
     """The speed-up per concurrency, as the report shows it beside tau: "1: 2.10x, 64: 0.91x"."""
     if not gate:
         return ""
+    least = _number(gate.get("min")) or 0.0
+    levels = [lv for lv in gate.get("levels", []) if isinstance(lv, dict)]
     return ", ".join(
-        f'<span class="{"ok" if lv["speedup"] >= gate.get("min", 0) else "fail"}">'
-        f"{int(lv['concurrency'])}: {float(lv['speedup']):.2f}x</span>"
-        for lv in gate.get("levels", [])
-        if isinstance(lv, dict) and "speedup" in lv and "concurrency" in lv
+        f'<span class="{"ok" if speedup >= least else "fail"}">{int(concurrency)}: {speedup:.2f}x</span>'
+        for lv in levels
+        if (speedup := _number(lv.get("speedup"))) is not None
+        and (concurrency := _number(lv.get("concurrency"))) is not None
     )
+
+
+def _number(value: Any) -> float | None:
+    """A stored number, only if it is one (a stored record is data: a string or a NaN there is
+    not shown as a figure)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def _legend() -> str:
@@ -266,14 +285,15 @@ def _legend() -> str:
 
 
 def _host(h: HostHistory, now: float) -> str:
-    state = h.state
-    badge = f'<span class="state state-{escape(state)}">{escape(state)}</span>' if state else ""
+    state = _shown(h.state) if h.state is not None else None
+    said = f" ({escape(str(h.state)[:80])})" if state == UNKNOWN else ""
+    badge = f'<span class="state state-{state}">{state}{said}</span>' if state else ""
     last = h.samples[-1] if h.samples else None
     tau = f"last tau {last['mean_acceptance_length']:.2f} ({escape(last['source'])})" if last else "no tau measured yet"
     fast = h.speedup()
     if fast is not None:
         verdict = "passed" if fast.get("ok") else "failed"
-        tau += f"; speed-up by concurrency {_speedup(fast)} (min {fast.get('min')}: {verdict}, {escape(fast['kind'])} {_when(fast['at'])})"
+        tau += f"; speed-up by concurrency {_speedup(fast)} (min {escape(str(fast.get('min')))}: {verdict}, {escape(fast['kind'])} {_when(fast['at'])})"
     parts = [
         f'<section class="host" id="host-{escape(h.name, quote=True)}">',
         f"<h2>{escape(h.name)}{badge}</h2><p>{tau}</p>",

@@ -137,6 +137,24 @@ def test_nothing_a_host_said_becomes_markup() -> None:
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert json.dumps(fleetreport.to_json(fleetreport.collect([run], [sample], []), 3.0))
 
+    # What the store holds is data too: a state no watcher writes (another tool's row, a damaged
+    # one) went into the overview's text, class names and its CSS filter as it was; a host named
+    # as markup; a speed-up record whose numbers are not numbers.
+    hostile_state = 'READY"><style>*{display:none}</style><script>alert(3)</script>'
+    transition = {"at": 2.5, "host": "gpu-a", "from": "READY", "to": hostile_state, "reason": hostile}
+    other = json.loads(json.dumps(run))
+    other["hosts"][0]["name"] = hostile
+    other["hosts"][0]["gates"] = {
+        "speedup": {"ok": True, "min": hostile, "levels": [{"concurrency": 1, "speedup": "9"}]}
+    }
+    hosts = fleetreport.collect([run, other], [sample], [transition])
+    page = fleetreport.render_html(hosts, 3.0)
+    assert "<script" not in page and "<img" not in page
+    assert page.count("<style>") == 2  # the page's own, and the overview's filter
+    assert '<span class="state state-UNKNOWN">UNKNOWN (READY&quot;&gt;&lt;style&gt;' in page
+    assert "9.00x" not in page  # a string is not shown as a figure
+    assert json.dumps(fleetreport.to_json(hosts, 3.0))
+
 
 def test_the_report_opens_with_the_fleet_worst_first_at_1024_hosts(tmp_path: Path) -> None:
     """1024 hosts in a browser: the overview counts them by state and lists every host worst first

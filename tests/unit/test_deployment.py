@@ -215,3 +215,49 @@ def test_targets_are_chosen_by_the_library(tmp_path: Path) -> None:
     only_a = replace(book, targets=["a"])
     with pytest.raises(InputError, match="no targets: the playbook's targets and --limit select no container"):
         Deployment(only_a, inv, limit=["b"])
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"forks": 0}, "forks: expected a whole number from 1 to 1000000, got 0"),
+        ({"forks": 10**20}, "forks: expected a whole number from 1"),
+        ({"forks": True}, "forks: expected a whole number"),
+        ({"forks": 2.5}, "forks: expected a whole number"),
+        ({"lock_timeout": float("nan")}, "lock_timeout: expected seconds from 0 to 604800, got nan"),
+        ({"lock_timeout": -1}, "lock_timeout: expected seconds"),
+        ({"lock_timeout": 1e300}, "lock_timeout: expected seconds"),
+        ({"lock_timeout": "60"}, "lock_timeout: expected seconds"),
+        ({"release_id": "../../etc"}, "release_id: '../../etc': a release id is 1 to 128"),
+        ({"release_id": ".hidden"}, "not starting with '.'"),
+        ({"release_id": ""}, "release_id: '': a release id"),
+        ({"skip_containers": "no"}, "skip_containers: expected true or false"),
+        ({"state_dir": "/tmp/x"}, "state_dir: expected a Path"),
+    ],
+)
+def test_run_options_from_python_are_checked_as_the_cli_checks_them(options: dict[str, Any], said: str) -> None:
+    """The library does everything the CLI does, its checks included: forks=0 waited for ever, a
+    release id is a directory on every host, a NaN lock timeout never timed out."""
+    with pytest.raises(InputError) as refused:
+        RunOptions(**options)
+    assert str(refused.value).startswith("RunOptions: ") and said in str(refused.value)
+    assert refused.value.exit_code == 2
+
+
+def test_retry_policy_and_rollback_targets_are_checked_by_the_library(tmp_path: Path) -> None:
+    from orchestrator.connectors.base import RetryPolicy
+
+    for policy, said in [
+        (RetryPolicy(attempts=0), "retry.attempts: expected a whole number from 1 to 100, got 0"),
+        (RetryPolicy(initial_wait=float("inf")), "retry.initial_wait: expected seconds"),
+        (RetryPolicy(max_wait=-1.0), "retry.max_wait: expected seconds"),
+    ]:
+        with pytest.raises(InputError, match=said):
+            RunOptions(retry=policy)
+    playbook, inventory = write(tmp_path)
+    fake = FakeConnector(Host())
+    deployment = Deployment(load_playbook(playbook), load_inventory(inventory), OPTIONS, connector=fake)
+    for to in ("../x", "a/b", ".x", ""):
+        with pytest.raises(InputError, match=r"rollback to: .* a release id is 1 to 128"):
+            deployment.rollback(to=to)
+    assert not fake.batches  # refused before any host
