@@ -227,8 +227,9 @@ def _inside(root_real, path):
 
 def _own_dir(root_real, name):
     """A directory of the tool's own under the deploy root (releases, run, logs), made when
-    missing. A link in its place was not made by us and is not followed: it is removed (the link
-    only) and the directory made; anything else in its place is left alone and refused."""
+    missing. Anything else in its place, a link included, was not made by us: it is neither
+    followed nor removed, and refused by name (a link an operator made, to a tmpfs say, holds
+    the records of what runs: replacing it lost them, and the server with them)."""
     path = os.path.join(root_real, name)
     try:
         st = os.lstat(path)
@@ -236,8 +237,12 @@ def _own_dir(root_real, name):
         st = None
     try:
         if st is not None and stat.S_ISLNK(st.st_mode):
-            os.unlink(path)
-            st = None
+            raise OpError(
+                "not_a_directory",
+                "%s is a symbolic link, not made by this tool (left alone, not followed): make it a directory "
+                "or remove it" % path,
+                path,
+            )
         if st is None:
             os.mkdir(path, 0o755)
         elif not stat.S_ISDIR(st.st_mode):

@@ -34,6 +34,7 @@ together with group names, GPU host names (all of that host's containers) and ``
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 from dataclasses import dataclass, field, replace
@@ -347,7 +348,9 @@ def _check_distinct(top: Field, hosts: dict[str, GpuHost], group_vars: dict[str,
     places: dict[tuple[Any, ...], str] = {}
     for h, c in containers.values():
         if c.on_this_machine:
-            place: tuple[Any, ...] = (c.connection, c.deploy_root)
+            # As the agent will reach it: through every link on the way (``/srv/b`` a link to
+            # ``/srv/a`` makes ``/srv/b/x`` and ``/srv/a/x`` one deploy root).
+            place: tuple[Any, ...] = (c.connection, c.deploy_root and os.path.realpath(c.deploy_root))
         elif c.address is not None:
             place = (SSH, _one_spelling(c.address), c.ssh.port, h.name if c.jump else None)
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -194,8 +195,8 @@ def test_agent_refuses_paths_outside_the_deploy_root_over_ssh(sandbox: Sandbox, 
 
 
 def test_a_link_out_of_the_deploy_root_is_never_followed(sandbox: Sandbox, cli, tmp_path: Path, root_name: str) -> None:  # type: ignore[no-untyped-def]
-    """A link in place of the tool's own releases/ is replaced (the link only), never written
-    through: the directory it pointed at stays as it was."""
+    """A link in place of the tool's own releases/ is refused and kept, never written through:
+    the directory it pointed at stays as it was, and the host says which link and why."""
     victim = sandbox.names[1]
     base = sandbox.srv(victim) / Path(root_name).name
     outside = sandbox.srv(victim) / "outside"
@@ -204,9 +205,9 @@ def test_a_link_out_of_the_deploy_root_is_never_followed(sandbox: Sandbox, cli, 
     os.symlink("/srv/outside", base / "releases")  # resolves outside the root on the host
     pb = write_playbook(tmp_path, root_name)
     run = cli("deploy", pb, "-i", sandbox.inventory, "--json")
-    assert run.code == 0, run.host(victim)["gates"]
+    assert run.code == 1 and "is a symbolic link, not made by this tool" in json.dumps(run.host(victim)["gates"])
     assert list(outside.iterdir()) == []
-    assert (base / "releases").is_dir() and not (base / "releases").is_symlink()
+    assert (base / "releases").is_symlink()
 
 
 def test_bad_input_exits_2_with_file_line_and_key(sandbox: Sandbox, cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -282,14 +282,17 @@ def test_paths_outside_the_root_are_refused(tmp_path: Path, path: str) -> None:
     assert not (tmp_path / "escape").exists()
 
 
-def test_a_link_in_place_of_releases_is_replaced_never_followed(tmp_path: Path) -> None:
+def test_a_link_in_place_of_releases_is_refused_and_kept_never_followed(tmp_path: Path) -> None:
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
     (root / "releases").symlink_to(outside)
     res = apply(root, "r1", a=b"x")
-    assert res["ok"] and (root / "releases").is_dir() and not (root / "releases").is_symlink()
-    assert list(outside.iterdir()) == []  # nothing written through the link
+    assert res["error"]["code"] == "not_a_directory" and "is a symbolic link, not made by this tool" in str(res)
+    assert (root / "releases").is_symlink() and list(outside.iterdir()) == []  # kept, nothing written through it
+    (root / "releases").unlink()
+    res = apply(root, "r1", a=b"x")
+    assert res["ok"] and (root / "releases").is_dir()
     # A path the release would resolve through a link out of the root is still refused.
     (root / "releases" / "r1" / "a").unlink()
     (root / "current").unlink()

@@ -39,27 +39,46 @@ def test_links_in_place_of_the_tools_own_files_are_replaced_not_followed(box: Bo
     root.mkdir(parents=True)
     victim = outside(box)
     (root / ".lock").symlink_to(victim)
-    (root / "releases").symlink_to(victim.parent)
     run = deploy(box, box.playbook())  # with a server: run/, logs/ and ready.json too
     assert run.ok, host(run, "solo").gates
     assert victim.read_text() == "not the tool's\n" and sorted(os.listdir(victim.parent)) == ["precious"]
-    assert not (root / ".lock").is_symlink() and not (root / "releases").is_symlink()
+    assert not (root / ".lock").is_symlink()
 
     assert stop(box, box.playbook()).ok  # its record is about to be damaged: end it as ours first
-    for name in ("ready.json", "logs/dflash-serve.log", "run"):
+    for name in ("ready.json", "logs/dflash-serve.log"):
         target = root / name
-        if target.is_dir() and not target.is_symlink():
-            os.rename(target, root / "run.old")
-        else:
-            target.unlink()
-        target.symlink_to(outside(box, name.replace("/", "-")) if name != "run" else victim.parent)
+        target.unlink()
+        target.symlink_to(outside(box, name.replace("/", "-")))
     (box.dir / "notes.txt").write_text("a new release\n")
     again = deploy(box, box.playbook())
     assert again.ok, host(again, "solo").gates
     for name in ("ready.json", "logs-dflash-serve.log"):
         assert (victim.parent / name).read_text() == "not the tool's\n", name
     assert sorted(os.listdir(victim.parent)) == ["logs-dflash-serve.log", "precious", "ready.json"]
-    assert not (root / "ready.json").is_symlink() and not (root / "run").is_symlink()
+    assert not (root / "ready.json").is_symlink()
+
+
+@pytest.mark.parametrize("name", ["releases", "run", "logs"])
+def test_a_link_in_place_of_the_tools_own_directory_is_refused_and_kept(box: Box, name: str) -> None:
+    """A link where the tool keeps its releases, its servers' records or their logs was made by
+    someone else (an operator's tmpfs for run/, say): it is neither followed nor replaced (replacing
+    run/ lost the records of what ran there), and the run says which and why."""
+    root = box.root("solo")
+    first = deploy(box, box.playbook())
+    assert first.ok, host(first, "solo").gates
+    assert stop(box, box.playbook()).ok
+    kept = box.dir / "elsewhere" / name
+    kept.parent.mkdir(exist_ok=True)
+    os.rename(root / name, kept)
+    (root / name).symlink_to(kept)
+    before = sorted(str(p.relative_to(kept)) for p in kept.rglob("*"))
+    (box.dir / "notes.txt").write_text("a new release\n")
+    again = deploy(box, box.playbook())
+    assert not again.ok
+    detail = " ".join(g.detail for g in host(again, "solo").gates.values() if not g.ok)
+    assert f"{root / name} is a symbolic link, not made by this tool (left alone, not followed)" in detail
+    assert (root / name).is_symlink() and os.readlink(root / name) == str(kept)
+    assert sorted(str(p.relative_to(kept)) for p in kept.rglob("*")) == before  # nothing written through it
 
 
 def test_a_damaged_current_is_repaired_when_it_is_ours_and_refused_when_it_is_not(box: Box) -> None:

@@ -230,3 +230,18 @@ def test_every_connection_the_inventory_takes_has_one_connector_and_no_other() -
     from orchestrator.connectors import CONNECTORS
 
     assert list(CONNECTORS) == list(CONNECTIONS)
+
+
+def test_two_deploy_roots_reached_through_a_linked_directory_are_one_place(tmp_path: Path) -> None:
+    """``/srv/b`` a link to ``/srv/a``: ``/srv/b/x`` and ``/srv/a/x`` are one deploy root to the
+    agent, so two containers on them would be one host deployed twice and READY twice."""
+    (tmp_path / "a" / "x").mkdir(parents=True)
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    text = (
+        "hosts:\n  box:\n    containers:\n"
+        f"      me: {{connection: local, deploy_root: {tmp_path / 'a' / 'x'}}}\n"
+        f"      other: {{connection: local, deploy_root: {tmp_path / 'b' / 'x'}}}\n"
+    )
+    assert "containers.other: the same deploy root on this machine as container 'me'" in error_of(tmp_path, text)
+    (tmp_path / "c" / "x").mkdir(parents=True)
+    load_inventory(write(tmp_path, text.replace(str(tmp_path / "b" / "x"), str(tmp_path / "c" / "x"))))
