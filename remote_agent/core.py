@@ -127,13 +127,15 @@ def _helper(name):
     return HELPERS[name]
 
 
-def _run_bounded(argv, timeout, env=None, cwd=None, data=None, merge=False):
+def _run_bounded(argv, timeout, env=None, cwd=None, data=None, merge=False, keep=None):
     """A program run to completion within ``timeout`` seconds: (exit status, stdout, stderr).
 
     It runs in a session of its own, and at the deadline its whole process group is killed:
     subprocess.run kills the child alone and then waits for its pipes, which a grandchild that
     inherited them (a compile worker, a shell's background job) holds open for as long as it
-    lives, so the op would outlive its bound. Raises ``subprocess.TimeoutExpired``."""
+    lives, so the op would outlive its bound. Raises ``subprocess.TimeoutExpired``. ``keep``
+    (with ``merge``): only the output's last ``keep`` bytes are held, however much the program
+    writes (a gateway hook's 400 MB of output took 836 MB here)."""
     import signal
     import subprocess
 
@@ -147,6 +149,9 @@ def _run_bounded(argv, timeout, env=None, cwd=None, data=None, merge=False):
         start_new_session=True,
     )
     try:
+        if keep is not None and merge:
+            out = _tail(proc, data, timeout, keep)
+            return proc.returncode, out, b""
         out, err = proc.communicate(data, timeout=timeout)
     except subprocess.TimeoutExpired:
         try:
@@ -159,6 +164,49 @@ def _run_bounded(argv, timeout, env=None, cwd=None, data=None, merge=False):
             proc.kill()
         raise
     return proc.returncode, out, err or b""
+
+
+def _tail(proc, data, timeout, keep):
+    """The last ``keep`` bytes of a program's (merged) output, read as it comes until it ends,
+    its input written beside; raises ``subprocess.TimeoutExpired`` at the deadline."""
+    import select
+    import subprocess
+    import threading
+    import time
+
+    stdin, stdout = proc.stdin, proc.stdout
+    proc.stdin = proc.stdout = None  # ours from here: the caller's clean-up only waits
+    if stdin is not None:
+
+        def feed():
+            try:
+                stdin.write(data)
+            except OSError:
+                pass  # it ended, or closed its input without reading it all
+            finally:
+                try:
+                    stdin.close()
+                except OSError:
+                    pass
+
+        threading.Thread(target=feed, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    fd = stdout.fileno()
+    held = bytearray()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            stdout.close()
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        held += chunk
+        if len(held) > 2 * keep:
+            del held[:-keep]
+    stdout.close()
+    proc.wait(max(0.0, deadline - time.monotonic()))
+    return bytes(held[-keep:])
 
 
 def check(where, spec, value):

@@ -8,7 +8,7 @@ HTTP call to a router's admin API, or through the gateway as a client would send
 file changed under its lock with the atomic write protocol and read back.
 """
 
-from remote_agent.core import NONE, NUMBER, OpError, _atomic_write, _os_error, _sha256, op, os
+from remote_agent.core import NONE, NUMBER, OpError, _atomic_write, _os_error, _sha256, op, os, stat
 from remote_agent.serving import _http_url
 
 # The largest answer read from a gateway (HAProxy's `show stat` of a big backend is a few hundred KB).
@@ -88,6 +88,9 @@ def op_gateway_endpoints(req):
         raise OpError("bad_request", "add needs the server's url")
     if not os.path.isabs(path):
         raise OpError("bad_path", "the endpoints file must be an absolute path", path)
+    # The file the router reads, through any link to it: written in place of the link, the new
+    # list landed beside the router's file and the router never saw it.
+    path = os.path.realpath(path)
     try:
         fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
@@ -124,12 +127,20 @@ def _read_endpoints(path):
     import json
 
     try:
-        with open(path, "rb") as f:
-            raw = f.read(GATEWAY_LIMIT + 1)
+        # Never waited on: a FIFO in its place held the agent (and the rollout) for ever.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return []
     except OSError as exc:
         raise _os_error("gateway", exc, path)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OpError("gateway", "the endpoints file is not a regular file: left as it is", path)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            raw = f.read(GATEWAY_LIMIT + 1)
+        except OSError as exc:
+            raise _os_error("gateway", exc, path)
     if len(raw) > GATEWAY_LIMIT:
         raise OpError("gateway", "the endpoints file is over %d bytes" % GATEWAY_LIMIT, path)
     try:

@@ -238,12 +238,12 @@ def op_command(req):
     env.update(req["env"])
     data = req["input"].encode("utf-8") if req["input"] is not None else None
     try:
-        code, out, _ = _run_bounded(argv, float(req["timeout"]), env=env, data=data, merge=True)
+        code, out, _ = _run_bounded(argv, float(req["timeout"]), env=env, data=data, merge=True, keep=16384)
     except OSError as exc:
         raise _os_error("command", exc, argv[0])
     except subprocess.TimeoutExpired:
         raise OpError("timeout", "%s did not finish in %s s" % (argv[0], req["timeout"]), argv[0])
-    return {"returncode": code, "output": out[-16384:].decode("utf-8", "replace")}
+    return {"returncode": code, "output": out.decode("utf-8", "replace")}
 
 
 def _argv(req):

@@ -16,7 +16,19 @@ class EndpointsFileAdapter(Adapter):
     def state(self, servers: Sequence[Server]) -> tuple[list[Op[Any]], Callable[[protocol.Answers], Rotation]]:
         assert self.spec.path is not None
         op = protocol.gateway_endpoints(self.spec.path, "read", None, None, self.spec.timeout_s)
-        return [op], lambda answers: Rotation({e.name: Member(e.name, True, None, "listed") for e in answers[op]})
+        urls = {s.key: s.url for s in servers}
+
+        def read(answers: protocol.Answers) -> Rotation:
+            # Listed under its name at another URL (an old address or port), the router sends
+            # its users there, not to this server: out of rotation until put back at its own.
+            return Rotation({
+                e.name: Member(e.name, True, None, "listed")
+                if urls.get(e.name, e.url) == e.url
+                else Member(e.name, False, None, f"listed at {e.url}, not {urls[e.name]}")
+                for e in answers[op]
+            })  # fmt: skip
+
+        return [op], read
 
     def change(self, server: Server, into: bool) -> tuple[Op[Any], Callable[[Any], None]]:
         assert self.spec.path is not None

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -370,6 +372,61 @@ def test_an_endpoints_file_we_cannot_read_is_left_as_it_is(tmp_path: Path, conte
     assert path.read_bytes() == content
 
 
+def test_an_endpoints_file_reached_through_a_link_is_changed_where_the_router_reads_it(tmp_path: Path) -> None:
+    """The playbook names a link (``/etc/router/endpoints.json`` to a shared file, say): the file
+    the router reads changes, and the link stays a link (renamed over, the new list landed beside
+    the router's file and the router never saw it)."""
+    shared = tmp_path / "shared" / "endpoints.json"
+    shared.parent.mkdir()
+    shared.write_text('{"endpoints": [{"name": "g2", "url": "http://10.0.0.2:8000"}]}\n')
+    link = tmp_path / "endpoints.json"
+    link.symlink_to(shared)
+    (result,) = run([endpoints_op(link, "add", "g1", "http://10.0.0.1:8000")])
+    assert result["ok"], result
+    assert link.is_symlink() and os.readlink(link) == str(shared)
+    assert [e["name"] for e in json.loads(shared.read_text())["endpoints"]] == ["g1", "g2"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "link to a fifo"])
+def test_an_endpoints_file_that_is_no_file_is_refused_at_once_and_left(tmp_path: Path, kind: str) -> None:
+    """A FIFO in its place held the agent, and the rollout, for ever."""
+    path = tmp_path / "endpoints.json"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        fifo = tmp_path / "fifo" if kind == "link to a fifo" else path
+        os.mkfifo(fifo)
+        if fifo != path:
+            path.symlink_to(fifo)
+    for action in ("read", "add"):
+        (result,) = run([endpoints_op(path, action, "g1", "http://10.0.0.1:8000")])  # run() bounds it at 60 s
+        assert not result["ok"] and "not a regular file" in result["error"]["message"] + str(result["error"]), result
+    assert path.is_dir() if kind == "directory" else (path.is_symlink() or not path.is_file())
+
+
+def test_a_server_listed_at_another_url_is_out_of_rotation_until_put_back(tmp_path: Path) -> None:
+    """Listed under its name at an old address or port, the router sends its users there, not to
+    this server: that is not in rotation (it passed verify's gateway gate as IN SYNC)."""
+    from orchestrator.gateways.endpoints_file import EndpointsFileAdapter
+
+    path = tmp_path / "endpoints.json"
+    path.write_text('{"endpoints": [{"name": "g1", "url": "http://10.0.0.9:8000"}]}\n')
+    adapter = EndpointsFileAdapter(Gateway("endpoints-file", "gw", None, path=str(path)))
+    server = base.Server("g1", "g1", "http://10.0.0.1:8000")
+
+    def batch(ops: list[Any]) -> protocol.Answers:
+        results = run([op.request for op in ops])
+        assert all(r["ok"] for r in results), results
+        return protocol.Answers({op.key: op.reader(r["result"]) for op, r in zip(ops, results, strict=True)})
+
+    member = adapter.rotation([server], batch).of(server)
+    assert not member.in_rotation and member.status == "listed at http://10.0.0.9:8000, not http://10.0.0.1:8000"
+    op, _ = adapter.change(server, True)
+    batch([op])
+    assert adapter.rotation([server], batch).of(server).in_rotation
+    assert json.loads(path.read_text()) == {"endpoints": [{"name": "g1", "url": "http://10.0.0.1:8000"}]}
+
+
 def test_endpoints_changed_at_once_by_two_agents_are_all_kept(tmp_path: Path) -> None:
     path = tmp_path / "endpoints.json"
     names = [f"g{i}" for i in range(8)]
@@ -382,6 +439,35 @@ def test_endpoints_changed_at_once_by_two_agents_are_all_kept(tmp_path: Path) ->
     for t in threads:
         t.join(60)
     assert [e["name"] for e in json.loads(path.read_text())["endpoints"]] == names
+
+
+def test_a_hooks_output_is_held_only_as_far_as_its_tail_however_much_it_writes(tmp_path: Path) -> None:
+    """A gateway hook that writes 200 MB before its answer: the agent holds its last 16 KB, not
+    the whole (400 MB of output took the agent to 836 MB), and still reads the answer."""
+    from orchestrator.agent.client import BOOTSTRAP, encode_request
+    from tests.unit.test_agent import complete
+
+    script = "head -c 200000000 /dev/zero | tr '\\0' x; echo; echo '{\"in_rotation\": true, \"in_flight\": 0}'"
+    op = {"op": "command", "argv": ["sh", "-c", script], "env": {}, "timeout": 120, "input": None}
+    # The agent under a parent that reports the largest peak RSS of what it waited for (the
+    # agent; the hook's own processes are small).
+    measure = (
+        "import resource, subprocess, sys\n"
+        "p = subprocess.run(sys.argv[1:], stdin=sys.stdin, stdout=sys.stdout)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+        "sys.exit(p.returncode)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", measure, sys.executable, "-c", BOOTSTRAP],
+        input=encode_request(complete([op])), capture_output=True, timeout=180,
+    )  # fmt: skip
+    out, err = proc.stdout, proc.stderr
+    peak_kib = int(err.decode().strip().splitlines()[-1])
+    assert proc.returncode == 0, err.decode()
+    (result,) = json.loads(out)["results"]
+    output = result["result"]["output"]
+    assert len(output) <= 16384 and output.endswith('{"in_rotation": true, "in_flight": 0}\n')
+    assert peak_kib < 150 * 1024, f"the agent's peak RSS was {peak_kib // 1024} MiB"
 
 
 @pytest.mark.parametrize("op", ["vllm_build", "command"])
