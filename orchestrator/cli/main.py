@@ -452,9 +452,10 @@ def _run(args: argparse.Namespace, kind: RunKind, deployment: Deployment, option
         RunKind.ROLLBACK: lambda: deployment.rollback(to=args.to_release),
     }[kind]
 
-    def first() -> None:
+    def first(signum: int = signal.SIGINT) -> None:
         options.interrupt.set()
-        _say("interrupted: starting no new host; the hosts in flight finish (Ctrl-C again to abort)")
+        what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+        _say(f"{what}: starting no new host; the hosts in flight finish (Ctrl-C or SIGTERM again to abort)")
 
     try:
         with _interrupts(first):
@@ -471,11 +472,13 @@ def _run(args: argparse.Namespace, kind: RunKind, deployment: Deployment, option
 
 
 @contextlib.contextmanager
-def _interrupts(first: Callable[[], None], terminate: Callable[[], None] | None = None) -> Iterator[None]:
-    """The one interrupt handler. The first Ctrl-C calls ``first`` (a run starts nothing new and
-    lets the hosts in flight finish, bounded by their own deadlines; a watch ends after its
-    round); a second aborts (``KeyboardInterrupt``). With ``terminate``, SIGTERM calls it (a watch
-    ends after its round)."""
+def _interrupts(first: Callable[[int], None], terminate: Callable[[], None] | None = None) -> Iterator[None]:
+    """The one interrupt handler. The first Ctrl-C, or SIGTERM, calls ``first`` with the signal
+    (a run starts nothing new and lets the hosts in flight finish, bounded by their own
+    deadlines, then reports and records: a service manager's stop, or a CI job's cancel, used to
+    end the run at once with no table, no record and a host left drained; a watch ends after its
+    round); a second aborts (``KeyboardInterrupt``). With ``terminate``, SIGTERM calls it
+    instead (a watch ends after its round)."""
     said = threading.Event()
 
     def handle(signum: int, frame: object) -> None:
@@ -485,12 +488,12 @@ def _interrupts(first: Callable[[], None], terminate: Callable[[], None] | None 
         if said.is_set():
             raise KeyboardInterrupt
         said.set()
-        first()
+        first(signum)
 
     if threading.current_thread() is not threading.main_thread():
         yield  # a library caller's thread: signals are not ours to take
         return
-    signals = (signal.SIGINT, signal.SIGTERM) if terminate is not None else (signal.SIGINT,)
+    signals = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, handle) for sig in signals}
     try:
         yield
@@ -538,7 +541,7 @@ def _watch(args: argparse.Namespace, deployment: Deployment) -> int:
         if not args.once:
             render_round(number, rounds, transitions, args.json)
 
-    def first() -> None:
+    def first(signum: int) -> None:
         interrupted.set()
         _say("interrupted: ending after this round (Ctrl-C again to abort)")
         stop.set()
