@@ -30,7 +30,7 @@ from orchestrator.config.playbook import Playbook
 from orchestrator.connectors.base import Connector
 from orchestrator.engine import runs
 from orchestrator.engine.observer import Observer
-from orchestrator.engine.runner import RELEASE_ID, RELEASE_ID_RULE, RunOptions, Scope
+from orchestrator.engine.runner import RELEASE_ID, RELEASE_ID_RULE, RunOptions, Scope, Stop, stop_reason
 from orchestrator.errors import InputError, StateError
 from orchestrator.results import RunKind, RunReport
 from orchestrator.rules.plan import new_release_id
@@ -177,7 +177,7 @@ class Deployment:
             forks = min(self.options.forks, hosts)
             self.observer.say(f"{kind} {self.playbook.name}: {hosts} host{'s' * (hosts != 1)}, {forks} at once")
             report = work()
-        report.interrupted = self.options.interrupt.is_set()
+        report.interrupted = self.options.interrupt.is_set() and stop_reason(self.options.interrupt) is None
         if store is not None:
             try:
                 store.record(report)
@@ -197,6 +197,12 @@ class Deployment:
             who = holder.describe() if holder else "a controller that left no record"
             self.observer.say(f"waiting for {name}: {who} is rolling it out (up to {timeout:g} s)")
 
+        def lost(why: str) -> None:
+            # The hosts in flight finish their steps (each atomic); none starts after them.
+            self.observer.say(f"error: {why}: starting no new host")
+            stop = self.options.interrupt
+            stop.halt(why) if isinstance(stop, Stop) else stop.set()
+
         run = " ".join(filter(None, (str(kind), self.playbook.name, detail)))
         names = [t.name for t in self.targets]
-        return self.store.rollout_lock(names, run, timeout, waiting, self.options.interrupt)
+        return self.store.rollout_lock(names, run, timeout, waiting, self.options.interrupt, lost)

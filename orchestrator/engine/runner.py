@@ -59,6 +59,24 @@ from orchestrator.rules.placement import Placement, place
 from orchestrator.store.state import StateDB, digest_key
 
 
+class Stop(threading.Event):
+    """A run's stop: set by a first Ctrl-C or SIGTERM (no reason: the run was interrupted), or by
+    the run itself, with its reason (its rollout lease was lost): no new host starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason: str | None = None
+
+    def halt(self, reason: str) -> None:
+        self.reason = reason
+        self.set()
+
+
+def stop_reason(event: threading.Event) -> str | None:
+    """Why the run stopped itself (None: nothing did, or an interrupt)."""
+    return getattr(event, "reason", None)
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """How a run goes about its hosts (what it does is the playbook's): the defaults are the CLI's."""
@@ -78,7 +96,7 @@ class RunOptions:
     state_dir: Path | None = None
     # Set (by a first Ctrl-C): start nothing new; what is in flight finishes, bounded by its own
     # deadlines, and the run reports what happened.
-    interrupt: threading.Event = field(default_factory=threading.Event, compare=False)
+    interrupt: threading.Event = field(default_factory=lambda: Stop(), compare=False)
 
     def __post_init__(self) -> None:
         # The library takes what the CLI takes, checked the same way: a caller from Python gets
@@ -469,8 +487,9 @@ def execute(
 
         def one(unit: Unit) -> None:
             if options.interrupt.is_set():
+                why = stop_reason(options.interrupt) or "the run was interrupted"
                 for node in unit.nodes:
-                    node.report.gates[GATE_INTERRUPTED] = Gate(False, "not started: the run was interrupted")
+                    node.report.gates[GATE_INTERRUPTED] = Gate(False, f"not started: {why}")
                     observer.host_done(node.report)
                 return
             started = time.monotonic()

@@ -752,6 +752,7 @@ class StateDB:
         timeout: float,
         on_wait: Callable[[str, Holder | None], None] | None = None,
         stop: threading.Event | None = None,
+        on_lost: Callable[[str], None] | None = None,
     ) -> Iterator[None]:
         """Hold the rollout lease of each target for the block: on PostgreSQL a session-scoped
         advisory lock per target (disjoint rollouts run side by side; a controller that dies
@@ -759,7 +760,13 @@ class StateDB:
         controller holds is waited for up to ``timeout`` seconds (``on_wait`` is told once per
         holder), then LockHeld names it; ``stop`` set while waiting (a run's interrupt) ends the wait
         as a Ctrl-C always did. On SQLite (one controller's own file) there is nothing
-        to share: each host's deploy-root lock keeps runs apart."""
+        to share: each host's deploy-root lock keeps runs apart.
+
+        Held, the lease is checked every ``LEASE_CHECK_S``: a session the database ended (a
+        restart, a failover, an administrator) took the advisory locks with it, and another
+        controller could roll out these hosts beside this one. It is taken again on a new session
+        if no one took it meanwhile; otherwise ``on_lost`` is told why, once, and the caller
+        starts no new host."""
         if self.dialect is not POSTGRESQL or not names:
             yield
             return
@@ -793,15 +800,12 @@ class StateDB:
                 elif stop.wait(pause):
                     raise KeyboardInterrupt  # nothing was taken yet: the run ends as interrupted
             user, controller, pid = whoami()
-            now = time.time()
-            with session.transaction():
-                session.cursor().executemany(
-                    "INSERT INTO leases (name, user_name, controller, pid, since, run) VALUES (%s, %s, %s, %s, %s, %s) "
-                    "ON CONFLICT (name) DO UPDATE SET user_name = excluded.user_name, controller = excluded.controller, "
-                    "pid = excluded.pid, since = excluded.since, run = excluded.run",
-                    [(n, user, controller, pid, now, run) for _, n in keys],
-                )
-            yield
+            _name_holder(session, keys, (user, controller, pid, time.time(), run))
+            keeper = _LeaseKeeper(self, session, keys, (user, controller, pid, time.time(), run), on_lost)
+            try:
+                yield
+            finally:
+                session = keeper.close()
             with contextlib.suppress(psycopg.Error):
                 session.execute(
                     "DELETE FROM leases WHERE name = ANY(%s) AND controller = %s AND pid = %s",
@@ -824,6 +828,97 @@ class StateDB:
             "SELECT user_name, controller, pid, since, run FROM leases WHERE name = %s", (name,)
         ).fetchone()
         return Holder.of(row) if row else None
+
+
+# How often a held rollout lease is checked: the longest a controller may go on not knowing
+# that its database session (and the advisory locks with it) ended.
+LEASE_CHECK_S = 1.0
+_HELD = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid()"
+
+
+def _name_holder(session: Any, keys: list[tuple[int, str]], row: tuple[Any, ...]) -> None:
+    """The leases rows that name this controller as the holder of ``keys``."""
+    with session.transaction():
+        session.cursor().executemany(
+            "INSERT INTO leases (name, user_name, controller, pid, since, run) VALUES (%s, %s, %s, %s, %s, %s) "
+            "ON CONFLICT (name) DO UPDATE SET user_name = excluded.user_name, controller = excluded.controller, "
+            "pid = excluded.pid, since = excluded.since, run = excluded.run",
+            [(n, *row) for _, n in keys],
+        )
+
+
+class _LeaseKeeper:
+    """A thread that checks a held rollout lease every ``LEASE_CHECK_S`` and takes it again on a
+    new session when the database ended the old one, or tells ``on_lost`` that it cannot."""
+
+    def __init__(
+        self,
+        db: StateDB,
+        session: Any,
+        keys: list[tuple[int, str]],
+        row: tuple[Any, ...],
+        on_lost: Callable[[str], None] | None,
+    ) -> None:
+        self.db, self.session, self.keys, self.row, self.on_lost = db, session, keys, row, on_lost
+        self.lock = threading.Lock()  # the session is used by one thread at a time
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._keep, name="rollout-lease", daemon=True)
+        self.thread.start()
+
+    def close(self) -> Any:
+        """Stop checking; the session that holds the lease now (the caller ends it)."""
+        self.done.set()
+        self.thread.join()
+        return self.session
+
+    def _keep(self) -> None:
+        import psycopg
+
+        while not self.done.wait(LEASE_CHECK_S):
+            try:
+                with self.lock:
+                    held = int(self.session.execute(_HELD).fetchone()[0])
+            except psycopg.Error:
+                held = 0
+            if held >= len(self.keys):
+                continue
+            why = self._take_again()
+            if why is None:
+                continue
+            if self.on_lost is not None:
+                self.on_lost(why)
+            return
+
+    def _take_again(self) -> str | None:
+        """The lease on a new session (None), or why it cannot be."""
+        import psycopg
+
+        with contextlib.suppress(psycopg.Error):
+            self.session.close()
+        try:
+            fresh = self.db._pg_connect(autocommit=True)
+        except StateError as exc:
+            return f"the rollout lease was lost with its database session, and cannot be taken again: {exc}"
+        try:
+            rows = fresh.execute(
+                "SELECT k, pg_try_advisory_lock(k) FROM unnest(%s::bigint[]) AS k", ([k for k, _ in self.keys],)
+            ).fetchall()
+            blocked = [k for k, got in rows if not got]
+            if blocked:
+                name = dict(self.keys)[blocked[0]]
+                holder = StateDB._holder(fresh, name)
+                ours = holder is not None and (holder.user, holder.controller, holder.pid) == self.row[:3]
+                who = holder.describe() if holder and not ours else "a controller that left no record"
+                fresh.close()
+                return f"the rollout lease of {name} was lost with its database session, and {who} holds it now"
+            _name_holder(fresh, self.keys, self.row)
+        except psycopg.Error as exc:
+            with contextlib.suppress(psycopg.Error):
+                fresh.close()
+            return f"the rollout lease was lost with its database session, and cannot be taken again: {exc}"
+        with self.lock:
+            self.session = fresh
+        return None
 
 
 class WatchLead:

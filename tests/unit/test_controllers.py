@@ -15,7 +15,9 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 
 from orchestrator.deployment import Deployment
@@ -222,3 +224,112 @@ def test_python_watchers_of_one_group_lead_follow_record_and_take_over(box: Box,
         one.close()
         two.close()
     assert [(t["from"], t["to"]) for t in StateDB(tmp_path / "state").transitions("solo")] == [(None, READY)]
+
+
+class HeldLease:
+    """A files-only deploy of n0, n1 and solo from Python, one host at a time, holding its rollout
+    lease, whose first host (n0) waits on its deploy root's lock, which the test holds."""
+
+    def __init__(self, box: Box, url: str) -> None:
+        import fcntl
+
+        import yaml
+
+        (box.dir / "a.txt").write_text("a\n")
+        book = {
+            "name": "lease",
+            "targets": ["n0", "n1", "solo"],
+            "deploy_root": "/unused",
+            "files": [{"src": "a.txt", "dest": "a.txt"}],
+        }
+        (box.dir / "lease.yaml").write_text(yaml.safe_dump(book))
+        from orchestrator.config.playbook import load_playbook
+        from orchestrator.engine.runner import RunOptions, Stop
+
+        box.root("n0").mkdir(parents=True)
+        self.held = open(box.root("n0") / ".lock", "w")  # noqa: SIM115 (held across the test)
+        fcntl.flock(self.held, fcntl.LOCK_EX)
+        self.store = StateDB(box.dir, url)
+        self.said = Said()
+        options = RunOptions(forks=1, lock_timeout=300.0, interrupt=Stop(), state_dir=box.dir / "state")
+        deployment = Deployment(
+            load_playbook(box.dir / "lease.yaml"), box.inventory, options, self.said, store=self.store
+        )
+        self.report: Any = None
+        self.thread = threading.Thread(target=lambda: setattr(self, "report", deployment.deploy()))
+        self.thread.start()
+        self.admin = psycopg.connect(url, autocommit=True)
+        deadline = time.monotonic() + 60
+        while len(self.holders()) != 1:  # held before any host starts; n0 then waits on the test
+            assert time.monotonic() < deadline, self.said.lines
+            time.sleep(0.05)
+
+    def holders(self) -> set[int]:
+        """The backends that hold the run's three advisory locks."""
+        rows = self.admin.execute(
+            "SELECT pid, count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted GROUP BY pid"
+        ).fetchall()
+        return {pid for pid, n in rows if n == 3}
+
+    def finish(self) -> Any:
+        self.held.close()  # n0 goes on
+        self.thread.join(120)
+        assert not self.thread.is_alive()
+        self.admin.close()
+        self.store.close()
+        return self.report
+
+
+def test_a_lease_whose_session_the_database_ended_is_taken_again_when_no_one_took_it(
+    box: Box, postgres: Postgres
+) -> None:
+    """A PostgreSQL restart ends every session, and a session's advisory locks go with it: the
+    lease was gone while the run went on, silently. Taken again on a new session, the run goes on."""
+    run = HeldLease(box, postgres.socket_url(postgres.new_database()))
+    (first,) = run.holders()
+    run.admin.execute("SELECT pg_terminate_backend(%s)", (first,))
+    deadline = time.monotonic() + 30
+    while not run.holders() or run.holders() == {first}:  # held again, by a new session
+        assert time.monotonic() < deadline, "the lease was not taken again"
+        time.sleep(0.05)
+    names = {n for (n,) in run.admin.execute("SELECT name FROM leases").fetchall()}
+    report = run.finish()
+    assert names == {"n0", "n1", "solo"}  # the holder is still named
+    assert report.ok and not report.interrupted, [h.failed_gate for h in report.hosts]
+    assert not any(line.startswith("error:") for line in run.said.lines), run.said.lines
+
+
+def test_a_lease_another_controller_took_while_the_session_was_gone_stops_the_rollout(
+    box: Box, postgres: Postgres, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session ended, and another controller took one of the hosts' lease before this one
+    noticed: it starts no new host (it used to roll on, and the other controller stopped a host
+    under it), the host in flight finishes, and the run says who holds the lease now."""
+    from orchestrator.store import state
+
+    monkeypatch.setattr(state, "LEASE_CHECK_S", 2.0)  # the test takes the lease well within it
+    run = HeldLease(box, postgres.socket_url(postgres.new_database()))
+    (first,) = run.holders()
+    other = psycopg.connect(run.store.url or "", autocommit=True)
+    try:
+        key = state._lock_key("n1")
+        run.admin.execute("SELECT pg_terminate_backend(%s)", (first,))
+        deadline = time.monotonic() + 10
+        while not other.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
+            assert time.monotonic() < deadline, "the terminated session's lock never went"
+        other.execute("UPDATE leases SET controller = 'ctl-b', pid = 4242, run = 'deploy by b' WHERE name = 'n1'")
+        deadline = time.monotonic() + 30
+        while not any(line.startswith("error: the rollout lease") for line in run.said.lines):
+            assert time.monotonic() < deadline, run.said.lines
+            time.sleep(0.05)
+        report = run.finish()
+    finally:
+        other.close()
+    by_name = {h.name: h for h in report.hosts}
+    assert by_name["n0"].ready  # in flight: its steps are atomic and it finishes
+    for name in ("n1", "solo"):
+        gate = by_name[name].gates["interrupted"]
+        assert not gate.ok and gate.detail.startswith("not started: the rollout lease of n1 was lost"), gate
+        assert "pid 4242" in gate.detail and "run deploy by b" in gate.detail
+        assert not (box.root(name) / "current").exists()
+    assert not report.ok and not report.interrupted  # exit 1, not 130: nobody interrupted it
