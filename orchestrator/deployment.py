@@ -21,6 +21,7 @@ the run is recorded. A watcher of such a deployment leads its watch group or fol
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -90,6 +91,32 @@ def _check_root(playbook: Playbook, inventory: Inventory, target: Target) -> Non
                 key = f"hosts.{container.host}.containers.{container.name}.deploy_root"
                 raise InputError(message, file=str(inventory.file), key=key)
             raise InputError(message, file=str(playbook.file), key="deploy_root")
+
+
+# How long the state database has to answer a run's write: a store that stops answering (a
+# server stopped, a network cut without a reset) held the controller for ever, after the hosts
+# had changed, with nothing said.
+STORE_ANSWER_S = 120.0
+
+
+def _answered(write: Callable[[], object], store: StateDB, what: str) -> None:
+    """``write`` to the store, or StateError once it has not answered in ``STORE_ANSWER_S`` (its
+    thread is left to end with the process: a blocked read cannot be interrupted)."""
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            write()
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=call, name="state-write", daemon=True)
+    worker.start()
+    worker.join(STORE_ANSWER_S)
+    if worker.is_alive():
+        raise StateError(f"state database {store.where} did not {what} in {STORE_ANSWER_S:g} s")
+    if failed:
+        raise failed[0]
 
 
 @dataclass
@@ -171,7 +198,8 @@ class Deployment:
     def _run(self, kind: RunKind, work: Callable[[], RunReport], detail: str = "") -> RunReport:
         store = self.store
         if store is not None:
-            store.check_writable()  # the record must be possible before any host changes
+            # the record must be possible before any host changes
+            _answered(store.check_writable, store, "take the run's first write")
         with self._lease(kind, detail):
             hosts = len(self.targets)
             forks = min(self.options.forks, hosts)
@@ -180,7 +208,7 @@ class Deployment:
         report.interrupted = self.options.interrupt.is_set() and stop_reason(self.options.interrupt) is None
         if store is not None:
             try:
-                store.record(report)
+                _answered(lambda: store.record(report), store, "take the run's record")
             except StateError as exc:
                 # What the hosts did stands: the report is returned, and the loss of its record said.
                 self.observer.say(f"error: the run was not recorded: {exc}")

@@ -333,3 +333,31 @@ def test_a_lease_another_controller_took_while_the_session_was_gone_stops_the_ro
         assert "pid 4242" in gate.detail and "run deploy by b" in gate.detail
         assert not (box.root(name) / "current").exists()
     assert not report.ok and not report.interrupted  # exit 1, not 130: nobody interrupted it
+
+
+def test_a_store_that_stops_answering_after_the_hosts_changed_costs_the_record_not_the_run(
+    box: Box, postgres: Postgres, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's server process stops (SIGSTOP: no reset, no answer) while the hosts change: the
+    controller waited for ever to record the run. It says the record was not taken and returns
+    what the hosts did."""
+    from orchestrator import deployment
+
+    monkeypatch.setattr(deployment, "STORE_ANSWER_S", 2.0)
+    run = HeldLease(box, postgres.socket_url(postgres.new_database()))
+    ((backend,),) = run.store._query("SELECT pg_backend_pid()")
+    os.kill(backend, signal.SIGSTOP)  # a child of the cluster this test suite started
+    try:
+        run.held.close()
+        run.thread.join(60)
+        assert not run.thread.is_alive(), "the run waited on the store"
+        report = run.report
+    finally:
+        os.kill(backend, signal.SIGCONT)
+    run.finish()
+    assert report.ok, [h.failed_gate for h in report.hosts]
+    assert any(
+        line.startswith("error: the run was not recorded: state database")
+        and "did not take the run's record in 2 s" in line
+        for line in run.said.lines
+    ), run.said.lines
