@@ -263,14 +263,14 @@ def read_answers(host: str, ops: Sequence[Op[Any]], results: list[OpResult], exi
     for the first failed op that is not a finding."""
     if len(results) != len(ops):
         raise AgentProtocolError(host, f"expected {len(ops)} results, got {len(results)}", exit_status, tail)
-    values: dict[str, Any] = {}
-    failed: dict[str, AgentFailure] = {}
+    values: list[tuple[Op[Any], Any]] = []
+    failed: list[tuple[Op[Any], AgentFailure]] = []
     for op, r in zip(ops, results, strict=True):
         if r.failure is not None and op.is_finding:
-            failed[op.key] = r.failure
+            failed.append((op, r.failure))
             continue
         if r.failure is not None:
-            raise AgentError(host, r.failure, Answers(values, failed))
+            raise AgentError(host, r.failure, Answers.of(values, failed))
         if r.skipped:
             raise AgentProtocolError(
                 host, f"{op.name} was skipped, though no op before it failed", exit_status, tail, op.gate
@@ -278,10 +278,10 @@ def read_answers(host: str, ops: Sequence[Op[Any]], results: list[OpResult], exi
         if r.op != op.name:
             raise AgentProtocolError(host, f"answer for {r.op!r} where {op.name!r} was asked", exit_status, "", op.gate)
         try:
-            values[op.key] = op.read(r.value)
+            values.append((op, op.read(r.value)))
         except AnswerError as exc:
             raise AgentProtocolError(host, f"{op.name} answered badly: {exc}", exit_status, "", op.gate) from None
-    return Answers(values, failed)
+    return Answers.of(values, failed)
 
 
 # The largest answer a session accepts (a watch round's answers are a few KB).

@@ -439,35 +439,74 @@ class Op(Generic[A]):
 
 
 class Answers:
-    """A batch's answers, read and typed, found by op; and the failures of its findings."""
+    """A batch's answers, read and typed, found by op; and the failures of its findings.
 
-    def __init__(self, values: dict[str, Any], failed: dict[str, AgentFailure] | None = None) -> None:
+    Found by the op itself first: two ops of one kind in a batch (the command hook asked about
+    three servers) share a key, and by key alone each was given the last one's answer (a host
+    draining read another's state, and was stopped undrained). By key only where the key is
+    the batch's alone."""
+
+    def __init__(
+        self,
+        values: dict[str, Any],
+        failed: dict[str, AgentFailure] | None = None,
+        by_op: dict[int, Any] | None = None,
+        failed_by_op: dict[int, AgentFailure] | None = None,
+    ) -> None:
         self._values = values
         self._failed = failed or {}
+        self._by_op = by_op or {}
+        self._failed_by_op = failed_by_op or {}
+
+    @classmethod
+    def of(
+        cls, answered: Sequence[tuple[Op[Any], Any]], failed: Sequence[tuple[Op[Any], AgentFailure]] = ()
+    ) -> Answers:
+        """The answers of a batch's ops, each found by its op; a key two of them share is found by
+        neither's key."""
+        keys = [op.key for op, _ in answered] + [op.key for op, _ in failed]
+        shared = {k for k in keys if keys.count(k) > 1}
+        return cls(
+            {op.key: v for op, v in answered if op.key not in shared},
+            {op.key: f for op, f in failed if op.key not in shared},
+            {id(op): v for op, v in answered},
+            {id(op): f for op, f in failed},
+        )
 
     def __getitem__(self, op: Op[A]) -> A:
+        if id(op) in self._by_op:
+            return self._by_op[id(op)]  # type: ignore[no-any-return]
         return self._values[op.key]  # type: ignore[no-any-return]
 
     def get(self, op: Op[A] | None) -> A | None:
         """The op's answer; None when it was not asked (None) or not answered (it, or an op
         before it, failed)."""
-        return self._values.get(op.key) if op is not None else None
+        if op is None or op not in self:
+            return None
+        return self[op]
 
     def __contains__(self, op: Op[Any]) -> bool:
-        return op.key in self._values
+        return id(op) in self._by_op or op.key in self._values
 
     def failure(self, op: Op[Any] | None) -> AgentFailure | None:
         """Why a finding failed (None: it was answered, or not asked)."""
-        return self._failed.get(op.key) if op is not None else None
+        if op is None:
+            return None
+        return self._failed_by_op.get(id(op)) or self._failed.get(op.key)
 
     @property
     def failures(self) -> list[AgentFailure]:
         """Every finding that failed, in the batch's order; each names its gate."""
-        return list(self._failed.values())
+        return list(self._failed_by_op.values()) if self._failed_by_op else list(self._failed.values())
 
     def __or__(self, other: Answers) -> Answers:
         """Two batches' answers as one."""
-        return Answers({**self._values, **other._values}, {**self._failed, **other._failed})
+        return Answers(
+            {**self._values, **other._values},
+            {**self._failed, **other._failed},
+            {**self._by_op, **other._by_op},
+            {**self._failed_by_op, **other._failed_by_op},
+        )
 
 
 def ref(op: Op[Any], field_name: str | None = None) -> dict[str, str]:

@@ -68,9 +68,10 @@ def drain(run: Run, unit: Unit) -> bool:
     started = time.monotonic()
     capacity_deadline = started + playbook.serving.startup_timeout + playbook.serving.drain_timeout
     was_in = True
+    fleet = [server, *(s for s in gateway.fleet if s.key != server.key)]
     while True:
         with gateway.changing:
-            rotation = gateway.rotation([server])
+            rotation = gateway.rotation(fleet)
             was_in = rotation.of(server).in_rotation
             others = rotation.serving(besides=server.key)
             if not was_in:
@@ -79,6 +80,18 @@ def drain(run: Run, unit: Unit) -> bool:
             if others >= floor or alone:
                 gateway.put(server, into=False)
                 break
+            # Every server the gateway knows, and this run's own that it does not yet: past that
+            # count less one, no wait can keep the floor (it waited the whole start budget).
+            possible = len(set(rotation.members) | {s.key for s in fleet}) - 1
+            if floor > possible:
+                head.report.gates[GATE_GATEWAY] = Gate(
+                    False,
+                    f"not taken out of rotation: rollout.min_in_rotation {floor} can never be kept while this host is "
+                    f"out: the gateway knows {possible + 1} servers (this run's included), so at most {possible} "
+                    "serve; lower it, or add servers",
+                    reason="min_in_rotation",
+                )
+                return False
         if time.monotonic() > capacity_deadline:
             head.report.gates[GATE_GATEWAY] = Gate(
                 False,

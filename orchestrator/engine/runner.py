@@ -448,6 +448,7 @@ def _gateway_answers(run: Run, units: list[Unit], reports: list[HostReport]) -> 
             with contextlib.suppress(InputError):  # an address LXD gives only once it is located
                 servers.append(run.gateway.server(unit.head.target.container))
         run.gateway.rotation(servers)
+        run.gateway.fleet = servers
     except (GatewayError, InputError, TransportError, AgentProtocolError) as exc:
         for report in reports:
             report.gates[GATE_GATEWAY] = Gate(False, f"the gateway: {exc}: no host was touched", reason="unreachable")

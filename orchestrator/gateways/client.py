@@ -80,6 +80,9 @@ class GatewayClient:
         self.playbook, self.spec, self.target, self.client = playbook, playbook.gateway, target, client
         self.adapter = ADAPTERS[self.spec.kind](self.spec)
         self.changing = threading.Lock()
+        # The run's own servers: asked about with each, so that a gateway that answers only for
+        # the servers named (the command hook) still counts the others serving.
+        self.fleet: list[Server] = []
 
     def server(self, container: Container) -> Server:
         url = serving.url(self.playbook, container)

@@ -293,8 +293,9 @@ def test_a_gateway_with_no_rollout_block_keeps_a_host_serving_while_the_others_d
 
 
 def test_min_in_rotation_is_never_broken(fleet: Fleet, haproxy: Haproxy) -> None:
-    """With every host needed in rotation, no host can be drained: the rollout says so and stops,
-    and every server keeps serving its release."""
+    """With every host needed in rotation, no host can be drained: the rollout says so at once
+    (no wait can keep such a floor: it waited the whole start budget, 16 minutes by default) and
+    stops, and every server keeps serving its release."""
     gateway = haproxy_gateway(haproxy)
     assert fleet.deploy(fleet.playbook(gateway)).ok
     pids = {name: fleet.pid(name) for name in HOSTS}
@@ -302,7 +303,10 @@ def test_min_in_rotation_is_never_broken(fleet: Fleet, haproxy: Haproxy) -> None
     report = fleet.deploy(playbook)
     g1 = by_name(report)["g1"]
     assert g1.failed_gate == "gateway" and g1.gates["gateway"].reason == "min_in_rotation", failures(report)
-    assert "2 other hosts serve, and rollout.min_in_rotation is 3" in g1.gates["gateway"].detail
+    assert "rollout.min_in_rotation 3 can never be kept while this host is out: the gateway knows 3 servers" in (
+        g1.gates["gateway"].detail
+    )
+    assert g1.duration_s < playbook.serving.startup_timeout
     assert by_name(report)["g2"].failed_gate == "rollout"
     assert {name: fleet.pid(name) for name in HOSTS} == pids
     assert haproxy.status() == {name: "UP" for name in HOSTS}
@@ -338,6 +342,21 @@ print(json.dumps({{"in_rotation": row["status"].startswith("UP"), "in_flight": i
     assert report.ok, failures(report)
     assert load.lost == [], load.lost[:5]
     assert all(h.gates["gateway"].data["in_flight_left"] == 0 for h in report.hosts)
+    # Every host at once with a floor of two: the hook answers only for the host it is asked
+    # about, so the others serving went uncounted (a floor of one or more could never be met, or,
+    # unset, every host was drained at once); the run's other servers are asked too.
+    wait_for("HAProxy's checks", lambda: haproxy.status() == {name: "UP" for name in HOSTS})
+    load = Load(haproxy.port).start()
+    floored = fleet.deploy(fleet.playbook(gateway, "release 3\n", rollout={"min_in_rotation": 2}))
+    load.stop()
+    assert floored.ok, failures(floored)
+    print(
+        "DEBUG",
+        len(load.lost),
+        load.sent,
+        [(h.name, h.gates["gateway"].detail, h.gates["gateway"].data) for h in floored.hosts],
+    )
+    assert load.lost == [], load.lost[:5]
 
     endpoints = tmp_path / "gw" / "endpoints.json"
     endpoints.parent.mkdir()

@@ -417,7 +417,7 @@ def test_a_server_listed_at_another_url_is_out_of_rotation_until_put_back(tmp_pa
     def batch(ops: list[Any]) -> protocol.Answers:
         results = run([op.request for op in ops])
         assert all(r["ok"] for r in results), results
-        return protocol.Answers({op.key: op.reader(r["result"]) for op, r in zip(ops, results, strict=True)})
+        return protocol.Answers.of([(op, op.reader(r["result"])) for op, r in zip(ops, results, strict=True)])
 
     member = adapter.rotation([server], batch).of(server)
     assert not member.in_rotation and member.status == "listed at http://10.0.0.9:8000, not http://10.0.0.1:8000"
@@ -439,6 +439,36 @@ def test_endpoints_changed_at_once_by_two_agents_are_all_kept(tmp_path: Path) ->
     for t in threads:
         t.join(60)
     assert [e["name"] for e in json.loads(path.read_text())["endpoints"]] == names
+
+
+def test_a_hook_asked_about_several_servers_in_one_batch_gives_each_its_own_answer(tmp_path: Path) -> None:
+    """Ops of one kind share a key: by key, each server was given the last one's answer, so a host
+    about to be drained read another's state (out of rotation) and was stopped undrained, and the
+    floor counted servers that were out. Each op's answer is found by the op itself."""
+    from orchestrator.agent.client import BOOTSTRAP, decode_response, encode_request, read_answers
+    from tests.unit.test_agent import complete
+
+    hook = tmp_path / "hook"
+    hook.write_text(
+        f"#!{sys.executable}\nimport json, sys\nname = json.load(sys.stdin)['host']['name']\n"
+        "print(json.dumps({'in_rotation': name != 'g2', 'in_flight': int(name[1:])}))\n"
+    )
+    hook.chmod(0o755)
+    adapter = command.CommandAdapter(Gateway("command", "gw", "http://127.0.0.1:1", command=(str(hook),)))
+    servers = [base.Server(n, n, f"http://10.0.0.{i}:8000") for i, n in enumerate(["g1", "g2", "g3"], 1)]
+
+    def batch(ops: list[Any]) -> protocol.Answers:
+        proc = subprocess.run(
+            [sys.executable, "-c", BOOTSTRAP], input=encode_request(complete([op.request for op in ops])),
+            capture_output=True, timeout=60,
+        )  # fmt: skip
+        return read_answers("gw", ops, decode_response("gw", proc.returncode, proc.stdout, proc.stderr), 0, "")
+
+    rotation = adapter.rotation(servers, batch)
+    assert {k: (m.in_rotation, m.in_flight) for k, m in rotation.members.items()} == {
+        "g1": (True, 1), "g2": (False, 2), "g3": (True, 3)
+    }  # fmt: skip
+    assert rotation.serving(besides="g1") == 1
 
 
 def test_a_hooks_output_is_held_only_as_far_as_its_tail_however_much_it_writes(tmp_path: Path) -> None:
