@@ -311,6 +311,9 @@ def bake(run: Run, units: list[Unit]) -> list[str]:
         time.sleep(BAKE_POLL_S)  # the canary's traffic accrues: read it again
     for unit in canaries:
         head, seen = unit.head, watched[unit.head.name]
+        if seen["restarts"] and head.name not in degraded:
+            # Its counters started again: the server restarted under it (a crash, a supervisor).
+            degraded[head.name] = f"its server restarted {seen['restarts']} times while it baked"
         a = seen.get("acceptance")
         said = (
             f"tau {a.mean_acceptance_length:.2f} over {a.drafts} drafts" if a is not None else "no drafts to judge"
@@ -318,6 +321,16 @@ def bake(run: Run, units: list[Unit]) -> list[str]:
         if head.name in degraded:
             head.report.gates[GATE_BAKE] = Gate(
                 False, f"degraded within {playbook.rollout.bake_s:g} s: {degraded[head.name]}", reason="degraded"
+            )
+        elif a is None or a.drafts < live.min_drafts:
+            # A bake that saw too little traffic proved nothing: it passed, and the rollout went on
+            # on the strength of a canary nobody judged. The canary stays (nothing was seen wrong).
+            head.report.gates[GATE_BAKE] = Gate(
+                False,
+                f"baked {playbook.rollout.bake_s:g} s and judged nothing: {a.drafts if a else 0} drafts on live "
+                f"traffic, gates.live.min_drafts {live.min_drafts} needed (did traffic reach it? a longer "
+                "rollout.bake_s, or more traffic)",
+                reason="unjudged",
             )
         else:
             head.report.gates[GATE_BAKE] = Gate(True, f"baked {playbook.rollout.bake_s:g} s on live traffic: {said}")

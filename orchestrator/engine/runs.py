@@ -17,6 +17,7 @@ from orchestrator.engine import launch, push
 from orchestrator.engine.runner import Node, Run, Scope, Unit, execute, units_for
 from orchestrator.errors import AgentError, ArtifactError
 from orchestrator.results import (
+    GATE_BAKE,
     GATE_CONNECT,
     GATE_FILES,
     GATE_GPUS,
@@ -89,6 +90,9 @@ def _bake(run: Run, canaries: list[Unit]) -> str | None:
         launch.roll_back(run, unit)
     if degraded:
         return f"the canary {', '.join(degraded)} degraded while it baked, and was rolled back"
+    unjudged = [u.head.name for u in ready if not u.head.report.gates[GATE_BAKE].ok]
+    if unjudged:
+        return f"the canary {', '.join(unjudged)} could not be judged while it baked (too little live traffic)"
     return None
 
 

@@ -389,7 +389,19 @@ def test_a_canary_that_degrades_while_it_bakes_is_rolled_back_and_the_rollout_st
             "live": {"min_mean_acceptance_length": 2.0, "min_drafts": 20},
         },
     }
+    # No traffic while it bakes: the bake judged nothing, and used to pass. The rollout stops
+    # there, and the canary, seen doing nothing wrong, is kept.
+    unjudged = fleet.deploy(fleet.playbook(gateway, **top))
+    g1 = by_name(unjudged)["g1"]
+    assert g1.failed_gate == "bake" and g1.gates["bake"].reason == "unjudged", failures(unjudged)
+    assert "judged nothing: 0 drafts on live traffic, gates.live.min_drafts 20 needed" in g1.gates["bake"].detail
+    assert os.readlink(fleet.root("g1") / "current").endswith(g1.release_id or "?")
+    for name in ("g2", "g3"):
+        assert "the canary g1 could not be judged while it baked" in by_name(unjudged)[name].gates["rollout"].detail
+        assert not (fleet.root(name) / "current").exists()
+    load = Load(haproxy.port).start()
     first = fleet.deploy(fleet.playbook(gateway, **top))
+    load.stop()
     assert first.ok, failures(first)
     old = first.hosts[0].release_id
     pids = {name: fleet.pid(name) for name in ("g2", "g3")}
