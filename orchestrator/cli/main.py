@@ -566,6 +566,11 @@ def _watch(args: argparse.Namespace, deployment: Deployment) -> int:
             render_watch_table(last)
     if interrupted.is_set():
         return EXIT_INTERRUPTED
+    unread = sorted({r.gateway_unread for r in last if r.gateway_unread})
+    if unread:
+        # Every host may be READY, but whether users reach them is unknown: not a pass.
+        _say(f"error: the gateway {unread[0]}: its rotation is not known")
+        return EXIT_NOT_READY
     return EXIT_OK if all(r.state == READY for r in last) else EXIT_NOT_READY
 
 

@@ -132,6 +132,7 @@ class Round:
     last_good: float | None
     gates: dict[str, Any] = field(default_factory=dict)
     in_rotation: bool | None = None  # at the gateway (None: no gateway, or it could not say)
+    gateway_unread: str | None = None  # why the gateway could not be read this round
     state_rounds: int = 1  # rounds in this state, this one included (alerts count rounds, not seconds)
     live_min: float | None = None  # the live gate's mean acceptance length, for alerts to compare
 
@@ -150,6 +151,7 @@ class Round:
             "last_good": self.last_good,
             "gates": self.gates,
             "in_rotation": self.in_rotation,
+            "gateway_unread": self.gateway_unread,
         }
 
 
@@ -289,6 +291,7 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
         last_good=last_good,
         gates=gates,
         in_rotation=seen.in_rotation,
+        gateway_unread=seen.rotation_status if seen.in_rotation is None and seen.rotation_status else None,
         state_rounds=1 if state != w.state else w.state_rounds + 1,
         live_min=gate.min_mean_acceptance_length,
     )

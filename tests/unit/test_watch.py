@@ -617,3 +617,30 @@ def test_ready_out_of_the_gateways_rotation_is_its_own_state_and_in_rotation_is_
     assert r.state == "DOWN" and "in the gateway's rotation (UP): users' requests reach it" in r.reasons
     _, r, _ = step(w, seen(3, counters(0, 0), rotation_status="cannot be read: refused"), GATE)
     assert "the gateway: cannot be read: refused" in r.reasons and r.in_rotation is None
+
+
+def test_watch_once_fails_while_the_gateway_cannot_be_read(
+    box: Box, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every host READY, but the gateway's rotation unread (its endpoints file replaced by a
+    directory here): whether users reach them is unknown, and `watch --once` passed with exit 0."""
+    playbook = box.playbook(targets="[n0]")
+    assert deploy(box, playbook).ok
+    endpoints = tmp_path / "endpoints.json"
+    url = f"http://127.0.0.1:{box.port}"
+    endpoints.write_text(json.dumps({"endpoints": [{"name": "n0", "url": url}]}))
+    gateway = {"kind": "endpoints-file", "runs_on": "n0", "url": url, "path": str(endpoints)}
+    watched = box.playbook(targets="[n0]", top={"gateway": gateway})
+    argv = ["watch", str(watched.file), "-i", str(box.inventory_path), "--once", "--json"]
+    argv += ["--state-dir", str(tmp_path / "state")]
+    assert cli.main(argv) == 0, capsys.readouterr()
+    (host,) = json.loads(capsys.readouterr().out)["hosts"]
+    assert host["state"] == READY and host["in_rotation"] is True and host["gateway_unread"] is None
+    endpoints.unlink()
+    endpoints.mkdir()
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    (host,) = json.loads(captured.out)["hosts"]
+    assert host["in_rotation"] is None and "not a regular file" in host["gateway_unread"]
+    said = [json.loads(line)["message"] for line in captured.err.splitlines()]
+    assert any(m.startswith("error: the gateway cannot be read:") and "rotation is not known" in m for m in said), said
