@@ -46,8 +46,15 @@ class HostHistory:
 
     @property
     def state(self) -> str | None:
-        """The host's last watch state, if it was ever watched."""
-        return self.transitions[-1]["to"] if self.transitions else None
+        """The host's last watch state, if it was ever watched; STOPPED when a stop ran after it
+        (the watch that would have seen it down may have been stopped too: the host stayed READY
+        in the report, serving nothing)."""
+        watched = self.transitions[-1] if self.transitions else None
+        run = self.runs[0] if self.runs else None  # newest first
+        stopped = run is not None and run.get("kind") == "stop" and run["host"].get("ready")
+        if stopped and (watched is None or float(run["finished"]) >= float(watched["at"])):  # type: ignore[index]
+            return STOPPED
+        return watched["to"] if watched else None
 
     def periods(self, now: float) -> list[Period]:
         """Each stretch of time the host spent in one watched state."""
@@ -150,6 +157,7 @@ td.detail { color: #5f6368; max-width: 640px; }
 .legend span { margin-right: 14px; font-size: 12px; }
 .swatch { display: inline-block; width: 10px; height: 10px; margin-right: 4px; vertical-align: middle; }
 .state-OUT_OF_ROTATION { background: #d2e3fc; } .state-NOT_WATCHED { background: #f1f3f4; }
+.state-STOPPED { background: #e8eaed; }
 .filters input { margin: 0 4px 0 12px; } .filters label { font-size: 13px; }
 table.fleet { margin-top: 10px; } table.fleet td { padding-right: 18px; }
 """
@@ -185,7 +193,8 @@ def render_html(hosts: list[HostHistory], now: float) -> str:
 
 # Worst first: what needs someone now, then what drifted, then the rest; a host never watched
 # (no state) before the READY ones, since nothing vouches for it.
-_RANK = {"DOWN": 0, "DEGRADED": 1, "DRIFT": 2, "OUT_OF_ROTATION": 3, None: 4, "READY": 5}
+STOPPED = "STOPPED"  # a stop ran after the last watch state: asked for, and nothing serves
+_RANK = {"DOWN": 0, "DEGRADED": 1, "DRIFT": 2, "OUT_OF_ROTATION": 3, STOPPED: 4, None: 4, "READY": 5}
 NO_STATE = "NOT_WATCHED"
 UNKNOWN = "UNKNOWN"  # a stored state this tool never writes (another tool's row, a damaged one)
 

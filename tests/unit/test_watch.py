@@ -644,3 +644,32 @@ def test_watch_once_fails_while_the_gateway_cannot_be_read(
     assert host["in_rotation"] is None and "not a regular file" in host["gateway_unread"]
     said = [json.loads(line)["message"] for line in captured.err.splitlines()]
     assert any(m.startswith("error: the gateway cannot be read:") and "rotation is not known" in m for m in said), said
+
+
+def test_a_host_stopped_after_its_last_watch_is_stopped_in_the_report(
+    box: Box, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The report took a host's state from its last watch transition: a host stopped since (its
+    watch stopped with it) stayed READY, serving nothing."""
+    playbook = box.playbook()
+    state = ["--state-dir", str(tmp_path / "state")]
+    assert cli.main(["deploy", str(playbook.file), "-i", str(box.inventory_path), *state]) == 0
+    assert cli.main(["watch", str(playbook.file), "-i", str(box.inventory_path), "--once", *state]) == 0
+    capsys.readouterr()
+
+    def shown() -> str:
+        assert cli.main(["report", "--json", *state]) == 0
+        (host,) = json.loads(capsys.readouterr().out)["hosts"]
+        return str(host["state"])
+
+    assert shown() == READY
+    assert cli.main(["stop", str(playbook.file), "-i", str(box.inventory_path), *state]) == 0
+    capsys.readouterr()
+    assert shown() == "STOPPED"
+    page = tmp_path / "fleet.html"
+    assert cli.main(["report", "--html", str(page), *state]) == 0
+    assert '<span class="state state-STOPPED">STOPPED</span> 1' in page.read_text()
+    assert cli.main(["deploy", str(playbook.file), "-i", str(box.inventory_path), *state]) == 0
+    assert cli.main(["watch", str(playbook.file), "-i", str(box.inventory_path), "--once", *state]) == 0
+    capsys.readouterr()
+    assert shown() == READY
