@@ -999,8 +999,12 @@ class WatchLead:
             return False
 
     def _path(self) -> Path:
+        """Beside the database the watchers share (its file's own directory): in the state
+        directory, two watchers with one ``sqlite:///`` URL and two state directories each took
+        a lead of their own, and every change was paged twice."""
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.group)
-        return self.db.directory / f"watch-{safe}.lead"
+        assert self.db.path is not None  # SQLite: a file
+        return self.db.path.resolve().parent / f"{self.db.path.name}.watch-{safe}.lead"
 
     def _poll_file(self) -> bool:
         import fcntl

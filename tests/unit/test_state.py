@@ -285,3 +285,24 @@ def test_a_schema_version_this_tool_never_writes_is_one_line_and_nothing_written
     assert shown.returncode == EXIT_BAD_INPUT and "Traceback" not in shown.stderr
     assert len(shown.stderr.strip().splitlines()) == 1
     assert path.read_bytes() == before
+
+
+def test_watchers_sharing_one_sqlite_store_from_two_state_directories_have_one_leader(tmp_path: Path) -> None:
+    """The lead of a watch group on SQLite is an flock beside the database file, not in each
+    watcher's state directory: two watchers with one ``sqlite:///`` URL and state directories of
+    their own both led, and every change was paged twice."""
+    url = f"sqlite:///{tmp_path / 'shared' / 'state.db'}"
+    (tmp_path / "shared").mkdir()
+    one, two = StateDB(tmp_path / "one", url), StateDB(tmp_path / "two", url)
+    try:
+        first, second = one.watch_lead("pb"), two.watch_lead("pb")
+        assert first.poll() and not second.poll()
+        assert (tmp_path / "shared" / "state.db.watch-pb.lead").is_file()
+        holder = second.holder()
+        assert holder is not None and holder.pid == os.getpid()
+        first.close()
+        assert second.poll()  # the lead passes on when its holder lets go
+        second.close()
+    finally:
+        one.close()
+        two.close()
