@@ -21,6 +21,7 @@ the run is recorded. A watcher of such a deployment leads its watch group or fol
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -183,16 +184,25 @@ class Deployment:
         """What a deploy would change on every target, with diffs of text files; writes nothing."""
         return self._run(RunKind.DRY_RUN, lambda: runs.dry_run(self.scope))
 
+    @property
+    def watch_group(self) -> str:
+        """The watch group these targets' watchers join by default: the playbook's name and a
+        digest of the hosts it watches. By name alone, a second playbook of that name (another
+        team's, other hosts) joined the first one's group, and as its follower never recorded or
+        paged anything."""
+        hosts = "\n".join(sorted(t.name for t in self.targets))
+        return f"{self.playbook.name}@{hashlib.sha256(hosts.encode()).hexdigest()[:8]}"
+
     def watcher(self, group: str | None = None, on_change: Callable[[Transition], None] | None = None) -> Watcher:
         """Rounds that keep proving every target (``Watcher.round``); close it when done. With a
-        store, the watcher joins the watch ``group`` (default: the playbook's name): the one that
+        store, the watcher joins the watch ``group`` (default: ``watch_group``): the one that
         leads records each round and tells its changes (``on_change``), a follower takes the lead
         when the leader stops and tells what it finds unrecorded."""
         from orchestrator.engine.watcher import Watcher, WatchGroup
 
         joined = None
         if self.store is not None:
-            joined = WatchGroup(self.store, group or self.playbook.name, self.observer.say)
+            joined = WatchGroup(self.store, group or self.watch_group, self.observer.say)
         return Watcher(self.scope, joined, on_change)
 
     def _run(self, kind: RunKind, work: Callable[[], RunReport], detail: str = "") -> RunReport:

@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         help="watchers of one group share the work: each serves metrics, one (the lead) records and runs "
-        "--on-change, and another takes the lead when it stops (default: the playbook's name)",
+        "--on-change, and another takes the lead when it stops (default: the playbook's name @ a digest of its hosts)",
     )
     lint = sub.add_parser("lint", help="check a DFlash drafter config against its target, a reference and a vLLM build")
     lint.set_defaults(func=_cmd_lint)
@@ -517,7 +517,7 @@ def _watch(args: argparse.Namespace, deployment: Deployment) -> int:
 
     stop, interrupted = threading.Event(), threading.Event()
     collector = server = None
-    group = args.watch_group or deployment.playbook.name
+    group = args.watch_group or deployment.watch_group
     if args.metrics_port is not None:
         from orchestrator.store import metrics
 

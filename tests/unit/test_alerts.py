@@ -25,10 +25,10 @@ def test_a_degraded_host_fires_the_alert_and_it_resolves_when_fixed(box: Box, tm
     watcher = Watch(box, playbook.file, {"ORCHESTRATE_STATE_DIR": str(tmp_path / "state")}, port, tmp_path / "c")
     rules = OPS / "prometheus" / "dflash-orchestrator-rules.yml"
     try:
-        watcher.wait_for(r"watch group pb: leading")
+        watcher.wait_for(r"watch group pb@[0-9a-f]{8}: leading")
         with running_prometheus(tmp_path / "prometheus", [f"127.0.0.1:{port}"], [rules]) as prom:
             deadline = time.monotonic() + DEADLINE_S
-            while not prom.query('dflash_orchestrator_watch_leader{group="pb"} == 1'):
+            while not prom.query('dflash_orchestrator_watch_leader{group=~"pb@[0-9a-f]{8}"} == 1'):
                 assert time.monotonic() < deadline, "Prometheus never scraped the watcher"
                 time.sleep(0.2)
             # before the first scrape nobody led: pending, and gone at the next evaluation

@@ -261,3 +261,17 @@ def test_retry_policy_and_rollback_targets_are_checked_by_the_library(tmp_path: 
         with pytest.raises(InputError, match=r"rollback to: .* a release id is 1 to 128"):
             deployment.rollback(to=to)
     assert not fake.batches  # refused before any host
+
+
+def test_watchers_of_one_playbook_name_but_other_hosts_are_another_watch_group(tmp_path: Path) -> None:
+    """By name alone, a second playbook of that name (another team's, other hosts) joined the
+    first's watch group, and as its follower never recorded or paged anything. The default group
+    is the name and a digest of the hosts: the same hosts from any copy of the file share it."""
+    playbook, inventory = write(tmp_path)
+    book, inv = load_playbook(playbook), load_inventory(inventory)
+    a, b, both = Deployment(book, inv, limit=["a"]), Deployment(book, inv, limit=["b"]), Deployment(book, inv)
+    assert a.watch_group.startswith(f"{book.name}@") and len({a.watch_group, b.watch_group, both.watch_group}) == 3
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    again = Deployment(load_playbook(write(copy)[0]), load_inventory(write(copy)[1]), limit=["a"])
+    assert again.watch_group == a.watch_group

@@ -98,17 +98,17 @@ def test_the_follower_takes_the_lead_when_the_leader_is_killed_and_reports_once(
     first = Watch(box, playbook.file, env, free_port(), changes)
     second: Watch | None = None
     try:
-        first.wait_for(r"watch group pb: leading")
+        first.wait_for(r"watch group pb@[0-9a-f]{8}: leading")
         first.wait_for(r"round \d+: 1 READY")
         second = Watch(box, playbook.file, env, free_port(), changes)
-        following = second.wait_for(r"watch group pb: following ")
+        following = second.wait_for(r"watch group pb@[0-9a-f]{8}: following ")
         assert f"pid {first.proc.pid}" in following
         second.wait_for(r"round \d+: 1 READY")
         assert (first.leader_metric(), second.leader_metric()) == (1.0, 0.0)  # both serve metrics
         os.kill(first.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         first.proc.wait(30)
-        took = second.wait_for(r"watch group pb: taking the lead")
+        took = second.wait_for(r"watch group pb@[0-9a-f]{8}: taking the lead")
         takeover_s = time.monotonic() - killed
         # DEGRADED now: the founding incident's stale config, a restart behind our back, traffic
         served = box.root("solo") / "current" / "drafter" / "config.json"
