@@ -77,9 +77,21 @@ class WatchGroup:
         """After a round: lead or follow, and record the round when leading; the changes to tell
         (none for a follower: its lead tells them)."""
         self.rounds += 1
-        was = self.lead.leading
+        was, blind = self.lead.leading, self.lead.unreachable
         leading = self.lead.poll()
         told = transitions
+        if not leading and self.lead.unreachable is not None:
+            # Nobody can say who leads while the store is down: every watcher that cannot reach it
+            # tells its changes itself (twice, maybe, rather than by none: each used to say another
+            # watcher did, and nothing was paged); nothing can be recorded.
+            if blind is None:
+                self.say(
+                    f"error: watch group {self.name}: the state store cannot be reached ({self.lead.unreachable}): "
+                    "running --on-change for every change this watcher sees, unrecorded, until it can"
+                )
+            return transitions
+        if blind is not None and not leading:
+            self.say(f"watch group {self.name}: the state store answers again")
         if leading and not was:
             if self.rounds > 1:
                 told = transitions + self._caught_up(rounds, transitions)

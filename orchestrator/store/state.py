@@ -924,13 +924,15 @@ class _LeaseKeeper:
 class WatchLead:
     """Which of the watchers of one group leads it. Every watcher runs its rounds and serves its
     metrics; the one holding the group's lock records the transitions and runs --on-change. The
-    lock is a PostgreSQL session advisory lock on a shared store, an flock on the state directory
-    of a SQLite one: either goes with the process that held it, so a follower takes the lead at its
-    next round (``poll``) after the leader dies."""
+    lock is a PostgreSQL session advisory lock on a shared store, an flock beside the file of a
+    SQLite one: either goes with the process that held it, so a follower takes the lead at its
+    next round (``poll``) after the leader dies. ``unreachable``: why the lock could not be asked
+    for at the last poll (the store is down): then nobody can say who leads."""
 
     def __init__(self, db: StateDB, group: str) -> None:
         self.db, self.group = db, group
         self.leading = False
+        self.unreachable: str | None = None
         self.name = f"watch {group}"
         self._session: Any = None
         self._file: Any = None
@@ -990,12 +992,14 @@ class WatchLead:
                     "excluded.controller, pid = excluded.pid, since = excluded.since, run = excluded.run",
                     (self.name, user, controller, pid, time.time()),
                 )
+            self.unreachable = None
             return bool(got)
-        except (psycopg.Error, StateError):
+        except (psycopg.Error, StateError) as exc:
             with contextlib.suppress(Exception):
                 if self._session is not None:
                     self._session.close()
             self._session = None
+            self.unreachable = " ".join(str(exc).split())
             return False
 
     def _path(self) -> Path:
@@ -1015,8 +1019,10 @@ class WatchLead:
         try:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             f = open(path, "a+")  # noqa: SIM115 - held open for as long as the lead is
-        except OSError:
+        except OSError as exc:
+            self.unreachable = f"{path}: {exc.strerror or exc}"
             return False
+        self.unreachable = None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

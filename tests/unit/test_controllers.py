@@ -361,3 +361,40 @@ def test_a_store_that_stops_answering_after_the_hosts_changed_costs_the_record_n
         and "did not take the run's record in 2 s" in line
         for line in run.said.lines
     ), run.said.lines
+
+
+def test_watchers_that_cannot_reach_the_store_tell_their_changes_themselves(postgres: Postgres) -> None:
+    """PostgreSQL down: no watcher could take the lead, so each said another one did, and none
+    ran --on-change: monitoring went quiet exactly when it was needed. Each watcher that cannot
+    reach the store tells what it sees itself (twice rather than never), says so once, and
+    follows the lead again when the store answers."""
+    from orchestrator.rules.watch import HostWatch, step
+    from tests.unit.test_watch import GATE, counters, seen
+
+    database = postgres.new_database()
+    url = postgres.socket_url(database)
+    lines: list[str] = []
+    leader, other = StateDB(Path("/nonexistent"), url), StateDB(Path("/nonexistent"), url)
+    first, second = WatchGroup(leader, "g", lines.append), WatchGroup(other, "g", lines.append)
+    _, rnd, change = step(HostWatch("gpu-a"), seen(0, counters(0, 0), error="refused"), GATE)
+    assert change is not None
+    try:
+        assert first.after([rnd], [change]) == [change] and second.after([rnd], [change]) == []
+        postgres.psql(f"ALTER DATABASE {database} ALLOW_CONNECTIONS false")
+        postgres.psql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{database}'")
+        lines.clear()
+        assert first.after([rnd], [change]) == [change] and second.after([rnd], [change]) == [change]
+        down = [line for line in lines if "the state store cannot be reached" in line]
+        assert len(down) == 2 and all(line.startswith("error: watch group g:") for line in down), lines
+        assert not any("following" in line for line in lines), lines
+        assert first.after([rnd], [change]) == [change]  # said once, told every round
+        assert len([line for line in lines if "cannot be reached" in line]) == 2
+        postgres.psql(f"ALTER DATABASE {database} ALLOW_CONNECTIONS true")
+        told = [first.after([rnd], [change]), second.after([rnd], [change])]
+        assert sorted(map(len, told)) == [0, 1]  # one leads again, and only it tells
+    finally:
+        postgres.psql(f"ALTER DATABASE {database} ALLOW_CONNECTIONS true")
+        first.close()
+        second.close()
+        leader.close()
+        other.close()
