@@ -666,17 +666,21 @@ class StateDB:
     # --- what is read ----------------------------------------------------------------------
 
     def transitions(self, host: str | None = None) -> list[dict[str, Any]]:
-        """watch's state changes of a host (or all hosts), oldest first."""
+        """watch's state changes of a host (or all hosts), oldest first: in the order they were
+        recorded, which is the order they happened (one watcher of a group records at a time).
+        Each ``at`` is the clock of the watcher that saw it: ordered by those, a watcher whose
+        clock was behind the one before it put its later changes first, and a host's last state
+        was an older one."""
         query, args = "SELECT evidence FROM watch_transitions", []
         if host:
             query += " WHERE host = ?"
             args.append(host)
-        rows = self._query(f"{query} ORDER BY at, {self.dialect.seq}", args)
+        rows = self._query(f"{query} ORDER BY {self.dialect.seq}", args)
         return [json.loads(row[0]) for row in rows]
 
     def last_states(self) -> dict[str, str]:
-        """Each host's state as last recorded by watch (its last transition's)."""
-        rows = self._query(f"SELECT host, after FROM watch_transitions ORDER BY at, {self.dialect.seq}")
+        """Each host's state as last recorded by watch (its last transition's, in write order)."""
+        rows = self._query(f"SELECT host, after FROM watch_transitions ORDER BY {self.dialect.seq}")
         return {host: after for host, after in rows}
 
     def samples(self, host: str | None = None) -> list[dict[str, Any]]:

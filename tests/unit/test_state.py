@@ -306,3 +306,26 @@ def test_watchers_sharing_one_sqlite_store_from_two_state_directories_have_one_l
     finally:
         one.close()
         two.close()
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_transitions_are_in_the_order_recorded_whatever_each_watchers_clock_said(
+    tmp_path: Path, postgres: Postgres, store: str
+) -> None:
+    """Each transition's time is the clock of the watcher that saw it: a watcher that took the
+    lead with its clock an hour behind the one before it had its later changes sorted first, and
+    the host's last state read back as an older one (the report, and what a new leader tells)."""
+    from orchestrator.rules.watch import HostWatch, step
+    from tests.unit.test_watch import GATE, counters, seen
+
+    db = StateDB(tmp_path, None if store == "sqlite" else postgres.socket_url(postgres.new_database()))
+    try:
+        w, r1, down = step(HostWatch("gpu-a"), seen(7200.0, counters(0, 0), error="refused"), GATE)
+        _, r2, up = step(w, seen(3600.0, counters(0, 0)), GATE)  # the next leader, an hour behind
+        assert down is not None and up is not None
+        db.record_watch([down], [r1])
+        db.record_watch([up], [r2])
+        assert [t["to"] for t in db.transitions("gpu-a")] == ["DOWN", "READY"]
+        assert db.last_states() == {"gpu-a": "READY"}
+    finally:
+        db.close()
