@@ -12,6 +12,7 @@ request. A host that fails after it was drained stays out, and its ``gateway`` g
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -70,7 +71,13 @@ def drain(run: Run, unit: Unit) -> bool:
     was_in = True
     fleet = [server, *(s for s in gateway.fleet if s.key != server.key)]
     while True:
-        with gateway.changing:
+        # Other controllers behind this gateway decide under the same lock (a shared store's).
+        shared = (
+            run.store.gateway_lock(gateway.identity, playbook.serving.drain_timeout + 60.0)
+            if run.store is not None
+            else contextlib.nullcontext()
+        )
+        with gateway.changing, shared:
             rotation = gateway.rotation(fleet)
             was_in = rotation.of(server).in_rotation
             others = rotation.serving(besides=server.key)

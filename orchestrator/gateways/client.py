@@ -84,6 +84,11 @@ class GatewayClient:
         # the servers named (the command hook) still counts the others serving.
         self.fleet: list[Server] = []
 
+    @property
+    def identity(self) -> str:
+        """The gateway as every controller behind it names it: its kind, host and URL."""
+        return f"{self.spec.kind} {self.spec.runs_on} {self.spec.url}"
+
     def server(self, container: Container) -> Server:
         url = serving.url(self.playbook, container)
         return Server(container.name, self.adapter.key(container.name, url), url)

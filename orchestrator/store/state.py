@@ -821,6 +821,55 @@ class StateDB:
             with contextlib.suppress(psycopg.Error):
                 session.close()  # the session's end releases every advisory lock it took
 
+    @contextlib.contextmanager
+    def gateway_lock(self, gateway: str, timeout: float) -> Iterator[None]:
+        """Held while a controller reads a gateway's rotation and takes a server out: controllers
+        with disjoint targets behind one gateway each counted the other's host as serving, and
+        took theirs out at once, under ``rollout.min_in_rotation``. On PostgreSQL a session
+        advisory lock; on SQLite an flock beside the database file (controllers of one machine).
+        StateError when another holds it past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        if self.dialect is POSTGRESQL:
+            import psycopg
+
+            session = self._pg_connect(autocommit=True)
+            try:
+                key = _lock_key(f"gateway {gateway}")
+                while not session.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
+                    if time.monotonic() > deadline:
+                        raise StateError(f"the rotation lock of gateway {gateway} was held past {timeout:g} s")
+                    time.sleep(0.05)
+                yield
+            except psycopg.Error as exc:
+                raise StateError(f"state database {self.where}: {' '.join(str(exc).split())}") from exc
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    session.close()  # the advisory lock goes with the session
+            return
+        import fcntl
+
+        assert self.path is not None
+        digest = hashlib.sha256(gateway.encode()).hexdigest()[:16]
+        path = self.path.resolve().parent / f"{self.path.name}.gateway-{digest}.lock"
+        try:
+            f = open(path, "a")  # noqa: SIM115 - held for the block
+        except OSError as exc:
+            raise StateError(f"the rotation lock {path}: {exc.strerror or exc}") from None
+        try:
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise StateError(
+                            f"the rotation lock of gateway {gateway} was held past {timeout:g} s"
+                        ) from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            f.close()
+
     def watch_lead(self, group: str) -> WatchLead:
         """The lead of a watch group: the one watcher of many that records transitions and runs
         --on-change (``WatchLead``)."""

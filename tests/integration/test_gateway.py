@@ -436,3 +436,130 @@ def test_a_canary_that_degrades_while_it_bakes_is_rolled_back_and_the_rollout_st
     assert {name: fleet.pid(name) for name in ("g2", "g3")} == pids
     assert haproxy.status() == {name: "UP" for name in HOSTS}
     assert load.lost == [], load.lost[:5]
+
+
+class MeetingSocket:
+    """HAProxy's admin socket behind a proxy that holds a `show stat` read while every server is
+    UP until a second such read arrives (or 2 s pass): two controllers that decide at once are
+    made to read the rotation at once, every time, instead of by chance."""
+
+    def __init__(self, real: Path, path: Path) -> None:
+        import socket
+
+        self.real, self.path = real, path
+        self.cond = threading.Condition()
+        self.waiting = 0
+        self.met = 0
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind(str(path))
+        self.server.listen(16)
+        self.stopped = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _meet(self) -> None:
+        with self.cond:
+            if self.waiting:
+                self.waiting -= 1
+                self.met += 1
+                self.cond.notify_all()
+                return
+            self.waiting += 1
+            generation = self.met
+            if not self.cond.wait_for(lambda: self.met != generation, 2.0):
+                self.waiting -= 1
+
+    def _ask(self, line: bytes) -> bytes:
+        import socket
+
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(self.real))
+            s.sendall(line)
+            return b"".join(iter(lambda: s.recv(65536), b""))
+
+    def _serve(self) -> None:
+        while not self.stopped:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: object) -> None:
+        import socket
+
+        assert isinstance(conn, socket.socket)
+        with conn:
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                line += chunk
+            if line.startswith(b"show stat"):
+                answer = self._ask(line)
+                statuses = [r.split(b",")[17] for r in answer.splitlines() if r.startswith(b"vllm,g")]
+                if statuses and all(st == b"UP" for st in statuses):
+                    self._meet()
+                    answer = self._ask(line)
+            else:
+                answer = self._ask(line)
+            conn.sendall(answer)
+
+    def close(self) -> None:
+        self.stopped = True
+        self.server.close()
+
+
+def test_two_controllers_behind_one_gateway_keep_its_floor_together(
+    tmp_path: Path, fleet: Fleet, haproxy: Haproxy, postgres: object
+) -> None:
+    """Disjoint targets behind one HAProxy, one shared store, min_in_rotation 2 of 3: each
+    controller read the rotation, counted the other's host as serving, and both took one out (one
+    server left). They decide under the store's rotation lock, so at most one is out at a time."""
+    from orchestrator.config.inventory import load_inventory
+    from orchestrator.deployment import Deployment
+    from orchestrator.store.state import StateDB
+    from tests.integration.gateway_parts import OPTIONS
+    from tests.postgres import Postgres
+
+    assert isinstance(postgres, Postgres)
+    gateway = haproxy_gateway(haproxy)
+    assert fleet.deploy(fleet.playbook(gateway)).ok
+    wait_for("HAProxy's checks", lambda: haproxy.status() == {name: "UP" for name in HOSTS})
+    meeting = MeetingSocket(haproxy.socket, tmp_path / "meeting.sock")
+    shared = {**gateway, "socket": str(meeting.path)}
+    url = postgres.socket_url(postgres.new_database())
+    books = [
+        fleet.playbook(shared, "release 2\n", name=name, targets=targets, rollout={"min_in_rotation": 2})
+        for name, targets in (("pa", ["g1"]), ("pb2", ["g2", "g3"]))
+    ]
+    out: list[int] = []
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            out.append(sum(st != "UP" for st in haproxy.status().values()))
+
+    reports: dict[str, RunReport] = {}
+    stores = [StateDB(tmp_path / "s1", url), StateDB(tmp_path / "s2", url)]
+
+    def run(book: object, store: StateDB) -> None:
+        deployment = Deployment(book, load_inventory(fleet.inventory), OPTIONS, store=store)  # type: ignore[arg-type]
+        reports[deployment.playbook.name] = deployment.deploy()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        runs = [threading.Thread(target=run, args=pair) for pair in zip(books, stores, strict=True)]
+        for t in runs:
+            t.start()
+        for t in runs:
+            t.join(300)
+    finally:
+        watching.set()
+        watcher.join(30)
+        meeting.close()
+        for store in stores:
+            store.close()
+    assert all(r.ok for r in reports.values()), {n: failures(r) for n, r in reports.items()}
+    assert max(out) == 1, f"{max(out)} servers out of rotation at once (min_in_rotation 2 of 3)"
