@@ -320,7 +320,8 @@ def bake(run: Run, units: list[Unit]) -> list[str]:
         head, seen = unit.head, watched[unit.head.name]
         if seen["restarts"] and head.name not in degraded:
             # Its counters started again: the server restarted under it (a crash, a supervisor).
-            degraded[head.name] = f"its server restarted {seen['restarts']} times while it baked"
+            times = "once" if seen["restarts"] == 1 else f"{seen['restarts']} times"
+            degraded[head.name] = f"its server restarted {times} while it baked (its counters started again)"
         a = seen.get("acceptance")
         said = (
             f"tau {a.mean_acceptance_length:.2f} over {a.drafts} drafts" if a is not None else "no drafts to judge"

@@ -375,6 +375,16 @@ print(json.dumps({{"in_rotation": row["status"].startswith("UP"), "in_flight": i
     assert json.loads(endpoints.read_text()) == {"endpoints": []}
 
 
+# A canary batch of one, then one host at a time, each canary baked 8 s on live traffic.
+BAKED = {
+    "rollout": {"canary": 1, "batch_size": 1, "bake_s": 8},
+    "gates": {
+        "acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 10, "max_tokens": 32},
+        "live": {"min_mean_acceptance_length": 2.0, "min_drafts": 20},
+    },
+}
+
+
 def test_a_canary_that_degrades_while_it_bakes_is_rolled_back_and_the_rollout_stops(
     fleet: Fleet, haproxy: Haproxy
 ) -> None:
@@ -382,13 +392,7 @@ def test_a_canary_that_degrades_while_it_bakes_is_rolled_back_and_the_rollout_st
     changed under it and the server re-read it, as the founding incident's stale file would): the
     bake sees it, the canary goes back to the release before, and no other host is touched."""
     gateway = haproxy_gateway(haproxy)
-    top = {
-        "rollout": {"canary": 1, "batch_size": 1, "bake_s": 8},
-        "gates": {
-            "acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 10, "max_tokens": 32},
-            "live": {"min_mean_acceptance_length": 2.0, "min_drafts": 20},
-        },
-    }
+    top = BAKED
     # No traffic while it bakes: the bake judged nothing, and used to pass. The rollout stops
     # there, and the canary, seen doing nothing wrong, is kept.
     unjudged = fleet.deploy(fleet.playbook(gateway, **top))
@@ -436,6 +440,42 @@ def test_a_canary_that_degrades_while_it_bakes_is_rolled_back_and_the_rollout_st
     assert {name: fleet.pid(name) for name in ("g2", "g3")} == pids
     assert haproxy.status() == {name: "UP" for name in HOSTS}
     assert load.lost == [], load.lost[:5]
+
+
+def test_a_canary_whose_server_restarts_while_it_bakes_is_rolled_back(fleet: Fleet, haproxy: Haproxy) -> None:
+    """A server that restarts under the canary (a crash its supervisor hid) while it bakes: its
+    counters start again. The bake used to measure from the restart on and pass; a restart is
+    itself what the bake is there to catch."""
+    gateway = haproxy_gateway(haproxy)
+    top = BAKED
+    first = fleet.deploy(fleet.playbook(gateway))
+    assert first.ok, failures(first)
+    old = first.hosts[0].release_id
+    from orchestrator.config.inventory import load_inventory
+    from orchestrator.deployment import Deployment
+    from orchestrator.engine.observer import Observer, Step
+    from tests.integration.gateway_parts import OPTIONS
+
+    class RestartOnceBaking(Observer):
+        """Restarts the canary's server at the bake's first reading (its counters' base is taken)."""
+
+        done = False
+
+        def step(self, step: Step) -> None:
+            if step.what == "baking" and not self.done:
+                self.done = True
+                os.kill(fleet.pid("g1"), signal.SIGHUP)  # the stand-in's restart: counters from zero
+
+    load = Load(haproxy.port).start()
+    book = fleet.playbook(gateway, "release 2\n", **top)
+    report = Deployment(book, load_inventory(fleet.inventory), OPTIONS, RestartOnceBaking()).deploy()
+    load.stop()
+    g1 = by_name(report)["g1"]
+    assert g1.failed_gate == "bake" and "its server restarted once while it baked" in g1.gates["bake"].detail, failures(
+        report
+    )
+    assert os.readlink(fleet.root("g1") / "current").endswith(old or "?")
+    assert "the canary g1 degraded" in by_name(report)["g2"].gates["rollout"].detail
 
 
 class MeetingSocket:
