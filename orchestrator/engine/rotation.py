@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from orchestrator.agent import protocol
 from orchestrator.engine.runner import Node, Run, Unit
-from orchestrator.errors import AgentError, GatewayError, InputError
+from orchestrator.errors import AgentError, GatewayError, InputError, StateError
 from orchestrator.gateways.base import Server
 from orchestrator.gateways.client import GatewayClient
 from orchestrator.results import GATE_BAKE, GATE_GATEWAY, Gate
@@ -72,12 +73,7 @@ def drain(run: Run, unit: Unit) -> bool:
     fleet = [server, *(s for s in gateway.fleet if s.key != server.key)]
     while True:
         # Other controllers behind this gateway decide under the same lock (a shared store's).
-        shared = (
-            run.store.gateway_lock(gateway.identity, playbook.serving.drain_timeout + 60.0)
-            if run.store is not None
-            else contextlib.nullcontext()
-        )
-        with gateway.changing, shared:
+        with gateway.changing, _decided_alone(run, gateway, playbook.serving.drain_timeout + 60.0):
             rotation = gateway.rotation(fleet)
             was_in = rotation.of(server).in_rotation
             others = rotation.serving(besides=server.key)
@@ -123,6 +119,20 @@ def drain(run: Run, unit: Unit) -> bool:
         detail += f" (drain_timeout {playbook.serving.drain_timeout:g} s: vLLM's --shutdown-timeout has the rest)"
     head.report.gates[GATE_GATEWAY] = Gate(True, detail, {"drain_s": seconds, "in_flight_left": left})
     return True
+
+
+@contextlib.contextmanager
+def _decided_alone(run: Run, gateway: GatewayClient, timeout: float) -> Iterator[None]:
+    """The state store's rotation lock of this gateway (none without a store); a lock that cannot
+    be had is the gateway gate's failure, before anything was taken out."""
+    if run.store is None:
+        yield
+        return
+    try:
+        with run.store.gateway_lock(gateway.identity, timeout):
+            yield
+    except StateError as exc:
+        raise GatewayError(f"not taken out of rotation: {exc}") from None
 
 
 def _wait_in_flight(run: Run, node: Node, server: Server, started: float) -> int:

@@ -329,3 +329,27 @@ def test_transitions_are_in_the_order_recorded_whatever_each_watchers_clock_said
         assert db.last_states() == {"gpu-a": "READY"}
     finally:
         db.close()
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_a_gateways_rotation_lock_is_one_controllers_at_a_time(tmp_path: Path, postgres: Postgres, store: str) -> None:
+    """Two controllers behind one gateway read its rotation and take a server out one at a time:
+    the second waits, and past its timeout is told who it waited for, in one line."""
+    url = f"sqlite:///{tmp_path / 'state.db'}" if store == "sqlite" else postgres.socket_url(postgres.new_database())
+    one, two = StateDB(tmp_path / "a", url), StateDB(tmp_path / "b", url)
+    try:
+        with one.gateway_lock("haproxy gw http://lb:80", 1.0):
+            with (
+                pytest.raises(
+                    StateError, match=r"the rotation lock of gateway haproxy gw http://lb:80 was held past 0.2 s"
+                ),
+                two.gateway_lock("haproxy gw http://lb:80", 0.2),
+            ):
+                pass
+            with two.gateway_lock("haproxy other http://lb2:80", 0.2):
+                pass  # another gateway's lock is another lock
+        with two.gateway_lock("haproxy gw http://lb:80", 0.2):
+            pass  # free again once the first let go
+    finally:
+        one.close()
+        two.close()
