@@ -262,3 +262,13 @@ def immutable(state: Path, on: bool) -> None:
     for name in ("state.db", "state.db-wal"):
         if (state / name).exists():
             subprocess.run(["chattr", "+i" if on else "-i", str(state / name)], check=True)
+
+
+def files_only_book(box: Box, name: str, targets: list[str]) -> Path:
+    """A playbook of one file (``a.txt``) and no server for ``targets``, written beside the box;
+    its path."""
+    (box.dir / "a.txt").write_text("a\n")
+    book = {"name": name, "targets": targets, "deploy_root": "/unused", "files": [{"src": "a.txt", "dest": "a.txt"}]}
+    path = box.dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(book))
+    return path

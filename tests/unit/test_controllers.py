@@ -26,7 +26,7 @@ from orchestrator.engine.watcher import WatchGroup
 from orchestrator.rules.watch import READY
 from orchestrator.store.state import LockHeld, StateDB, whoami
 from tests.postgres import Postgres
-from tests.unit.localbox import OPTIONS, Box, deploy
+from tests.unit.localbox import OPTIONS, Box, deploy, files_only_book
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -233,16 +233,6 @@ class HeldLease:
     def __init__(self, box: Box, url: str) -> None:
         import fcntl
 
-        import yaml
-
-        (box.dir / "a.txt").write_text("a\n")
-        book = {
-            "name": "lease",
-            "targets": ["n0", "n1", "solo"],
-            "deploy_root": "/unused",
-            "files": [{"src": "a.txt", "dest": "a.txt"}],
-        }
-        (box.dir / "lease.yaml").write_text(yaml.safe_dump(book))
         from orchestrator.config.playbook import load_playbook
         from orchestrator.engine.runner import RunOptions, Stop
 
@@ -252,9 +242,8 @@ class HeldLease:
         self.store = StateDB(box.dir, url)
         self.said = Said()
         options = RunOptions(forks=1, lock_timeout=300.0, interrupt=Stop(), state_dir=box.dir / "state")
-        deployment = Deployment(
-            load_playbook(box.dir / "lease.yaml"), box.inventory, options, self.said, store=self.store
-        )
+        book = load_playbook(files_only_book(box, "lease", ["n0", "n1", "solo"]))
+        deployment = Deployment(book, box.inventory, options, self.said, store=self.store)
         self.report: Any = None
         self.thread = threading.Thread(target=lambda: setattr(self, "report", deployment.deploy()))
         self.thread.start()

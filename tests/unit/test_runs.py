@@ -34,6 +34,7 @@ from tests.unit.localbox import (
     K,
     alive,
     deploy,
+    files_only_book,
     host,
     immutable,
     rollback,
@@ -465,19 +466,12 @@ class HeldDeploy:
     def __init__(self, box: Box, terminal: bool = False) -> None:
         """``terminal``: the run leads a process group of its own, as a shell's foreground job
         does, so that a test can signal the group as a terminal's Ctrl-C does."""
-        (box.dir / "a.txt").write_text("a\n")
-        book = {
-            "name": "ctrl-c",
-            "targets": ["solo", "n0", "n1"],
-            "deploy_root": "/unused",
-            "files": [{"src": "a.txt", "dest": "a.txt"}],
-        }
-        (box.dir / "ctrl-c.yaml").write_text(yaml.safe_dump(book))
+        book = files_only_book(box, "ctrl-c", ["solo", "n0", "n1"])
         box.root("n0").mkdir(parents=True)  # the first host, in inventory order
         self.state = box.dir / "state"
         self.held = open(box.root("n0") / ".lock", "w")  # noqa: SIM115 (held across the test)
         fcntl.flock(self.held, fcntl.LOCK_EX)
-        argv = [sys.executable, "-m", "orchestrator", "deploy", str(box.dir / "ctrl-c.yaml"), "-i"]
+        argv = [sys.executable, "-m", "orchestrator", "deploy", str(book), "-i"]
         argv += [str(box.inventory_path), "--forks", "1", "--lock-timeout", "300", "--state-dir", str(self.state)]
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=terminal
