@@ -698,3 +698,26 @@ def test_force_aot_load_on_the_cpu_build_is_held_to_the_recorded_run() -> None:
     assert "finalize_loading" in row.message and "tests/data/vllm-cpu-aot" in row.sources[0]
     eager = dflash.check_build("0.32.0+cpu", Q8_DRAFTER, None, {"VLLM_FORCE_AOT_LOAD": "1"}, ["--enforce-eager"])
     assert eager == []
+
+
+def test_a_muse_glimmer_drafter_without_a_vocabulary_gets_the_one_vllm_gives_it() -> None:
+    """vLLM 0.33.0+ fills a ``muse_glimmer_assistant`` drafter's missing vocab_size with Muse
+    Glimmer's 202048 (config/speculative.py, hf_config_override); 0.32.0 reads the file as it is."""
+    glimmer = edited(model_type="muse_glimmer_assistant", architectures=["MuseGlimmerAssistantModel"])
+    del glimmer["vocab_size"]
+    muse = copy.deepcopy(TARGET)
+    muse.get("text_config", muse)["vocab_size"] = 202048
+    for version in ("0.33.0", "0.34.0", None):
+        found = dflash.lint(glimmer, muse, vllm_version=version)
+        assert "vocab_size" not in errors(found), version
+        given = {p.field: p for p in found}["vocab_size"]
+        assert given.severity == "info" and "gives a 'muse_glimmer_assistant' drafter 202048" in given.message
+    # a target of another vocabulary: what vLLM gives it is wrong, and said so
+    other = errors(dflash.lint(glimmer, TARGET, vllm_version="0.33.0"))["vocab_size"]
+    assert other.message.startswith("not set, and vLLM >= 0.33.0 gives 202048") and other.actual == 202048
+    assert other.vllm == dflash.FIRST_REQUEST
+    # before 0.33 nothing fills it, and another model_type is never filled
+    assert errors(dflash.lint(glimmer, muse, vllm_version="0.32.0"))["vocab_size"].actual is None
+    plain = edited()
+    del plain["vocab_size"]
+    assert "vocab_size" in errors(dflash.lint(plain, muse, vllm_version="0.34.0"))

@@ -216,6 +216,12 @@ def _target_layers(f: Facts) -> Iterator[Problem]:
             )  # fmt: skip
 
 
+# The vocabulary vLLM gives a drafter of this model_type whose config has none (vLLM 0.33.0
+# config/speculative.py 1159-1167, 0.34.0 1300: hf_config_override, "Non-causal DFlash drafter
+# sharing Muse Glimmer's vocabulary"; 0.32.0 has no such default): from which version, and the size.
+SUPPLIED_VOCAB: dict[Any, tuple[str, int]] = {"muse_glimmer_assistant": ("0.33.0", 202048)}
+
+
 def _target_dimensions(f: Facts) -> Iterator[Problem]:
     tgt = f.target
     if tgt is None:
@@ -231,12 +237,24 @@ def _target_dimensions(f: Facts) -> Iterator[Problem]:
         )  # fmt: skip
     for name, want in dimensions:
         have = f.drafter.get(name)
+        supplied = SUPPLIED_VOCAB.get(f.drafter.get("model_type")) if name == "vocab_size" and have is None else None
+        if supplied is not None and f.vllm_version is not None and not version_at_least(f.vllm_version, supplied[0]):
+            supplied = None  # an older vLLM reads the file as it is
+        if supplied is not None:
+            first, have = supplied
+            if want is None or have == want:
+                yield Problem(
+                    name, "info", f"not set: vLLM >= {first} gives a {f.drafter.get('model_type')!r} drafter "
+                    f"{have}, Muse Glimmer's vocabulary", want, None,
+                )  # fmt: skip
+                continue
         if want is not None and have != want:
             # vLLM starts, then the first request fails: "DFlash drafter expects N concatenated aux
             # hidden features but received M", "shape mismatch: value tensor of shape [15, V1] cannot
             # be broadcast ... [15, V2]" (recorded, tests/data/real-drafters)
-            yield Problem(name, "error", "must equal the target's: vLLM starts, then the first request kills the "
-                          "engine", want, have, vllm=FIRST_REQUEST)  # fmt: skip
+            given = f"not set, and vLLM >= {supplied[0]} gives {have} (Muse Glimmer's): " if supplied else ""
+            yield Problem(name, "error", f"{given}must equal the target's: vLLM starts, then the first request kills "
+                          "the engine", want, have, vllm=FIRST_REQUEST)  # fmt: skip
     # vLLM does not read num_target_layers (0.32.0: no use in qwen3_dflash.py); a value that
     # disagrees with the target still says the file was written for another model.
     depth = f.drafter.get("num_target_layers")
