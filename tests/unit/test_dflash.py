@@ -84,7 +84,7 @@ def test_target_dimensions_come_from_text_config_of_multimodal_wrappers() -> Non
             "vLLM refuses to start",
         ),
         ({"dflash_config__mask_token_id": dflash}, "dflash_config.mask_token_id", "vLLM refuses to start"),
-        ({"dflash_config__mask_token_id": 248320}, "dflash_config.mask_token_id", "outside the target vocabulary"),
+        ({"dflash_config__mask_token_id": 248321}, "dflash_config.mask_token_id", "outside the target vocabulary"),
         (
             {"dflash_config__target_layer_ids": [1, 16, 31, 46, 64]},
             "dflash_config.target_layer_ids",
@@ -721,3 +721,15 @@ def test_a_muse_glimmer_drafter_without_a_vocabulary_gets_the_one_vllm_gives_it(
     plain = edited()
     del plain["vocab_size"]
     assert "vocab_size" in errors(dflash.lint(plain, muse, vllm_version="0.34.0"))
+
+
+def test_a_mask_token_one_past_the_vocabulary_is_a_warning_since_vllm_serves_it() -> None:
+    """vLLM does not check the mask id; at the vocabulary's size it is the out-of-vocabulary
+    sentinel a drafter's mask_embedding.pt replaces (vLLM 0.34 gives Mistral's DSpark drafters this
+    very value): a warning with the reason, not an error; past it, still an error."""
+    found = dflash.lint(edited(dflash_config__mask_token_id=248320), TARGET, vllm_version="0.34.0")
+    assert "dflash_config.mask_token_id" not in errors(found)
+    said = warnings(found)["dflash_config.mask_token_id"]
+    assert "vLLM serves it" in said.message and "mask_embedding.pt" in said.message and said.actual == 248320
+    past = errors(dflash.lint(edited(dflash_config__mask_token_id=248321), TARGET))["dflash_config.mask_token_id"]
+    assert "outside the target vocabulary" in past.message

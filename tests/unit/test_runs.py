@@ -92,7 +92,7 @@ def test_one_host_ready_refused_rolled_back_rolled_back_again_and_stopped(box: B
 
 
 def test_lint_errors_stop_the_deploy_before_anything_is_touched(box: Box) -> None:
-    playbook = box.playbook(mask=64)  # the mask token must be inside the target's vocabulary
+    playbook = box.playbook(mask=65)  # past the target vocabulary (64): an error
     run = deploy(box, playbook)
     assert not run.ok and host(run, "solo").gates["lint"].detail.startswith("not attempted")
     assert not box.root("solo").exists()

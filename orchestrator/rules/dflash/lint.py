@@ -153,7 +153,19 @@ def _mask_token(f: Facts) -> Iterator[Problem]:
         )  # fmt: skip
     elif as_int(mask) is None or mask < 0:
         yield Problem(name, "error", "must be a non-negative integer", actual=mask)
-    elif vocab is not None and mask >= vocab:
+    elif vocab is not None and mask == vocab:
+        # vLLM does not check the id and serves. The mask slots are embedded at this id, then replaced
+        # by the drafter's own mask embedding where it ships mask_embedding.pt (qwen3_dflash.py
+        # _read_mask_embedding, 0.32.0-0.34.0); vLLM 0.34 gives its Mistral DSpark drafters this very
+        # sentinel ("Out-of-vocabulary sentinel replaced by the learned mask embedding",
+        # transformers_utils/configs/mistral.py). Without that file the slots read an untrained row.
+        yield Problem(
+            name, "warning", f"equals the target's vocabulary size ({vocab}), one past its last token: vLLM serves "
+            "it, and the drafter is right only if it ships mask_embedding.pt (vLLM then puts that learned embedding "
+            "in the mask slots); without it the slots read a row no one trained and acceptance falls",
+            f"< {vocab}, or {vocab} with mask_embedding.pt", mask,
+        )  # fmt: skip
+    elif vocab is not None and mask > vocab:
         yield Problem(name, "error", f"outside the target vocabulary (size {vocab})", f"< {vocab}", mask)
 
 
