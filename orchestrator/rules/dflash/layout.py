@@ -18,7 +18,7 @@ ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 # starts or ends with "DFlash" (or is LiLiCorrDraftModel, from 0.31), and the registry must know
 # the result (transformers_utils/configs/eagle.py; model_executor/models/registry.py
 # _SPECULATIVE_DECODING_MODELS). Each DFlash entry with the first version that has it, read from
-# every wheel 0.26.0-0.33.0 (None: already in 0.26.0, the oldest read, so refused on no version;
+# every wheel 0.26.0-0.34.0 (None: already in 0.26.0, the oldest read, so refused on no version;
 # DFlashDraftModel from 0.20.0, see BUILD_TABLE no_dflash).
 DFLASH_REGISTRY: dict[str, str | None] = {
     "DFlashDraftModel": "0.20.0",
@@ -29,6 +29,7 @@ DFLASH_REGISTRY: dict[str, str | None] = {
     "LiLiCorrDraftModel": "0.31.0",
     "DFlash2BeamDraftModel": "0.33.0",
     "DFlashQwen3XPressModel": "0.33.0",
+    "DFlash2RicursiveDraftModel": "0.34.0",
 }
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from orchestrator.results import Problem
-from orchestrator.rules.dflash.build import check_build, v2_fallback, version_at_least
+from orchestrator.rules.dflash.build import V1_GONE, check_build, v2_fallback, version_at_least
 from orchestrator.rules.dflash.layout import (
     DFLASH_REGISTRY,
     FIRST_REQUEST,
@@ -57,7 +57,10 @@ class Facts:
     @property
     def runs_v1(self) -> bool:
         """Whether the V1 model runner is known to serve: asked for (VLLM_USE_V2_MODEL_RUNNER=0),
-        or the CPU build (no Triton, so no V2 in the versions read)."""
+        or the CPU build (no Triton, so no V2 in the versions read); never from vLLM 0.34, which
+        has no V1 (asking for it is the build table's v1_removed)."""
+        if self.vllm_version is not None and version_at_least(self.vllm_version, V1_GONE):
+            return False
         return (
             self.serving_env.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
             or "+cpu" in (self.vllm_version or "")
