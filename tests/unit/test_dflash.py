@@ -808,3 +808,22 @@ def test_a_laguna_drafter_without_rope_per_layer_type_gets_transformers_defaults
     assert "rope_parameters" not in warnings(dflash.lint(keyed, TARGET, vllm_version="0.32.0"))
     # the rule is LagunaConfig's: a qwen3 drafter with the same file is not judged by it
     assert "laguna_rope" not in {p.rule for p in dflash.lint(dict(laguna, model_type="qwen3"), TARGET)}
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.29.0", "0.32.0", "0.33.0", "0.34.0", None])
+def test_no_rule_fires_on_a_config_class_it_was_not_written_for(version: str | None) -> None:
+    """Every rule, walked over drafters transformers parses with other classes than Qwen3Config (a
+    laguna drafter with its RoPE keyed by layer type, a gpt_oss one) and over a speculators-format
+    one, each otherwise right: no rule about one class's behaviour speaks of another (the window
+    switch is Qwen3Config's, the RoPE defaults LagunaConfig's)."""
+    windowed = edited(use_sliding_window=False)  # only Qwen3Config drops the window for this
+    laguna = dict(windowed, model_type="laguna", architectures=["LagunaForCausalLM"])
+    laguna["rope_parameters"] = {k: {"rope_type": "default", "rope_theta": 1e7} for k in dflash.LAGUNA_ROPE}
+    other = dict(windowed, model_type="gpt_oss")
+    class_rules = {"sliding_window", "laguna_rope"}
+    for drafter, target in ((laguna, TARGET), (other, TARGET), (SPECULATORS, Q8_TARGET)):
+        found = dflash.lint(drafter, target, vllm_version=version)
+        assert not {p.rule for p in found} & class_rules, (drafter.get("model_type"), found)
+        assert not [p for p in found if p.severity == "error" and p.rule != "build"], found
+    # and the same file as Qwen3Config reads it is held to the switch
+    assert "sliding_window" in {p.rule for p in dflash.lint(windowed, TARGET, vllm_version=version)}
