@@ -1116,8 +1116,22 @@ def diagnose(playbook: Playbook, report: HostReport, failure: AgentFailure | Non
         )
     elif fast is not None and not fast.ok and fast.reason == speedup.UNMEASURED:
         out.append(f"the speed-up could not be measured: {fast.detail}")
+    if failure is not None and failure.gate == GATE_HEALTH and _forced_aot_miss(playbook, failure.message):
+        # vLLM 0.32.0 compilation/decorators.py _try_load_aot_compiled_fn re-raises what failed the
+        # load (a missing artifact: FileNotFoundError on .../torch_aot_compile/<hash>/rank_*/model)
+        out.append(
+            "VLLM_FORCE_AOT_LOAD=1 (serving.env) and vLLM's compile cache holds no AOT artifact this start could "
+            "load: vLLM refused to compile again, as the guard asks. The key follows the server's arguments, the "
+            "drafter's config and path, the vLLM build and its VLLM_* variables: start this command once without "
+            "the guard to fill the cache"
+        )
     if failure is not None and failure.gate == GATE_HEALTH:
         out.append(f"the server did not become healthy: see {failure.path or 'its log'}")
     elif failure is not None and failure.gate == GATE_ACCEPTANCE:
         out.append("the probe failed while talking to the server (it died or stopped answering)")
     return out
+
+
+def _forced_aot_miss(playbook: Playbook, said: str) -> bool:
+    """A start that died on vLLM's AOT guard: the guard set, and the load of an artifact failing."""
+    return playbook.serving.env.get("VLLM_FORCE_AOT_LOAD") == "1" and "torch_aot_compile" in said

@@ -192,3 +192,22 @@ def test_the_build_gate_and_lint_read_the_served_context_from_extra_args(tmp_pat
     assert not gates["[]"].ok and "[draft_positions_crash]" in gates["[]"].detail
     assert "(8192) is below the context served (40960)" in gates["[]"].detail
     assert gates["[--max-model-len, 8k]"].ok, gates["[--max-model-len, 8k]"].detail
+
+
+def test_a_start_that_died_on_vllm_s_aot_guard_is_said_so(tmp_path: Path) -> None:
+    """VLLM_FORCE_AOT_LOAD=1 turns a failed artifact load into a failed start (vLLM 0.32.0
+    compilation/decorators.py): the diagnosis names the guard, from vLLM's own log
+    (tests/data/vllm-cpu-aot/r3.log); without the guard, the same words name nothing new."""
+    from orchestrator.errors import AgentFailure
+
+    log = (Path(__file__).resolve().parents[1] / "data" / "vllm-cpu-aot" / "r3.log").read_text()
+    failure = AgentFailure("wait_health", "exited", f"the server exited (code 1); its log ends:\n{log}", gate="health")
+    (tmp_path / "a.txt").write_text("a\n")
+    (tmp_path / "d.json").write_text("{}\n")
+    guarded = PB + "serving: {python: /usr/bin/python3, target: /m, env: {VLLM_FORCE_AOT_LOAD: '1'}}\n"
+    (tmp_path / "pb.yaml").write_text(guarded)
+    causes = plan.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=failure)
+    assert causes[0].startswith("VLLM_FORCE_AOT_LOAD=1 (serving.env) and vLLM's compile cache holds no AOT artifact")
+    (tmp_path / "pb.yaml").write_text(PB + "serving: {python: /usr/bin/python3, target: /m}\n")
+    plain = plan.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=failure)
+    assert plain == ["the server did not become healthy: see its log"]
