@@ -388,6 +388,9 @@ class Scrapes:
     middle: str | None = None
     each: tuple[str, ...] = ()  # after each prompt of the cold pass, in order
     warm: int = 0  # how many prompts the warm pass sent again
+    # The tokens the cold pass's own completions generated (vLLM's usage); None where one did not
+    # say. More generated between the scrapes is other traffic the counters hold too.
+    own_tokens: int | None = None
 
     @property
     def first(self) -> str | None:
@@ -1110,6 +1113,12 @@ def _scrapes(v: dict[str, Any], warm: int, prompts: int) -> Scrapes:
     each = _field(v, "each", list)
     if len(each) != prompts or not all(isinstance(t, str) for t in each):
         raise AnswerError(f"'each' holds {len(each)} scrapes for {prompts} prompts, or one that is not a text")
+    completions = v.get("completions")
+    counts = (
+        [c.get("tokens") for c in completions[:prompts] if isinstance(c, dict)] if isinstance(completions, list) else []
+    )
+    whole = [n for n in counts if isinstance(n, int) and not isinstance(n, bool) and n >= 0]
+    own = sum(whole) if len(whole) == prompts else None
     return Scrapes(
         _field(v, "before", str),
         _field(v, "after", str),
@@ -1117,6 +1126,7 @@ def _scrapes(v: dict[str, Any], warm: int, prompts: int) -> Scrapes:
         _field(v, "middle", str, optional=True),
         tuple(each),
         warm,
+        own,
     )
 
 

@@ -248,6 +248,16 @@ def acceptance(d: Counters, prompts: Sequence[Counters] = ()) -> Acceptance | No
     )
 
 
+def other_traffic(before_text: str, after_text: str, own_tokens: int | None) -> int | None:
+    """The tokens the server generated between two scrapes beyond the probe's own: other clients'
+    requests, whose drafts the counters hold too (a server kept in rotation). None where it cannot
+    be told (the server shows no vllm:generation_tokens, or the probe's usage is unknown)."""
+    before, after = parse(before_text), parse(after_text)
+    if own_tokens is None or before is None or after is None or before.generated is None or after.generated is None:
+        return None
+    return max(0, round(after.generated - before.generated) - own_tokens)
+
+
 def measure(before_text: str, after_text: str, each: Sequence[str] = ()) -> Acceptance:
     """The acceptance of the traffic between two scrapes; a ProbeError when there is no speculation,
     a restart or nothing drafted. ``each``: the scrapes after each prompt, in order (the last

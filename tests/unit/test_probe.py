@@ -350,3 +350,57 @@ def test_the_probe_reports_the_bound_over_its_prompts() -> None:
 def test_students_t() -> None:
     for df, t in ((1, 12.706), (5, 2.571), (11, 2.201), (20, 2.086), (30, 2.042), (120, 1.980)):
         assert probe.t975(df) == pytest.approx(t, abs=0.003)
+
+
+def test_a_probe_that_counted_other_traffic_is_not_held_to_the_probe_history(tmp_path: Path) -> None:
+    """A server kept in rotation serves users while it is probed: its counters hold their drafts
+    too (a redeploy that changed nothing, real vLLM behind HAProxy under load: tau 5.67 against the
+    probe prompts' 8.00, refused as a 29% regression). More tokens generated than the probe's own
+    completions is other traffic: the tau is said to be of all of it, the thresholds judge it, and
+    the history, which compares the probe's prompts alone, is not compared."""
+    from orchestrator.agent import protocol
+    from orchestrator.config.playbook import load_playbook
+    from orchestrator.results import HostReport
+    from orchestrator.rules import plan
+
+    (tmp_path / "a.txt").write_text("a\n")
+    book = tmp_path / "b.yaml"
+    book.write_text(
+        "name: p\ntargets: [me]\ndeploy_root: /unused\nfiles: [{src: a.txt, dest: a.txt}]\n"
+        "gates: {acceptance: {min_mean_acceptance_length: 4.0, min_drafts: 10}}\n"
+    )
+    pb = load_playbook(book)
+    last = {"release_id": "r1", "gates": {"acceptance": {"mean_acceptance_length": 8.0}}}
+
+    def gate(generated: int, own: int | None) -> Any:
+        def gen(n: int) -> str:
+            return f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {n}\n'
+
+        before = metrics(0, 0, 0, [0] * 7) + gen(0)
+        after = metrics(30, 210, 140, [30, 30, 20, 20, 20, 10, 10]) + gen(generated)  # tau 5.67
+        report = HostReport("h")
+        now = {"history": plan.history_key(pb, report), "num_speculative_tokens": pb.serving.num_speculative_tokens}
+        last["gates"]["acceptance"].update(now, prompts_sha256=plan.prompts_digest(pb))  # type: ignore[index]
+        plan.read_probe(pb, protocol.Scrapes(before, after, 1.0, own_tokens=own), report, last)
+        return report.gates["acceptance"]
+
+    alone = gate(128, 128)  # the probe's own tokens only: compared, and it fell
+    assert not alone.ok and alone.reason == "acceptance_regressed"
+    shared = gate(1128, 128)  # 1000 tokens of users' requests besides
+    assert shared.ok and shared.data["other_traffic_tokens"] == 1000
+    assert shared.data["regression"].startswith("not compared with the last READY release: 1000 tokens")
+    assert "with 1000 tokens of other traffic served during the probe" in shared.detail
+    unknown = gate(1128, None)  # the probe's usage unknown: as before
+    assert not unknown.ok and "other_traffic_tokens" not in unknown.data
+
+
+def test_the_probe_answer_s_own_tokens_are_read_warily() -> None:
+    from orchestrator.agent import protocol
+
+    base = {"before": "", "after": "", "seconds": 1.0, "middle": None, "each": ["", ""]}
+    read = protocol._scrapes  # the answer's reader, as the op uses it
+    assert read({**base, "completions": [{"tokens": 64}, {"tokens": 64}]}, 0, 2).own_tokens == 128
+    assert read({**base, "completions": [{"tokens": 64}, {"tokens": None}]}, 0, 2).own_tokens is None
+    assert read({**base, "completions": [{"tokens": True}, {"tokens": 64}]}, 0, 2).own_tokens is None
+    assert read({**base, "completions": "x"}, 0, 2).own_tokens is None
+    assert read(base, 0, 2).own_tokens is None
