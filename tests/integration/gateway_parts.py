@@ -69,13 +69,16 @@ class Haproxy:
     server_port: int
     level: str = "admin"
     proc: subprocess.Popen[bytes] | None = None
+    hosts: dict[str, str] = field(default_factory=lambda: dict(HOSTS))
 
     @property
     def socket(self) -> Path:
         return self.dir / "haproxy.sock"
 
     def start(self) -> Haproxy:
-        servers = "\n".join(f"    server {name} {address}:{self.server_port} check" for name, address in HOSTS.items())
+        servers = "\n".join(
+            f"    server {name} {address}:{self.server_port} check" for name, address in self.hosts.items()
+        )
         config = f"""global
     stats socket {self.socket} mode 600 level {self.level}
 defaults
@@ -126,7 +129,7 @@ backend vllm
         out = {}
         for row in rows:
             values = dict(zip(columns, row.split(","), strict=False))
-            if values.get("pxname") == "vllm" and values.get("svname") in HOSTS:
+            if values.get("pxname") == "vllm" and values.get("svname") in self.hosts:
                 out[values["svname"]] = values["status"]
         return out
 
@@ -202,6 +205,7 @@ class Load:
     port: int
     clients: int = 6
     tokens: int = 8
+    pause: float = 0.0  # each client's pace: seconds between its requests (0: back to back)
     sent: int = 0
     served: int = 0
     lost: list[str] = field(default_factory=list)
@@ -210,14 +214,15 @@ class Load:
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def _one(self) -> None:
-        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": self.tokens})
+        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": self.tokens, "ignore_eos": True})
         try:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             response = conn.getresponse()
             data = response.read()
-            text = json.loads(data)["choices"][0]["text"] if response.status == 200 else ""
-            ok = response.status == 200 and len(text) == self.tokens
+            # every token asked for: vLLM's count of them (the stand-in writes a character a token)
+            done = json.loads(data)["usage"]["completion_tokens"] if response.status == 200 else 0
+            ok = response.status == 200 and done == self.tokens
             why = f"HTTP {response.status}: {data[:80]!r}" if not ok else ""
         except (OSError, ValueError, KeyError, http.client.HTTPException) as exc:
             ok, why = False, f"{type(exc).__name__}: {exc}"
@@ -232,6 +237,7 @@ class Load:
         def client() -> None:
             while not self._stop.is_set():
                 self._one()
+                self._stop.wait(self.pause)
 
         self._threads = [threading.Thread(target=client, daemon=True) for _ in range(self.clients)]
         for t in self._threads:

