@@ -81,7 +81,16 @@ def _unit_main_pid(unit):
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
+# vLLM's own account of why an engine died: its ERROR lines and the exception they end with. A
+# dead engine's log ends with the API server's traceback ("See root cause above"), 30 lines and
+# more of it, while the cause (an engine core's FileNotFoundError, say) is above it.
+CAUSE = r" ERROR |^(\([^)]*\) )?[A-Za-z_][\w.]*(Error|Exception): "
+CAUSE_LINES = 5
+
+
 def _log_tail(path, lines=30):
+    import re
+
     try:
         with _open_file(path) as f:
             f.seek(0, 2)
@@ -90,7 +99,16 @@ def _log_tail(path, lines=30):
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    return "\n".join(text.rstrip().splitlines()[-lines:])
+    every = text.rstrip().splitlines()
+    tail = every[-lines:]
+    starts = [i for i, line in enumerate(every) if line.startswith("=== ")]  # this start's lines only
+    causes = []
+    for line in every[starts[-1] if starts else 0 : -lines]:
+        if re.search(CAUSE, line) and line[:400] not in causes and "See root cause above" not in line:
+            causes.append(line[:400])
+    if not causes:
+        return "\n".join(tail)
+    return "\n".join(["(its errors before them:)", *causes[-CAUSE_LINES:], "(then:)", *tail])
 
 
 # What the startup ledger gets of a start's log: its first lines, each cut (vLLM's config line
