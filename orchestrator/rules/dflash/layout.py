@@ -89,7 +89,8 @@ class Target:
         language model."""
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
         assert isinstance(text, dict)
-        archs = config.get("architectures") or ()
+        archs = config.get("architectures")
+        archs = archs if isinstance(archs, list) else ()  # anything else names no architecture
         return cls(
             as_int(text.get("num_hidden_layers")),
             as_int(text.get("hidden_size")),
@@ -172,7 +173,7 @@ def normalise(drafter: dict[str, Any]) -> Layout:
         return Layout(config, "dflash", **fields)
     problems = []
     base = drafter.get("transformer_layer_config")
-    if kind not in SPECULATORS:
+    if not isinstance(kind, str) or kind not in SPECULATORS:
         problems.append(Problem(
             "speculators_model_type", "error", "not a DFlash speculator: vLLM serves it by another method",
             sorted(SPECULATORS), kind,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from orchestrator.results import Problem
-from orchestrator.rules.dflash.build import V1_GONE, check_build, v2_fallback, version_at_least
+from orchestrator.rules.dflash.build import MAX_LAYERS, V1_GONE, check_build, v2_fallback, version_at_least
 from orchestrator.rules.dflash.layout import (
     DFLASH_REGISTRY,
     FIRST_REQUEST,
@@ -252,7 +252,8 @@ def _target_dimensions(f: Facts) -> Iterator[Problem]:
         )  # fmt: skip
     for name, want in dimensions:
         have = f.drafter.get(name)
-        supplied = SUPPLIED_VOCAB.get(f.drafter.get("model_type")) if name == "vocab_size" and have is None else None
+        kind = f.drafter.get("model_type")
+        supplied = SUPPLIED_VOCAB.get(kind) if name == "vocab_size" and have is None and isinstance(kind, str) else None
         if supplied is not None and f.vllm_version is not None and not version_at_least(f.vllm_version, supplied[0]):
             supplied = None  # an older vLLM reads the file as it is
         if supplied is not None:
@@ -282,6 +283,12 @@ def _target_dimensions(f: Facts) -> Iterator[Problem]:
 
 def _layer_types(f: Facts) -> Iterator[Problem]:
     layers, types = f.drafter.get("num_hidden_layers"), f.drafter.get("layer_types")
+    if (as_int(layers) or 0) > MAX_LAYERS:
+        yield Problem(
+            "num_hidden_layers", "error", f"more layers than any model has (at most {MAX_LAYERS} are judged): a broken "
+            "config; transformers would build them all", f"<= {MAX_LAYERS}", layers,
+        )  # fmt: skip
+        return
     if not isinstance(types, list):
         return
     if as_int(layers) is not None and len(types) != layers:
@@ -361,14 +368,15 @@ def _laguna_rope(f: Facts) -> Iterator[Problem]:
     given = {k: LAGUNA_ROPE[k] for k in kinds if k in LAGUNA_ROPE}
     if theta is None or all(g["rope_theta"] == theta for g in given.values()):
         return
+    theta = f"{theta:g}" if isinstance(theta, (int, float)) and not isinstance(theta, bool) else repr(theta)
     said = "; ".join(
         f"{k} layers rope_theta {g['rope_theta']:g} (partial_rotary_factor {g['partial_rotary_factor']:g})"
         for k, g in given.items()
     )
     yield Problem(
         "rope_parameters", "warning", f"missing per layer type: transformers' LagunaConfig, which vLLM >= 0.31 "
-        f"parses a laguna drafter with, replaces it with its own defaults and does not read rope_theta {theta:g}: "
-        f"{said}. It serves, and accepts less where the drafter was trained with {theta:g}",
+        f"parses a laguna drafter with, replaces it with its own defaults and does not read rope_theta {theta}: "
+        f"{said}. It serves, and accepts less where the drafter was trained with {theta}",
         {k: {"rope_type": "default", "rope_theta": theta} for k in given}, rope,
         fix="write rope_parameters keyed by layer type (full_attention, sliding_attention) with the trained values",
     )  # fmt: skip
