@@ -328,19 +328,29 @@ class Fleet:
         return int(json.loads((self.root(name) / "run" / "dflash-serve.json").read_text())["pid"])
 
 
-def make_fleet(tmp_path: Path) -> Iterator[Fleet]:
-    serving_side(tmp_path)
+def write_inventory(directory: Path, servers: dict[str, str]) -> None:
+    """``connection: local`` containers on their loopback addresses, each with its deploy root under
+    ``directory/roots``, and the gateway's host ``gw``."""
     containers: dict[str, Any] = {
-        name: {"connection": "local", "address": address, "deploy_root": str(tmp_path / "roots" / name)}
-        for name, address in HOSTS.items()
+        name: {"connection": "local", "address": address, "deploy_root": str(directory / "roots" / name)}
+        for name, address in servers.items()
     }
-    containers["gw"] = {"connection": "local", "address": "127.0.0.1", "deploy_root": str(tmp_path / "roots" / "gw")}
+    containers["gw"] = {"connection": "local", "address": "127.0.0.1", "deploy_root": str(directory / "roots" / "gw")}
     for c in containers.values():
         c["python"] = sys.executable
-    (tmp_path / "inventory.yaml").write_text(yaml.safe_dump({"hosts": {"this-box": {"containers": containers}}}))
-    fleet = Fleet(tmp_path, free_port())
-    yield fleet
-    for pidfile in tmp_path.glob("roots/*/run/*.json"):  # what the runs started, by recorded pid
+    (directory / "inventory.yaml").write_text(yaml.safe_dump({"hosts": {"this-box": {"containers": containers}}}))
+
+
+def end_servers(directory: Path) -> None:
+    """End what the runs started under ``directory/roots``, by the pid each recorded."""
+    for pidfile in directory.glob("roots/*/run/*.json"):
         pid = json.loads(pidfile.read_text())["pid"]
         if alive(pid):
             os.killpg(pid, signal.SIGKILL)
+
+
+def make_fleet(tmp_path: Path) -> Iterator[Fleet]:
+    serving_side(tmp_path)
+    write_inventory(tmp_path, HOSTS)
+    yield Fleet(tmp_path, free_port())
+    end_servers(tmp_path)

