@@ -28,7 +28,16 @@ from remote_agent.core import (
     time,
 )
 from remote_agent.releases import LAUNCHED, _link_target, _point_launched, _restore_launched
-from remote_agent.serving import _argv, _engine_may_run, _engine_verdict, _runs, _server
+from remote_agent.serving import (
+    _argv,
+    _engine_cached,
+    _engine_keep,
+    _engine_key,
+    _engine_may_run,
+    _engine_verdict,
+    _runs,
+    _server,
+)
 
 # What a background check leaves under <root>/run while it runs: its state, its output and errors.
 CHECKS_PREFIX = "checks-"
@@ -86,8 +95,11 @@ def op_checks_start(req):
             out["engine"] = {"skipped": "the server already runs this command"}
         else:
             _engine_may_run(root, req["name"], argv)
-            python = argv[0]
-            spec["engine"] = {"source": _helper("engine_check"), "argv": list(argv[3:]), "cwd": root}
+            engine_key = _engine_key(argv, env, req["expect"])
+            out["engine"] = _engine_cached(root, engine_key, release)
+            if out["engine"] is None:
+                python = argv[0]
+                spec["engine"] = {"source": _helper("engine_check"), "argv": list(argv[3:]), "cwd": root}
     if spec["loader"] is None and spec["engine"] is None:
         return out
     if not python:
@@ -135,7 +147,7 @@ def op_checks_start(req):
         "name": req["name"],
         "before": before,
         "loader": {"key": key, "keep": req["keep"], "path": path} if spec["loader"] else None,
-        "engine": {"expect": req["expect"]} if spec["engine"] else None,
+        "engine": {"expect": req["expect"], "key": engine_key, "keep": req["keep"]} if spec["engine"] else None,
     }
     body = _dumps(state).encode("utf-8")
     _atomic_write(os.path.join(run, "%s%s.json" % (CHECKS_PREFIX, token)), body, _sha256(body), 0o600)
@@ -222,7 +234,11 @@ def op_checks_wait(req):
         try:
             if not ended and "@@dflash-engine@@" not in out:
                 raise OpError("timeout" if stopped else "engine_refused", "vLLM's check %s" % why)
-            answer["engine"] = _engine_verdict(code, out, err, state["engine"]["expect"])
+            verdict = _engine_verdict(code, out, err, state["engine"]["expect"])
+            if state["engine"].get("keep") and isinstance(state["engine"].get("key"), str):
+                _engine_keep(root, state["engine"]["key"], verdict)
+            verdict.pop("where", None)
+            answer["engine"] = verdict
         except OpError as exc:
             answer["engine"] = {"refused": {"code": exc.code, "message": exc.message}}
     return answer

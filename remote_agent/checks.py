@@ -21,6 +21,8 @@ from remote_agent.core import (
     _root,
     _run_bounded,
     _sha256,
+    _signed_lines,
+    _stamp,
     op,
     os,
 )
@@ -72,33 +74,12 @@ LOADER_CACHE_ENTRIES = 8
 LOADER_CACHE_BYTES = 4 << 20  # 8 entries of a few hundred stamped files
 
 
-def _stamp(path):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
 def _loader_entries(root):
-    import json
-
     out: list[tuple] = []
-    path = os.path.join(root, LOADER_CACHE)
-    try:
-        if os.lstat(path).st_size > LOADER_CACHE_BYTES:
-            return out  # not one the agent wrote: read nothing of it
-    except OSError:
-        return out
-    text = (_read_own(path) or b"").decode("utf-8", "replace")
-    for line in text.split("\n"):
-        mac, _, body = line.partition(" ")
-        if not body or mac != _line_mac(body):
-            continue
+    for entry, body in _signed_lines(os.path.join(root, LOADER_CACHE), LOADER_CACHE_BYTES):
         try:
-            entry = json.loads(body)
             out.append((entry["key"], entry["stamps"], entry["view"], body))
-        except (ValueError, KeyError, TypeError):
+        except KeyError:
             continue
     return out
 

@@ -16,6 +16,7 @@ from remote_agent.core import (
     _dumps,
     _event,
     _helper,
+    _line_mac,
     _missing,
     _open_file,
     _open_own,
@@ -27,6 +28,8 @@ from remote_agent.core import (
     _root,
     _run_bounded,
     _sha256,
+    _signed_lines,
+    _stamp,
     op,
     os,
     time,
@@ -338,6 +341,9 @@ def _engine_check(req, root, argv, env):
     import subprocess
 
     _engine_may_run(root, req["name"], argv)
+    known = _engine_cached(root, _engine_key(argv, env, req["expect"]), None)  # ``launched`` is pointed
+    if known is not None:
+        return known
     full = dict(os.environ)
     full.update(env)  # as the launch gives it
     try:
@@ -348,7 +354,9 @@ def _engine_check(req, root, argv, env):
         raise OpError("no_python", _missing("serving interpreter", argv[0]), argv[0])
     except subprocess.TimeoutExpired:
         raise OpError("timeout", "vLLM did not finish checking its configuration in %d s" % req["timeout"], argv[0])
-    return _engine_verdict(code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), req["expect"])
+    verdict = _engine_verdict(code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), req["expect"])
+    verdict.pop("where", None)
+    return verdict
 
 
 def _engine_may_run(root, name, argv):
@@ -403,6 +411,130 @@ def _engine_verdict(code, out, err, expect):
     return verdict
 
 
+# vLLM's pass on a server command, kept per deploy root: a restart whose command vLLM already
+# passed (a files-only release, a rollback, a redeploy of a command seen before) is not asked again
+# while nothing the verdict depends on changed: the command and the tool's expectations (the key),
+# the interpreter, its import path's directories and vLLM's package directory (stat: an install or
+# upgrade touches them), and the models' configuration files by content (every top-level file but
+# weights: a release copies the drafter's anew, so its stat never matches). Signed as the loader
+# cache (a planted entry costs a check, nothing else); without the controller's key nothing is kept.
+ENGINE_CACHE = ".engine-cache"
+ENGINE_CACHE_ENTRIES = 8
+ENGINE_CACHE_BYTES = 1 << 20
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".npz")
+SIDE_FILES = 256  # more top-level files than any model directory has: not kept
+SIDE_FILE_HASHED = 32 << 20  # a larger one (never a config) is stamped by stat
+
+
+def _engine_key(argv, env, expect):
+    """A command, its environment and what the tool expects vLLM to resolve, with the helper that
+    asks: one digest (the environment may hold a secret)."""
+    helper = _sha256(_helper("engine_check").encode("utf-8"))
+    return _sha256(
+        _dumps({"argv": argv, "env": sorted(env.items()), "expect": expect, "helper": helper}).encode("utf-8")
+    )
+
+
+def _model_stamp(path):
+    """A model directory's files besides weights, by name and content (None: not a directory, or
+    something in it that cannot be read as a file)."""
+    import stat as stat_mod
+
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return None
+    if len(names) > SIDE_FILES:
+        return None
+    parts = []
+    for name in names:
+        if name.endswith(WEIGHTS):
+            continue
+        full = os.path.join(path, name)
+        try:
+            st = os.stat(full)
+        except OSError:
+            return None
+        if stat_mod.S_ISDIR(st.st_mode):
+            continue
+        if not stat_mod.S_ISREG(st.st_mode):
+            return None  # a FIFO or a device: never opened
+        if st.st_size > SIDE_FILE_HASHED:
+            parts.append([name, _stamp(full)])
+            continue
+        try:
+            with _open_file(full) as f:
+                parts.append([name, _sha256(f.read())])
+        except OSError:
+            return None
+    return _sha256(_dumps(parts).encode("utf-8"))
+
+
+def _engine_deps(where):
+    """What a pass depends on besides its key, as it is now (None: cannot be said: not kept)."""
+    try:
+        paths = [where["executable"], where["package"], *where["paths"]]
+        models = [m for m in where["models"] if m is not None]
+    except (KeyError, TypeError):
+        return None
+    if not all(isinstance(p, str) for p in paths + models) or _stamp(paths[0]) is None or _stamp(paths[1]) is None:
+        return None
+    deps = {"stat": {p: _stamp(p) for p in paths}, "models": {}}
+    for model in models:
+        deps["models"][model] = _model_stamp(model)
+        if deps["models"][model] is None:
+            return None  # not a local directory (a hub name): vLLM resolves it, not kept
+    return deps
+
+
+def _engine_cached(root, key, release_id):
+    """vLLM's kept pass for this key while what it depends on holds, read with ``launched`` at
+    the release the command reads its drafter from (None: ask vLLM)."""
+    import time as clock
+
+    began = clock.monotonic()
+    entries = [e for e, _ in _signed_lines(os.path.join(root, ENGINE_CACHE), ENGINE_CACHE_BYTES) if e.get("key") == key]
+    if not entries:
+        return None
+    before = _point_launched(root, release_id) if release_id is not None else None
+    try:
+        for entry in entries:
+            deps, verdict = entry.get("deps"), entry.get("verdict")
+            if not isinstance(deps, dict) or not isinstance(verdict, dict) or not isinstance(deps.get("stat"), dict):
+                continue
+            models = deps.get("models")
+            if not isinstance(models, dict):
+                continue
+            if all(_stamp(p) == s for p, s in deps["stat"].items()) and all(
+                _model_stamp(m) == s for m, s in models.items()
+            ):
+                return dict(verdict, cached=True, seconds=round(clock.monotonic() - began, 3))
+    finally:
+        if release_id is not None:
+            _restore_launched(root, before)
+    return None
+
+
+def _engine_keep(root, key, verdict):
+    """Keep a pass (its ``where`` taken out of the answer either way)."""
+    import json
+
+    where = verdict.pop("where", None)
+    if not _line_mac("") or not isinstance(where, dict):
+        return
+    deps = _engine_deps(where)
+    if deps is None:
+        return
+    body = json.dumps({"key": key, "deps": deps, "verdict": verdict}, sort_keys=True)
+    path = os.path.join(root, ENGINE_CACHE)
+    others = [b for e, b in _signed_lines(path, ENGINE_CACHE_BYTES) if e.get("key") != key]
+    data = "".join("%s %s\n" % (_line_mac(b), b) for b in [body, *others[: ENGINE_CACHE_ENTRIES - 1]]).encode("utf-8")
+    try:
+        _atomic_write(path, data, _sha256(data), 0o644)
+    except OpError:
+        pass  # a cache that cannot be written costs the next restart a check, nothing else
+
+
 @op(
     "launch",
     name=str,
@@ -414,16 +546,33 @@ def _engine_verdict(code, out, err, expect):
     port=(int, NONE),
     stop_timeout=NUMBER,
     keep_if_running=bool,
+    ready_command=(str, NONE),
 )
 def op_launch(req):
     """Start the server (stopping the one we started before): a systemd service where systemd is
-    the init, else a detached process of its own session; either way logging to a file."""
+    the init, else a detached process of its own session; either way logging to a file.
+
+    ``ready_command`` (going back): ``"prefer"`` starts the command that served the READY record
+    of this release, as its launch recorded it, where one is recorded for the same port and host,
+    else the request's; ``"only"`` starts that command or nothing (``no_ready_command``), and
+    never the one that runs or last ran (it is the one that failed)."""
     root = _root(req)
     name = req["name"]
     argv = _argv(req)
     env = req["env"]
-    spec = _command_digest(argv, env)
     current = _server(root, name)
+    from_ready = False
+    if req["ready_command"] is not None:
+        recorded = _ready_command(root, name, req, current)
+        if recorded is not None:
+            argv, env, from_ready = recorded["argv"], recorded["env"], True
+        elif req["ready_command"] == "only":
+            raise OpError(
+                "no_ready_command",
+                "no other command is recorded as having served release %s READY on port %s"
+                % (req["release_id"], req["port"]),
+            )
+    spec = _command_digest(argv, env)
     if req["keep_if_running"] and _runs(current, argv, env, req["release_id"]):
         return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}
     stopped = _stop(root, name, float(req["stop_timeout"]))
@@ -468,7 +617,96 @@ def op_launch(req):
     }
     body = _dumps(record).encode("utf-8")
     _atomic_write(_pidfile(root, name), body, _sha256(body), 0o644)
-    return {"pid": pid, "log": log_path, "stopped": stopped, "kept": False, "supervisor": supervisor, "unit": unit}
+    _remember_command(root, name, record, env, req)
+    return {
+        "pid": pid,
+        "log": log_path,
+        "stopped": stopped,
+        "kept": False,
+        "supervisor": supervisor,
+        "unit": unit,
+        "from_ready": from_ready,
+    }
+
+
+# The commands this root's server was last started with, newest first, so that a start that fails
+# can go back to the very command a READY record was proven with (the playbook now gives another:
+# a changed flag or variable whose start failed left nothing serving). 0600: the environment may
+# hold secrets, as the systemd unit does.
+REMEMBERED = 4
+
+
+def _commands_path(root, name):
+    return os.path.join(root, "run", "%s.commands" % name)
+
+
+def _remembered(root, name):
+    import json
+
+    # Only a regular file of our own that no one else may read or write (a command from it is
+    # run): anything else is as good as none, and a going back then uses the playbook's command.
+    try:
+        f = _open_file(_commands_path(root, name), follow=False)
+    except OSError:
+        return []
+    with f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size > 1 << 20:
+            return []
+        data = f.read(1 << 20)
+    try:
+        entries = json.loads(data)
+    except ValueError:
+        return []
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+
+def _remember_command(root, name, record, env, req):
+    spec = record["command_sha256"]
+    entry = {
+        "pid": record["pid"],
+        "start": record["start"],
+        "release_id": record["release_id"],
+        "argv": record["argv"],
+        "env": env,
+        "port": req["port"],
+        "host": req["host"],
+        "command_sha256": spec,
+    }
+    kept = [e for e in _remembered(root, name) if e.get("command_sha256") != spec]
+    body = _dumps([entry, *kept[: REMEMBERED - 1]]).encode("utf-8")
+    _atomic_write(_commands_path(root, name), body, _sha256(body), 0o600)
+
+
+def _ready_command(root, name, req, current):
+    """The command whose server the READY record names (by pid and release), when it is another
+    command than the one that runs or last ran, and listened where the request will look."""
+    import json
+
+    try:
+        ready = json.loads(_read_own(os.path.join(root, "ready.json")) or b"null")
+    except ValueError:
+        return None
+    if not isinstance(ready, dict) or ready.get("release_id") != req["release_id"]:
+        return None
+    last = current.get("command_sha256") if current else None
+    for entry in _remembered(root, name):
+        argv, env = entry.get("argv"), entry.get("env")
+        if (
+            entry.get("pid") == ready.get("pid")
+            and entry.get("release_id") == ready.get("release_id")
+            and entry.get("port") == req["port"]
+            and entry.get("host") == req["host"]
+            and isinstance(argv, list)
+            and argv
+            and all(isinstance(a, str) for a in argv)
+            and isinstance(env, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+            and entry.get("command_sha256") == _command_digest(argv, env)
+            and entry.get("command_sha256") != last
+        ):
+            return {"argv": argv, "env": env}
+    return None
 
 
 def _port_answers(host, port):

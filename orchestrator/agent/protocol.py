@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from orchestrator.errors import AgentFailure
 from orchestrator.results import (
@@ -302,6 +302,7 @@ class Launched:
     pid: int
     kept: bool  # already running with this command: not restarted
     unit: str | None = None  # the systemd service, where systemd supervises it
+    from_ready: bool = False  # going back: started with the command its READY record was proven with
 
 
 @dataclass(frozen=True)
@@ -819,6 +820,9 @@ class Engine:
     # vLLM's hash of its configuration (``VllmConfig.compute_hash``): its compile cache's key but
     # for the build's code, environment and compiler. None from a build that cannot say.
     compile_key: str | None = None
+    # The host kept vLLM's pass on this very command while nothing it depends on changed (the
+    # interpreter, its import path, vLLM's files, the models' configs): not asked again.
+    cached: bool = False
 
 
 # vLLM's import alone takes seconds to a minute on a cold host (40 s seen on an H200's first start).
@@ -879,6 +883,7 @@ def _engine(v: dict[str, Any]) -> Engine:
         _field(v, "seconds", float),
         tuple(sorted(checks.items())),
         _field(v, "compile_key", str, optional=True),
+        bool(_field(v, "cached", bool, optional=True)),
     )
 
 
@@ -1003,9 +1008,13 @@ def launch(
     port: int | None,
     keep_if_running: bool = False,
     host: str = LOOPBACK,
+    ready_command: Literal["prefer", "only"] | None = None,
 ) -> Op[Launched]:
     """Start a supervised process (stopping the one started before under ``name``); ``host`` and
-    ``port``: where it will listen (something else answering there is refused)."""
+    ``port``: where it will listen (something else answering there is refused). ``ready_command``
+    (going back): the command the release's READY record was proven with, as the host recorded
+    its launch, instead of ``command`` where there is one (``prefer``), or only that (``only``:
+    else ``no_ready_command``)."""
     request = {
         "op": "launch",
         "root": root,
@@ -1017,13 +1026,17 @@ def launch(
         "port": port,
         "stop_timeout": command.stop_timeout,
         "keep_if_running": keep_if_running,
+        "ready_command": ready_command,
     }
     return Op(request, _launched, budget_s=command.stop_timeout + _STOP_MARGIN)
 
 
 def _launched(v: dict[str, Any]) -> Launched:
     return Launched(
-        _field(v, "pid", int), bool(_field(v, "kept", bool, optional=True)), _field(v, "unit", str, optional=True)
+        _field(v, "pid", int),
+        bool(_field(v, "kept", bool, optional=True)),
+        _field(v, "unit", str, optional=True),
+        bool(_field(v, "from_ready", bool, optional=True)),
     )
 
 

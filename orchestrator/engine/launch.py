@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from typing import Any, Literal
 
 from orchestrator.agent import protocol
 from orchestrator.agent.client import AgentClient
@@ -90,10 +90,19 @@ def serve(run: Run, unit: Unit) -> None:
         rotation.put_back(run, unit)
 
 
-def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: bool) -> bool:
+def start_and_prove(
+    run: Run,
+    unit: Unit,
+    release: str,
+    switch: set[str],
+    keep: bool,
+    ready_command: Literal["prefer", "only"] | None = None,
+) -> bool:
     """Switch the ``switch`` nodes to ``release``, start the unit on it, prove it through the head.
 
     ``keep``: nothing changed, so a unit already running this release is kept and proven again.
+    ``ready_command`` (going back, one host): start the command the release was READY with, as the
+    host recorded it (see ``protocol.launch``), not the playbook's.
     """
     playbook, head = run.playbook, unit.head
     host = serving.probe_host(playbook, head.target.container)
@@ -111,7 +120,7 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
 
     def start(node: Node) -> None:
         switch_op = protocol.release_switch(node.root, release, playbook.keep_releases) if node.name in switch else None
-        launch = _launch_op(run, unit, node, release, keep=keep and together)
+        launch = _launch_op(run, unit, node, release, keep=keep and together, ready_command=ready_command)
         # The loader and engine checks started at staging: collected before anything is switched
         # or stopped for the release (a refusal leaves what serves serving); on a host where
         # nothing serves, the server starts beside them and is stopped if they refuse.
@@ -122,7 +131,9 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
         # Else vLLM's own verdict on the command before anything is switched or stopped for it
         # (going back, or a group: stopped before its ranks start, see stop_all).
         engine = None
-        if together and launch is not None and pending is None and GATE_ENGINE not in node.report.gates:
+        # Not going back to a command that served READY: it is what starts, not the playbook's.
+        asks = ready_command is None or not unit.single
+        if together and launch is not None and pending is None and asks and GATE_ENGINE not in node.report.gates:
             command = serving.command(playbook, node.target.container, release)
             want = serving.resolved(playbook, node.target.container, release)
             engine = protocol.engine_check(
@@ -165,6 +176,7 @@ def start_and_prove(run: Run, unit: Unit, release: str, switch: set[str], keep: 
         if together:
             assert launch is not None
             kept_now = False if beside else answers[launch].kept  # beside: nothing was running to keep
+            node.from_ready = not beside and answers[launch].from_ready
             _read_proof(run, unit, answers[health], answers[probe], kept_now, answers[record].ready)
         elif launch is not None:
             node.report.gates[GATE_GROUP] = Gate(
@@ -249,14 +261,25 @@ def _launch_beside_checks(
     return False
 
 
-def _launch_op(run: Run, unit: Unit, node: Node, release: str, keep: bool) -> protocol.Op[protocol.Launched] | None:
+def _launch_op(
+    run: Run, unit: Unit, node: Node, release: str, keep: bool, ready_command: Literal["prefer", "only"] | None = None
+) -> protocol.Op[protocol.Launched] | None:
     """What a node starts: vLLM (a single host, or an ``mp`` rank), or Ray (None: a Ray head
     starts vLLM only once the cluster is up)."""
     playbook, port = run.playbook, run.playbook.serving.port
     host = serving.probe_host(playbook, unit.head.target.container)
     if unit.single:
         command = serving.command(playbook, node.target.container, release)
-        return protocol.launch(node.root, serving.SERVER, command, release, port, keep_if_running=keep, host=host)
+        return protocol.launch(
+            node.root,
+            serving.SERVER,
+            command,
+            release,
+            port,
+            keep_if_running=keep,
+            host=host,
+            ready_command=ready_command,
+        )
     placement = unit.placement
     if unit.ray:
         command = serving.ray_command(playbook, placement, node.rank)
@@ -290,7 +313,7 @@ def _read_proof(
 def _proof_failed(run: Run, unit: Unit, failure: AgentFailure) -> None:
     """The server did not start, did not become healthy, or the probe could not talk to it."""
     head = unit.head
-    head.report.gates[failure.gate] = Gate(False, failure.message)
+    head.report.gates[failure.gate] = Gate(False, failure.message, reason=failure.code)
     head.report.diagnosis = plan.diagnose(run.playbook, head.report, failure=failure)
     unit.fail_others([head.name], "group not ready")
 
@@ -379,8 +402,10 @@ def write_ready(run: Run, unit: Unit, release: str) -> None:
 
 def roll_back(run: Run, unit: Unit) -> None:
     """After a failure past launch: stop every node (checking each is gone), then start the release
-    that was current on every node again and prove it; READY again if it passes. With nothing to
-    go back to, the unit stays stopped."""
+    that was current on every node again, with the command its READY record was proven with where
+    the host recorded it (one host), and prove it; READY again if it passes. A release that was
+    already current is started again only with that other command (the playbook's is the one that
+    failed). With nothing to go back to, the unit stays stopped."""
     run.note(unit, f"not ready: stopping {', '.join(n.name for n in unit.nodes)}")
     stop_all(run, unit)
     reports = [n.report for n in unit.nodes]
@@ -389,13 +414,27 @@ def roll_back(run: Run, unit: Unit) -> None:
     changed = any(r.changed for r in reports)
     stopped = all(r.gates.get(GATE_STOPPED, Gate(False, "")).ok for r in reports)
     everywhere = "" if unit.single else " on every node"
-    if back is None or not changed or not stopped:  # nothing else to go back to, or a node is stuck
+    # The release that was current, but the server's command changed (a flag, a variable) and the
+    # new one failed: only the command READY was proven with can bring back what served.
+    command_only = back is not None and not changed and stopped and unit.single
+    again: Unit | None = None
+    if command_only:
+        assert back is not None
+        run.note(unit, f"starting release {back} again with the server command it was READY with")
+        again = unit.again()
+        for node, old in zip(again.nodes, unit.nodes, strict=True):
+            node.report.files = old.report.files  # the same release, read back by this run: no switch
+        proven = start_and_prove(run, again, back, set(), keep=False, ready_command="only")
+        if not proven and any(g.reason == "no_ready_command" for g in again.head.report.gates.values()):
+            again = None  # no other command recorded: nothing was started
+    if again is None and (back is None or not changed or not stopped):  # nothing to go back to, or stuck
         if not stopped:
             line = "the deployment could not be stopped: see the stopped gate"
         elif not changed:
             line = (
-                f"release {back} was already current and does not pass with this playbook's serving settings: "
-                f"stopped{everywhere} (no vLLM or Ray process left)"
+                f"release {back} was already current and does not pass with this playbook's serving settings, "
+                f"and no other server command is recorded as READY with it: stopped{everywhere} "
+                "(no vLLM or Ray process left)"
             )
         else:
             line = f"no previous release to go back to: stopped{everywhere} (no vLLM or Ray process left)"
@@ -404,22 +443,26 @@ def roll_back(run: Run, unit: Unit) -> None:
         for report in reports:
             report.diagnosis.append(line)
         return
-    run.note(unit, f"rolling back to release {back}")
-    again = unit.again()
-    switch = {n.name for n in unit.nodes if n.report.changed}
-    if start_and_prove(run, again, back, switch, keep=False) and _admitted(run, again, unit):
+    assert back is not None
+    if again is None:
+        run.note(unit, f"rolling back to release {back}")
+        again = unit.again()
+        switch = {n.name for n in unit.nodes if n.report.changed}
+        proven = start_and_prove(run, again, back, switch, keep=False, ready_command="prefer")
+    with_command = " with the server command it was READY with" if again.head.from_ready else ""
+    if proven and _admitted(run, again, unit):
         write_ready(run, again, back)
         proof = again.head.report.gates[GATE_ACCEPTANCE].detail
-        line = f"rolled back: release {back} is current again{everywhere}, healthy and READY ({proof})"
+        line = f"rolled back: release {back} is current again{everywhere}{with_command}, healthy and READY ({proof})"
     elif again.head.report.gates.get(GATE_ACCEPTANCE, Gate(False, "")).ok:
         refused = again.head.report.gates[GATE_GATEWAY].detail
-        line = f"rolled back to release {back}, healthy, but not served through the gateway ({refused})"
+        line = f"rolled back to release {back}{with_command}, healthy, but not served through the gateway ({refused})"
     else:
         stop_all(run, again)
         why = "; ".join(
             f"{n.name}: {n.report.gates[gate].detail}" for n in again.nodes if (gate := n.report.failed_gate)
         )
-        line = f"rolled back to release {back}, but it does not pass either ({why}): stopped"
+        line = f"rolled back to release {back}{with_command}, but it does not pass either ({why}): stopped"
     if unit.head.drained and not again.head.report.gates.get(GATE_READY, Gate(False, "")).ok:
         line += "; left out of the gateway's rotation (taken out before the stop)"
     for report in reports:

@@ -184,6 +184,7 @@ class Node:
         self.pid: int | None = None  # the proven process its READY record names
         self.disturbed = False  # something of it was stopped or started: a failure must roll back
         self.drained = False  # taken out of the gateway's rotation by this run, not yet put back
+        self.from_ready = False  # going back: started with the command its READY record was proven with
 
     @property
     def name(self) -> str:

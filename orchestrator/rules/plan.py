@@ -723,12 +723,13 @@ def read_engine(engine: protocol.Engine, report: HostReport) -> None:
     runner = f", {engine.runner.upper()} model runner" if engine.runner else ""
     made = [RUNNER_CHECKS.get(name, name) for name, verdict in engine.checks if verdict == "ok"]
     before = f"; before weights: {', '.join(made)}" if made else ""
-    data: dict[str, Any] = {"seconds": engine.seconds, "checks": dict(engine.checks)}
+    kept = " (its verdict on this command kept on the host: nothing it depends on changed)" if engine.cached else ""
+    data: dict[str, Any] = {"seconds": engine.seconds, "checks": dict(engine.checks), "cached": engine.cached}
     if engine.compile_key is not None:
         data["compile_key"] = engine.compile_key
     report.gates[GATE_ENGINE] = Gate(
         True,
-        f"vLLM {engine.version} accepts the command: target {', '.join(engine.target) or '?'}{drafter}{runner}{before}",
+        f"vLLM {engine.version} accepts the command: target {', '.join(engine.target) or '?'}{drafter}{runner}{before}{kept}",
         data,
     )
 

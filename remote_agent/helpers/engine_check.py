@@ -106,6 +106,15 @@ def check(args):
             "runner": None if runner is None else ("v2" if runner else "v1"),
             "checks": made,
             "compile_key": compile_key,
+            # What the verdict depends on besides the command: the agent keeps a pass while these
+            # are as they were (the interpreter, its import path, vLLM's own files, the models'
+            # configs), and drops this before it answers.
+            "where": {
+                "executable": sys.executable,
+                "paths": [p for p in sys.path if p],
+                "package": vllm.__path__[0] if getattr(vllm, "__path__", None) else None,
+                "models": [config.model_config.model, getattr(draft, "model", None)],
+            },
             # What it would serve, as its own parser and configuration resolved every spelling.
             "resolved": {
                 "model": args.model,

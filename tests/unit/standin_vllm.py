@@ -393,6 +393,14 @@ def engine_check(target: str, args: list[str]) -> None:
                 "speculative_model": spec.get("model"),
                 "num_speculative_tokens": spec.get("num_speculative_tokens"),
             },
+            # What the verdict depends on, as the real helper says it (the agent keeps a pass).
+            "where": {
+                "executable": sys.executable,
+                "paths": [p for p in sys.path if p],
+                # $STANDIN_VLLM_PACKAGE: a directory standing in for vLLM's installed package
+                "package": os.environ.get("STANDIN_VLLM_PACKAGE") or os.path.dirname(os.path.abspath(__file__)),
+                "models": [target, spec["model"]],
+            },
         }
     print("vLLM's logs go to stdout too")
     print("@@dflash-engine@@" + json.dumps({**verdict, "version": VERSION, "seconds": 0.01}))

@@ -165,11 +165,18 @@ def test_a_host_answering_in_the_wrong_shape_fails_its_gate_clearly(box: Box) ->
     assert not run.ok and detail == "lock answered badly: 'waited_s' is str, expected float (exit 0)"
 
 
-def test_a_server_that_does_not_start_is_stopped_and_the_earlier_release_tried_again(box: Box) -> None:
-    """The earlier release is relaunched with the playbook's serving settings (the failing ones
-    here), so it fails too: the host is left stopped, on the release that was current."""
-    first = deploy(box, box.playbook())
+def test_a_server_that_does_not_start_is_stopped_and_what_was_ready_started_again(box: Box) -> None:
+    """A start that fails goes back to the release that was current *and* to the server command its
+    READY record was proven with, as the host recorded that launch: the playbook's command (a flag,
+    a variable) is the one that failed. A deploy that changed only the command and failed once left
+    nothing serving ("already current ... stopped"), and a new release with a broken command took
+    its failing command back to the old release."""
+    good_pb = box.playbook()
+    first = deploy(box, good_pb)
     assert first.ok
+    proven = box.pid("solo")
+    store = box.root("solo") / "run" / "dflash-serve.commands"
+    assert store.stat().st_mode & 0o777 == 0o600  # the environment may hold secrets
     (box.dir / "notes.txt").write_text("a new release\n")
     broken = box.playbook("broken", env={"STANDIN_FAIL_START": "1", "STANDIN_GOOD_MASK": str(GOOD_MASK)})
     run = deploy(box, broken)
@@ -179,15 +186,32 @@ def test_a_server_that_does_not_start_is_stopped_and_the_earlier_release_tried_a
         "the server process exited" in solo.gates["health"].detail
         and "stand-in told to fail" in solo.gates["health"].detail
     )
-    again = f"rolled back to release {first.release_id}, but it does not pass"
-    assert any(d.startswith(again) for d in solo.diagnosis), solo.diagnosis
-    assert box.current("solo") == f"releases/{first.release_id}" and not alive(box.pid("solo"))
-    # The files of the current release again: nothing to go back to, and the message says why.
+    back = (
+        f"rolled back: release {first.release_id} is current again with the server command it was READY with, "
+        "healthy and READY"
+    )
+    assert any(d.startswith(back) for d in solo.diagnosis), solo.diagnosis
+    assert box.current("solo") == f"releases/{first.release_id}"
+    assert box.pid("solo") != proven and alive(box.pid("solo")) and not alive(proven)
+    assert verify(box, good_pb, probe=True).ok  # the very command the good playbook gives
+
+    # The command alone changed (the files of the current release): the same, by the command.
     (box.dir / "notes.txt").write_text("release notes\n")
     run = deploy(box, box.playbook("broken-again", env={"STANDIN_FAIL_START": "1"}))
+    solo = host(run, "solo")
+    assert not run.ok and "stand-in told to fail" in solo.gates["health"].detail
+    assert solo.diagnosis[-1].startswith(back), solo.diagnosis
+    checked = verify(box, good_pb)
+    assert alive(box.pid("solo")) and checked.ok, host(checked, "solo").gates
+
+    # No other command recorded (the host lost it): nothing to go back to, said, and stopped.
+    store.unlink()
+    run = deploy(box, box.playbook("broken-again", env={"STANDIN_FAIL_START": "1"}))
     assert not run.ok and host(run, "solo").diagnosis[-1].startswith(
-        f"release {first.release_id} was already current and does not pass with this playbook's serving settings"
+        f"release {first.release_id} was already current and does not pass with this playbook's serving settings, "
+        "and no other server command is recorded as READY with it: stopped"
     )
+    assert not alive(box.pid("solo"))
 
 
 def test_the_engine_gate_refuses_a_command_before_anything_serving_is_touched(box: Box) -> None:
