@@ -147,7 +147,9 @@ def op_checks_start(req):
         "name": req["name"],
         "before": before,
         "loader": {"key": key, "keep": req["keep"], "path": path} if spec["loader"] else None,
-        "engine": {"expect": req["expect"], "key": engine_key, "keep": req["keep"]} if spec["engine"] else None,
+        "engine": {"expect": req["expect"], "key": engine_key, "keep": req["keep"], "release": release}
+        if spec["engine"]
+        else None,
     }
     body = _dumps(state).encode("utf-8")
     _atomic_write(os.path.join(run, "%s%s.json" % (CHECKS_PREFIX, token)), body, _sha256(body), 0o600)
@@ -236,7 +238,7 @@ def op_checks_wait(req):
                 raise OpError("timeout" if stopped else "engine_refused", "vLLM's check %s" % why)
             verdict = _engine_verdict(code, out, err, state["engine"]["expect"])
             if state["engine"].get("keep") and isinstance(state["engine"].get("key"), str):
-                _engine_keep(root, state["engine"]["key"], verdict)
+                _engine_keep(root, state["engine"]["key"], verdict, state["engine"].get("release"))
             verdict.pop("where", None)
             answer["engine"] = verdict
         except OpError as exc:

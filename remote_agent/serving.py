@@ -515,14 +515,22 @@ def _engine_cached(root, key, release_id):
     return None
 
 
-def _engine_keep(root, key, verdict):
-    """Keep a pass (its ``where`` taken out of the answer either way)."""
+def _engine_keep(root, key, verdict, release_id):
+    """Keep a pass (its ``where`` taken out of the answer either way), stamped with ``launched`` at
+    the release the check read its drafter from."""
     import json
 
     where = verdict.pop("where", None)
     if not _line_mac("") or not isinstance(where, dict):
         return
-    deps = _engine_deps(where)
+    if not isinstance(release_id, str):
+        deps = _engine_deps(where)
+    else:
+        before = _point_launched(root, release_id)
+        try:
+            deps = _engine_deps(where)
+        finally:
+            _restore_launched(root, before)
     if deps is None:
         return
     body = json.dumps({"key": key, "deps": deps, "verdict": verdict}, sort_keys=True)

@@ -197,10 +197,11 @@ def test_vllm_s_compile_key_follows_the_drafter_s_path_and_config_not_its_releas
     assert not (root / "launched").is_symlink()
 
 
-def background(tmp_path: Path, ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One batch of the agent's ops, as a deploy sends them (one exec; the agent then exits)."""
+def background(tmp_path: Path, ops: list[dict[str, Any]], key: str = "") -> list[dict[str, Any]]:
+    """One batch of the agent's ops, as a deploy sends them (one exec; the agent then exits);
+    ``key``: the controller's digest key (what the agent keeps is signed with it)."""
     proc = subprocess.run(
-        [sys.executable, "-c", BOOTSTRAP], input=encode_request(ops), capture_output=True, timeout=330
+        [sys.executable, "-c", BOOTSTRAP], input=encode_request(ops, key=key), capture_output=True, timeout=330
     )
     assert proc.returncode == 0, proc.stderr.decode()
     return json.loads(proc.stdout)["results"]  # type: ignore[no-any-return]
@@ -295,3 +296,41 @@ def test_a_deploy_s_loader_and_engine_checks_run_in_one_background_process(tmp_p
     assert not list((root / "run").glob("checks-*")) and not (root / "launched").is_symlink()
     stat = (Path("/proc") / str(pid) / "stat").read_text() if (Path("/proc") / str(pid)).exists() else "x) Z"
     assert stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")  # killed (a zombie until its parent reaps it)
+
+
+def test_vllm_s_pass_is_kept_and_a_files_only_release_is_not_asked_again(tmp_path: Path) -> None:
+    """Real vLLM's pass on the command, kept with the controller's key by a deploy's checks: the
+    next release with the same drafter config (a files-only release, its own copy of the files) is
+    answered at once, no process started; the helper names what the pass depends on (the real
+    interpreter, import path and vLLM package) and the answer does not carry it."""
+    key = "ab" * 32
+    root = tmp_path / "root"
+    for release in ("A", "B"):
+        (root / "releases" / release).mkdir(parents=True)
+        model(tmp_path, f"drafter-{release}", "drafter-good").rename(root / "releases" / release / "drafter")
+    first = dict(checks_start(root, "A", root / "launched" / "drafter"), keep=True)
+    (answer,) = background(tmp_path, [first], key)
+    token = answer["result"]["token"]
+    op = {"op": "checks_wait", "root": str(root), "token": token, "timeout": 300.0, "cancel": False}
+    (answer,) = background(tmp_path, [op], key)
+    engine = answer["result"]["engine"]
+    assert engine["ok"] and "where" not in engine and not engine.get("cached"), engine
+    (line,) = (root / ".engine-cache").read_text().splitlines()
+    deps = json.loads(line.split(" ", 1)[1])["deps"]
+    assert deps["stat"][str(VLLM / "bin" / "python")] is not None  # the serving interpreter
+    assert any(p.endswith("/vllm") for p in deps["stat"])  # the installed package's directory
+    assert set(deps["models"]) == {str(MODELS / "target"), str(root / "launched" / "drafter")}
+
+    second = dict(checks_start(root, "B", root / "launched" / "drafter"), keep=True)
+    (answer,) = background(tmp_path, [second], key)
+    result = answer["result"]
+    assert result["token"] is None, result  # nothing to run: the loader's view and vLLM's pass kept
+    assert result["engine"]["cached"] is True and result["engine"]["ok"]
+    assert result["engine"]["compile_key"] == engine["compile_key"] and result["engine"]["seconds"] < 1
+    assert not (root / "launched").is_symlink()  # pointed for the lookup, put back
+
+    # Without the controller's key the line is not vLLM's word: asked again.
+    (answer,) = background(tmp_path, [dict(second, keep=False)], "cd" * 32)
+    assert answer["result"]["token"] is not None and answer["result"]["engine"] is None
+    op = {"op": "checks_wait", "root": str(root), "token": answer["result"]["token"], "timeout": 300.0, "cancel": True}
+    background(tmp_path, [op], "cd" * 32)
