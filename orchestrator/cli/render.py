@@ -399,7 +399,13 @@ def render_lint(path: object, problems: list[Problem], vllm: str, stream: TextIO
     for p in problems:
         out.write(p.line() + "\n")
     errors = sum(p.severity == "error" for p in problems)
-    out.write(f"lint {path}: {errors} errors, {len(problems) - errors} warnings; vLLM {_START_WORDS[vllm]}\n")
+    warnings = len(problems) - errors
+    out.write(f"lint {path}: {_count(errors, 'error')}, {_count(warnings, 'warning')}; vLLM {_START_WORDS[vllm]}\n")
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 error``, ``2 errors``, ``0 errors``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def render_history(runs: list[dict[str, Any]], stream: TextIO | None = None) -> None:

