@@ -122,18 +122,21 @@ def _loader_keep(root, key, view):
 def _loader_key(path, python, fields, env):
     """The loader cache's key for a drafter directory: its config's bytes, the helper, the
     interpreter, the fields asked and the environment it runs in (a digest: serving.env may hold
-    a secret) (None: no config.json to load)."""
+    a secret) but vLLM's own variables: the view is transformers' alone, loaded before vLLM is
+    imported, so a command that changes only a ``VLLM_*`` variable (the AOT guard, the model
+    runner) reuses it (None: no config.json to load)."""
     import json
 
     config = _read_own(os.path.join(path, "config.json"))
     if config is None:
         return None
+    read = sorted((k, v) for k, v in env.items() if not k.startswith("VLLM_"))
     return "%s %s %s %s %s" % (
         _sha256(config),
         _sha256(_helper("loader_view").encode()),
         python,
         json.dumps(fields, sort_keys=True),
-        _sha256(json.dumps(sorted(env.items())).encode("utf-8")),
+        _sha256(json.dumps(read).encode("utf-8")),
     )
 
 

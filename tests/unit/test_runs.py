@@ -300,6 +300,15 @@ def test_verify_reuses_the_loader_view_a_deploy_kept(box: Box) -> None:
     assert "kept on the host" not in host(deployed, "solo").gates["loader"].detail  # loaded, then kept
     checked = host(verify(box, playbook), "solo")
     assert checked.gates["loader"].detail.endswith("(the view kept on the host: nothing it depends on changed)")
+    # A new command by a vLLM variable alone (the AOT guard): vLLM is asked, transformers' view reused.
+    env = {"STANDIN_GOOD_MASK": str(GOOD_MASK), "STANDIN_LOADER_WHERE": "1", "VLLM_FORCE_AOT_LOAD": "0"}
+    guarded = host(deploy(box, box.playbook(env=env)), "solo")
+    assert guarded.gates["loader"].detail.endswith("(the view kept on the host: nothing it depends on changed)")
+    assert guarded.gates["engine"].data["cached"] is False
+    # Any other variable may change what transformers imports: loaded again.
+    env["HF_HUB_CACHE"] = str(box.dir / "hub")
+    other = host(deploy(box, box.playbook(env=env)), "solo")
+    assert "kept on the host" not in other.gates["loader"].detail
 
 
 def test_verify_catches_a_changed_file_and_a_restarted_server(box: Box) -> None:
