@@ -407,6 +407,8 @@ def roll_back(run: Run, unit: Unit) -> None:
     already current is started again only with that other command (the playbook's is the one that
     failed). With nothing to go back to, the unit stays stopped."""
     run.note(unit, f"not ready: stopping {', '.join(n.name for n in unit.nodes)}")
+    if run.gateway is not None and not unit.head.drained:
+        _out_before_the_stop(run, unit)
     stop_all(run, unit)
     reports = [n.report for n in unit.nodes]
     previous = {r.previous if r.changed else r.release_id for r in reports}
@@ -467,6 +469,21 @@ def roll_back(run: Run, unit: Unit) -> None:
         line += "; left out of the gateway's rotation (taken out before the stop)"
     for report in reports:
         report.diagnosis.append(line)
+
+
+def _out_before_the_stop(run: Run, unit: Unit) -> None:
+    """A server kept in rotation (nothing to restart: it was proven again in place) that failed
+    its proof leaves the gateway's rotation before it stops, as a restart's drain does: stopped in
+    rotation, the users' requests sent to it were lost. No floor holds here (the host failed); a
+    gateway that cannot be told is said, and the stop goes on."""
+    from orchestrator.engine import rotation
+
+    try:
+        rotation.take_out(run, unit)
+    except OrchestratorError as exc:
+        unit.head.report.gates[GATE_GATEWAY] = Gate(False, f"not taken out of rotation before the stop: {exc}")
+        return
+    unit.head.drained = True
 
 
 def _admitted(run: Run, again: Unit, unit: Unit) -> bool:

@@ -184,6 +184,32 @@ def test_a_host_refused_after_its_drain_stays_out_and_the_rotation_is_the_ready_
     assert verified["g2"].gates["gateway"].ok and not verified["g2"].gates["gateway"].data["in_rotation"]
 
 
+def test_a_kept_server_that_fails_its_proof_leaves_rotation_before_it_stops(fleet: Fleet, haproxy: Haproxy) -> None:
+    """A redeploy that changes nothing keeps every server in rotation and proves each again; one
+    that fails that proof (here a tau floor above what any drafter of K gives) is stopped, as any
+    host that fails its proof, but taken out of HAProxy's rotation first: it was stopped in
+    rotation, and the users' requests sent to it were lost (17 of 63 through HAProxy, real vLLM).
+    The stand-in finishes what is in flight at its stop and HAProxy's checks find it down soon
+    after, so here no request was lost either way; what the old code got wrong, and this holds,
+    is the rotation: the stopped server was left in it."""
+    gateway = haproxy_gateway(haproxy)
+    assert fleet.deploy(fleet.playbook(gateway)).ok
+    wait_for("HAProxy's checks", lambda: haproxy.status() == {name: "UP" for name in HOSTS})
+    strict = {"acceptance": {"min_mean_acceptance_length": 9.0, "min_drafts": 10, "max_tokens": 32}}
+    load = Load(haproxy.port).start()
+    report = fleet.deploy(fleet.playbook(gateway, gates=strict))
+    load.stop()
+    hosts = by_name(report)
+    first = hosts["g1"]
+    assert load.lost == [] and load.sent > 10, (load.sent, load.lost[:5])
+    assert not first.ready and first.failed_gate == "acceptance", failures(report)
+    assert "drain_s" not in first.gates["gateway"].data  # kept in place, not drained for a restart
+    assert first.gates["gateway"].detail.startswith("taken out of the gateway's rotation"), first.gates["gateway"]
+    assert "left out of the gateway's rotation (taken out before the stop)" in first.diagnosis[-1], first.diagnosis
+    assert hosts["g2"].failed_gate == "rollout" and hosts["g3"].failed_gate == "rollout"
+    assert haproxy.drained() == {"g1": True, "g2": False, "g3": False}
+
+
 def test_an_unreachable_or_refusing_gateway_stops_the_deploy_before_any_server_is_touched(
     tmp_path: Path, fleet: Fleet
 ) -> None:
