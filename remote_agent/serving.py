@@ -683,7 +683,10 @@ def _remember_command(root, name, record, env, req):
     }
     kept = [e for e in _remembered(root, name) if e.get("command_sha256") != spec]
     body = _dumps([entry, *kept[: REMEMBERED - 1]]).encode("utf-8")
-    _atomic_write(_commands_path(root, name), body, _sha256(body), 0o600)
+    try:
+        _atomic_write(_commands_path(root, name), body, _sha256(body), 0o600)
+    except OpError:
+        pass  # the server runs: a record that cannot be written costs a going back, not this start
 
 
 def _ready_command(root, name, req, current):

@@ -141,3 +141,14 @@ def test_a_kept_verdict_is_asked_again_when_what_it_depends_on_changed(
     run = deploy(box, box.playbook())
     engine = host(run, "solo").gates["engine"]
     assert run.ok and engine.data["cached"] is False, engine.detail
+
+
+def test_a_start_whose_command_cannot_be_recorded_still_serves(box: Box) -> None:
+    """A directory where the recorded commands go: the server started, and is proven READY; only
+    a later going back lacks the record (the playbook's command is used then)."""
+    store = box.root("solo") / "run" / "dflash-serve.commands"
+    store.mkdir(parents=True)
+    (store / "kept").write_text("an operator's file\n")
+    run = deploy(box, box.playbook())
+    assert run.ok, host(run, "solo").gates
+    assert store.is_dir() and (store / "kept").read_text() == "an operator's file\n"
