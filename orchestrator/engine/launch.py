@@ -433,10 +433,12 @@ def roll_back(run: Run, unit: Unit) -> None:
         if not stopped:
             line = "the deployment could not be stopped: see the stopped gate"
         elif not changed:
+            # One host: the command its READY record was proven with was looked for (a group's
+            # ranks are started from the playbook alone).
+            none_other = ", and no other server command is recorded as READY with it" if unit.single else ""
             line = (
-                f"release {back} was already current and does not pass with this playbook's serving settings, "
-                f"and no other server command is recorded as READY with it: stopped{everywhere} "
-                "(no vLLM or Ray process left)"
+                f"release {back} was already current and does not pass with this playbook's serving settings"
+                f"{none_other}: stopped{everywhere} (no vLLM or Ray process left)"
             )
         else:
             line = f"no previous release to go back to: stopped{everywhere} (no vLLM or Ray process left)"
