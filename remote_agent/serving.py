@@ -305,6 +305,7 @@ ENGINE_MARK = "@@dflash-engine@@"
     timeout=NUMBER,
     keep_if_running=bool,
     release_id=(str, NONE),
+    kept=bool,
 )
 def op_engine_check(req):
     """The installed vLLM's own verdict on the server's exact command and environment, before the
@@ -341,9 +342,10 @@ def _engine_check(req, root, argv, env):
     import subprocess
 
     _engine_may_run(root, req["name"], argv)
-    known = _engine_cached(root, _engine_key(argv, env, req["expect"]), None)  # ``launched`` is pointed
-    if known is not None:
-        return known
+    if req["kept"]:  # ``launched`` is pointed already
+        known = _engine_cached(root, _engine_key(argv, env, req["expect"]), None)
+        if known is not None:
+            return known
     full = dict(os.environ)
     full.update(env)  # as the launch gives it
     try:

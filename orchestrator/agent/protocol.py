@@ -836,13 +836,15 @@ def engine_check(
     expect: dict[str, Any] | None = None,
     keep_if_running: bool = False,
     release_id: str | None = None,
+    kept: bool = True,
 ) -> Op[Engine]:
     """The installed vLLM's verdict on ``command`` (argv and environment, exactly as ``launch``
     would start it): its parser and configuration, before the running server is stopped for it.
     A refusal is a failure in vLLM's own words, and so is a value vLLM resolved other than the
     one ``expect`` names (what the gates prove: the target, the drafter, the port...);
     ``keep_if_running``: not asked when the server we started already runs this very command;
-    ``release_id``: the release the command's drafter is read from (through ``launched``)."""
+    ``release_id``: the release the command's drafter is read from (through ``launched``);
+    ``kept``: vLLM's pass kept on the host may answer (``verify --engine`` asks vLLM itself)."""
     request = {
         "op": "engine_check",
         "root": root,
@@ -853,6 +855,7 @@ def engine_check(
         "timeout": ENGINE_CHECK_TIMEOUT,
         "keep_if_running": keep_if_running,
         "release_id": release_id,
+        "kept": kept,
     }
     return Op(request, _engine, budget_s=ENGINE_CHECK_TIMEOUT)
 

@@ -281,7 +281,7 @@ def verify(
             # upgrade under a running server shows here, not at its next restart.
             command = serving.command(playbook, node.target.container, report.release_id)
             want = serving.resolved(playbook, node.target.container, report.release_id)
-            op = protocol.engine_check(node.root, serving.SERVER, command, want).finding()
+            op = protocol.engine_check(node.root, serving.SERVER, command, want, kept=False).finding()
             found = run.batch(node, [op])
             if op in found:
                 plan.read_engine(found[op], report)

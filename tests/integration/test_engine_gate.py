@@ -100,6 +100,7 @@ def engine_check(
         "timeout": 300.0,
         "keep_if_running": False,
         "release_id": release,
+        "kept": True,
     }
     proc = subprocess.run(
         [sys.executable, "-c", BOOTSTRAP], input=encode_request([request]), capture_output=True, timeout=330

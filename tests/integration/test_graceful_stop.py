@@ -74,6 +74,7 @@ def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(tmp_path: Path)
         "port": port,
         "stop_timeout": 90,
         "keep_if_running": False,
+        "ready_command": None,
     }
     health = {"op": "wait_health", "root": root, "name": "dflash-serve", "host": "127.0.0.1", "port": port}
     (launched,) = run([launch])

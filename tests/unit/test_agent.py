@@ -656,6 +656,7 @@ def test_the_engine_check_refuses_a_command_vllm_would_resolve_otherwise(tmp_pat
         "timeout": 30.0,
         "keep_if_running": False,
         "release_id": None,
+        "kept": True,
     }
     (agreed,) = run([{**base, "expect": {"port": 8000, "num_speculative_tokens": 7}}])
     assert agreed["ok"] and agreed["result"]["resolved"] == resolved

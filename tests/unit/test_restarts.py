@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.unit.localbox import Box, alive, deploy, host
+from tests.unit.localbox import Box, alive, deploy, host, verify
 
 
 def test_a_restart_of_a_command_vllm_passed_is_not_asked_again(box: Box) -> None:
@@ -152,3 +152,13 @@ def test_a_start_whose_command_cannot_be_recorded_still_serves(box: Box) -> None
     run = deploy(box, box.playbook())
     assert run.ok, host(run, "solo").gates
     assert store.is_dir() and (store / "kept").read_text() == "an operator's file\n"
+
+
+def test_verify_engine_asks_vllm_itself_not_the_kept_pass(box: Box) -> None:
+    """``verify --engine`` is the operator asking the installed vLLM now: the kept pass does not
+    answer it (a deploy's restart may use it)."""
+    playbook = box.playbook()
+    assert deploy(box, playbook).ok
+    assert (box.root("solo") / ".engine-cache").is_file()
+    asked = host(verify(box, playbook, engine=True), "solo").gates["engine"]
+    assert asked.ok and asked.data["cached"] is False and "kept on the host" not in asked.detail
