@@ -12,7 +12,6 @@ from remote_agent.core import (
     NUMBER,
     REF,
     OpError,
-    _atomic_write,
     _helper,
     _inside,
     _line_mac,
@@ -21,12 +20,10 @@ from remote_agent.core import (
     _root,
     _run_bounded,
     _sha256,
-    _signed_lines,
-    _stamp,
     op,
     os,
 )
-from remote_agent.serving import _server
+from remote_agent.serving import _server, _signed_keep, _signed_lines, _stamp
 
 
 def _serving_python(req, script, args):
@@ -95,8 +92,6 @@ def _loader_cached(root, key):
 
 
 def _loader_keep(root, key, view):
-    import json
-
     where = view.pop("where", None)
     if not _line_mac("") or not isinstance(where, dict):
         return
@@ -110,13 +105,8 @@ def _loader_keep(root, key, view):
         if stamp is None:
             return  # what it depends on cannot be stamped: not kept
         stamps[p] = stamp
-    body = json.dumps({"key": key, "stamps": stamps, "view": view}, sort_keys=True)
-    lines = [body, *[b for k, _, _, b in _loader_entries(root) if k != key][: LOADER_CACHE_ENTRIES - 1]]
-    data = "".join("%s %s\n" % (_line_mac(b), b) for b in lines).encode("utf-8")
-    try:
-        _atomic_write(os.path.join(root, LOADER_CACHE), data, _sha256(data), 0o644)
-    except OpError:
-        pass  # a cache that cannot be written costs the next check a load, nothing else
+    entry = {"key": key, "stamps": stamps, "view": view}
+    _signed_keep(os.path.join(root, LOADER_CACHE), entry, LOADER_CACHE_BYTES, LOADER_CACHE_ENTRIES)
 
 
 def _loader_key(path, python, fields, env):

@@ -516,41 +516,6 @@ def _mode(spec):
 # --- model files and their digests ---------------------------------------------------------
 
 
-def _stamp(path):
-    """What a cache keyed on a file's stat compares: device, inode, size, mtime and ctime (None:
-    no such file)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def _signed_lines(path, limit):
-    """The lines of a cache file the agent keeps signed (``<mac> <json>``) whose signature holds,
-    as (entry, body): a line planted without the controller's key is skipped, a file larger than
-    ``limit`` (not one the agent wrote) read not at all."""
-    import json
-
-    try:
-        if os.lstat(path).st_size > limit:
-            return []
-    except OSError:
-        return []
-    out = []
-    for line in (_read_own(path) or b"").decode("utf-8", "replace").split("\n"):
-        mac, _, body = line.partition(" ")
-        if not body or mac != _line_mac(body):
-            continue
-        try:
-            entry = json.loads(body)
-        except ValueError:
-            continue
-        if isinstance(entry, dict):
-            out.append((entry, body))
-    return out
-
-
 def _line_mac(fields):
     """A digest cache line's signature: HMAC-SHA256 with the controller's key (None: no key)."""
     if not _digest_key[0]:

@@ -28,13 +28,85 @@ from remote_agent.core import (
     _root,
     _run_bounded,
     _sha256,
-    _signed_lines,
-    _stamp,
     op,
     os,
     time,
 )
 from remote_agent.releases import LAUNCHED, _link_target, _point_launched, _restore_launched
+
+# --- signed caches of the deploy root, and the release a check reads through ``launched`` ---
+# (here, not in core: a files-only batch carries neither)
+
+
+def _stamp(path):
+    """What a cache keyed on a file's stat compares: device, inode, size, mtime and ctime (None:
+    no such file)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _signed_lines(path, limit):
+    """The lines of a cache file the agent keeps signed (``<mac> <json>``) whose signature holds,
+    as (entry, body): a line planted without the controller's key is skipped, a file larger than
+    ``limit`` (not one the agent wrote) read not at all."""
+    import json
+
+    try:
+        if os.lstat(path).st_size > limit:
+            return []
+    except OSError:
+        return []
+    out = []
+    for line in (_read_own(path) or b"").decode("utf-8", "replace").split("\n"):
+        mac, _, body = line.partition(" ")
+        if not body or mac != _line_mac(body):
+            continue
+        try:
+            entry = json.loads(body)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            out.append((entry, body))
+    return out
+
+
+def _signed_keep(path, entry, limit, entries):
+    """Keep ``entry`` (a dict with a ``key``) first in a signed cache file, before the newest
+    ``entries - 1`` others of another key; without the controller's key nothing is kept, and a
+    file that cannot be written costs the next check its work, nothing else."""
+    import json
+
+    if not _line_mac(""):
+        return
+    body = json.dumps(entry, sort_keys=True)
+    others = [b for e, b in _signed_lines(path, limit) if e.get("key") != entry["key"]]
+    data = "".join("%s %s\n" % (_line_mac(b), b) for b in [body, *others[: entries - 1]]).encode("utf-8")
+    try:
+        _atomic_write(path, data, _sha256(data), 0o644)
+    except OpError:
+        pass
+
+
+class _LaunchedAt:
+    """``launched`` pointed at a release for the duration of a ``with`` (a check reads the drafter
+    through it) and put back after; ``release_id`` None: left as it is."""
+
+    def __init__(self, root_real, release_id):
+        self.root_real, self.release_id, self.before = root_real, release_id, None
+
+    def __enter__(self):
+        if self.release_id is not None:
+            self.before = _point_launched(self.root_real, self.release_id)
+        return self
+
+    def __exit__(self, *exc):
+        if self.release_id is not None:
+            _restore_launched(self.root_real, self.before)
+        return False
+
 
 # The server runs in its own session (so it outlives the SSH session that started it), with
 # its pid and start time in <root>/run/<name>.json: only a process that still has both is ever
@@ -320,13 +392,8 @@ def op_engine_check(req):
     current = _server(root, req["name"])
     if req["keep_if_running"] and _runs(current, argv, env, req["release_id"]):
         return {"skipped": "the server already runs this command"}
-    if req["release_id"] is None:
+    with _LaunchedAt(root, req["release_id"]):
         return _engine_check(req, root, argv, env)
-    before = _point_launched(root, req["release_id"])
-    try:
-        return _engine_check(req, root, argv, env)
-    finally:
-        _restore_launched(root, before)
 
 
 @op("serving_runs", name=str, root=str, argv=list, env=dict, release_id=(str, NONE, REF))
@@ -498,51 +565,30 @@ def _engine_cached(root, key, release_id):
     entries = [e for e, _ in _signed_lines(os.path.join(root, ENGINE_CACHE), ENGINE_CACHE_BYTES) if e.get("key") == key]
     if not entries:
         return None
-    before = _point_launched(root, release_id) if release_id is not None else None
-    try:
+    with _LaunchedAt(root, release_id):
         for entry in entries:
             deps, verdict = entry.get("deps"), entry.get("verdict")
-            if not isinstance(deps, dict) or not isinstance(verdict, dict) or not isinstance(deps.get("stat"), dict):
+            if not isinstance(deps, dict) or not isinstance(verdict, dict):
                 continue
-            models = deps.get("models")
-            if not isinstance(models, dict):
+            stats, models = deps.get("stat"), deps.get("models")
+            if not isinstance(stats, dict) or not isinstance(models, dict):
                 continue
-            if all(_stamp(p) == s for p, s in deps["stat"].items()) and all(
-                _model_stamp(m) == s for m, s in models.items()
-            ):
+            if all(_stamp(p) == s for p, s in stats.items()) and all(_model_stamp(m) == s for m, s in models.items()):
                 return dict(verdict, cached=True, seconds=round(clock.monotonic() - began, 3))
-    finally:
-        if release_id is not None:
-            _restore_launched(root, before)
     return None
 
 
 def _engine_keep(root, key, verdict, release_id):
     """Keep a pass (its ``where`` taken out of the answer either way), stamped with ``launched`` at
     the release the check read its drafter from."""
-    import json
-
     where = verdict.pop("where", None)
     if not _line_mac("") or not isinstance(where, dict):
         return
-    if not isinstance(release_id, str):
+    with _LaunchedAt(root, release_id if isinstance(release_id, str) else None):
         deps = _engine_deps(where)
-    else:
-        before = _point_launched(root, release_id)
-        try:
-            deps = _engine_deps(where)
-        finally:
-            _restore_launched(root, before)
-    if deps is None:
-        return
-    body = json.dumps({"key": key, "deps": deps, "verdict": verdict}, sort_keys=True)
-    path = os.path.join(root, ENGINE_CACHE)
-    others = [b for e, b in _signed_lines(path, ENGINE_CACHE_BYTES) if e.get("key") != key]
-    data = "".join("%s %s\n" % (_line_mac(b), b) for b in [body, *others[: ENGINE_CACHE_ENTRIES - 1]]).encode("utf-8")
-    try:
-        _atomic_write(path, data, _sha256(data), 0o644)
-    except OpError:
-        pass  # a cache that cannot be written costs the next restart a check, nothing else
+    if deps is not None:
+        entry = {"key": key, "deps": deps, "verdict": verdict}
+        _signed_keep(os.path.join(root, ENGINE_CACHE), entry, ENGINE_CACHE_BYTES, ENGINE_CACHE_ENTRIES)
 
 
 @op(
