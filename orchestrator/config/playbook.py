@@ -149,6 +149,10 @@ class Serving:
     # vLLM's --shutdown-timeout: how long a stopping server finishes the requests it holds (vLLM's
     # own default, 0, aborts them), and how long a drained host's in-flight requests are waited for.
     drain_timeout: float = 0.0
+    # vLLM's compile cache: "own", each host compiles its own; "share", the first host of a key to
+    # be READY (a rollout's canary) gives the hosts of its key its cache, which the controller
+    # takes, signs and keeps (compiled code the other hosts then run: an opt-in).
+    compile_cache: str = "own"
 
     @property
     def stop_timeout(self) -> int:
@@ -229,6 +233,7 @@ class Rollout:
 
 
 PREFIX_CACHE = ("warn", "strict", "off")
+COMPILE_CACHE = ("own", "share")
 
 
 @dataclass(frozen=True)
@@ -567,9 +572,17 @@ def _serving(f: Field) -> Serving:
             "startup_timeout",
             "multi_node",
             "drain_timeout",
+            "compile_cache",
         }
     )
     multi_node = _multi_node(f["multi_node"]) if "multi_node" in f else None
+    compile_cache = f["compile_cache"].str(Serving.compile_cache)
+    if compile_cache not in COMPILE_CACHE:
+        raise f["compile_cache"].error(f"expected one of {', '.join(COMPILE_CACHE)}")
+    if compile_cache == "share" and multi_node is not None:
+        raise f["compile_cache"].error(
+            "share gives one host's cache to single-host servers: a multi_node group compiles its own"
+        )
     tp = f["tensor_parallel_size"].int(None, minimum=1)
     if multi_node is not None and tp is None:
         raise f.error("a multi_node deployment needs tensor_parallel_size (the total over all nodes)")
@@ -588,6 +601,7 @@ def _serving(f: Field) -> Serving:
         startup_timeout=f["startup_timeout"].seconds(Serving.startup_timeout, minimum=1),
         multi_node=multi_node,
         drain_timeout=f["drain_timeout"].seconds(Serving.drain_timeout, minimum=0),
+        compile_cache=compile_cache,
     )
 
 

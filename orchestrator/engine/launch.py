@@ -20,6 +20,7 @@ from orchestrator.agent import protocol
 from orchestrator.agent.client import AgentClient
 from orchestrator.config.inventory import Target
 from orchestrator.config.playbook import Playbook
+from orchestrator.engine import compile_cache
 from orchestrator.engine.runner import Node, Run, Unit
 from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError, OrchestratorError
 from orchestrator.results import (
@@ -77,6 +78,8 @@ def serve(run: Run, unit: Unit) -> None:
     elif proven:
         if run.gateway is None or rotation.admit(run, unit):
             write_ready(run, unit, release)
+            if unit.single and unit.head.report.ready:
+                compile_cache.take(run, unit.head)  # for the hosts of its key after it
         else:
             unit.fail_others([unit.head.name], "not served through the gateway")
             unit.head.report.diagnosis.append(
@@ -120,7 +123,14 @@ def start_and_prove(
 
     def start(node: Node) -> None:
         switch_op = protocol.release_switch(node.root, release, playbook.keep_releases) if node.name in switch else None
-        launch = _launch_op(run, unit, node, release, keep=keep and together, ready_command=ready_command)
+        # A host of a key whose cache the controller keeps gets it before vLLM starts (not going
+        # back, and not a server that runs this command already and is kept).
+        start_env = {}
+        if together and ready_command is None and not (keep and node.keeps):
+            start_env = compile_cache.give(run, node)
+        launch = _launch_op(
+            run, unit, node, release, keep=keep and together, ready_command=ready_command, start_env=start_env
+        )
         # The loader and engine checks started at staging: collected before anything is switched
         # or stopped for the release (a refusal leaves what serves serving); on a host where
         # nothing serves, the server starts beside them and is stopped if they refuse.
@@ -168,6 +178,7 @@ def start_and_prove(
             if not together or exc.failure.gate == GATE_FILES:
                 raise  # the node's own gate says why (on one node alone: its files gate)
             _proof_failed(run, unit, exc.failure)
+            compile_cache.judge(node)
             return
         node.disturbed = True
         if engine is not None:
@@ -178,6 +189,7 @@ def start_and_prove(
             kept_now = False if beside else answers[launch].kept  # beside: nothing was running to keep
             node.from_ready = not beside and answers[launch].from_ready
             _read_proof(run, unit, answers[health], answers[probe], kept_now, answers[record].ready)
+            compile_cache.judge(node)
         elif launch is not None:
             node.report.gates[GATE_GROUP] = Gate(
                 True, f"rank {node.rank} ({unit.role(node)}) started, pid {answers[launch].pid}"
@@ -262,7 +274,13 @@ def _launch_beside_checks(
 
 
 def _launch_op(
-    run: Run, unit: Unit, node: Node, release: str, keep: bool, ready_command: Literal["prefer", "only"] | None = None
+    run: Run,
+    unit: Unit,
+    node: Node,
+    release: str,
+    keep: bool,
+    ready_command: Literal["prefer", "only"] | None = None,
+    start_env: dict[str, str] | None = None,
 ) -> protocol.Op[protocol.Launched] | None:
     """What a node starts: vLLM (a single host, or an ``mp`` rank), or Ray (None: a Ray head
     starts vLLM only once the cluster is up)."""
@@ -279,6 +297,7 @@ def _launch_op(
             keep_if_running=keep,
             host=host,
             ready_command=ready_command,
+            start_env=start_env,
         )
     placement = unit.placement
     if unit.ray:

@@ -102,6 +102,12 @@ def push(run: Run, node: Node, model: Model) -> Pushed:
     return entry["result"]  # type: ignore[no-any-return]
 
 
+def send(run: Run, where: Destination, files: list[LocalFile], by: str, replace: bool = False) -> Pushed:
+    """Push ``files`` (``rel`` under ``where.path``) to one destination: what is there already is
+    kept, a cut upload resumed."""
+    return _push(run, where, files, by, replace)
+
+
 def _push(run: Run, where: Destination, files: list[LocalFile], by: str, replace: bool = False) -> Pushed:
     started = time.monotonic()
     # The model directory keeps its own digest cache (hidden: never served, never linked), so a

@@ -524,7 +524,9 @@ def _read_build(playbook: Playbook, build: protocol.Build, report: HostReport) -
     errors = [p for p in found if p.severity == "error"]
     text = "; ".join(f"{p.message} ({p.fix})" for p in found)
     name = build.describe()
-    data = {"vllm": name}  # the speed-up gate's baseline is kept per build
+    data: dict[str, Any] = {"vllm": name}  # the speed-up gate's baseline is kept per build
+    if build.force_aot_load is not None:  # whether a host given a compile cache can be held to it
+        data["force_aot_load"] = build.force_aot_load
     if found:
         report.gates[GATE_BUILD] = Gate(not errors, f"{name}: {text}", data, reason=KNOWN_BUGS)
     else:

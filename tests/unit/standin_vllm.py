@@ -134,7 +134,10 @@ def log(message: str) -> None:
 
 
 def compile_cache(values: dict[str, str]) -> None:
-    """vLLM's compile cache: a hit where the key's directory exists, else a compile that makes it."""
+    """vLLM's compile cache: a hit where the key's directories exist, else a compile that makes
+    them (an AOT artifact beside the graphs, as vLLM 0.26's CUDA build keeps). With
+    ``VLLM_FORCE_AOT_LOAD=1`` a key without its artifact fails the start in vLLM 0.26's words
+    (tests/data/gpu/restarts) instead of compiling."""
     root = os.environ.get("VLLM_CACHE_ROOT")
     if not root:
         return
@@ -142,14 +145,25 @@ def compile_cache(values: dict[str, str]) -> None:
     key = hashlib.sha256(values.get("model", "").encode())
     if spec:
         key.update(spec["model"].encode() + (Path(spec["model"]) / "config.json").read_bytes())
-    where = Path(root) / "torch_compile_cache" / key.hexdigest()[:10]
-    hit = where.is_dir()
+    cache = Path(root) / "torch_compile_cache"
+    where = cache / key.hexdigest()[:10]
+    artifact = cache / "torch_aot_compile" / key.hexdigest() / "rank_0_0" / "model"
+    compiled = b"graphs of " + key.hexdigest().encode()
+    hit = where.is_dir() and artifact.is_file() and artifact.read_bytes() == compiled
+    if not hit and os.environ.get("VLLM_FORCE_AOT_LOAD") == "1":
+        log(f"ERROR FileNotFoundError: [Errno 2] No such file or directory: '{artifact}'")
+        sys.exit(f"FileNotFoundError: [Errno 2] No such file or directory: '{artifact}'")
     where.joinpath("rank_0_0", "backbone").mkdir(parents=True, exist_ok=True)
     log(f"Using cache directory: {where}/rank_0_0/backbone for vLLM's torch.compile")
     if hit:
+        log(f"Directly load AOT compilation from path {artifact}")
         log("Directly load the compiled graph(s) for compile range (1, 512) from the cache, took 0.01 s")
     else:
         log("Compiling a graph for compile range (1, 512) takes 0.01 s")
+        where.joinpath("rank_0_0", "backbone", "vllm_compile_cache.py").write_text("# graphs\n")
+        artifact.parent.mkdir(parents=True, exist_ok=True)
+        artifact.write_bytes(compiled)
+        log(f"saved AOT compiled function to {artifact}")
     log("torch.compile took 0.02 s in total")
 
 
@@ -448,7 +462,13 @@ def main(argv: list[str]) -> None:
             if cuda != "absent":
                 print(cuda)
         elif "metadata.version(dist)" in script:
-            print(json.dumps({"dist": "vllm", "version": os.environ.get("STANDIN_VLLM", VERSION)}))
+            # vLLM's CUDA builds since 0.26 name VLLM_FORCE_AOT_LOAD ($STANDIN_AOT_GUARD=absent: one that does not)
+            guard = os.environ.get("STANDIN_AOT_GUARD") != "absent"
+            print(
+                json.dumps(
+                    {"dist": "vllm", "version": os.environ.get("STANDIN_VLLM", VERSION), "force_aot_load": guard}
+                )
+            )
         else:
             sys.exit(f"stand-in: unknown program {script[:60]!r}")
     elif argv[:1] and argv[0].endswith("allreduce.py"):

@@ -74,8 +74,19 @@ def ledger_of(run: object) -> dict[str, object]:
 
 
 def cache(box: Box) -> set[str]:
+    """The graphs' hash directories; each key's AOT artifact directory goes with it."""
     where = box.root("solo") / "cache" / "vllm" / "torch_compile_cache"
-    return {p.name for p in where.iterdir()} if where.is_dir() else set()
+    names = {p.name for p in where.iterdir() if p.name != "torch_aot_compile"} if where.is_dir() else set()
+    aot = where / "torch_aot_compile"
+    assert len(list(aot.iterdir()) if aot.is_dir() else []) == len(names)  # pruned together
+    return names
+
+
+def graphs_dir(ledger: dict[str, object]) -> Path:
+    """The start's graphs' hash directory (its AOT artifact's is the other one it names)."""
+    dirs = [Path(d) for d in ledger["cache_dirs"]]  # type: ignore[attr-defined]
+    assert len(dirs) == 2 and sum(d.parent.name == "torch_aot_compile" for d in dirs) == 1, dirs
+    return next(d for d in dirs if d.parent.name != "torch_aot_compile")
 
 
 def test_the_compile_cache_is_kept_while_a_release_that_used_it_is_kept(box: Box) -> None:
@@ -86,9 +97,9 @@ def test_the_compile_cache_is_kept_while_a_release_that_used_it_is_kept(box: Box
     a = deploy(box, box.playbook("a", top={"keep_releases": 2}))
     assert a.ok, host(a, "solo").gates
     first = ledger_of(a)
-    assert first["compile"] == "miss" and len(first["cache_dirs"]) == 1  # type: ignore[arg-type]
-    key_a = Path(first["cache_dirs"][0]).name  # type: ignore[index]
-    assert Path(first["cache_dirs"][0]).parent == box.root("solo") / "cache" / "vllm" / "torch_compile_cache"  # type: ignore[index]
+    assert first["compile"] == "miss"
+    key_a = graphs_dir(first).name
+    assert graphs_dir(first).parent == box.root("solo") / "cache" / "vllm" / "torch_compile_cache"
 
     # A files-only release: the same key through launched/drafter, the graphs found.
     (box.dir / "notes.txt").write_text("a files-only release\n")
@@ -100,16 +111,17 @@ def test_the_compile_cache_is_kept_while_a_release_that_used_it_is_kept(box: Box
     # the first key are pruned, so is its directory; the current one's and the previous one's stay.
     b = deploy(box, box.playbook("b", top={"keep_releases": 2}, drafter={"rope_theta": 10000.0}))
     assert b.ok and ledger_of(b)["compile"] == "miss"
-    key_b = Path(ledger_of(b)["cache_dirs"][0]).name  # type: ignore[index]
+    key_b = graphs_dir(ledger_of(b)).name
     assert cache(box) == {key_a, key_b}  # the first key's releases: current until this deploy
     c = deploy(box, box.playbook("c", top={"keep_releases": 2}, drafter={"rope_theta": 20000.0}))
     assert c.ok and ledger_of(c)["compile"] == "miss"
-    key_c = Path(ledger_of(c)["cache_dirs"][0]).name  # type: ignore[index]
+    key_c = graphs_dir(ledger_of(c)).name
     assert cache(box) == {key_b, key_c}
     # noted when the next apply or switch finds the READY record: b's by c's deploy, c's later
     used = box.root("solo") / "cache" / "used"
     assert [p.name for p in used.iterdir()] == [b.release_id]
-    assert (used / str(b.release_id)).read_text() == key_b + "\n"
+    aot_b = next(Path(d) for d in ledger_of(b)["cache_dirs"] if "/torch_aot_compile/" in d)  # type: ignore[attr-defined]
+    assert (used / str(b.release_id)).read_text() == f"{key_b}\ntorch_aot_compile/{aot_b.name}\n"
 
     # Rollback to b: its graphs are still there.
     back = rollback(box, box.playbook("c", top={"keep_releases": 2}))

@@ -1,0 +1,312 @@
+"""``serving.compile_cache: share``: the first host of a key to be READY gives its vLLM compile cache
+to the hosts of that key after it, through the controller.
+
+- *taken*, once a host is READY and the controller keeps no copy under its key
+  (``rules.compile_cache.share_key``): the hash directories its start's ledger names are listed
+  on it with their digests, read into the controller's state directory (``compile-caches/<key>``),
+  each file checked against the listing, and the manifest signed with the controller's digest key;
+- *given*, before a host of that key starts a server and lacks those directories: the signed
+  manifest is read, the copy hashed against it, and the files pushed as model files are (digests
+  checked on the host, resumable) into ``torch_compile_cache/.given``, then each directory moved
+  whole where vLLM reads it. Where the host's vLLM has ``VLLM_FORCE_AOT_LOAD`` the start is held
+  to the cache (a start-only variable): a miss fails in vLLM's words instead of compiling.
+
+The ``compile_cache`` gate says which, in numbers; it never fails a host that serves (a cache not
+taken or not given costs a compile, and says why).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestrator.agent import protocol
+from orchestrator.config.modelfiles import LocalFile, sha256_of
+from orchestrator.engine import push
+from orchestrator.engine.runner import Node, Run
+from orchestrator.errors import AgentError, ArtifactError
+from orchestrator.results import GATE_COMPILE_CACHE, GATE_HEALTH, Gate
+from orchestrator.rules import compile_cache as rules
+from orchestrator.rules import serving
+from orchestrator.store.state import default_state_dir
+
+STORE = "compile-caches"
+MANIFEST = "manifest.json"
+
+
+def wanted(run: Run) -> bool:
+    return run.playbook.serving.compile_cache == "share" and run.playbook.serving.target is not None
+
+
+def _store(run: Run) -> Path:
+    return (run.options.state_dir or default_state_dir()) / STORE
+
+
+def _key(run: Run, node: Node) -> tuple[str, str] | None:
+    command = serving.command(run.playbook, node.target.container, node.report.release_id or "")
+    return rules.share_key(run.playbook, node.target.container, node.report, command.argv, command.env)
+
+
+def _cache(run: Run, node: Node) -> str:
+    return f"{serving.cache_root(run.playbook, node.target.container)}/torch_compile_cache"
+
+
+def kept(run: Run, key: str) -> tuple[rules.Manifest, list[LocalFile]] | None:
+    """The copy kept under ``key``, if this controller signed it and every file still hashes to
+    what it signed (once a run: the answer is kept for the run's other hosts). ArtifactError:
+    there is one, and it is not as signed."""
+    with run.once_lock:
+        entry = run.once.get(("compile-cache", key))
+    if entry is not None:
+        return entry  # type: ignore[no-any-return]
+    where = _store(run) / key
+    try:
+        data = (where / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ArtifactError(f"the kept compile cache {where} cannot be read: {exc.strerror or exc}") from exc
+    try:
+        manifest = rules.Manifest.read(data, run.options.key())
+    except ValueError as exc:
+        raise ArtifactError(f"the kept compile cache {where / MANIFEST} is not given: {exc}") from exc
+    files = []
+    for rel, (size, digest) in sorted(manifest.files.items()):
+        path = where / "files" / rel
+        try:
+            if path.is_symlink() or not path.is_file() or path.stat().st_size != size or sha256_of(path) != digest:
+                raise ArtifactError(f"{path} is not what the manifest signed: the kept compile cache is not given")
+        except OSError as exc:
+            raise ArtifactError(f"{path} cannot be read: {exc.strerror or exc}") from exc
+        files.append(LocalFile(rel, path, size, digest))
+    found = (manifest, files)
+    with run.once_lock:
+        run.once[("compile-cache", key)] = found
+    return found
+
+
+def give(run: Run, node: Node) -> dict[str, str]:
+    """Before a server starts on ``node``: the kept cache of its key where it lacks it. Returns the
+    start's own variables (the guard, where its vLLM has it and the cache was given)."""
+    if not wanted(run):
+        return {}
+    found = _key(run, node)
+    if found is None:
+        return {}
+    key, words = found
+    try:
+        copy = kept(run, key)
+    except ArtifactError as exc:
+        node.report.gates[GATE_COMPILE_CACHE] = Gate(True, f"not given: {exc}", {"key": key})
+        return {}
+    if copy is None:
+        return {}  # the first host of its key: it compiles, and gives once READY
+    manifest, files = copy
+    root = node.root
+    run.step(node, "giving it the compile cache", f"{len(files)} files from {manifest.host}")
+    try:
+        listing = run.batch(
+            node, [ask := protocol.compile_cache_files(root, manifest.dirs, rules.MAX_BYTES, rules.MAX_FILES)]
+        )
+        have = [d for d, listed in listing[ask].items() if listed is not None]
+        if have:
+            node.report.gates[GATE_COMPILE_CACHE] = Gate(
+                True, f"not given: it has its own compile cache of this key ({', '.join(have)})", {"key": key}
+            )
+            return {}
+        given = f"{_cache(run, node)}/{protocol.GIVEN}"  # placed from here whole, once every file is in
+        where = push.Destination(node.target, given, f"{node.name}:{given}")
+        pushed = push.send(run, where, files, node.name)
+        place = protocol.compile_cache_place(root, manifest.dirs)
+        placed = run.batch(node, [place])[place]
+    except (AgentError, ArtifactError) as exc:
+        detail = exc.failure.describe() if isinstance(exc, AgentError) else str(exc)
+        node.report.gates[GATE_COMPILE_CACHE] = Gate(True, f"not given: {detail}", {"key": key})
+        return {}
+    command = serving.command(run.playbook, node.target.container, node.report.release_id or "")
+    guard = rules.guarded(node.report, command.argv, command.env)
+    data = {
+        "key": key,
+        "given_from": manifest.host,
+        "release": manifest.release,
+        "dirs": list(placed.placed),
+        "files": len(files),
+        "bytes": manifest.size,
+        "bytes_sent": pushed.sent,
+        "seconds": round(pushed.seconds, 2),
+        "guard": guard,
+    }
+    held = "; started with VLLM_FORCE_AOT_LOAD=1 (a miss fails instead of compiling)" if guard else ""
+    node.report.gates[GATE_COMPILE_CACHE] = Gate(
+        True,
+        f"given {manifest.host}'s compile cache ({words}): {len(files)} files, {manifest.size / 1e6:.1f} MB, "
+        f"{pushed.sent / 1e6:.1f} MB sent in {pushed.seconds:.1f} s{held}",
+        data,
+    )
+    return dict(rules.GUARD) if guard else {}
+
+
+def judge(node: Node) -> None:
+    """After a given host's proof: did vLLM use what it was given? Said beside the gift."""
+    gate = node.report.gates.get(GATE_COMPILE_CACHE)
+    health = node.report.gates.get(GATE_HEALTH)
+    if gate is None or "given_from" not in gate.data or health is None:
+        return
+    if not health.ok and gate.data.get("guard"):
+        node.report.gates[GATE_COMPILE_CACHE] = Gate(
+            False,
+            f"{gate.detail}; the start failed under the guard: if vLLM's words are a missing AOT artifact, this "
+            f"host's compile key is not {gate.data['given_from']}'s (set serving.compile_cache: own, or serve the "
+            "hosts of one key alike)",
+            gate.data,
+            reason="compile_key_differs",
+        )
+        return
+    ledger = health.data.get("startup") if isinstance(health.data.get("startup"), dict) else None
+    if ledger is None:
+        return
+    compiled, saved = ledger.get("compile"), ledger.get("artifacts_saved", 0)
+    loaded = ledger.get("artifacts_loaded", 0)
+    if compiled == "hit" and not saved:
+        said = f"vLLM loaded it: compile cache hit, {loaded} AOT artifacts loaded, none compiled"
+    else:
+        said = (
+            f"vLLM compiled anyway ({compiled}, {saved} AOT artifacts saved): its compile key is not the "
+            f"giver's (a difference the share key does not see)"
+        )
+    node.report.gates[GATE_COMPILE_CACHE] = Gate(
+        True, f"{gate.detail}; {said}", {**gate.data, "compile": compiled, "artifacts_saved": saved}
+    )
+
+
+def take(run: Run, node: Node) -> None:
+    """Once ``node`` is READY: its compile cache kept by the controller, where none is under its key."""
+    if not wanted(run):
+        return
+    found = _key(run, node)
+    health = node.report.gates.get(GATE_HEALTH)
+    ledger = health.data.get("startup") if health is not None else None
+    if found is None or not isinstance(ledger, dict):
+        return
+    key, words = found
+    with run.once_lock:
+        if run.once.get(("compile-cache-taking", key)):
+            return
+        run.once[("compile-cache-taking", key)] = True
+    try:
+        if kept(run, key) is not None:
+            return
+    except ArtifactError:
+        pass  # a copy not as signed is replaced by this host's
+    dirs = rules.hash_dirs(ledger.get("cache_dirs") or [], _cache(run, node))
+    if not dirs:
+        if ledger.get("compile") not in (None, "none"):
+            node.report.gates[GATE_COMPILE_CACHE] = Gate(
+                True, "not taken: its start's ledger names no compile cache under its deploy root", {"key": key}
+            )
+        return
+    run.step(node, "taking its compile cache", ", ".join(dirs))
+    started = time.monotonic()
+    try:
+        manifest = _take(run, node, key, words, dirs)
+    except (AgentError, ArtifactError, OSError) as exc:
+        detail = exc.failure.describe() if isinstance(exc, AgentError) else str(exc)
+        node.report.gates[GATE_COMPILE_CACHE] = Gate(True, f"not taken: {detail}", {"key": key})
+        return
+    seconds = time.monotonic() - started
+    before = node.report.gates.get(GATE_COMPILE_CACHE)  # a copy not given to it, replaced by its own
+    node.report.gates[GATE_COMPILE_CACHE] = Gate(
+        True,
+        (f"{before.detail}; then " if before is not None else "")
+        + f"taken for the hosts of its key ({words}): {len(manifest.files)} files, {manifest.size / 1e6:.1f} MB "
+        f"in {seconds:.1f} s, kept by the controller and signed",
+        {
+            "key": key,
+            "taken": True,
+            "dirs": dirs,
+            "files": len(manifest.files),
+            "bytes": manifest.size,
+            "seconds": round(seconds, 2),
+        },
+    )
+    run.say(f"{node.name}: its compile cache taken for the hosts of its key ({len(manifest.files)} files)")
+
+
+def _take(run: Run, node: Node, key: str, words: str, dirs: list[str]) -> rules.Manifest:
+    ask = protocol.compile_cache_files(node.root, dirs, rules.MAX_BYTES, rules.MAX_FILES)
+    listing = run.batch(node, [ask])[ask]
+    missing = [d for d, files in listing.items() if files is None]
+    if missing:
+        raise ArtifactError(f"{', '.join(missing)} not found in its compile cache (pruned, or never written)")
+    dirs = [d for d in dirs if listing.get(d)]  # a directory of no file gives nothing
+    if not dirs:
+        raise ArtifactError("its compile cache's directories hold no file")
+    files = {f.path: f for listed in listing.values() for f in listed or ()}
+    for path in files:
+        parts = path.split("/")
+        if path.startswith("/") or ".." in parts or not any(path.startswith(d + "/") for d in dirs):
+            raise ArtifactError(f"its listing names {path!r}, outside the hash directories asked for")
+    store = _store(run)
+    store.mkdir(parents=True, exist_ok=True, mode=0o700)
+    temp = store / f".taking-{key}-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        _read_files(run, node, list(files.values()), temp / "files")
+        manifest = rules.Manifest(
+            key,
+            words,
+            node.name,
+            node.report.release_id or "",
+            time.time(),
+            tuple(dirs),
+            {p: (f.size, f.sha256) for p, f in files.items()},
+        )
+        (temp / MANIFEST).write_bytes(manifest.signed(run.options.key()))
+        final = store / key
+        old = store / f".old-{key}-{os.getpid()}"
+        if final.exists():
+            final.rename(old)
+        temp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    with run.once_lock:
+        run.once.pop(("compile-cache", key), None)
+    return manifest
+
+
+def _read_files(run: Run, node: Node, files: list[protocol.CacheFile], into: Path) -> None:
+    """Every file's bytes, a few chunks a round trip, each file checked whole against its listing."""
+    reads: list[tuple[protocol.CacheFile, int]] = [
+        (f, offset) for f in files for offset in range(0, max(f.size, 1), rules.READ_CHUNK)
+    ]
+    opened: dict[str, Any] = {}
+    digests: dict[str, Any] = {}
+    import hashlib
+
+    try:
+        for i in range(0, len(reads), rules.READS_PER_BATCH):
+            chunk = reads[i : i + rules.READS_PER_BATCH]
+            ops = [protocol.compile_cache_read(node.root, f.path, off, rules.READ_CHUNK) for f, off in chunk]
+            answers = run.batch(node, list(ops))
+            for (f, off), op in zip(chunk, ops, strict=True):
+                size, data = answers[op]
+                want = min(rules.READ_CHUNK, f.size - off) if f.size else 0
+                if size != f.size or len(data) != want:
+                    raise ArtifactError(f"{f.path} changed while it was read ({size} bytes, listed {f.size})")
+                if f.path not in opened:
+                    target = into / f.path
+                    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                    opened[f.path] = open(target, "wb")  # noqa: SIM115 (closed below, all together)
+                    digests[f.path] = hashlib.sha256()
+                opened[f.path].write(data)
+                digests[f.path].update(data)
+    finally:
+        for stream in opened.values():
+            stream.close()
+    for f in files:
+        if f.path not in digests or digests[f.path].hexdigest() != f.sha256:
+            raise ArtifactError(f"{f.path} does not hash to what the host listed: not taken")

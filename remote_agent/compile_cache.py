@@ -1,0 +1,164 @@
+"""vLLM's compile cache as the controller takes it from one host to give to others.
+
+A host that compiled (the rollout's first, its canary) has under ``<root>/cache/vllm/
+torch_compile_cache`` one hash directory per compile key; the controller lists the ones its READY
+start used, with every file's size and digest, and reads them in chunks, to keep a signed copy and
+push it (``upload``, digests checked) to hosts of the same key. What it lists and reads is only
+what vLLM writes there: regular files of one link, in directories, none reached through a link; a
+hash directory holding anything else (a link planted to read a secret of the serving user's, a
+FIFO) is refused, never followed or read.
+"""
+
+from remote_agent.core import OpError, _fsync_dir, _open_file, _os_error, _root, op, os, stat
+from remote_agent.releases import CACHE, _cache_key_dir, _rmtree
+
+READ_MAX = 8 << 20  # bytes one read answers (base64 in the JSON answer: 11 MB)
+# Where a given cache is uploaded before it is placed: a hash directory vLLM can see is always
+# whole (a cut push leaves its files here, resumable, and vLLM never reads a half of one).
+GIVEN = ".given"
+
+
+def _cache_name(name):
+    """A hash directory's name relative to the compile cache, as ``_cache_key_dir`` cuts it."""
+    if not isinstance(name, str) or _cache_key_dir("torch_compile_cache/" + name) != name:
+        raise OpError("bad_request", "%r is not one of vLLM's compile-cache hash directories" % (name,))
+    return name
+
+
+def _refuse(path, what):
+    raise OpError(
+        "not_vllms",
+        "%s is %s, which vLLM never writes in its compile cache: not listed, read or given to other hosts"
+        % (path, what),
+        path,
+    )
+
+
+def _directory(path, code="io"):
+    """A directory reached through no link (its lstat), else refused: what vLLM never makes."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise _os_error(code, exc, path)
+    if not stat.S_ISDIR(st.st_mode):
+        _refuse(path, _kind(st) if not stat.S_ISREG(st.st_mode) else "a file")
+
+
+def _kind(st):
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(st.st_mode):
+            return what
+    return "a device or other special file"
+
+
+@op("compile_cache_files", root=str, dirs=list, max_bytes=int, max_files=int)
+def op_compile_cache_files(req):
+    """The files of each hash directory named (None: absent here): path relative to the compile
+    cache, size, sha256. Past ``max_files`` or ``max_bytes`` in all, refused (``too_large``)."""
+    root = _root(req, create=False)
+    cache = os.path.join(root, CACHE)
+    out = {}  # type: dict
+    total, count = 0, 0
+    for name in req["dirs"]:
+        top = os.path.join(cache, _cache_name(name))
+        if not os.path.lexists(top):
+            out[name] = None
+            continue
+        _directory(top)
+        listed = []
+        for here, subdirs, files in os.walk(top, onerror=lambda exc: _raise(exc)):
+            for sub in subdirs:
+                st = os.lstat(os.path.join(here, sub))
+                if not stat.S_ISDIR(st.st_mode):
+                    _refuse(os.path.join(here, sub), _kind(st))
+            for file in files:
+                path = os.path.join(here, file)
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    _refuse(path, _kind(st))
+                if st.st_nlink != 1:
+                    _refuse(path, "a file of %d links (another name of it may be anything the user owns)" % st.st_nlink)
+                count, total = count + 1, total + st.st_size
+                if count > req["max_files"] or total > req["max_bytes"]:
+                    raise OpError(
+                        "too_large",
+                        "the compile cache holds more than %d files or %d bytes: not taken"
+                        % (req["max_files"], req["max_bytes"]),
+                        top,
+                    )
+                listed.append({"path": os.path.relpath(path, cache), "size": st.st_size, "sha256": _digest(path)})
+        out[name] = sorted(listed, key=lambda f: f["path"])
+    return {"dirs": out}
+
+
+def _raise(exc):
+    raise _os_error("io", exc, getattr(exc, "filename", None))
+
+
+def _digest(path):
+    import hashlib
+
+    h = hashlib.sha256()
+    with _open_file(path, follow=False) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@op("compile_cache_read", name=str, root=str, path=str, offset=int, length=int)
+def op_compile_cache_read(req):
+    """Up to ``length`` bytes (at most 8 MiB) of a compile-cache file from ``offset``, base64, with
+    the file's size: the file must be a regular file of one link, reached through no link."""
+    import base64
+
+    root = _root(req, create=False)
+    cache = os.path.join(root, CACHE)
+    parts = req["path"].split("/")
+    if any(p in ("", ".", "..") for p in parts) or _cache_key_dir("torch_compile_cache/" + req["path"]) is None:
+        raise OpError("bad_request", "%r is not a file of a compile-cache hash directory" % req["path"])
+    where = cache
+    for part in parts[:-1]:  # no link on the way: the path stays inside the compile cache
+        where = os.path.join(where, part)
+        _directory(where)
+    path = os.path.join(where, parts[-1])
+    if req["offset"] < 0 or not 0 < req["length"] <= READ_MAX:
+        raise OpError("bad_request", "a read takes an offset and 1 to %d bytes" % READ_MAX, path)
+    try:
+        with _open_file(path, follow=False) as f:
+            st = os.fstat(f.fileno())
+            if st.st_nlink != 1:
+                _refuse(path, "a file of %d links" % st.st_nlink)
+            f.seek(req["offset"])
+            data = f.read(req["length"])
+    except OSError as exc:
+        raise _os_error("io", exc, path)
+    return {"size": st.st_size, "data": base64.b64encode(data).decode("ascii")}
+
+
+@op("compile_cache_place", root=str, dirs=list)
+def op_compile_cache_place(req):
+    """Move each uploaded hash directory from ``.given`` to where vLLM looks for it (a rename: it
+    appears whole), unless the host has one of that key by now (vLLM's own: kept, the upload
+    dropped)."""
+    root = _root(req, create=False)
+    cache = os.path.join(root, CACHE)
+    placed, kept = [], []
+    for name in req["dirs"]:
+        src, dst = os.path.join(cache, GIVEN, _cache_name(name)), os.path.join(cache, name)
+        _directory(src, "missing")
+        if os.path.lexists(dst):
+            kept.append(name)
+            _rmtree(src, ignore_errors=True)
+            continue
+        try:
+            os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
+            os.rename(src, dst)
+            _fsync_dir(os.path.dirname(dst))
+        except OSError as exc:
+            raise _os_error("io", exc, dst)
+        placed.append(name)
+    try:
+        os.rmdir(os.path.join(cache, GIVEN, "torch_aot_compile"))  # emptied by the moves
+    except OSError:
+        pass
+    return {"placed": placed, "kept": kept}

