@@ -30,6 +30,7 @@ from remote_agent.core import (
     PROTOCOL_VERSION,
     REF,
     OpError,
+    _digest_caches,
     _digest_key,
     _dumps,
     _event,
@@ -113,6 +114,11 @@ def run(request):
         except Exception as exc:
             results.append(_error(name, "internal", "%s: %s" % (type(exc).__name__, exc)))
         failed = index not in findings
+    for cache in _digest_caches.values():  # what the batch's uploads recorded, written once
+        try:
+            cache.save()
+        except (OpError, OSError):
+            pass  # a cache: the next batch hashes again
     return {"v": PROTOCOL_VERSION, "results": results}
 
 

@@ -495,6 +495,7 @@ def op_upload(req):
         got, _ = digests.digest(path, rehash=True)
         if got != digest:
             raise OpError("drift", "read-back of %s: sha256 %s, expected %s" % (path, got, digest), path)
-    digests.save()
+    # Saved once the batch ends (dispatch): saving it after each of a batch's uploads rewrote and
+    # re-signed the whole cache every file (783 files of a compile cache: 4 s instead of 0.6).
     _drop_partials(path)  # whole in place: cut uploads of other versions of it serve nothing now
     return {"path": path, "size": size, "sha256": digest, "written": size - offset}

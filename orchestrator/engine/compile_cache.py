@@ -279,31 +279,27 @@ def _take(run: Run, node: Node, key: str, words: str, dirs: list[str]) -> rules.
 
 
 def _read_files(run: Run, node: Node, files: list[protocol.CacheFile], into: Path) -> None:
-    """Every file's bytes, a few chunks a round trip, each file checked whole against its listing."""
-    reads: list[tuple[protocol.CacheFile, int]] = [
-        (f, offset) for f in files for offset in range(0, max(f.size, 1), rules.READ_CHUNK)
-    ]
-    opened: dict[str, Any] = {}
-    digests: dict[str, Any] = {}
+    """Every file's bytes, many reads a round trip, each file checked whole against its listing."""
     import hashlib
 
+    listed = {f.path: f for f in files}
+    opened: dict[str, Any] = {}
+    digests: dict[str, Any] = {}
     try:
-        for i in range(0, len(reads), rules.READS_PER_BATCH):
-            chunk = reads[i : i + rules.READS_PER_BATCH]
-            ops = [protocol.compile_cache_read(node.root, f.path, off, rules.READ_CHUNK) for f, off in chunk]
+        for batch in rules.read_batches([(f.path, f.size) for f in files]):
+            ops = [protocol.compile_cache_read(node.root, path, off, max(length, 1)) for path, off, length in batch]
             answers = run.batch(node, list(ops))
-            for (f, off), op in zip(chunk, ops, strict=True):
+            for (path, _, length), op in zip(batch, ops, strict=True):
                 size, data = answers[op]
-                want = min(rules.READ_CHUNK, f.size - off) if f.size else 0
-                if size != f.size or len(data) != want:
-                    raise ArtifactError(f"{f.path} changed while it was read ({size} bytes, listed {f.size})")
-                if f.path not in opened:
-                    target = into / f.path
+                if size != listed[path].size or len(data) != length:
+                    raise ArtifactError(f"{path} changed while it was read ({size} bytes, listed {listed[path].size})")
+                if path not in opened:
+                    target = into / path
                     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                    opened[f.path] = open(target, "wb")  # noqa: SIM115 (closed below, all together)
-                    digests[f.path] = hashlib.sha256()
-                opened[f.path].write(data)
-                digests[f.path].update(data)
+                    opened[path] = open(target, "wb")  # noqa: SIM115 (closed below, all together)
+                    digests[path] = hashlib.sha256()
+                opened[path].write(data)
+                digests[path].update(data)
     finally:
         for stream in opened.values():
             stream.close()
