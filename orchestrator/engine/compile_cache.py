@@ -35,6 +35,9 @@ from orchestrator.store.state import default_state_dir
 
 STORE = "compile-caches"
 MANIFEST = "manifest.json"
+# Keys whose caches the controller keeps (each a whole cache: 66.6 MB for the tiny pair on an
+# H100): a new drafter config is a new key, so without a bound the state directory only grows.
+KEEP_KEYS = 8
 
 
 def wanted(run: Run) -> bool:
@@ -279,9 +282,29 @@ def _take(run: Run, node: Node, key: str, words: str, dirs: list[str]) -> rules.
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+    prune(store, KEEP_KEYS)
     with run.once_lock:
         run.once.pop(("compile-cache", key), None)
     return manifest
+
+
+def prune(store: Path, keep: int) -> list[str]:
+    """The kept caches beyond the ``keep`` taken last removed (by their manifest's time on disk:
+    the controller wrote each), and what a cut take left. Returns the keys removed."""
+    kept: list[tuple[float, str]] = []
+    for entry in store.iterdir():
+        if entry.name.startswith("."):
+            if entry.name.startswith((".taking-", ".old-")) and time.time() - entry.stat().st_mtime > 3600:
+                shutil.rmtree(entry, ignore_errors=True)  # a take cut an hour ago or more
+            continue
+        try:
+            kept.append(((entry / MANIFEST).stat().st_mtime, entry.name))
+        except OSError:
+            kept.append((0.0, entry.name))  # no manifest: never given, removed first
+    removed = [name for _, name in sorted(kept, reverse=True)[keep:]]
+    for name in removed:
+        shutil.rmtree(store / name, ignore_errors=True)
+    return removed
 
 
 def _read_files(run: Run, node: Node, files: list[protocol.CacheFile], into: Path) -> None:

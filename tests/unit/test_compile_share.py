@@ -378,3 +378,20 @@ def test_vllm_cpu_given_a_cache_it_cannot_load_compiles_unheld_and_says_why() ->
         ("miss", 2, 2),
         ("miss", 2, 0),
     ]
+
+
+def test_the_controller_keeps_the_caches_of_its_last_keys_only(tmp_path: Path) -> None:
+    """A new drafter config is a new key: without a bound the state directory only grows."""
+    from orchestrator.engine.compile_cache import prune
+
+    store = tmp_path / "compile-caches"
+    for i in range(5):
+        (store / f"key{i}").mkdir(parents=True)
+        (store / f"key{i}" / "manifest.json").write_text("{}")
+        os.utime(store / f"key{i}" / "manifest.json", (1000 + i, 1000 + i))
+    (store / "broken").mkdir()  # no manifest: never given
+    (store / ".taking-key9-123").mkdir()
+    os.utime(store / ".taking-key9-123", (1000, 1000))  # a take cut long ago
+    (store / ".taking-key8-456").mkdir()  # one under way
+    assert sorted(prune(store, 3)) == ["broken", "key0", "key1"]
+    assert sorted(p.name for p in store.iterdir()) == [".taking-key8-456", "key2", "key3", "key4"]
