@@ -75,6 +75,7 @@ def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(tmp_path: Path)
         "stop_timeout": 90,
         "keep_if_running": False,
         "ready_command": None,
+        "start_env": {},
     }
     health = {"op": "wait_health", "root": root, "name": "dflash-serve", "host": "127.0.0.1", "port": port}
     (launched,) = run([launch])
