@@ -115,6 +115,7 @@ def _answered(write: Callable[[], object], store: StateDB, what: str) -> None:
     worker.start()
     worker.join(STORE_ANSWER_S)
     if worker.is_alive():
+        store.abandon()  # the thread still uses the connection: never closed under it
         raise StateError(f"state database {store.where} did not {what} in {STORE_ANSWER_S:g} s")
     if failed:
         raise failed[0]

@@ -333,6 +333,7 @@ class StateDB:
         url = url or os.environ.get("ORCHESTRATE_STATE_URL") or None
         self.directory = directory or default_state_dir()
         self._baselines_lock = threading.Lock()
+        self._abandoned = False  # a write left blocked on the connection (abandon)
         self.url = url
         self.conn: Any
         if url is None:
@@ -507,8 +508,18 @@ class StateDB:
                     cur.execute(stmt)
                 cur.execute(d.sql("UPDATE schema_version SET version = ?"), (SCHEMA_VERSION,))
 
+    def abandon(self) -> None:
+        """A write on this store did not answer in time, and its thread is left blocked on the
+        connection: ``close`` then leaves the connection to the process's end. Closing it under
+        that thread freed libpq's state while the thread was still in it, and when the server
+        answered the process aborted (``Fatal Python error: Aborted``)."""
+        self._abandoned = True
+
     def close(self) -> None:
-        """Close the store (what was committed stays)."""
+        """Close the store (what was committed stays), unless a write left blocked on it holds
+        its connection (``abandon``)."""
+        if self._abandoned:
+            return
         with contextlib.suppress(*self._errors):
             self.conn.close()
 
