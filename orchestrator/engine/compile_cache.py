@@ -110,11 +110,9 @@ def give(run: Run, node: Node) -> dict[str, str]:
     manifest, files = copy
     root = node.root
     run.step(node, "giving it the compile cache", f"{len(files)} files from {manifest.host}")
+    ask = protocol.compile_cache_files(root, manifest.dirs, rules.MAX_BYTES, rules.MAX_FILES)
     try:
-        listing = run.batch(
-            node, [ask := protocol.compile_cache_files(root, manifest.dirs, rules.MAX_BYTES, rules.MAX_FILES)]
-        )
-        have = [d for d, listed in listing[ask].items() if listed is not None]
+        have = [d for d, listed in run.batch(node, [ask])[ask].items() if listed is not None]
         if have:
             node.report.gates[GATE_COMPILE_CACHE] = Gate(
                 True, f"not given: it has its own compile cache of this key ({', '.join(have)})", {"key": key}
