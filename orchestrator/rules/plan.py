@@ -738,6 +738,7 @@ def read_engine(engine: protocol.Engine, report: HostReport) -> None:
 
 # The model runner's checks the engine gate has vLLM make before weights, in the user's words.
 RUNNER_CHECKS = {
+    "cpu_compiler": "a C++ compiler for Inductor (the CPU build, compiling)",
     "mask_token": "the drafter's mask token",
     "aux_hidden_states_over_pp": "the target's taps across pipeline stages",
 }

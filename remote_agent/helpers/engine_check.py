@@ -151,6 +151,9 @@ def runner_checks(config, v2):
     configuration it just built. Returns what was checked, and what could not be (this vLLM's code
     is not the shape the check knows): {"name": "ok" | "skipped: why"}."""
     made = {}  # type: dict
+    compiler = _cpu_compiler(config)
+    if compiler is not None:
+        made["cpu_compiler"] = compiler
     spec = config.speculative_config
     if spec is None:
         return made
@@ -160,6 +163,32 @@ def runner_checks(config, v2):
     if v2 and config.parallel_config.pipeline_parallel_size > 1 and method in ("eagle3", "dflash", "dspark"):
         made["aux_hidden_states_over_pp"] = _pipeline_taps(config, method)
     return made
+
+
+def _cpu_compiler(config):
+    """The CPU build compiles the model with Inductor's C++ backend unless it runs eager: a host
+    with no C++ compiler (an LXD container from a minimal image) fails the engine's start minutes
+    in (``InvalidCxxCompiler: No working C++ compiler found``, 152 s on this project's sandbox).
+    torch's own lookup of the compiler, as Inductor makes it. None: not a compiling CPU start."""
+    try:
+        from vllm.platforms import current_platform
+
+        cpu = current_platform.is_cpu()
+    except Exception as exc:  # this version's platform is not the shape known
+        return "skipped: %s: %s" % (type(exc).__name__, words(exc))
+    compilation = config.compilation_config
+    mode = getattr(compilation, "mode", getattr(compilation, "level", 0))
+    if not cpu or getattr(config.model_config, "enforce_eager", False) or not int(mode or 0):
+        return None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError as exc:
+        return "skipped: %s" % words(exc)
+    try:
+        get_cpp_compiler()
+    except Exception as exc:  # InvalidCxxCompiler, torch's own
+        raise Refused(exc)
+    return "ok"
 
 
 def _mask_token(spec, v2):

@@ -140,8 +140,14 @@ def test_vllm_refuses_before_weights_what_its_runner_would_refuse_after(tmp_path
         "pipeline": (moe, good, "--pipeline-parallel-size", "2"),
         "pipeline-dense": (MODELS / "target", good, "--pipeline-parallel-size", "2"),
         "heads": (MODELS / "target", three, "--tensor-parallel-size", "2"),
+        "no-compiler": (MODELS / "target", model(tmp_path, "drafter-good-again", "drafter-good")),
     }
-    envs = {"pipeline": {"PYTHONPATH": str(shim)}, "pipeline-dense": {"PYTHONPATH": str(shim)}}
+    envs = {
+        "pipeline": {"PYTHONPATH": str(shim)},
+        "pipeline-dense": {"PYTHONPATH": str(shim)},
+        # A host with no C++ compiler on the server's PATH (an LXD container of a minimal image)
+        "no-compiler": {"PATH": "/nonexistent"},
+    }
     with ThreadPoolExecutor(2) as pool:
         futures = {k: pool.submit(engine_check, tmp_path, *case, **envs.get(k, {})) for k, case in cases.items()}
         answers = {k: f.result() for k, f in futures.items()}
@@ -163,7 +169,16 @@ def test_vllm_refuses_before_weights_what_its_runner_would_refuse_after(tmp_path
     dense = answers["pipeline-dense"]
     assert dense["ok"], dense
     assert dense["result"]["runner"] == "v2"
-    assert dense["result"]["checks"] == {"mask_token": "ok", "aux_hidden_states_over_pp": "ok"}
+    # Compiling on the CPU build (no --enforce-eager): a C++ compiler was found for Inductor.
+    assert dense["result"]["checks"] == {"cpu_compiler": "ok", "mask_token": "ok", "aux_hidden_states_over_pp": "ok"}
+    # None on the PATH: vLLM's start failed in these words after 152 s in the sandbox's container
+    # (no g++ in its image); refused before anything serving stops.
+    refused = answers["no-compiler"]
+    assert not refused["ok"], refused
+    assert refused["error"]["message"] == (
+        "vLLM 0.32.0 refuses the command as its model runner starts: InvalidCxxCompiler: No working C++ "
+        "compiler found in torch._inductor.config.cpp.cxx: (None, 'g++')"
+    )
     refused = answers["heads"]
     assert not refused["ok"], refused
     assert refused["error"]["message"] == (
