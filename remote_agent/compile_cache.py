@@ -9,7 +9,7 @@ hash directory holding anything else (a link planted to read a secret of the ser
 FIFO) is refused, never followed or read.
 """
 
-from remote_agent.core import OpError, _fsync_dir, _open_file, _os_error, _root, op, os, stat
+from remote_agent.core import OpError, _fsync_dir, _open_file, _os_error, _root, _sha256_file, op, os, stat
 from remote_agent.releases import CACHE, _cache_key_dir, _rmtree
 
 READ_MAX = 8 << 20  # bytes one read answers (base64 in the JSON answer: 11 MB)
@@ -51,10 +51,11 @@ def _kind(st):
     return "a device or other special file"
 
 
-@op("compile_cache_files", root=str, dirs=list, max_bytes=int, max_files=int)
+@op("compile_cache_files", root=str, dirs=list, max_bytes=int, max_files=int, digests=bool)
 def op_compile_cache_files(req):
     """The files of each hash directory named (None: absent here): path relative to the compile
-    cache, size, sha256. Past ``max_files`` or ``max_bytes`` in all, refused (``too_large``)."""
+    cache, size, and (``digests``) sha256. Past ``max_files`` or ``max_bytes`` in all, refused
+    (``too_large``)."""
     root = _root(req, create=False)
     cache = os.path.join(root, CACHE)
     out = {}  # type: dict
@@ -86,23 +87,14 @@ def op_compile_cache_files(req):
                         % (req["max_files"], req["max_bytes"]),
                         top,
                     )
-                listed.append({"path": os.path.relpath(path, cache), "size": st.st_size, "sha256": _digest(path)})
+                digest = _sha256_file(path, follow=False) if req["digests"] else None
+                listed.append({"path": os.path.relpath(path, cache), "size": st.st_size, "sha256": digest})
         out[name] = sorted(listed, key=lambda f: f["path"])
     return {"dirs": out}
 
 
 def _raise(exc):
     raise _os_error("io", exc, getattr(exc, "filename", None))
-
-
-def _digest(path):
-    import hashlib
-
-    h = hashlib.sha256()
-    with _open_file(path, follow=False) as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @op("compile_cache_read", name=str, root=str, path=str, offset=int, length=int)

@@ -360,8 +360,8 @@ def _sha256(data):
     return _builtin_sha256(data).hexdigest()
 
 
-def _sha256_file(path):
-    with _open_file(path) as f:
+def _sha256_file(path, follow=True):
+    with _open_file(path, follow) as f:
         if os.fstat(f.fileno()).st_size > CHUNK:
             import hashlib  # OpenSSL's sha256 is several times faster on big files
 

@@ -1307,17 +1307,19 @@ def _cache_files(v: dict[str, Any]) -> dict[str, tuple[CacheFile, ...] | None]:
 
 
 def compile_cache_files(
-    root: str, dirs: Sequence[str], max_bytes: int, max_files: int
+    root: str, dirs: Sequence[str], max_bytes: int, max_files: int, digests: bool = True
 ) -> Op[dict[str, tuple[CacheFile, ...] | None]]:
     """The files of these hash directories of a host's compile cache (None: it has none of that
-    key), each hashed: refused where one holds what vLLM never writes (a link, a FIFO) or more
-    than ``max_files`` / ``max_bytes`` in all."""
+    key), each hashed unless not ``digests`` (whether the host has them is all a gift asks):
+    refused where one holds what vLLM never writes (a link, a FIFO) or more than ``max_files`` /
+    ``max_bytes`` in all."""
     request = {
         "op": "compile_cache_files",
         "root": root,
         "dirs": list(dirs),
         "max_bytes": max_bytes,
         "max_files": max_files,
+        "digests": digests,
     }
     return Op(request, _cache_files, budget_s=MODEL_HASH_TIMEOUT)
 

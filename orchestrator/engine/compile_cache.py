@@ -17,6 +17,7 @@ taken or not given costs a compile, and says why).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import time
@@ -48,8 +49,11 @@ def _store(run: Run) -> Path:
     return (run.options.state_dir or default_state_dir()) / STORE
 
 
-def _key(run: Run, node: Node) -> tuple[str, str] | None:
-    command = serving.command(run.playbook, node.target.container, node.report.release_id or "")
+def _command(run: Run, node: Node) -> protocol.ServerCommand:
+    return serving.command(run.playbook, node.target.container, node.report.release_id or "")
+
+
+def _key(run: Run, node: Node, command: protocol.ServerCommand) -> tuple[str, str] | None:
     return rules.share_key(run.playbook, node.target.container, node.report, command.argv, command.env)
 
 
@@ -96,7 +100,8 @@ def give(run: Run, node: Node) -> dict[str, str]:
     start's own variables (the guard, where its vLLM has it and the cache was given)."""
     if not wanted(run):
         return {}
-    found = _key(run, node)
+    command = _command(run, node)
+    found = _key(run, node, command)
     if found is None:
         return {}
     key, words = found
@@ -110,7 +115,8 @@ def give(run: Run, node: Node) -> dict[str, str]:
     manifest, files = copy
     root = node.root
     run.step(node, "giving it the compile cache", f"{len(files)} files from {manifest.host}")
-    ask = protocol.compile_cache_files(root, manifest.dirs, rules.MAX_BYTES, rules.MAX_FILES)
+    # Whether it has them is all that is asked: its files are not hashed (a GB cache on each restart).
+    ask = protocol.compile_cache_files(root, manifest.dirs, rules.MAX_BYTES, rules.MAX_FILES, digests=False)
     try:
         have = [d for d, listed in run.batch(node, [ask])[ask].items() if listed is not None]
         if have:
@@ -127,7 +133,6 @@ def give(run: Run, node: Node) -> dict[str, str]:
         detail = exc.failure.describe() if isinstance(exc, AgentError) else str(exc)
         node.report.gates[GATE_COMPILE_CACHE] = Gate(True, f"not given: {detail}", {"key": key})
         return {}
-    command = serving.command(run.playbook, node.target.container, node.report.release_id or "")
     guard = rules.guarded(node.report, command.argv, command.env)
     data = {
         "key": key,
@@ -193,7 +198,7 @@ def take(run: Run, node: Node) -> None:
     """Once ``node`` is READY: its compile cache kept by the controller, where none is under its key."""
     if not wanted(run):
         return
-    found = _key(run, node)
+    found = _key(run, node, _command(run, node))
     health = node.report.gates.get(GATE_HEALTH)
     ledger = health.data.get("startup") if health is not None else None
     if found is None or not isinstance(ledger, dict):
@@ -307,8 +312,6 @@ def prune(store: Path, keep: int) -> list[str]:
 
 def _read_files(run: Run, node: Node, files: list[protocol.CacheFile], into: Path) -> None:
     """Every file's bytes, many reads a round trip, each file checked whole against its listing."""
-    import hashlib
-
     listed = {f.path: f for f in files}
     opened: dict[str, Any] = {}
     digests: dict[str, Any] = {}

@@ -91,7 +91,7 @@ def push(run: Run, node: Node, model: Model) -> Pushed:
     assert entry is not None
     if first:
         try:
-            entry["result"] = _push(run, where, local_files(model.push), node.name, model.replace)
+            entry["result"] = send(run, where, local_files(model.push), node.name, model.replace)
         except BaseException as exc:
             entry["error"] = exc
         finally:
@@ -105,10 +105,6 @@ def push(run: Run, node: Node, model: Model) -> Pushed:
 def send(run: Run, where: Destination, files: list[LocalFile], by: str, replace: bool = False) -> Pushed:
     """Push ``files`` (``rel`` under ``where.path``) to one destination: what is there already is
     kept, a cut upload resumed."""
-    return _push(run, where, files, by, replace)
-
-
-def _push(run: Run, where: Destination, files: list[LocalFile], by: str, replace: bool = False) -> Pushed:
     started = time.monotonic()
     # The model directory keeps its own digest cache (hidden: never served, never linked), so a
     # GPU host needs no deploy root, and a no-change push is a stat per file.

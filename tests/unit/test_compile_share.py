@@ -248,22 +248,27 @@ def test_the_agent_reads_a_file_in_bounded_chunks_and_lists_within_limits(tmp_pa
         op_compile_cache_read(
             {"name": "x", "root": root, "path": "0123456789/rank_0_0/graph.py", "offset": 0, "length": READ_MAX + 1}
         )
-    listed = op_compile_cache_files(
-        {"root": root, "dirs": ["0123456789", "fedcba9876"], "max_bytes": 1000, "max_files": 10}
-    )
+    ask = {"root": root, "dirs": ["0123456789", "fedcba9876"], "max_bytes": 1000, "max_files": 10, "digests": True}
+    listed = op_compile_cache_files(ask)
     assert listed["dirs"]["fedcba9876"] is None
     assert listed["dirs"]["0123456789"] == [
         {"path": "0123456789/rank_0_0/graph.py", "size": 100, "sha256": hashlib.sha256(b"x" * 100).hexdigest()}
     ]
+    # Whether the host has them (a gift's question): nothing hashed.
+    assert op_compile_cache_files({**ask, "digests": False})["dirs"]["0123456789"][0]["sha256"] is None
     with pytest.raises(OpError) as caught:
-        op_compile_cache_files({"root": root, "dirs": ["0123456789"], "max_bytes": 99, "max_files": 10})
+        op_compile_cache_files(
+            {"root": root, "dirs": ["0123456789"], "max_bytes": 99, "max_files": 10, "digests": True}
+        )
     assert caught.value.code == "too_large"
     with pytest.raises(OpError) as caught:
-        op_compile_cache_files({"root": root, "dirs": ["../../etc"], "max_bytes": 99, "max_files": 10})
+        op_compile_cache_files({"root": root, "dirs": ["../../etc"], "max_bytes": 99, "max_files": 10, "digests": True})
     assert caught.value.code == "bad_request"
     (cache / "0123456789" / "rank_0_0" / "sub").symlink_to("/etc")
     with pytest.raises(OpError, match="symbolic link"):
-        op_compile_cache_files({"root": root, "dirs": ["0123456789"], "max_bytes": 1000, "max_files": 10})
+        op_compile_cache_files(
+            {"root": root, "dirs": ["0123456789"], "max_bytes": 1000, "max_files": 10, "digests": True}
+        )
 
 
 def test_placing_keeps_a_hash_directory_the_host_made_by_then(tmp_path: Path) -> None:
