@@ -249,9 +249,16 @@ class HeldLease:
         self.thread.start()
         self.admin = psycopg.connect(url, autocommit=True)
         deadline = time.monotonic() + 60
-        while len(self.holders()) != 1:  # held before any host starts; n0 then waits on the test
+        # Taken and named before any host starts (n0 then waits on the test): a session ended
+        # between the two fails the run at its start, before any host, which is not these tests'
+        # case.
+        while len(self.holders()) != 1 or self.named() != {"n0", "n1", "solo"}:
             assert time.monotonic() < deadline, self.said.lines
             time.sleep(0.05)
+
+    def named(self) -> set[str]:
+        """The hosts whose lease row names a holder (the store's schema exists: it made it)."""
+        return {n for (n,) in self.admin.execute("SELECT name FROM leases").fetchall()}
 
     def holders(self) -> set[int]:
         """The backends that hold the run's three advisory locks."""
@@ -281,7 +288,7 @@ def test_a_lease_whose_session_the_database_ended_is_taken_again_when_no_one_too
     while not run.holders() or run.holders() == {first}:  # held again, by a new session
         assert time.monotonic() < deadline, "the lease was not taken again"
         time.sleep(0.05)
-    names = {n for (n,) in run.admin.execute("SELECT name FROM leases").fetchall()}
+    names = run.named()
     report = run.finish()
     assert names == {"n0", "n1", "solo"}  # the holder is still named
     assert report.ok and not report.interrupted, [h.failed_gate for h in report.hosts]
