@@ -35,7 +35,11 @@ from orchestrator.results import RunReport
 from tests.unit.localbox import DRAFTER_CONFIG, GOOD_MASK, K, alive, free_port, serving_side
 
 HOSTS = {"g1": "127.0.0.11", "g2": "127.0.0.12", "g3": "127.0.0.13"}
-TOKEN_S = 0.05  # a request of 8 tokens takes 0.4 s: a few are always in flight under load
+# A load's request of 32 tokens takes 0.4 s: a few are always in flight under load. The gate's
+# probe (5 prompts of 32 tokens, one at a time) takes 2 s a host: at 0.05 s a token (8-token loads)
+# it took 8 s of every host's deploy, a third of these tests' time.
+TOKEN_S = 0.0125
+LOAD_TOKENS = 32
 OPTIONS = RunOptions(forks=4, lock_timeout=10.0)
 
 
@@ -204,7 +208,7 @@ class Load:
 
     port: int
     clients: int = 6
-    tokens: int = 8
+    tokens: int = LOAD_TOKENS
     pause: float = 0.0  # each client's pace: seconds between its requests (0: back to back)
     sent: int = 0
     served: int = 0

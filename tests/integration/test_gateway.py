@@ -376,12 +376,6 @@ print(json.dumps({{"in_rotation": row["status"].startswith("UP"), "in_flight": i
     floored = fleet.deploy(fleet.playbook(gateway, "release 3\n", rollout={"min_in_rotation": 2}))
     load.stop()
     assert floored.ok, failures(floored)
-    print(
-        "DEBUG",
-        len(load.lost),
-        load.sent,
-        [(h.name, h.gates["gateway"].detail, h.gates["gateway"].data) for h in floored.hosts],
-    )
     assert load.lost == [], load.lost[:5]
 
     endpoints = tmp_path / "gw" / "endpoints.json"

@@ -5,7 +5,8 @@ trained for it (lab/drafters/smollm2-135m-dflash, lab/train_drafter.py), served 
 Acceptance here is what a real drafter gives, neither 100% nor 0%: the served tau must agree with
 the offline reference loop's (lab/dflash_model.py, recorded in tests/data/real-pair) within the
 margin measured, a repeated probe must not refuse the good pair, watch must find it READY, and the
-founding incident's stale mask must be refused and rolled back. Three vLLM starts on 2 cores: about six minutes.
+founding incident's stale mask must be refused and rolled back. Four vLLM starts on 2 cores (the
+speed-up gate's baseline one of them): about eight minutes.
 """
 
 from __future__ import annotations
@@ -105,14 +106,6 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
             kept = store.baseline(fast["baseline"]["key"])
         assert sorted(kept) == [1, 4] and all(len(k["runs"]) == 2 and k["host"] == host for k in kept.values())
 
-        # A second rollout over the same target reuses the baseline: no start at all (nothing
-        # changed), the drafter arm measured again. Asked for a speed-up no host gives (50x), it
-        # refuses the host with acceptance passed, and says that speculation does not pay here.
-        again = cli("deploy", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, timeout=900)
-        fast2 = again.host(host)["gates"]["speedup"]
-        assert again.code == 0 and fast2["ok"] and not fast2["baseline"]["measured"], fast2
-        assert fast2["baseline"]["key"] == fast["baseline"]["key"] and "baseline kept from" in fast2["detail"]
-        assert (base / "logs" / "dflash-serve.log").read_text().count(" launch ") == launches
         checked = cli("verify", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, "--speedup", timeout=600)
         assert checked.code == 0 and checked.host(host)["gates"]["speedup"]["ok"], checked.host(host)["gates"]
         acceptance = report["gates"]["acceptance"]
@@ -133,12 +126,6 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
         assert warm["prefix_cache_hits"] == 0 and warm["compared"].startswith("no: "), warm
         assert warm["drafts"] > 0 and warm["mean_acceptance_length"] > tau  # code and math accept more than chat
 
-        # A second probe of the same server: the good pair is not refused by its own history.
-        again = cli("verify", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, "--probe", timeout=600)
-        assert again.code == 0, again.host(host)["gates"]
-        second = again.host(host)["gates"]["acceptance"]
-        assert abs(second["mean_acceptance_length"] - tau) <= MARGIN * tau, (second, tau)
-        assert second["regression"].startswith(f"tau {second['mean_acceptance_length']:.2f} against"), second
         watched = cli("watch", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, "--once", timeout=300)
         assert watched.code == 0 and '"READY"' in watched.stdout, (watched.stdout[-2000:], watched.stderr[-2000:])
 
@@ -146,9 +133,20 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
             "deploy", playbook(tmp_path, root_name, name="slow", speedup={**SPEEDUP, "min": 50}), "-i",
             sandbox.inventory, "--json", "--limit", host, timeout=900,
         )  # fmt: skip
+        # A second rollout over the same target (nothing changed: no start at all) probes the same
+        # server again, which its own history does not refuse, and reuses the baseline (the drafter
+        # arm measured again). Asked for a speed-up no host gives (50x), it refuses the host with
+        # acceptance passed, and says that speculation does not pay here.
         refused = slow.host(host)
         gates = refused["gates"]
         assert slow.code == 1 and gates["acceptance"]["ok"] and not gates["speedup"]["ok"], gates
+        assert (base / "logs" / "dflash-serve.log").read_text().count(" launch ") == launches
+        second = gates["acceptance"]
+        assert abs(second["mean_acceptance_length"] - tau) <= MARGIN * tau, (second, tau)
+        assert second["regression"].startswith(f"tau {second['mean_acceptance_length']:.2f} against"), second
+        reused = gates["speedup"]["baseline"]
+        assert not reused["measured"] and reused["key"] == fast["baseline"]["key"], reused
+        assert "baseline kept from" in gates["speedup"]["detail"], gates["speedup"]
         assert (
             gates["speedup"]["reason"] == "speedup_absent"
             and "below 50 at concurrency 1, 4" in gates["speedup"]["detail"]
