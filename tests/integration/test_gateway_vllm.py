@@ -2,11 +2,9 @@
 
 Two servers, each a ``connection: local`` container on its own loopback address, replaced one at
 a time, with clients sending requests through the gateway the whole time (each must come back
-whole: HTTP 200 and every token asked for). For each kind of change a deploy can bring (the
-release's files, the server's command alone, nothing) through HAProxy, and for a restart and no
-change through vllm-router (a files change restarts a server as a command change does: the
-gateway sees the same drain and return), no request is lost and every host ends READY and in
-rotation. The stand-in's tests
+whole: HTTP 200 and every token asked for). For a restart (a release of new files through HAProxy,
+the server's command alone through vllm-router: the gateway sees the same drain and return) and
+for no change through each, no request is lost and every host ends READY and in rotation. The stand-in's tests
 (``test_gateway.py``) hold the protocol's corners; these hold it to what real vLLM does when it is
 drained and stopped (a server shutting down in rotation answered HTTP 500, "cannot schedule new
 futures after shutdown", before every restart was drained).
@@ -16,6 +14,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +37,17 @@ from tests.integration.gateway_parts import (
     wait_for,
     write_inventory,
 )
+from tests.unit.test_agent import run as agent
 
 VLLM = Path("/opt/dflash-orchestrator/vllm-venv")
 MODELS = Path("/opt/dflash-orchestrator/tiny-models")
 SERVERS = {"v1": "127.0.0.21", "v2": "127.0.0.22"}
 K = 7
 
-pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is installed by scripts/bootstrap")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is installed by scripts/bootstrap"),
+    pytest.mark.usefixtures("vllm_cpu", "gateways"),
+]
 
 
 @dataclass
@@ -159,7 +163,9 @@ def rolled(fleet: RealFleet, book: Playbook, port: int, restarted: bool, in_rota
 
 
 @pytest.mark.timeout(1500)
-def test_every_kind_of_change_behind_haproxy_loses_no_request(fleet: RealFleet, tmp_path: Path) -> None:
+def test_a_restart_and_no_change_behind_haproxy_lose_no_request(fleet: RealFleet, tmp_path: Path) -> None:
+    """A release of new files and its server command (one restart) and then no change; a change of
+    the command alone restarts a server the same way (behind vllm-router below)."""
     proxy = Haproxy(tmp_path, free_port(), fleet.port, hosts=SERVERS).start()
     try:
         gateway = {
@@ -177,8 +183,7 @@ def test_every_kind_of_change_behind_haproxy_loses_no_request(fleet: RealFleet, 
         assert first.ok, failures(first)
         wait_for("HAProxy's checks", in_rotation, timeout=60)
         said = {}
-        said["files"] = rolled(fleet, fleet.playbook(gateway, "release 2\n", "1"), proxy.port, True, in_rotation)
-        said["command"] = rolled(fleet, fleet.playbook(gateway, "release 2\n", "2"), proxy.port, True, in_rotation)
+        said["files"] = rolled(fleet, fleet.playbook(gateway, "release 2\n", "2"), proxy.port, True, in_rotation)
         said["nothing"] = rolled(fleet, fleet.playbook(gateway, "release 2\n", "2"), proxy.port, False, in_rotation)
         print(f"\nHAProxy, requests sent/lost by change: {said}")
     finally:
@@ -206,3 +211,53 @@ def test_a_restart_and_no_change_behind_vllm_router_lose_no_request(fleet: RealF
         print(f"\nvllm-router, requests sent/lost by change: {said}")
     finally:
         router.stop()
+
+
+def complete(address: str, port: int, out: list[dict[str, Any]]) -> None:
+    body = {"model": "tiny", "prompt": "def fib(n):", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"http://{address}:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            doc = json.loads(response.read())
+            out.append({"status": response.status, "tokens": doc["usage"]["completion_tokens"]})
+    except OSError as exc:
+        out.append({"error": str(exc)})
+
+
+def held(address: str, port: int) -> float:
+    """The requests vLLM holds, running or waiting, from its own gauges."""
+    with urllib.request.urlopen(f"http://{address}:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+    )
+
+
+@pytest.mark.timeout(900)
+def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFleet) -> None:
+    """A server the tool started behind a gateway has ``--shutdown-timeout`` (``serving.drain_timeout``,
+    60 s there): holding six requests of 480 tokens when the agent's ``stop`` op ends it, it
+    finishes every one whole. This is why the stop signals the main process alone: a SIGTERM to
+    the whole process group reached vLLM's worker process, which exited at once, and all six failed
+    with HTTP 500 ("Worker proc VllmWorker-0 died unexpectedly"); the same holds for the systemd
+    unit's KillMode (mixed, not control-group). Runs on the servers the rollouts above left."""
+    name, address = "v1", SERVERS["v1"]
+    root = str(fleet.dir / "roots" / name)
+    if not (fleet.dir / "roots" / name / "run" / "dflash-serve.json").exists():
+        pytest.fail("the rollouts above left no server: this test runs after them, on their fleet")
+    answers: list[dict[str, Any]] = []
+    clients = [threading.Thread(target=complete, args=(address, fleet.port, answers)) for _ in range(6)]
+    for client in clients:
+        client.start()
+    wait_for("all six requests in vLLM", lambda: held(address, fleet.port) >= 6, timeout=180)
+    (stopped,) = agent([{"op": "stop", "root": root, "name": "dflash-serve", "timeout": 90}])
+    for client in clients:
+        client.join(300)
+    assert stopped["ok"] and stopped["result"]["gone"], stopped
+    assert answers == [{"status": 200, "tokens": 480}] * 6, answers
+    log = (fleet.dir / "roots" / name / "logs" / "dflash-serve.log").read_text()
+    assert "mode=drain timeout=60s" in log and "died unexpectedly" not in log

@@ -200,57 +200,7 @@ def test_https_with_client_certificate_and_pinned_server_certificate(lxd_sandbox
         subprocess.run(["lxc", "config", "unset", "core.https_address"], check=True)
 
 
-def test_real_vllm_in_a_container_becomes_ready_with_its_measured_tau(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
-    """playbooks/sandbox.yaml end to end in one LXD container: the venv and models mounted read-only."""
-    if not Path("/opt/dflash-orchestrator/vllm-venv/bin/python").exists():
-        pytest.fail("run scripts/vllm-venv first")
-    name = lxd_sandbox.nodes()[0].name
-    demo = REPO / "playbooks" / "sandbox.yaml"
-    code, report, err = run("deploy", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path)
-    try:
-        assert code == 0, (err, report and host(report, name)["gates"])
-        gates = host(report, name)["gates"]
-        assert list(gates) == [
-            "lint",
-            "containers",
-            "connect",
-            "files",
-            "models",  # the demo serves its tiny models from model directories (models:)
-            "weights",
-            "loader",
-            "build",
-            "engine",  # vLLM's own configuration of the exact command, in the container
-            "health",
-            "acceptance",
-            "ready",
-        ]
-        assert gates["acceptance"]["mean_acceptance_length"] > 7  # K = 7: every drafted token accepted
-        # The demo is what a user sees first: its good drafter draws no warning, and the mask token
-        # is named as the target's tokenizer has it (a reserved special token).
-        assert "dflash_config.mask_token_id 5 is '<mask>', a special token" in gates["models"]["detail"], gates
-        assert not [g for g, v in gates.items() if v.get("warnings")], gates
-        code, report, err = run(
-            "verify", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path
-        )
-        assert code == 0, host(report, name)["gates"]
-        # systemd is the container's init: the server runs as a unit written by the agent.
-        cat = in_container(lxd_sandbox, name, "cat", "/srv/dflash/run/dflash-serve.json")
-        assert cat.returncode == 0, cat.stderr
-        record = json.loads(cat.stdout)
-        assert record["unit"].startswith("dflash-serve-")
-        active = in_container(lxd_sandbox, name, "systemctl", "is-active", record["unit"])
-        assert active.stdout.strip() == "active"
-    finally:
-        code, report, err = run(
-            "stop", demo, "-i", inventory(lxd_sandbox, tmp_path), "--limit", name, tmp_path=tmp_path
-        )
-        assert code == 0 and "stopped" in host(report, name)["gates"]["stopped"]["detail"], err
-    gone = in_container(lxd_sandbox, name, "systemctl", "is-active", record["unit"])
-    assert gone.stdout.strip() in ("inactive", "failed")
-    leftover = in_container(lxd_sandbox, name, "pgrep", "-f", "vllm[.]entrypoints")
-    assert leftover.returncode == 1, leftover  # every engine worker of the unit is gone (1: none matched)
-
-
+@pytest.mark.usefixtures("vllm_cpu")
 def test_a_systemd_unit_the_tool_did_not_write_is_never_replaced_or_run(
     lxd_sandbox: LxdSandbox, tmp_path: Path
 ) -> None:
@@ -382,13 +332,19 @@ def scrape(port: int) -> dict[tuple[str, str], float]:
     }
 
 
-def test_watch_sees_the_founding_incident_replayed_on_real_vllm(lxd_sandbox: LxdSandbox, tmp_path: Path) -> None:
-    """READY with a live tau near K + 1 from production traffic; one-token traffic (no draft follows
-    its prefill) said as a window that can never be judged (DEGRADED), READY again once drafts
-    flow; then, out of band, the stale drafter
-    config lands (DRIFT, the changed field named), the server is restarted by hand with it (a
-    restart, not negative acceptance) and traffic shows tau near 1 (DEGRADED, --on-change told);
-    then the server killed (DOWN). Prometheus metrics scraped at READY and at DEGRADED."""
+@pytest.mark.usefixtures("vllm_cpu")
+def test_real_vllm_in_a_container_is_ready_and_watch_sees_the_founding_incident(
+    lxd_sandbox: LxdSandbox, tmp_path: Path
+) -> None:
+    """playbooks/sandbox.yaml end to end in one LXD container (the venv and models mounted
+    read-only), READY with its measured tau and verified, the server a systemd unit the agent wrote.
+
+    Then watch: READY with a live tau near K + 1 from production traffic; one-token traffic (no
+    draft follows its prefill) said as a window that can never be judged (DEGRADED), READY again
+    once drafts flow; then, out of band, the stale drafter config lands (DRIFT, the changed field
+    named), the server is restarted by hand with it (a restart, not negative acceptance) and
+    traffic shows tau near 1 (DEGRADED, --on-change told); then the server killed (DOWN), and
+    `stop` leaves no process of the unit. Prometheus metrics scraped at READY and at DEGRADED."""
     name = lxd_sandbox.nodes()[0].name
     demo = REPO / "playbooks" / "sandbox.yaml"
     inv = inventory(lxd_sandbox, tmp_path)
@@ -400,6 +356,34 @@ def test_watch_sees_the_founding_incident_replayed_on_real_vllm(lxd_sandbox: Lxd
     watch = None
     try:
         assert code == 0, (err, report and host(report, name)["gates"])
+        gates = host(report, name)["gates"]
+        assert list(gates) == [
+            "lint",
+            "containers",
+            "connect",
+            "files",
+            "models",  # the demo serves its tiny models from model directories (models:)
+            "weights",
+            "loader",
+            "build",
+            "engine",  # vLLM's own configuration of the exact command, in the container
+            "health",
+            "acceptance",
+            "ready",
+        ]
+        assert gates["acceptance"]["mean_acceptance_length"] > 7  # K = 7: every drafted token accepted
+        # The demo is what a user sees first: its good drafter draws no warning, and the mask token
+        # is named as the target's tokenizer has it (a reserved special token).
+        assert "dflash_config.mask_token_id 5 is '<mask>', a special token" in gates["models"]["detail"], gates
+        assert not [g for g, v in gates.items() if v.get("warnings")], gates
+        code, report, err = run("verify", demo, "-i", inv, "--limit", name, tmp_path=tmp_path)
+        assert code == 0, host(report, name)["gates"]
+        # systemd is the container's init: the server runs as a unit written by the agent.
+        record = json.loads(in_container(lxd_sandbox, name, "cat", "/srv/dflash/run/dflash-serve.json").stdout)
+        assert record["unit"].startswith("dflash-serve-")
+        active = in_container(lxd_sandbox, name, "systemctl", "is-active", record["unit"])
+        assert active.stdout.strip() == "active"
+
         watch = Watch(
             demo,
             *("-i", inv, "--limit", name, "--interval", "2", "--metrics-port", str(port)),
@@ -439,7 +423,6 @@ def test_watch_sees_the_founding_incident_replayed_on_real_vllm(lxd_sandbox: Lxd
         drift = watch.until("DRIFT", lambda h: h["state"] == "DRIFT")
         assert "drafter/config.json: dflash_config.mask_token_id 5 -> 6" in drift["reasons"], drift
 
-        record = json.loads(in_container(lxd_sandbox, name, "cat", "/srv/dflash/run/dflash-serve.json").stdout)
         restart = in_container(lxd_sandbox, name, "systemctl", "restart", record["unit"])
         assert restart.returncode == 0, restart.stderr
         back = watch.until("the restarted server healthy", lambda h: h["gates"].get("health", {}).get("ok"))
@@ -482,4 +465,9 @@ def test_watch_sees_the_founding_incident_replayed_on_real_vllm(lxd_sandbox: Lxd
     finally:
         if watch is not None:
             assert watch.end() in (0, 1)
-        run("stop", demo, "-i", inv, "--limit", name, tmp_path=tmp_path)
+        code, report, err = run("stop", demo, "-i", inv, "--limit", name, tmp_path=tmp_path)
+    assert code == 0 and host(report, name)["gates"]["stopped"]["ok"], err
+    gone = in_container(lxd_sandbox, name, "systemctl", "is-active", record["unit"])
+    assert gone.stdout.strip() in ("inactive", "failed")
+    leftover = in_container(lxd_sandbox, name, "pgrep", "-f", "vllm[.]entrypoints")
+    assert leftover.returncode == 1, leftover  # every engine worker of the unit is gone (1: none matched)

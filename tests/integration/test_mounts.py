@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from orchestrator.agent import protocol
 from orchestrator.agent.client import BOOTSTRAP, encode_request
 
@@ -31,6 +33,7 @@ def agent_in_namespace(tmp_path: Path, setup: str, ops: list[dict[str, object]])
     return json.loads(proc.stdout)["results"]  # type: ignore[no-any-return]
 
 
+@pytest.mark.usefixtures("agent")
 def test_a_model_directory_replaced_under_its_mount_is_named_with_the_cure(tmp_path: Path) -> None:
     host = tmp_path / "host-models"  # what the GPU host has
     (host / "target").mkdir(parents=True)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("vllm_cpu")
+
 VLLM = Path("/opt/dflash-orchestrator/vllm-venv")
 DATA = Path(__file__).resolve().parents[1] / "data" / "real-drafters"
 HARNESS = Path(__file__).resolve().parents[2] / "lab" / "vllmverdict.py"

@@ -36,7 +36,7 @@ MARGIN = 0.05
 
 
 @pytest.fixture(autouse=True)
-def real_pair_made() -> None:
+def real_pair_made(vllm_cpu: object) -> None:
     if not (REAL / "model.safetensors").exists():
         pytest.fail("run scripts/real-model first (scripts/bootstrap does)")
 

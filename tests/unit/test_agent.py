@@ -27,6 +27,8 @@ import remote_agent
 from orchestrator.agent.client import BOOTSTRAP, decode_response, encode_request, packed_agent
 from orchestrator.errors import AgentError, ConnectionLost
 
+pytestmark = pytest.mark.usefixtures("agent")
+
 # The keys a request needs beyond those a test is about, as the controller would send them (the
 # agent takes no defaults: see test_a_request_missing_a_key_is_refused_naming_it).
 REQUEST_KEYS: dict[str, dict[str, Any]] = {

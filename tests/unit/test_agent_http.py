@@ -18,6 +18,8 @@ import pytest
 
 from remote_agent.serving import _http, _http_url
 
+pytestmark = pytest.mark.usefixtures("loopback")
+
 
 @pytest.fixture
 def server() -> Iterator[tuple[int, list[dict[str, Any]]]]:

@@ -12,7 +12,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from remote_agent.serving import _gone, _group_alive, _proc_start, _stop
+
+pytestmark = pytest.mark.usefixtures("programs")
 
 
 def test_stop_ends_what_a_killed_main_process_left_in_its_group(tmp_path: Path) -> None:

@@ -304,6 +304,7 @@ def lint_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.usefixtures("programs")
 def test_lint_command_exit_codes_and_json(tmp_path: Path) -> None:
     target = FILES / "qwen36-27b" / "config.json"
     ok = lint_cli(FILES / "qwen36-27b-dflash" / "config.json", "--target", target, "--json")
@@ -576,6 +577,7 @@ def test_served_context_reads_max_model_len_as_vllm_does(args: list[str], contex
     assert dflash.served_context(args) == context
 
 
+@pytest.mark.usefixtures("programs")
 def test_lint_takes_the_served_context(tmp_path: Path) -> None:
     drafter = tmp_path / "short.json"
     drafter.write_text(json.dumps(SHORT))
@@ -664,6 +666,7 @@ def test_heads_must_split_over_the_tensor_parallel_ranks(heads: int, kv: int, tp
     assert found_two == refused - {"num_key_value_heads"}
 
 
+@pytest.mark.usefixtures("programs")
 def test_lint_command_takes_the_serving_tensor_parallel_size() -> None:
     """The published 27B drafter (32 heads, 8 kv heads) at TP 8 serves; at TP 3 vLLM would die at
     load, and the lint command says so before any host is touched (exit 1, the rule named)."""

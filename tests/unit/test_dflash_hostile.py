@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from orchestrator.rules import dflash
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "real-drafters"
@@ -72,6 +74,7 @@ def _limit() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
 
 
+@pytest.mark.usefixtures("programs")
 def test_lint_answers_every_hostile_config_with_problems_never_an_exception() -> None:
     code = "import json; from tests.unit.test_dflash_hostile import walk; print(json.dumps(walk()))"
     proc = subprocess.run(

@@ -298,7 +298,7 @@ def test_a_bad_gateway_block_is_one_error_naming_the_key(
 
 
 @pytest.fixture
-def runtime_api(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
+def runtime_api(tmp_path: Path, loopback: None) -> Iterator[tuple[Path, list[str]]]:
     """A unix socket that answers each command as HAProxy's runtime API does (then closes), and
     records what it was sent."""
     path = tmp_path / "admin.sock"
@@ -344,6 +344,7 @@ def endpoints_op(path: Path, action: str, name: str | None = None, url: str | No
     return {"op": "gateway_endpoints", "path": str(path), "action": action, "name": name, "url": url, "timeout": 5}
 
 
+@pytest.mark.usefixtures("agent")
 def test_the_endpoints_file_is_changed_whole_and_read_back(tmp_path: Path) -> None:
     path = tmp_path / "endpoints.json"
     results = run(
@@ -364,6 +365,7 @@ def test_the_endpoints_file_is_changed_whole_and_read_back(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("content", [b"{not json", b'{"endpoints": {"g1": 1}}', b'{"endpoints": [{"name": 1}]}', b"[]"])
+@pytest.mark.usefixtures("agent")
 def test_an_endpoints_file_we_cannot_read_is_left_as_it_is(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "endpoints.json"
     path.write_bytes(content)
@@ -372,6 +374,7 @@ def test_an_endpoints_file_we_cannot_read_is_left_as_it_is(tmp_path: Path, conte
     assert path.read_bytes() == content
 
 
+@pytest.mark.usefixtures("agent")
 def test_an_endpoints_file_reached_through_a_link_is_changed_where_the_router_reads_it(tmp_path: Path) -> None:
     """The playbook names a link (``/etc/router/endpoints.json`` to a shared file, say): the file
     the router reads changes, and the link stays a link (renamed over, the new list landed beside
@@ -388,6 +391,7 @@ def test_an_endpoints_file_reached_through_a_link_is_changed_where_the_router_re
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "link to a fifo"])
+@pytest.mark.usefixtures("agent")
 def test_an_endpoints_file_that_is_no_file_is_refused_at_once_and_left(tmp_path: Path, kind: str) -> None:
     """A FIFO in its place held the agent, and the rollout, for ever."""
     path = tmp_path / "endpoints.json"
@@ -404,6 +408,7 @@ def test_an_endpoints_file_that_is_no_file_is_refused_at_once_and_left(tmp_path:
     assert path.is_dir() if kind == "directory" else (path.is_symlink() or not path.is_file())
 
 
+@pytest.mark.usefixtures("agent")
 def test_a_server_listed_at_another_url_is_out_of_rotation_until_put_back(tmp_path: Path) -> None:
     """Listed under its name at an old address or port, the router sends its users there, not to
     this server: that is not in rotation (it passed verify's gateway gate as IN SYNC)."""
@@ -427,6 +432,7 @@ def test_a_server_listed_at_another_url_is_out_of_rotation_until_put_back(tmp_pa
     assert json.loads(path.read_text()) == {"endpoints": [{"name": "g1", "url": "http://10.0.0.1:8000"}]}
 
 
+@pytest.mark.usefixtures("agent")
 def test_endpoints_changed_at_once_by_two_agents_are_all_kept(tmp_path: Path) -> None:
     path = tmp_path / "endpoints.json"
     names = [f"g{i}" for i in range(8)]
@@ -441,6 +447,7 @@ def test_endpoints_changed_at_once_by_two_agents_are_all_kept(tmp_path: Path) ->
     assert [e["name"] for e in json.loads(path.read_text())["endpoints"]] == names
 
 
+@pytest.mark.usefixtures("agent")
 def test_a_hook_asked_about_several_servers_in_one_batch_gives_each_its_own_answer(tmp_path: Path) -> None:
     """Ops of one kind share a key: by key, each server was given the last one's answer, so a host
     about to be drained read another's state (out of rotation) and was stopped undrained, and the
@@ -471,6 +478,7 @@ def test_a_hook_asked_about_several_servers_in_one_batch_gives_each_its_own_answ
     assert rotation.serving(besides="g1") == 1
 
 
+@pytest.mark.usefixtures("agent")
 def test_a_hooks_output_is_held_only_as_far_as_its_tail_however_much_it_writes(tmp_path: Path) -> None:
     """A gateway hook that writes 200 MB before its answer: the agent holds its last 16 KB, not
     the whole (400 MB of output took the agent to 836 MB), and still reads the answer."""
@@ -501,6 +509,7 @@ def test_a_hooks_output_is_held_only_as_far_as_its_tail_however_much_it_writes(t
 
 
 @pytest.mark.parametrize("op", ["vllm_build", "command"])
+@pytest.mark.usefixtures("agent")
 def test_a_program_whose_child_holds_its_output_is_ended_at_the_bound(tmp_path: Path, op: str) -> None:
     """A serving interpreter or a gateway hook that leaves a process behind holding its output
     (a compile worker, a shell's background job): subprocess.run would kill the program and then

@@ -398,6 +398,7 @@ def test_a_hostile_inventory_is_refused_before_any_host(
 
 
 @pytest.mark.parametrize("mode", ["4755", "2755", "1755", "0666", "0777"])
+@pytest.mark.usefixtures("programs")
 def test_a_dangerous_mode_needs_saying_so(tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str) -> None:
     text = PLAYBOOK.replace("dest: a.txt}", f'dest: a.txt, mode: "{mode}"}}')
     err = refused(tmp_path, capsys, ["deploy", *setup(tmp_path, text)])
@@ -406,6 +407,7 @@ def test_a_dangerous_mode_needs_saying_so(tmp_path: Path, capsys: pytest.Capture
     assert cli.main(["deploy", *setup(tmp_path, allowed)]) == 0  # said so: deployed (locally)
 
 
+@pytest.mark.usefixtures("programs")
 def test_a_sandbox_command_that_hangs_is_one_clear_error() -> None:
     from orchestrator.errors import SandboxError
     from orchestrator.sandbox.processes import run

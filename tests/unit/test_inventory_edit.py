@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("programs")
+
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "inventories" / "commented.yaml"
 
 

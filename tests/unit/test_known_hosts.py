@@ -12,6 +12,8 @@ import pytest
 from orchestrator.connectors.ssh import KnownHosts
 from orchestrator.errors import HostKeyChanged, InputError, UnknownHostKey
 
+pytestmark = pytest.mark.usefixtures("programs")
+
 
 def keypair(tmp_path: Path, name: str) -> tuple[paramiko.PKey, str]:
     path = tmp_path / name

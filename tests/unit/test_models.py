@@ -562,6 +562,7 @@ def test_many_small_files_push_in_few_execs_and_leave_no_stale_partials(box: Box
     assert not stale.exists() and not list(dest.glob(".*.partial-*"))
 
 
+@pytest.mark.usefixtures("programs")
 def test_controllers_making_the_digest_key_at_once_all_use_one_whole_key(tmp_path: Path) -> None:
     """The key is written whole before it is linked into place: a controller that reads it while
     another makes it (or after one was killed making it) never finds it empty."""
@@ -583,6 +584,7 @@ def test_controllers_making_the_digest_key_at_once_all_use_one_whole_key(tmp_pat
         assert sorted(p.name for p in state.iterdir()) == ["digest.key"]  # no temporary file left
 
 
+@pytest.mark.usefixtures("programs")
 def test_a_controller_killed_while_making_the_digest_key_leaves_none_half_made(tmp_path: Path) -> None:
     import signal
     import subprocess

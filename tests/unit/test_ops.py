@@ -12,6 +12,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from orchestrator.cli import main as cli
 from orchestrator.rules.watch import STATES
 from orchestrator.store import metrics
@@ -19,6 +21,7 @@ from orchestrator.store import metrics
 OPS = Path(__file__).resolve().parents[2] / "ops"
 
 
+@pytest.mark.usefixtures("programs")
 def test_the_rules_pass_promtools_checks_and_their_own_tests() -> None:
     rules = OPS / "prometheus" / "dflash-orchestrator-rules.yml"
     checked = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
@@ -36,6 +39,7 @@ def watch_argv(words: list[str], instance: str = "qwen3-8b-dflash") -> object:
     return cli.build_parser().parse_args([w.replace("%i", instance) for w in words[1:]])
 
 
+@pytest.mark.usefixtures("programs")
 def test_the_watch_unit_is_valid_for_systemd_and_runs_our_watch(tmp_path: Path) -> None:
     unit = (OPS / "systemd" / "orchestrate-watch@.service").read_text()
     parsed = configparser.ConfigParser(strict=False, interpolation=None)

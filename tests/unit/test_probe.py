@@ -236,6 +236,7 @@ def test_the_warm_pass_is_compared_with_the_cold_tau_of_the_same_prompts(tmp_pat
     )
 
 
+@pytest.mark.usefixtures("agent")
 def test_the_agent_scrapes_inside_the_cold_pass_after_the_prompts_the_warm_pass_repeats() -> None:
     """The real agent's probe op against a loopback server whose counters grow by prompt (a code
     prompt accepts 3 a draft, a chat one none): the scrape inside the cold pass comes after exactly

@@ -390,6 +390,22 @@ def test_a_group_refused_by_the_probe_goes_back_to_its_release_on_every_node(box
     assert verify(box, box.group()).ok
 
 
+def test_a_group_rollback_to_a_release_that_fails_its_gate_goes_back_as_one_group(box: Box) -> None:
+    """`rollback` of a group to its previous release, whose drafter is refused through the head:
+    started on every node, refused, and the release it ran started and proven again on every node."""
+    first = deploy(box, box.group())
+    bad = deploy(box, box.group("bad-group", mask=6))
+    assert first.ok and not bad.ok
+    run = rollback(box, box.group())
+    head = host(run, "n0")
+    assert not run.ok and head.release_id == bad.release_id and not head.gates["acceptance"].ok, head.gates
+    back = f"rolled back: release {first.release_id} is current again on every node, healthy and READY"
+    for name in ("n0", "n1"):
+        assert any(d.startswith(back) for d in host(run, name).diagnosis), host(run, name).diagnosis
+        assert box.current(name) == f"releases/{first.release_id}"
+    assert verify(box, box.group()).ok
+
+
 def test_a_group_rollback_needs_the_release_on_every_node(box: Box) -> None:
     """Rollback of a group whose second node fails its files gate: nothing is stopped or switched."""
     first = deploy(box, box.group())
@@ -692,7 +708,12 @@ def test_a_release_whose_tau_fell_against_the_last_ready_one_is_refused_and_roll
     assert ready["gates"]["acceptance"]["mean_acceptance_length"] == K + 1  # the history lives on the host
 
     # tau 7 against 8: above the gate's 4.0, but 12% below the last READY release (at most 10%).
-    slower = deploy(box, box.playbook("slower", env={**env, "STANDIN_ACCEPTED": str(K - 1)}))
+    # (Its release notes differ too: a release of its own files, for the rollback below.)
+    notes = (box.dir / "notes.txt").read_text()
+    (box.dir / "notes.txt").write_text("slower\n")
+    slower_pb = box.playbook("slower", env={**env, "STANDIN_ACCEPTED": str(K - 1)})
+    slower = deploy(box, slower_pb)
+    (box.dir / "notes.txt").write_text(notes)
     solo = host(slower, "solo")
     assert (
         not slower.ok and solo.failed_gate == "acceptance" and solo.gates["acceptance"].reason == "acceptance_regressed"
@@ -703,6 +724,16 @@ def test_a_release_whose_tau_fell_against_the_last_ready_one_is_refused_and_roll
     )
     assert box.current("solo") == f"releases/{first.release_id}"  # rolled back to what was READY
     assert json.loads((box.root("solo") / "ready.json").read_text())["release_id"] == first.release_id
+
+    # `rollback` to the slower release (with its command) proves it like a deploy: refused by the
+    # same history, and the READY release started and proven again.
+    refused = rollback(box, slower_pb, to=str(slower.release_id))
+    solo = host(refused, "solo")
+    assert not refused.ok and solo.release_id == slower.release_id, solo.gates
+    assert solo.gates["health"].ok and solo.gates["acceptance"].reason == "acceptance_regressed", solo.gates
+    back = f"rolled back: release {first.release_id} is current again with the server command it was READY with"
+    assert any(d.startswith(back) for d in solo.diagnosis), solo.diagnosis
+    assert box.current("solo") == f"releases/{first.release_id}" and verify(box, good_pb).ok
 
     # With a looser tolerance the same release passes, and says what it was compared with.
     loose = box.playbook(
@@ -837,3 +868,42 @@ def test_an_editors_save_while_the_playbook_loads_cannot_split_what_lint_judges_
     assert not run.ok and host(run, "solo").gates["lint"].detail.startswith("not attempted")
     assert {p.field for p in run.lint or [] if p.severity == "error"} == {"dflash_config.mask_token_id"}
     assert not (box.root("solo") / "current").exists()
+
+
+def test_a_server_killed_during_the_probe_leaves_the_host_not_ready(box: Box) -> None:
+    """The server dies with the probe's third prompt in hand (its whole process group, no answer):
+    not READY, the acceptance gate failed, no READY record. The controller reads a server that
+    vanishes mid-probe as any: a refused connection, whatever the program was."""
+    prompts = ["def sort the list of numbers and return the sum"] * 8
+    run = deploy(
+        box,
+        box.playbook(
+            env={"STANDIN_GOOD_MASK": str(GOOD_MASK), "STANDIN_DIE_AFTER": "2"},
+            top={"gates": {"acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 10, "prompts": prompts}}},
+        ),
+    )
+    solo = host(run, "solo")
+    assert not run.ok and not solo.ready, solo.gates
+    assert not solo.gates["acceptance"].ok and "ready" not in solo.gates, solo.gates
+    assert not (box.root("solo") / "ready.json").exists()
+
+
+def test_rollback_to_the_first_release_starts_it_proves_it_and_holds_it_to_its_history(box: Box) -> None:
+    """A second good release, then `rollback` to the first: switched, a new server started on it,
+    proven against its own history, READY."""
+    good_pb = box.playbook()
+    first = deploy(box, good_pb)
+    (box.dir / "notes.txt").write_text("second release\n")
+    second = deploy(box, box.playbook("second"))
+    assert first.ok and second.ok and second.release_id != first.release_id
+    pid = json.loads((box.root("solo") / "ready.json").read_text())["pid"]
+    back = rollback(box, good_pb, to=str(first.release_id))
+    solo = host(back, "solo")
+    assert back.ok, solo.gates
+    assert solo.release_id == first.release_id and solo.previous == second.release_id
+    acceptance = solo.gates["acceptance"]
+    assert acceptance.data["mean_acceptance_length"] == K + 1 and solo.gates["ready"].ok
+    assert acceptance.data["regression"].startswith("tau "), acceptance.data  # held to its own history
+    ready = json.loads((box.root("solo") / "ready.json").read_text())
+    assert ready["release_id"] == first.release_id and ready["pid"] != pid  # a new server, on it
+    assert box.current("solo") == f"releases/{first.release_id}" and verify(box, good_pb).ok

@@ -8,7 +8,10 @@ import pytest
 
 from orchestrator.connectors.ssh import _PromptAckSocket
 
-pytestmark = pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only"),
+    pytest.mark.usefixtures("loopback"),
+]
 
 
 def test_every_read_leaves_the_socket_in_quick_ack_mode() -> None:

@@ -23,6 +23,7 @@ def imported_modules(*argv: str, code: int = 0) -> set[str]:
     return {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
 
 
+@pytest.mark.usefixtures("programs")
 def test_help_loads_no_ssh_library() -> None:
     """SSH is opened only for a run that has an SSH target: paramiko is not imported before."""
     modules = imported_modules("--help")
@@ -30,6 +31,7 @@ def test_help_loads_no_ssh_library() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("invoke") is None, reason="invoke is not installed beside paramiko")
+@pytest.mark.usefixtures("programs")
 def test_orchestrate_does_not_load_invoke_that_paramiko_would_pull_in(tmp_path: Path) -> None:
     """A run over SSH (to a loopback port that refuses, so it fails fast) loads paramiko, not invoke."""
     with socket.socket() as s:  # a port nothing listens on

@@ -26,11 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def url(request: pytest.FixtureRequest, tmp_path: Path, postgres: Postgres) -> str:
+    # Asks for the session's PostgreSQL in both cases: a tier follows the fixtures a test names.
     if request.param == "sqlite":
         return f"sqlite://{tmp_path}/state.db"
-    pg: Postgres = request.getfixturevalue("postgres")
-    return pg.socket_url(pg.new_database())
+    return postgres.socket_url(postgres.new_database())
 
 
 def a_run(kind: str = "deploy", ready: bool = True, tau: float = 6.5, host: str = "gpu-a") -> RunReport:
@@ -236,6 +236,7 @@ def test_controllers_opening_a_new_store_at_once_make_it_once(postgres: Postgres
         db.close()
 
 
+@pytest.mark.usefixtures("programs")
 def test_controllers_opening_a_new_sqlite_file_at_once_all_open_it(tmp_path: Path) -> None:
     """Switching a new file to WAL takes it alone, and SQLite can answer "database is locked" there
     at once, without waiting its busy timeout: two deploys started together on a new state file,
@@ -255,6 +256,7 @@ def test_controllers_opening_a_new_sqlite_file_at_once_all_open_it(tmp_path: Pat
 
 @pytest.mark.parametrize("query", ["password=hunter2", "sslmode=disable&password=hunter2", "sslpassword=hunter2"])
 @pytest.mark.parametrize("as_json", [False, True])
+@pytest.mark.usefixtures("programs")
 def test_a_password_in_the_state_urls_query_string_is_never_shown(query: str, as_json: bool) -> None:
     """libpq takes ``?password=`` as readily as ``user:password@``: either is a secret in every
     message, plain or ``--json``."""
@@ -268,6 +270,7 @@ def test_a_password_in_the_state_urls_query_string_is_never_shown(query: str, as
 
 
 @pytest.mark.parametrize("stored", ["'three'", "3.5", "-1", "99999999999", "x'00'"])
+@pytest.mark.usefixtures("programs")
 def test_a_schema_version_this_tool_never_writes_is_one_line_and_nothing_written(tmp_path: Path, stored: str) -> None:
     """A store whose version is no small integer was not made by this tool, or was damaged: said
     in one line, exit 2, and not written to (it was a traceback)."""

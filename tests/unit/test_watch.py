@@ -170,6 +170,7 @@ def test_changed_fields_are_named_by_their_path() -> None:
     assert changed_fields("a.json", b'{"x": 1}', b'{"x": 1.0}') == ["a.json: x 1 -> 1.0"]
 
 
+@pytest.mark.usefixtures("loopback")
 def test_metrics_are_served_with_prometheus_names_and_values() -> None:
     w, good, _ = step(HostWatch("gpu-a"), seen(0, counters(0, 0)), GATE)
     w, good, _ = step(w, seen(30, counters(100, 6)), GATE)
