@@ -18,7 +18,6 @@ from tests.tiers import (  # noqa: F401  (hooks and fixtures)
     gateways,
     loopback,
     programs,
-    pytest_collection_finish,
     pytest_collection_modifyitems,
     pytest_runtest_makereport,
     unit_guard,

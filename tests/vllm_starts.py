@@ -7,14 +7,15 @@ that test and so the run; the terminal summary lists the starts by test.
 
 A thread reads /proc once a second (no vLLM starts in under one) for processes running the
 tool's `vllm serve` program from the sandbox's vLLM venv; a process forked by one (vLLM's own
-workers) is not another start. /proc is the machine's: servers in LXD containers and in the ssh
-sandbox's network namespaces are seen alike, and so is a server that another run on this machine
-starts meanwhile. So the tier that starts servers (``vllm``) runs in one process, never beside
-another worker of its own run (refused at collection under pytest-xdist).
+workers) is not another start. /proc is the machine's: a server counts for this process only where
+it runs in this worker's lane (tests/lanes.py: its ssh hosts' network namespaces, its LXD
+containers) or from its base temp (a ``connection: local`` deploy root), so two workers, or a
+second run in other lanes, never count each other's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import Counter
@@ -26,6 +27,7 @@ import pytest
 
 from orchestrator.rules.serving import VLLM_CLI
 from orchestrator.sandbox.processes import proc_start
+from tests import lanes
 
 VENV_PYTHON = "vllm-venv/bin/python"
 
@@ -95,6 +97,29 @@ def servers(venv_python: str = VENV_PYTHON) -> Iterator[tuple[str, str]]:
             yield pid, proc_start(int(pid))
 
 
+def belongs(pid: str, prefix: str, basetemp: str) -> bool:
+    """Whether a server is this worker's: in the network namespace of one of its lane's ssh hosts,
+    in one of its lane's LXD containers, or run from a directory under its base temp (a
+    ``connection: local`` host's deploy root is a test's temporary directory)."""
+    try:
+        net = os.stat(f"/proc/{pid}/ns/net").st_ino
+        cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    if f"lxc.payload.{prefix}" in cgroup or cwd == basetemp or cwd.startswith(basetemp + os.sep):
+        return True
+    try:
+        names = [n for n in os.listdir("/run/netns") if n.startswith(prefix)]
+    except OSError:
+        return False
+    for name in names:
+        with contextlib.suppress(OSError):
+            if os.stat(f"/run/netns/{name}").st_ino == net:
+                return True
+    return False
+
+
 def row(item: pytest.Item) -> str:
     """The budget row a test's starts count against: its node id without its parameters."""
     return item.nodeid.split("[", 1)[0]
@@ -107,6 +132,8 @@ class StartBudget:
 
     table: Mapping[str, Allowed]
     venv_python: str = VENV_PYTHON
+    prefix: str = "d"  # the lane's names (tests/lanes.py): servers under others' are not counted
+    basetemp: str | None = None  # this process's base temp, learnt at the first test
     seen: set[tuple[str, str]] = field(default_factory=set)
     by_test: Counter[str] = field(default_factory=Counter)
     over: dict[str, str] = field(default_factory=dict)
@@ -126,9 +153,12 @@ class StartBudget:
     def poll(self) -> None:
         with self._lock:
             for server in servers(self.venv_python):
-                if server not in self.seen:
-                    self.seen.add(server)
-                    self.by_test[self.test] += 1
+                if server in self.seen:
+                    continue
+                if self.basetemp is None or not belongs(server[0], self.prefix, self.basetemp):
+                    continue  # another worker's or another run's (or not yet known: seen again)
+                self.seen.add(server)
+                self.by_test[self.test] += 1
 
     def stop(self) -> None:
         self._stop.set()
@@ -147,6 +177,8 @@ class StartBudget:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
+        if self.basetemp is None:
+            self.basetemp = str(item.config._tmp_path_factory.getbasetemp().resolve())  # type: ignore[attr-defined]
         self.test = row(item)
         yield
         self.test = "(between tests)"
@@ -183,8 +215,9 @@ class StartBudget:
 
 
 def register(config: pytest.Config, table: Mapping[str, Allowed] = STARTS, venv_python: str = VENV_PYTHON) -> None:
-    """Counts and budgets this process's tests' starts (under pytest-xdist, each worker its own:
-    the controller process runs no test)."""
+    """Counts and budgets this process's tests' starts (under pytest-xdist, each worker its own, in
+    its lane: the controller process runs no test)."""
     if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
         return
-    config.pluginmanager.register(StartBudget(table, venv_python), "vllm-start-budget")
+    prefix = lanes.current().prefix("")
+    config.pluginmanager.register(StartBudget(table, venv_python, prefix), "vllm-start-budget")

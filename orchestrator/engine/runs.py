@@ -412,8 +412,13 @@ def rollback(scope: Scope, *, to_release: str | None = None) -> RunReport:
                 current = listings[node.name].current
                 node.report.release_id, node.report.previous = back, current
                 node.report.changed = back != current
-            run.note(unit, f"rolling back to release {back} on {', '.join(n.name for n in unit.nodes)}")
-            launch.serve(run, unit)
+            # A node already on that release is not switched by the start: its files are read
+            # back here as a switch reads them (no link changes), so that the READY record the
+            # proof writes names the files served (else verify finds their digests differ).
+            unit.each(lambda node: None if node.report.changed else switch_only(run, node, back), GATE_FILES)
+            if not unit.failed():
+                run.note(unit, f"rolling back to release {back} on {', '.join(n.name for n in unit.nodes)}")
+                launch.serve(run, unit)
         unit.fail_others(unit.failed(), "group not rolled back")
 
     units = units_for(playbook, scope.inventory, list(scope.targets))

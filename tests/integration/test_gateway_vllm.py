@@ -240,8 +240,8 @@ def held(address: str, port: int) -> float:
 @pytest.mark.timeout(900)
 def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFleet) -> None:
     """A server the tool started behind a gateway has ``--shutdown-timeout`` (``serving.drain_timeout``,
-    60 s there): holding six requests of 480 tokens when the agent's ``stop`` op ends it, it
-    finishes every one whole. This is why the stop signals the main process alone: a SIGTERM to
+    60 s there): holding twelve requests of 480 tokens (eight running, the rest waiting) when the
+    agent's ``stop`` op ends it, it finishes every one whole. This is why the stop signals the main process alone: a SIGTERM to
     the whole process group reached vLLM's worker process, which exited at once, and all six failed
     with HTTP 500 ("Worker proc VllmWorker-0 died unexpectedly"); the same holds for the systemd
     unit's KillMode (mixed, not control-group). Runs on the servers the rollouts above left."""
@@ -249,15 +249,17 @@ def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFlee
     root = str(fleet.dir / "roots" / name)
     if not (fleet.dir / "roots" / name / "run" / "dflash-serve.json").exists():
         pytest.fail("the rollouts above left no server: this test runs after them, on their fleet")
+    # Twelve, past the server's 8 at a time: with every draft accepted six alone are done in about
+    # 10 s, which vLLM's gauges (updated as it logs its stats) can miss whole.
     answers: list[dict[str, Any]] = []
-    clients = [threading.Thread(target=complete, args=(address, fleet.port, answers)) for _ in range(6)]
+    clients = [threading.Thread(target=complete, args=(address, fleet.port, answers)) for _ in range(12)]
     for client in clients:
         client.start()
-    wait_for("all six requests in vLLM", lambda: held(address, fleet.port) >= 6, timeout=180)
+    wait_for("at least six requests in vLLM", lambda: held(address, fleet.port) >= 6, timeout=180)
     (stopped,) = agent([{"op": "stop", "root": root, "name": "dflash-serve", "timeout": 90}])
     for client in clients:
         client.join(300)
     assert stopped["ok"] and stopped["result"]["gone"], stopped
-    assert answers == [{"status": 200, "tokens": 480}] * 6, answers
+    assert answers == [{"status": 200, "tokens": 480}] * 12, answers
     log = (fleet.dir / "roots" / name / "logs" / "dflash-serve.log").read_text()
     assert "mode=drain timeout=60s" in log and "died unexpectedly" not in log

@@ -907,3 +907,25 @@ def test_rollback_to_the_first_release_starts_it_proves_it_and_holds_it_to_its_h
     ready = json.loads((box.root("solo") / "ready.json").read_text())
     assert ready["release_id"] == first.release_id and ready["pid"] != pid  # a new server, on it
     assert box.current("solo") == f"releases/{first.release_id}" and verify(box, good_pb).ok
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["one host", "a group"])
+def test_rollback_to_the_release_that_runs_keeps_it_and_verify_passes_after(box: Box, group: bool) -> None:
+    """`rollback --to` the current release: kept running, proven, READY, and its READY record names
+    the files served (it once recorded none, and every verify after it failed: "READY record's
+    digests differ from the files served"; seen on the real two-container group)."""
+    playbook = box.group if group else box.playbook
+    first = deploy(box, playbook())
+    (box.dir / "notes.txt").write_text("second\n")
+    second = deploy(box, playbook())
+    assert first.ok and second.ok and second.release_id != first.release_id
+    names = ["n0", "n1"] if group else ["solo"]
+    pids = {name: box.pid(name) for name in names}
+    run = rollback(box, playbook(), to=str(second.release_id))
+    assert run.ok, [h.gates for h in run.hosts]
+    for name in names:
+        assert host(run, name).release_id == second.release_id and box.pid(name) == pids[name]  # kept
+        assert box.current(name) == f"releases/{second.release_id}"
+        assert os.readlink(box.root(name) / "previous") == f"releases/{first.release_id}"  # untouched
+    after = verify(box, playbook())
+    assert after.ok, [{g: v.detail for g, v in h.gates.items()} for h in after.hosts]

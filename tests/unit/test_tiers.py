@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("programs")  # the inner runs start process
 CONFTEST = """
 from tests import tiers, vllm_starts
 from tests.tiers import (
-    agent, gateways, loopback, programs, pytest_collection_finish, pytest_collection_modifyitems,
+    agent, gateways, loopback, programs, pytest_collection_modifyitems,
     pytest_runtest_makereport, unit_guard,
 )
 
@@ -163,7 +163,9 @@ def test_a_vllm_start_without_its_row_or_past_it_fails_the_run(pytester: pytest.
                 started = []
 
                 def start():
-                    proc = subprocess.Popen([str(python), "-c", VLLM_CLI, "serve", "tiny"], stdin=subprocess.PIPE, env=env)
+                    proc = subprocess.Popen(
+                        [str(python), "-c", VLLM_CLI, "serve", "tiny"], stdin=subprocess.PIPE, env=env, cwd=tmp_path
+                    )
                     started.append(proc)
                     deadline = time.monotonic() + 30
                     while str(proc.pid) not in {pid for pid, _ in vllm_starts.servers("vllm-stand-in/bin/python")}:
