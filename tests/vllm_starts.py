@@ -199,25 +199,53 @@ class StartBudget:
         self.stop()
         if self.over and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        output = getattr(session.config, "workeroutput", None)
+        if output is not None:  # a pytest-xdist worker: the controller prints the summary
+            output["vllm_starts"] = dict(self.by_test)
+            output["vllm_over"] = list(self.over.values())
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
-        total = sum(self.by_test.values())
-        if total == 0 and not self.over:
-            return
-        terminalreporter.section("real vLLM server starts")
-        budget = sum(a.starts for a in self.table.values())
-        terminalreporter.write_line(f"{total} vLLM server starts in {len(self.by_test)} tests (budget {budget})")
-        for test, count in self.by_test.most_common():
-            allowed = self.table.get(test)
-            terminalreporter.write_line(f"{count:4d}  of {allowed.starts if allowed else 0:2d}  {test}")
-        for why in self.over.values():
-            terminalreporter.write_line(f"OVER BUDGET: {why}")
+        summarize(terminalreporter, self.table, self.by_test, list(self.over.values()))
+
+
+def summarize(
+    terminalreporter: pytest.TerminalReporter, table: Mapping[str, Allowed], by_test: Counter[str], over: list[str]
+) -> None:
+    total = sum(by_test.values())
+    if total == 0 and not over:
+        return
+    terminalreporter.section("real vLLM server starts")
+    budget = sum(a.starts for a in table.values())
+    terminalreporter.write_line(f"{total} vLLM server starts in {len(by_test)} tests (budget {budget})")
+    for test, count in by_test.most_common():
+        allowed = table.get(test)
+        terminalreporter.write_line(f"{count:4d}  of {allowed.starts if allowed else 0:2d}  {test}")
+    for why in over:
+        terminalreporter.write_line(f"OVER BUDGET: {why}")
+
+
+@dataclass(eq=False)
+class WorkersStarts:
+    """Under pytest-xdist: the workers' counts, gathered as each ends, in one summary."""
+
+    table: Mapping[str, Allowed]
+    by_test: Counter[str] = field(default_factory=Counter)
+    over: list[str] = field(default_factory=list)
+
+    def pytest_testnodedown(self, node: object, error: object) -> None:
+        output = getattr(node, "workeroutput", {})
+        self.by_test.update(output.get("vllm_starts", {}))
+        self.over += output.get("vllm_over", [])
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        summarize(terminalreporter, self.table, self.by_test, self.over)
 
 
 def register(config: pytest.Config, table: Mapping[str, Allowed] = STARTS, venv_python: str = VENV_PYTHON) -> None:
     """Counts and budgets this process's tests' starts (under pytest-xdist, each worker its own, in
     its lane: the controller process runs no test)."""
     if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        config.pluginmanager.register(WorkersStarts(table), "vllm-start-summary")
         return
     prefix = lanes.current().prefix("")
     config.pluginmanager.register(StartBudget(table, venv_python, prefix), "vllm-start-budget")

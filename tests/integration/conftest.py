@@ -7,6 +7,8 @@ down at the end by its own PIDs.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -25,6 +27,7 @@ import yaml
 
 from orchestrator.sandbox.lxdhosts import LxdSandbox
 from orchestrator.sandbox.sshhosts import SandboxHost, SshSandbox
+from tests import lanes
 from tests.lanes import Lane
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,12 +165,25 @@ def lxd_sandbox(lane: Lane) -> Iterator[LxdSandbox]:
     if os.geteuid() != 0:
         pytest.fail("LXD tests need root")
     box = LxdSandbox(lane.directory("lxd-sandbox"), prefix=lane.prefix("x"), jump_port=lane.jump_port)
-    box.down()
-    box.up(2)
+    with lxd_turn():
+        box.down()
+        box.up(2)
     try:
         yield box
     finally:
-        box.down()
+        with lxd_turn():
+            box.down()
+
+
+@contextlib.contextmanager
+def lxd_turn() -> Iterator[None]:
+    """One sandbox at a time brings LXD up or down on this machine (its daemon, network, pool and
+    image are shared by every lane's sandbox: two runs making them at once would race)."""
+    lock = lanes.STATE / "lxd-sandboxes.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
 
 
 def inventory(box: LxdSandbox, tmp_path: Path, edit: Any = None) -> Path:

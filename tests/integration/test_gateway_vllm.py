@@ -240,7 +240,7 @@ def held(address: str, port: int) -> float:
 @pytest.mark.timeout(900)
 def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFleet) -> None:
     """A server the tool started behind a gateway has ``--shutdown-timeout`` (``serving.drain_timeout``,
-    60 s there): holding twelve requests of 480 tokens (eight running, the rest waiting) when the
+    60 s there): holding 64 requests of 480 tokens (eight running, the rest waiting) when the
     agent's ``stop`` op ends it, it finishes every one whole. This is why the stop signals the main process alone: a SIGTERM to
     the whole process group reached vLLM's worker process, which exited at once, and all six failed
     with HTTP 500 ("Worker proc VllmWorker-0 died unexpectedly"); the same holds for the systemd
@@ -249,10 +249,10 @@ def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFlee
     root = str(fleet.dir / "roots" / name)
     if not (fleet.dir / "roots" / name / "run" / "dflash-serve.json").exists():
         pytest.fail("the rollouts above left no server: this test runs after them, on their fleet")
-    # Twelve, past the server's 8 at a time: with every draft accepted six alone are done in about
-    # 10 s, which vLLM's gauges (updated as it logs its stats) can miss whole.
+    # 64, far past the server's 8 at a time: with every draft accepted the tiny pair ends six such
+    # requests in under a second on a quiet machine, too soon to stop it with them in hand.
     answers: list[dict[str, Any]] = []
-    clients = [threading.Thread(target=complete, args=(address, fleet.port, answers)) for _ in range(12)]
+    clients = [threading.Thread(target=complete, args=(address, fleet.port, answers)) for _ in range(64)]
     for client in clients:
         client.start()
     wait_for("at least six requests in vLLM", lambda: held(address, fleet.port) >= 6, timeout=180)
@@ -260,6 +260,6 @@ def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFlee
     for client in clients:
         client.join(300)
     assert stopped["ok"] and stopped["result"]["gone"], stopped
-    assert answers == [{"status": 200, "tokens": 480}] * 12, answers
+    assert answers == [{"status": 200, "tokens": 480}] * 64, answers
     log = (fleet.dir / "roots" / name / "logs" / "dflash-serve.log").read_text()
     assert "mode=drain timeout=60s" in log and "died unexpectedly" not in log

@@ -12,6 +12,7 @@ waits. A real server takes minutes on 2 cores; what is tested is the counting, w
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -130,7 +131,11 @@ def test_a_unit_test_that_starts_a_process_or_opens_a_socket_fails(pytester: pyt
     assert "a unit test started a process" in failed["test_swallows_even_a_base_exception"]
 
 
-def test_a_vllm_start_without_its_row_or_past_it_fails_the_run(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "two xdist workers"])
+def test_a_vllm_start_without_its_row_or_past_it_fails_the_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))  # the inner run's `tests`
     pytester.makeconftest(CONFTEST)
     # A stand-in vLLM: the tool's exact server argv, a ``vllm`` package that only waits.
     site = pytester.path / "stand_in_site"
@@ -189,7 +194,7 @@ def test_a_vllm_start_without_its_row_or_past_it_fails_the_run(pytester: pytest.
             """
         )
     )
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *workers)
     result.assert_outcomes(passed=1, failed=2)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     out = result.outlines
@@ -206,8 +211,6 @@ def test_the_vllm_start_budget_is_at_most_twenty_and_every_row_names_a_test_of_t
     pytester: pytest.Pytester,
 ) -> None:
     """Every row of STARTS is a test that exists, in the vllm tier, with a reason; the sum is held."""
-    from pathlib import Path
-
     from tests.vllm_starts import STARTS
 
     assert sum(a.starts for a in STARTS.values()) <= 20
