@@ -58,7 +58,7 @@ def test_cli_up_status_down(tmp_path: Path, lane: Lane) -> None:
 
 
 def exercise_sandbox_cli(cli, directory: Path, lane: Lane) -> None:  # type: ignore[no-untyped-def]
-    prefix, subnet = lane.prefix("s"), lane.subnet(1)
+    prefix, subnet = lane.prefix("c"), lane.subnet(1)
     up = cli("up", "--kind", "ssh", "--hosts", "2", "--prefix", prefix, "--subnet", subnet)
     assert up.returncode == 0, up.stderr
     status = json.loads(cli("status", "--json").stdout)
