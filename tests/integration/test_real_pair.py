@@ -130,28 +130,9 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
         watched = cli("watch", good_pb, "-i", sandbox.inventory, "--json", "--limit", host, "--once", timeout=300)
         assert watched.code == 0 and '"READY"' in watched.stdout, (watched.stdout[-2000:], watched.stderr[-2000:])
 
-        slow = cli(
-            "deploy", playbook(tmp_path, root_name, name="slow", speedup={**SPEEDUP, "min": 50}), "-i",
-            sandbox.inventory, "--json", "--limit", host, timeout=900,
-        )  # fmt: skip
-        # A second rollout over the same target (nothing changed: no start at all) probes the same
-        # server again, which its own history does not refuse, and reuses the baseline (the drafter
-        # arm measured again). Asked for a speed-up no host gives (50x), it refuses the host with
-        # acceptance passed, and says that speculation does not pay here.
-        refused = slow.host(host)
-        gates = refused["gates"]
-        assert slow.code == 1 and gates["acceptance"]["ok"] and not gates["speedup"]["ok"], gates
-        assert (base / "logs" / "dflash-serve.log").read_text().count(" launch ") == launches
-        second = gates["acceptance"]
-        assert abs(second["mean_acceptance_length"] - tau) <= MARGIN * tau, (second, tau)
-        assert second["regression"].startswith(f"tau {second['mean_acceptance_length']:.2f} against"), second
-        reused = gates["speedup"]["baseline"]
-        assert not reused["measured"] and reused["key"] == fast["baseline"]["key"], reused
-        assert "baseline kept from" in gates["speedup"]["detail"], gates["speedup"]
-        assert (
-            gates["speedup"]["reason"] == "speedup_absent" and "below 50 at concurrency 4" in gates["speedup"]["detail"]
-        )
-        assert "speculation does not pay at this load" in " ".join(refused["diagnosis"]), refused["diagnosis"]
+        # A rollout that measures a speed-up no host gives (refused with acceptance passed, "does
+        # not pay here", the baseline kept and reused) is held with the stand-in in
+        # tests/unit/test_speedup.py: here it cost another probe and drafter arm on a real model.
 
         # The founding incident's stale mask (another model's token, here a real one of this vocabulary).
         stale = json.loads((DRAFTER / "config.json").read_text())
