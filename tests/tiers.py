@@ -71,22 +71,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = tier_of(getattr(item, "fixturenames", ()))
         item.stash[TIER] = tier
         item.add_marker(getattr(pytest.mark, tier))
-        group = _worker_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
-def _worker_group(item: pytest.Item) -> str | None:
-    """Tests that must share one pytest-xdist worker: every user of the LXD sandbox (one a
-    session), and the tests of a module- or class-scoped fixture (steps carried from test to test,
-    a fleet brought up once for its module)."""
-    if "lxd_sandbox" in getattr(item, "fixturenames", ()):
-        return "lxd"
-    info = getattr(item, "_fixtureinfo", None)
-    for name, defs in info.name2fixturedefs.items() if info is not None else ():
-        if defs and defs[-1].scope in ("module", "class", "package"):
-            return f"{defs[-1].baseid}::{name}"
-    return None
 
 
 class StartedSomething(BaseException):

@@ -121,8 +121,9 @@ def belongs(pid: str, prefix: str, basetemp: str) -> bool:
 
 
 def row(item: pytest.Item) -> str:
-    """The budget row a test's starts count against: its node id without its parameters."""
-    return item.nodeid.split("[", 1)[0]
+    """The budget row a test's starts count against: its node id without its parameters (nor a
+    pytest-xdist group's suffix)."""
+    return item.nodeid.split("@", 1)[0].split("[", 1)[0]
 
 
 @dataclass(eq=False)  # a plugin is hashed by pytest's plugin manager
