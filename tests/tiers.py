@@ -29,10 +29,9 @@ FIXTURES: dict[str, str] = {
     "agent": "local",  # the real agent, run as a subprocess the way SSH runs it
     "programs": "local",  # a program of this machine run as a process: the CLI, ssh-keygen, promtool, a hook
     "loopback": "local",  # a server of the test's own on a loopback socket
-    "box": "local",  # this machine as `connection: local` containers: the agent and the stand-in vLLM
-    "standin": "local",  # the stand-in vLLM server (tests/unit/standin_vllm.py)
+    "box": "local",  # this machine as `connection: local` containers: the agent and the stand-in vLLM (and
+    # what runs beside them: a real Prometheus scraping them, tests/unit/test_alerts.py)
     "postgres": "local",  # a real PostgreSQL cluster for the session
-    "prometheus": "local",  # a real Prometheus
     "sandbox": "system",  # the ssh sandbox: sshd in network namespaces
     "lxd_sandbox": "system",  # LXD and its containers
     "lane": "system",  # sandboxes of the test's own, named from its worker's lane (tests/lanes.py)
