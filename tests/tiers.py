@@ -105,8 +105,7 @@ def unit_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
             monkeypatch.setattr(os, name, _refuse("started a process", seen))
     for name in ("connect", "connect_ex", "bind"):
         monkeypatch.setattr(socket.socket, name, _refuse("opened a socket", seen))
-    yield
-    monkeypatch.undo()
+    yield  # the monkeypatch fixture puts everything back
 
 
 @pytest.hookimpl(hookwrapper=True)
