@@ -66,7 +66,8 @@ def answers(port: int) -> bool:
 
 @dataclass
 class Haproxy:
-    """HAProxy in front of the three servers: round robin, /health checked every 200 ms."""
+    """HAProxy in front of the three servers: round robin, /health checked every 200 ms (two failed
+    checks take a server out, one passed puts it back)."""
 
     dir: Path
     port: int
@@ -90,13 +91,18 @@ defaults
     timeout connect 2s
     timeout client 60s
     timeout server 60s
+    # A check's answer may be slow on a loaded machine (a vLLM starting beside the one that serves,
+    # another worker's tests): timed out at ``inter`` (HAProxy's default), one slow /health took the
+    # only server left out of rotation during a rollout, and HAProxy answered 503. A stopped server
+    # still fails its checks at once (connection refused).
+    timeout check 5s
 frontend users
     bind 127.0.0.1:{self.port}
     default_backend vllm
 backend vllm
     balance roundrobin
     option httpchk GET /health
-    default-server inter 200ms fall 1 rise 1
+    default-server inter 200ms fall 2 rise 1
 {servers}
 """
         (self.dir / "haproxy.cfg").write_text(config)

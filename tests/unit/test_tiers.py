@@ -47,6 +47,29 @@ def test_a_tier_is_the_costliest_of_the_fixtures_used() -> None:
     assert set(tiers.FIXTURES.values()) <= set(tiers.TIERS)
 
 
+def test_the_costliest_files_are_collected_first_and_each_file_stays_whole(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(
+        test_a="def test_a1(): pass\ndef test_a2(): pass",
+        test_b="def test_b1(): pass\ndef test_b2(): pass",
+        test_c="def test_c1(): pass",
+        test_d="def test_d1(): pass",
+    )
+    monkeypatch.setattr(tiers, "COSTS", {"test_c.py": 300, "test_b.py": 100})
+    found = pytester.runpytest("--collect-only", "-q")
+    assert [line.split("::")[1] for line in found.outlines if "::" in line] == [
+        *("test_c1", "test_b1", "test_b2"),  # by cost
+        *("test_a1", "test_a2", "test_d1"),  # the rest, as collected
+    ]
+
+
+def test_every_file_costed_is_a_test_file_of_the_suite() -> None:
+    root = Path(__file__).resolve().parents[2]
+    assert all((root / path).is_file() and Path(path).name.startswith("test_") for path in tiers.COSTS), tiers.COSTS
+
+
 def test_the_marks_follow_the_fixtures_and_a_mark_by_hand_is_refused(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(
