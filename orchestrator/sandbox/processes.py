@@ -31,31 +31,51 @@ def run(argv: list[str], check: bool = True, timeout: float = 60) -> subprocess.
     return proc
 
 
+# The measured command runs under a small Python of its own. The kernel folds the address space a
+# process had before its exec into its peak RSS, and a child of ours has our address space until it
+# execs (fork or vfork alike): wait4 on our own child reported our peak whenever it was the larger
+# (a test worker's 470 MiB was once reported as the controller's). The trampoline's own address
+# space, about 10 MiB, is the most it can add; it says the peak and the exit status on the pipe
+# whose descriptor is its first argument.
+_TRAMPOLINE = """
+import os, sys
+said = int(sys.argv[1])
+pid = os.posix_spawnp(sys.argv[2], sys.argv[2:], os.environ)
+_, status, usage = os.wait4(pid, 0)
+os.write(said, f"{usage.ru_maxrss} {os.waitstatus_to_exitcode(status)}".encode())
+"""
+
+
 def run_measured(
     argv: list[str], env: dict[str, str] | None = None, timeout: float = 1800
 ) -> tuple[subprocess.CompletedProcess[bytes], int]:
     """Run a command; its own peak resident memory (KiB), from the kernel's accounting of that one
-    child (wait4). RUSAGE_CHILDREN's ru_maxrss is the largest of every child the caller ever waited
-    for, which says nothing about this one once a bigger one has run."""
-    import select
+    process (wait4, by a parent that is small: see ``_TRAMPOLINE``). RUSAGE_CHILDREN's ru_maxrss
+    is the largest of every child the caller ever waited for, which says nothing about this one."""
+    import sys
     import tempfile
 
+    said_r, said_w = os.pipe()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
-        deadline = time.monotonic() + timeout
-        while True:
-            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
-            if pid == child.pid:
-                break
-            if time.monotonic() > deadline:
-                child.kill()
-                pid, status, usage = os.wait4(child.pid, 0)
-                break
-            select.select([], [], [], 0.1)  # wait4 has no timeout: look again shortly
-        child.returncode = os.waitstatus_to_exitcode(status)
+        try:
+            child = subprocess.Popen(
+                [sys.executable, "-c", _TRAMPOLINE, str(said_w), *argv],
+                stdout=out, stderr=err, env=env, pass_fds=(said_w,), start_new_session=True,
+            )  # fmt: skip
+        finally:
+            os.close(said_w)
+        try:
+            child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            # The session is the trampoline's and the command's: both ours, ended together.
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        with os.fdopen(said_r, "rb") as said:
+            words = said.read().split()
+        peak, status = (int(words[0]), int(words[1])) if len(words) == 2 else (0, child.returncode or -9)
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(argv, child.returncode, out.read(), err.read()), usage.ru_maxrss
+        return subprocess.CompletedProcess(argv, status, out.read(), err.read()), peak
 
 
 def proc_start(pid: int) -> str:
