@@ -30,8 +30,8 @@ from orchestrator.engine import push
 from orchestrator.engine.runner import Node, Run
 from orchestrator.errors import AgentError, ArtifactError
 from orchestrator.results import GATE_COMPILE_CACHE, GATE_HEALTH, Gate
-from orchestrator.rules import compile_cache as rules
 from orchestrator.rules import serving
+from orchestrator.rules.gates import compile_cache as rules
 from orchestrator.store.state import default_state_dir
 
 STORE = "compile-caches"
@@ -168,7 +168,7 @@ def judge(node: Node) -> None:
             f"host's compile key is not {gate.data['given_from']}'s (set serving.compile_cache: own, or serve the "
             "hosts of one key alike)",
             gate.data,
-            reason="compile_key_differs",
+            reason=rules.KEY_DIFFERS,
         )
         return
     ledger = health.data.get("startup") if isinstance(health.data.get("startup"), dict) else None

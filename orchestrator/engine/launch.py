@@ -34,7 +34,7 @@ from orchestrator.results import (
     GATE_STOPPED,
     Gate,
 )
-from orchestrator.rules import plan, serving
+from orchestrator.rules import diagnosis, gates, plan, serving
 from orchestrator.rules.placement import Placement, ray_status
 
 
@@ -67,12 +67,12 @@ def serve(run: Run, unit: Unit) -> None:
             rotation.put_back(run, unit)
         return
     if baseline is not None and not speedup.before_launch(run, unit, release, baseline):
-        unit.head.report.diagnosis = plan.diagnose(run.playbook, unit.head.report)
+        unit.head.report.diagnosis = diagnosis.diagnose(run.playbook, unit.head.report)
         roll_back(run, unit)
         return
     proven = start_and_prove(run, unit, release, switch=changed, keep=not changed and baseline is None)
     if proven and not speedup.after_proof(run, unit):
-        unit.head.report.diagnosis = plan.diagnose(run.playbook, unit.head.report)
+        unit.head.report.diagnosis = diagnosis.diagnose(run.playbook, unit.head.report)
         unit.fail_others([unit.head.name], "group not ready")
         roll_back(run, unit)
     elif proven:
@@ -109,7 +109,10 @@ def start_and_prove(
     """
     playbook, head = run.playbook, unit.head
     host = serving.probe_host(playbook, head.target.container)
-    health, probe = plan.health_op(playbook, head.root, serving.SERVER, host), plan.probe_op(playbook, host)
+    health, probe = (
+        gates.health.health_op(playbook, head.root, serving.SERVER, host),
+        gates.acceptance.probe_op(playbook, host),
+    )
     # The READY record the head held before this run: the probe is held to its tau. Read with
     # the proof, before this run writes its own.
     record = protocol.serving_status(head.root, serving.SERVER, None)
@@ -182,8 +185,8 @@ def start_and_prove(
             return
         node.disturbed = True
         if engine is not None:
-            plan.read_engine(answers[engine], node.report)
-        plan.read_started(playbook, answers.get(switch_op) if switch_op else None, node.report)
+            gates.engine.read_engine(answers[engine], node.report)
+        gates.files.read_started(playbook, answers.get(switch_op) if switch_op else None, node.report)
         if together:
             assert launch is not None
             kept_now = False if beside else answers[launch].kept  # beside: nothing was running to keep
@@ -320,11 +323,11 @@ def _read_proof(
 ) -> bool:
     head = unit.head
     head.pid = healthy.pid
-    plan.read_health(healthy, kept, head.report, last_ready)
-    plan.read_probe(run.playbook, scrapes, head.report, last_ready)
+    gates.health.read_health(healthy, kept, head.report, last_ready)
+    gates.acceptance.read_probe(run.playbook, scrapes, head.report, last_ready)
     if head.report.gates[GATE_ACCEPTANCE].ok:
         return True
-    head.report.diagnosis = plan.diagnose(run.playbook, head.report)
+    head.report.diagnosis = diagnosis.diagnose(run.playbook, head.report)
     unit.fail_others([head.name], "group not ready")
     return False
 
@@ -333,7 +336,7 @@ def _proof_failed(run: Run, unit: Unit, failure: AgentFailure) -> None:
     """The server did not start, did not become healthy, or the probe could not talk to it."""
     head = unit.head
     head.report.gates[failure.gate] = Gate(False, failure.message, reason=failure.code)
-    head.report.diagnosis = plan.diagnose(run.playbook, head.report, failure=failure)
+    head.report.diagnosis = diagnosis.diagnose(run.playbook, head.report, failure=failure)
     unit.fail_others([head.name], "group not ready")
 
 
@@ -360,7 +363,7 @@ def _ranks_alive(run: Run, unit: Unit) -> bool:
             return
         op = protocol.serving_status(node.root, unit.process(node), None)
         server = run.batch(node, [op])[op].server
-        gate = plan.rank_alive(server, unit.role(node))
+        gate = gates.health.rank_alive(server, unit.role(node))
         node.report.gates[GATE_HEALTH] = gate
         if gate.ok and server is not None:
             node.pid = server.pid

@@ -25,6 +25,7 @@ from orchestrator.gateways.base import Server
 from orchestrator.gateways.client import GatewayClient
 from orchestrator.results import GATE_BAKE, GATE_GATEWAY, Gate
 from orchestrator.rules import probe, serving
+from orchestrator.rules.gates import gateway as gateway_gate
 from orchestrator.rules.probe import ProbeError
 
 # How long a server put back may take to be sent traffic (HAProxy's health checks pass, a router
@@ -92,7 +93,7 @@ def drain(run: Run, unit: Unit) -> bool:
                     f"not taken out of rotation: rollout.min_in_rotation {floor} can never be kept while this host is "
                     f"out: the gateway knows {possible + 1} servers (this run's included), so at most {possible} "
                     "serve; lower it, or add servers",
-                    reason="min_in_rotation",
+                    reason=gateway_gate.MIN_IN_ROTATION,
                 )
                 return False
         if time.monotonic() > capacity_deadline:
@@ -101,7 +102,7 @@ def drain(run: Run, unit: Unit) -> bool:
                 f"not taken out of rotation: {others} other hosts serve, and rollout.min_in_rotation is "
                 f"{floor}{' (unset: a gateway keeps one host serving; set 0 to allow none)' if implied else ''}; "
                 f"none came back within {capacity_deadline - started:.0f} s",
-                reason="min_in_rotation",
+                reason=gateway_gate.MIN_IN_ROTATION,
             )
             return False
         run.step(head, "waiting for capacity", f"{others} other hosts serving, min_in_rotation {floor}")
@@ -174,7 +175,7 @@ def admit(run: Run, unit: Unit) -> bool:
     except (GatewayError, AgentError, ProbeError) as exc:
         why = exc.failure.describe() if isinstance(exc, AgentError) else str(exc)
         out = _take_out(gateway, server)
-        head.report.gates[GATE_GATEWAY] = Gate(False, f"{why}; {out}", before, reason="not_served")
+        head.report.gates[GATE_GATEWAY] = Gate(False, f"{why}; {out}", before, reason=gateway_gate.NOT_SERVED)
         return False
     seconds = round(time.monotonic() - started, 2)
     detail = f"in rotation ({member.status}); a request through {gateway.spec.url} was served by this host ({served})"
@@ -240,7 +241,7 @@ def judge(run: Run, unit: Unit) -> None:
         server = gateway.server(head.target.container)
         member = gateway.rotation([server]).of(server)
     except (GatewayError, InputError) as exc:
-        head.report.gates[GATE_GATEWAY] = Gate(False, f"the gateway: {exc}", reason="unreachable")
+        head.report.gates[GATE_GATEWAY] = Gate(False, f"the gateway: {exc}", reason=gateway_gate.UNREACHABLE)
         return
     data = {"in_rotation": member.in_rotation, "status": member.status, "in_flight": member.in_flight}
     if member.in_rotation and not ready:

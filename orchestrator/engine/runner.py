@@ -55,6 +55,7 @@ from orchestrator.results import (
     RunReport,
 )
 from orchestrator.rules import plan, serving, startup
+from orchestrator.rules.gates import gateway as gateway_gate
 from orchestrator.rules.placement import Placement, place
 from orchestrator.store.state import StateDB, digest_key
 
@@ -452,7 +453,9 @@ def _gateway_answers(run: Run, units: list[Unit], reports: list[HostReport]) -> 
         run.gateway.fleet = servers
     except (GatewayError, InputError, TransportError, AgentProtocolError) as exc:
         for report in reports:
-            report.gates[GATE_GATEWAY] = Gate(False, f"the gateway: {exc}: no host was touched", reason="unreachable")
+            report.gates[GATE_GATEWAY] = Gate(
+                False, f"the gateway: {exc}: no host was touched", reason=gateway_gate.UNREACHABLE
+            )
             run.observer.host_done(report)
         return False
     return True

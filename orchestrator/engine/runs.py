@@ -30,7 +30,8 @@ from orchestrator.results import (
     RunKind,
     RunReport,
 )
-from orchestrator.rules import models, plan, serving
+from orchestrator.rules import gates, plan, serving
+from orchestrator.rules.gates import models
 
 
 def deploy(scope: Scope) -> RunReport:
@@ -38,8 +39,8 @@ def deploy(scope: Scope) -> RunReport:
     with a server, start it and prove it (else switch ``current``). READY only if all pass."""
     playbook, inventory = scope.playbook, scope.inventory
     release_id = scope.options.release_id or plan.new_release_id()
-    problems = plan.lint_playbook(playbook, scope.targets)
-    lint = plan.lint_gate(playbook, problems)
+    problems = gates.lint.lint_playbook(playbook, scope.targets)
+    lint = gates.lint.lint_gate(playbook, problems)
     units = units_for(playbook, inventory, list(scope.targets))
     if lint is not None and not lint.ok:
         # Nothing is touched: every host says why, and no connection is opened.
@@ -112,7 +113,7 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
             pushed = _push_models(run, node)
             if pushed is None:
                 return
-            pins = plan.pins(playbook, {role: done.digests for role, done in pushed.items()})
+            pins = gates.models.pins(playbook, {role: done.digests for role, done in pushed.items()})
             command = expect = None
             if launches:
                 # vLLM's verdict on the command the launch will run, in the checks' process
@@ -141,7 +142,7 @@ def _stage(run: Run, unit: Unit, release_id: str) -> bool:
                 return
             node.staged = answers[batch.apply]
             node.keeps = answers[batch.runs] if batch.runs is not None else None
-            plan.read_applied(playbook, node.staged, node.report)
+            gates.files.read_applied(playbook, node.staged, node.report)
             node.report.gates[GATE_FILES].data["seconds"] = round(time.monotonic() - started, 2)
             target, drafter = answers.get(batch.models.target), answers.get(batch.models.drafter)
             config = models.read_models(playbook, target, drafter, node.report, pins=pins)
@@ -177,7 +178,7 @@ def _gpus(run: Run, unit: Unit, node: Node) -> bool:
     will get are there, free, driven recent enough, and (more than one) can all-reduce."""
     if GATE_GPUS in node.report.gates:
         return node.report.gates[GATE_GPUS].ok
-    checks = plan.GpuChecks(run.playbook, node.root, node.target.container, len(unit.nodes))
+    checks = gates.gpus.GpuChecks(run.playbook, node.root, node.target.container, len(unit.nodes))
     if not checks.ops:
         return True
     started = time.monotonic()
@@ -231,7 +232,7 @@ def _switch_staged(run: Run, node: Node) -> None:
         return  # unchanged, or already switched in the same exec (no checks ran in between)
     switch = protocol.release_switch(node.root, staged.release_id, run.playbook.keep_releases)
     answers = run.batch(node, [run.lock(node), switch])
-    plan.read_made_current(run.playbook, answers[switch], node.report)
+    gates.files.read_made_current(run.playbook, answers[switch], node.report)
 
 
 def verify(
@@ -259,11 +260,11 @@ def verify(
         checks = (
             plan.Checks(playbook, node.root, None, findings=True, env=env) if plan.Checks.wanted(playbook) else None
         )
-        gpu = plan.GpuChecks(playbook, node.root, node.target.container, len(unit.nodes))
+        gpu = gates.gpus.GpuChecks(playbook, node.root, node.target.container, len(unit.nodes))
         ops: list[protocol.Op[Any]] = [*served.ops, *(checks.ops if checks else []), *gpu.ops]
         probe = None
         if probe_acceptance and served.status is not None and head:
-            probe = plan.probe_op(playbook, host).finding()
+            probe = gates.acceptance.probe_op(playbook, host).finding()
             ops.append(probe)
         answers = run.batch(node, ops)
         report = node.report
@@ -274,7 +275,7 @@ def verify(
         if probe is not None and probe in answers:
             # held to the READY record's own probe: a fall since READY is found here too
             record = answers.get(served.status) if served.status is not None else None
-            plan.read_probe(playbook, answers[probe], report, record.ready if record is not None else None)
+            gates.acceptance.read_probe(playbook, answers[probe], report, record.ready if record is not None else None)
         plan.read_failures(answers, report)
         if engine and unit.single and playbook.serving.target is not None and report.release_id is not None:
             # vLLM as installed now, on the command the current release is served with: an
@@ -284,7 +285,7 @@ def verify(
             op = protocol.engine_check(node.root, serving.SERVER, command, want, kept=False).finding()
             found = run.batch(node, [op])
             if op in found:
-                plan.read_engine(found[op], report)
+                gates.engine.read_engine(found[op], report)
             plan.read_failures(found, report)
 
     def work(run: Run, unit: Unit) -> None:
@@ -321,7 +322,7 @@ def _speedup_again(run: Run, unit: Unit) -> None:
     if run.playbook.gates.speedup is None:
         head.report.gates[GATE_SPEEDUP] = Gate(False, "the playbook has no gates.speedup to measure against")
         return
-    found = plan.speedup_key(run.playbook, head.target.container, head.report)
+    found = gates.speedup.speedup_key(run.playbook, head.target.container, head.report)
     if found is None:
         head.report.gates[GATE_SPEEDUP] = Gate(
             False, "the vLLM build or the target is not known here (the build check did not run)"
@@ -336,12 +337,12 @@ def dry_run(scope: Scope) -> RunReport:
 
     def inspect(run: Run, node: Node) -> None:
         if run.locate(node):
-            op = protocol.release_inspect(node.root, plan.paths(playbook))
+            op = protocol.release_inspect(node.root, gates.files.paths(playbook))
             # The model directories too: a deploy that pushes weights or pins changed ones makes a
             # new release even when no file of the release's own changed.
-            checks = plan.ModelChecks(playbook, node.root, record=False, tokens=False, findings=True)
+            checks = gates.models.ModelChecks(playbook, node.root, record=False, tokens=False, findings=True)
             answers = run.batch(node, [op, *checks.ops])
-            plan.read_inspected(playbook, answers[op], node.report)
+            gates.files.read_inspected(playbook, answers[op], node.report)
             target = answers.get(checks.target) if checks.target is not None else None
             drafter = answers.get(checks.drafter) if checks.drafter is not None else None
             failed = {
@@ -387,7 +388,7 @@ def rollback(scope: Scope, *, to_release: str | None = None) -> RunReport:
 
     def switch_only(run: Run, node: Node, back: str) -> None:
         switch = protocol.release_switch(node.root, back)
-        plan.read_switched(run.batch(node, [run.lock(node), switch])[switch], node.report)
+        gates.files.read_switched(run.batch(node, [run.lock(node), switch])[switch], node.report)
 
     def work(run: Run, unit: Unit) -> None:
         # A first look that writes nothing: with nothing to go back to, nothing is touched.

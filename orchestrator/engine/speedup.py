@@ -4,7 +4,7 @@ Two arms of the same greedy load (``gates.speedup``: its concurrency levels, pro
 length, repeats), sent by the agent on the host to its server:
 
 - the *baseline*: the same target, build, GPUs and arguments without the drafter. It costs one
-  extra server start, so it is measured once per key (``plan.speedup_key``: the target's weights,
+  extra server start, so it is measured once per key (``gates.speedup.speedup_key``: the target's weights,
   the vLLM build, the GPU model and count, the parallel sizes, the server's own arguments, the
   load) by a canary, before the drafter's release starts, with the host out of rotation, and kept
   in the state store; a later rollout of another drafter over the same target reuses it;
@@ -26,8 +26,8 @@ from orchestrator.agent import protocol
 from orchestrator.engine.runner import Node, Run, Unit
 from orchestrator.errors import AgentError, StateError
 from orchestrator.results import GATE_ACCEPTANCE, GATE_SPEEDUP, Gate
-from orchestrator.rules import plan, serving
-from orchestrator.rules import speedup as rules
+from orchestrator.rules import gates, serving
+from orchestrator.rules.gates import speedup as rules
 
 
 def wanted(run: Run) -> bool:
@@ -38,7 +38,7 @@ def wanted(run: Run) -> bool:
 
 def _key(run: Run, unit: Unit) -> tuple[str, str] | None:
     head = unit.head
-    return plan.speedup_key(run.playbook, head.target.container, head.report)
+    return gates.speedup.speedup_key(run.playbook, head.target.container, head.report)
 
 
 def _kept(run: Run, key: str) -> dict[int, dict[str, Any]]:
@@ -72,7 +72,7 @@ def before_launch(run: Run, unit: Unit, release: str, found: tuple[str, str]) ->
     host = serving.probe_host(playbook, head.target.container)
     command = serving.command(playbook, head.target.container, release, speculative=False)
     launch = protocol.launch(head.root, serving.SERVER, command, release, playbook.serving.port, host=host)
-    health = plan.health_op(playbook, head.root, serving.SERVER, host)
+    health = gates.health.health_op(playbook, head.root, serving.SERVER, host)
     started = time.monotonic()
     run.step(head, "measuring the speed-up's baseline", "one extra start: the target without the drafter")
     head.disturbed = True
@@ -224,7 +224,7 @@ def measure(run: Run, unit: Unit, key: str, what: str) -> Gate:
 def _arm(run: Run, node: Node, arm: str) -> tuple[dict[int, list[rules.Run]], list[str]]:
     """One arm's load runs, each its own round trip (said as it goes), the warm-up's dropped."""
     host = serving.probe_host(run.playbook, node.target.container)
-    ops = plan.load_ops(run.playbook, host)
+    ops = gates.speedup.load_ops(run.playbook, host)
     runs: dict[int, list[rules.Run]] = {}
     failed: list[str] = []
     for i, op in enumerate(ops):

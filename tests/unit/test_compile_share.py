@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from orchestrator.errors import InputError
-from orchestrator.rules import compile_cache as rules
+from orchestrator.rules.gates import compile_cache as rules
 from orchestrator.store.state import digest_key
 from tests.unit.localbox import Box, deploy, host
 

@@ -142,19 +142,20 @@ def test_a_planted_upward_import_fails() -> None:
 def test_the_circle_the_floors_came_to_remove_fails() -> None:
     """models -> push -> runner -> plan -> models, as a lazy import in models once closed it."""
     known = {
-        "orchestrator.rules.models": "def f():\n    from orchestrator.engine import push\n",
+        "orchestrator.rules.gates.models": "def f():\n    from orchestrator.engine import push\n",
         "orchestrator.engine.push": "from orchestrator.engine.runner import Run\n",
         "orchestrator.engine.runner": "from orchestrator.rules import plan\n",
-        "orchestrator.rules.plan": "from orchestrator.rules import models\n",
+        "orchestrator.rules.plan": "from orchestrator.rules.gates import models\n",
         "orchestrator.engine": "",
         "orchestrator.rules": "",
+        "orchestrator.rules.gates": "",
     }
     found = violations(known)
-    assert "orchestrator.rules.models imports orchestrator.engine.push: up, from rules to engine" in found
+    assert "orchestrator.rules.gates.models imports orchestrator.engine.push: up, from rules to engine" in found
     assert [
         "orchestrator.engine.push",
         "orchestrator.engine.runner",
-        "orchestrator.rules.models",
+        "orchestrator.rules.gates.models",
         "orchestrator.rules.plan",
         "orchestrator.engine.push",
     ] in [c.split(" -> ") for c in found]

@@ -17,7 +17,7 @@ from typing import Any
 from orchestrator.config.playbook import load_playbook
 from orchestrator.errors import AgentFailure
 from orchestrator.results import HostReport
-from orchestrator.rules import plan
+from orchestrator.rules import diagnosis
 from remote_agent import serving
 
 RUN = Path(__file__).resolve().parent.parent / "data" / "gpu" / "aot-guard"
@@ -69,9 +69,9 @@ def test_the_guard_refuses_a_start_of_another_key_in_vllms_words_and_the_tool_sa
         "serving: {python: /usr/bin/python3, target: /m, env: {VLLM_FORCE_AOT_LOAD: '1'}}\n"
     )
     failure = AgentFailure("wait_health", "exited", f"the server process exited; last lines:\n{said}", gate="health")
-    causes = plan.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=failure)
+    causes = diagnosis.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=failure)
     recorded = AgentFailure("wait_health", "exited", miss["gates"]["health"]["detail"], gate="health")
-    assert not plan.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=recorded)[0].startswith(
+    assert not diagnosis.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=recorded)[0].startswith(
         "VLLM_FORCE_AOT_LOAD"
     )  # the 30 lines alone never said it
     assert causes[0].startswith("VLLM_FORCE_AOT_LOAD=1 (serving.env) and vLLM's compile cache holds no AOT artifact")

@@ -20,7 +20,8 @@ from orchestrator.config.inventory import Container, ContainerLxd, SshSettings
 from orchestrator.config.playbook import Playbook, load_playbook
 from orchestrator.errors import InputError
 from orchestrator.results import GATE_GPUS, Gate, HostReport
-from orchestrator.rules import gpus, plan
+from orchestrator.rules import gates
+from orchestrator.rules.gates import gpus
 from remote_agent import checks as agent
 
 H200 = Path(__file__).resolve().parent.parent / "data" / "gpu" / "h200"
@@ -156,7 +157,7 @@ def test_a_serving_python_without_torch_or_with_a_cpu_build_cannot_use_the_gpus(
 def report_of(pb: Playbook, c: Container, facts: protocol.GpuFacts, nccl: protocol.AllReduce | None = None,
               failed: Gate | None = None) -> HostReport:  # fmt: skip
     report = HostReport("gpu0")
-    plan.read_gpus(pb, c, facts, nccl, report, 1, failed)
+    gates.gpus.read_gpus(pb, c, facts, nccl, report, 1, failed)
     return report
 
 
@@ -244,10 +245,10 @@ def test_nccls_words_are_found_in_a_failed_runs_output(machine: Path) -> None:
 
 def test_the_preflight_is_asked_only_for_more_than_one_gpu_with_a_serving_python(tmp_path: Path) -> None:
     pb = files_only(tmp_path, "gates:\n  nccl: {timeout_s: 30}\n")
-    assert plan.GpuChecks(pb, "/srv/dflash", container(())).ops == []  # a CPU deployment: no gate
-    one = plan.GpuChecks(serving(pb), "/srv/dflash", container((0,)))
+    assert gates.gpus.GpuChecks(pb, "/srv/dflash", container(())).ops == []  # a CPU deployment: no gate
+    one = gates.gpus.GpuChecks(serving(pb), "/srv/dflash", container((0,)))
     assert [op.request["op"] for op in one.ops] == ["gpus"]
-    two = plan.GpuChecks(serving(pb, tp=2), "/srv/dflash", container((2, 3)))
+    two = gates.gpus.GpuChecks(serving(pb, tp=2), "/srv/dflash", container((2, 3)))
     assert [op.request["op"] for op in two.ops] == ["gpus", "nccl"]
     nccl = two.ops[1].request
     assert (nccl["gpus"], nccl["env"], nccl["timeout"], nccl["python"]) == (

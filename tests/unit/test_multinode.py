@@ -17,7 +17,7 @@ from orchestrator.agent import protocol
 from orchestrator.config.inventory import load_inventory
 from orchestrator.config.playbook import load_playbook
 from orchestrator.errors import InputError
-from orchestrator.rules import plan, serving
+from orchestrator.rules import gates, serving
 from orchestrator.rules.placement import group_build_problems, place, ray_status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -276,7 +276,7 @@ def test_the_example_lints_clean_and_pipeline_parallel_would_not() -> None:
     """The shipped multi-node example must start on current vLLM: TP 8 x PP 2 of the Qwen3.6 target
     is refused by vLLM 0.30+ (lint's pipeline_taps rule)."""
     pb = load_playbook(PLAYBOOK)
-    assert [p for p in plan.lint_playbook(pb) if p.severity == "error"] == []
+    assert [p for p in gates.lint.lint_playbook(pb) if p.severity == "error"] == []
     split = replace(pb, serving=replace(pb.serving, pipeline_parallel_size=2))
-    (refused,) = [p for p in plan.lint_playbook(split) if p.severity == "error"]
+    (refused,) = [p for p in gates.lint.lint_playbook(split) if p.severity == "error"]
     assert refused.field == "serving.pipeline_parallel_size" and refused.rule == "pipeline_taps"

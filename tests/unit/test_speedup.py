@@ -17,7 +17,7 @@ from orchestrator.agent import protocol
 from orchestrator.config.inventory import Inventory, load_inventory
 from orchestrator.config.playbook import Playbook
 from orchestrator.deployment import Deployment
-from orchestrator.rules import speedup as su
+from orchestrator.rules.gates import speedup as su
 from orchestrator.store import report
 from orchestrator.store.state import StateDB
 from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, alive, host

@@ -16,7 +16,7 @@ import pytest
 from orchestrator.agent.protocol import AnswerError, Healthy, Startup, wait_health
 from orchestrator.deployment import Deployment
 from orchestrator.results import GATE_HEALTH, HostReport
-from orchestrator.rules import plan, startup
+from orchestrator.rules import gates, startup
 from orchestrator.store import report
 from orchestrator.store.state import StateDB
 from remote_agent.serving import STARTUP_LINE_CHARS, STARTUP_LINES, _startup
@@ -133,7 +133,7 @@ def test_a_smaller_kv_cache_than_the_same_release_s_last_start_is_a_warning_with
     def health(last_release: str) -> dict:
         report = HostReport("h", release_id="R1")
         last = {"release_id": last_release, "gates": {GATE_HEALTH: {"startup": warm_ledger.to_json()}}}
-        plan.read_health(Healthy(7, 3.0, cold), False, report, last)
+        gates.health.read_health(Healthy(7, 3.0, cold), False, report, last)
         return report.gates[GATE_HEALTH].to_json()
 
     same, other = health("R1"), health("R0")
@@ -143,11 +143,11 @@ def test_a_smaller_kv_cache_than_the_same_release_s_last_start_is_a_warning_with
 
 def test_a_kept_server_has_no_ledger_and_an_old_agent_s_answer_still_reads() -> None:
     report = HostReport("h", release_id="R1")
-    plan.read_health(Healthy(7, 0.2, h200_starts()[0][1]), True, report)
+    gates.health.read_health(Healthy(7, 0.2, h200_starts()[0][1]), True, report)
     assert "startup" not in report.gates[GATE_HEALTH].data and "already running" in report.gates[GATE_HEALTH].detail
     # another process than the READY record's (restarted behind our back): its start is unknown
     last = {"release_id": "R1", "pid": 8, "gates": {GATE_HEALTH: {"startup": {"kv_tokens": 5, "phases": {}}}}}
-    plan.read_health(Healthy(7, 0.2, None), True, report, last)
+    gates.health.read_health(Healthy(7, 0.2, None), True, report, last)
     assert "startup" not in report.gates[GATE_HEALTH].data
     op = wait_health("/r", "dflash-serve", 8000, "m", 60.0)
     assert op.reader({"pid": 3, "waited_s": 1.0}).startup is None

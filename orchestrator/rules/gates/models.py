@@ -1,4 +1,10 @@
-"""What a host's model directories mean, pure: the ``models`` and ``weights`` gates.
+"""The models gate proves the model files are the pinned ones, and the target's config where the server
+reads it fits the drafter.
+
+Digests on the host (cached by stat), against a manifest, the pushed files or the release's record;
+see Models.
+
+What a host's model directories mean, pure: the ``models`` and ``weights`` gates.
 
 A model file is pinned by the playbook's ``manifest:`` when it has one, else by the digests the
 current release was proven with (the first deploy records them): a weight file that changed on
@@ -17,9 +23,17 @@ from typing import Any
 
 from orchestrator.agent import protocol
 from orchestrator.config.modelfiles import local_files
-from orchestrator.config.playbook import Model, Playbook
-from orchestrator.results import GATE_FILES, GATE_MODELS, GATE_WEIGHTS, Gate, HostReport, Problem
-from orchestrator.rules import dflash, weights
+from orchestrator.config.playbook import DRAFTER_CONFIG, Model, Playbook
+from orchestrator.results import (
+    GATE_FILES,
+    GATE_MODELS,
+    GATE_WEIGHTS,
+    Gate,
+    HostReport,
+    Problem,
+)
+from orchestrator.rules import dflash
+from orchestrator.rules.gates import weights
 
 # The config fields a target's dimensions come from (top level, or under text_config).
 _TARGET_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size", "architectures", "model_type")
@@ -275,3 +289,70 @@ def read_weights(
     report.gates[GATE_WEIGHTS] = Gate(
         True, f"{count} tensors in {len(drafter.headers)} safetensors files agree with the drafter config"
     )
+
+
+class ModelChecks:
+    """The model directories of a playbook, read on a host: every file's digest (cached on the
+    host), the target's config.json where the server reads it, the drafter's safetensors headers."""
+
+    def __init__(
+        self,
+        playbook: Playbook,
+        root: str,
+        record: bool,
+        rehash: bool = False,
+        drafter: bool = True,
+        pins: Pins | None = None,
+        tokens: bool = True,
+        findings: bool = False,
+    ) -> None:
+        """``tokens``: name the drafter's mask token in the target's tokenizer (not every watch
+        round: the tokenizer's files are megabytes). ``findings``: a model directory that cannot
+        be read does not stop the batch (verify, watch)."""
+        models, pins = playbook.models, pins if pins is not None else manifests(playbook)
+        self.target = self.drafter = None
+        if models.target is not None:
+            m = models.target
+            mask = dflash.mask_token_id(playbook.drafter.values) if playbook.drafter is not None else None
+            self.target = protocol.model_files(
+                root,
+                m.role,
+                m.path,
+                names(pins, m),
+                config=True,
+                rehash=rehash,
+                record=record,
+                tokens=[mask] if mask is not None and tokens else (),
+            )
+        if models.drafter is not None and drafter:
+            m = models.drafter
+            self.drafter = protocol.model_files(
+                root, m.role, m.path, names(pins, m), headers=True, rehash=rehash, record=record, skip=[DRAFTER_CONFIG]
+            )
+        if findings:
+            self.target = self.target.finding() if self.target is not None else None
+            self.drafter = self.drafter.finding() if self.drafter is not None else None
+        self.ops: list[protocol.Op[Any]] = [op for op in (self.target, self.drafter) if op is not None]
+
+
+# Per model (by role): the files it must hold and their digests, when something pins them (the
+# playbook's manifest, or the directory pushed from the controller); else the host's record is.
+Pins = dict[str, dict[str, str]]
+
+
+def manifests(playbook: Playbook) -> Pins:
+    """The digests each model's ``manifest:`` pins, by role."""
+    return {m.role: m.manifest for m in playbook.models.all if m.manifest is not None}
+
+
+def pins(playbook: Playbook, pushed: Pins) -> Pins:
+    """A model's manifest pins it; else what was pushed to it (the drafter's config.json aside:
+    the release serves its own)."""
+    out = manifests(playbook)
+    for role, digests in pushed.items():
+        out.setdefault(role, {p: d for p, d in digests.items() if (role, p) != ("drafter", DRAFTER_CONFIG)})
+    return out
+
+
+def names(pins: Pins, model: Model) -> tuple[str, ...] | None:
+    return tuple(sorted(pins[model.role])) if model.role in pins else None

@@ -1,4 +1,14 @@
-"""A compile cache given from one host to others (``serving.compile_cache: share``), pure.
+"""The compile_cache gate proves (only with `serving.compile_cache: share`) a host given its key's
+compile cache used it.
+
+Before the start, where the controller keeps a cache of the host's key and the host lacks it: the
+controller's signed copy hashed against its manifest, pushed (digests checked) and placed whole, the
+start held to it with `VLLM_FORCE_AOT_LOAD=1` where its vLLM can be; after it, vLLM's own counters
+(artifacts loaded and saved); on the first READY host of a key, what the controller took from it.
+Never fails a host that serves: a cache not taken or not given costs a compile, and says why; a
+start held to the cache that failed fails it (`compile_key_differs`). See the reference.
+
+A compile cache given from one host to others (``serving.compile_cache: share``), pure.
 
 vLLM keys its compile cache by its own hash of the configuration (the models' paths and configs,
 the command's compile-relevant arguments), its code, the environment's compile factors and the
@@ -39,6 +49,8 @@ READ_CHUNK = 8 << 20  # the agent's most per read
 # four reads a round trip took 10.3 s.
 READ_BATCH_BYTES = 32 << 20
 READ_BATCH_OPS = 2048
+
+KEY_DIFFERS = "compile_key_differs"  # the given cache was not used: vLLM computed another key
 
 
 def read_batches(files: list[tuple[str, int]]) -> list[list[tuple[str, int, int]]]:

@@ -1,4 +1,10 @@
-"""The GPU gate, pure: what ``nvidia-smi`` says of a container's GPUs, judged before a server loads.
+"""The gpus gate proves the GPUs the server will get are there, free and usable.
+
+In the container, before anything is staged: `nvidia-smi`'s CSV (count, PCI address, memory, driver,
+compute processes) against the inventory, tensor x pipeline parallel and `--gpu-memory-utilization`;
+the serving torch's CUDA against the driver; with 2+ GPUs an NCCL all-reduce over them (see GPUs).
+
+The GPU gate, pure: what ``nvidia-smi`` says of a container's GPUs, judged before a server loads.
 
 The ways a GPU deploy dies after minutes of model loading, each visible in seconds beforehand: the
 container sees other GPUs than the inventory gives it (or fewer than tensor x pipeline parallel
@@ -12,8 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.agent import protocol
 from orchestrator.config.inventory import Container
 from orchestrator.config.playbook import Playbook
+from orchestrator.results import (
+    GATE_GPUS,
+    Gate,
+    HostReport,
+)
+from orchestrator.rules import serving
 
 # The oldest driver each CUDA major version of a serving torch runs on, by minor version
 # compatibility: NVIDIA's "CUDA Compatibility" guide (docs.nvidia.com/deploy/cuda-compatibility,
@@ -219,3 +232,81 @@ def describe(gpus: list[Gpu], torch_cuda: str | None) -> str:
     free = ", ".join(f"{g.index}: {g.free_mib} MiB free" for g in gpus)
     cuda = f", torch CUDA {torch_cuda}" if torch_cuda not in (None, "", "None") else ""
     return f"{len(gpus)} x {', '.join(names)} (driver {gpus[0].driver}{cuda}; {free})"
+
+
+class GpuChecks:
+    """The gpus gate's questions for one node the inventory gives GPUs (none where it gives none:
+    a CPU deployment): nvidia-smi's view, and with more than one GPU and a serving Python, the
+    NCCL preflight. A files-only playbook is checked too: its files are for a server on them."""
+
+    def __init__(self, playbook: Playbook, root: str, container: Container, nodes: int = 1) -> None:
+        self.playbook, self.container, self.nodes = playbook, container, nodes
+        self.facts: protocol.Op[protocol.GpuFacts] | None = None
+        self.nccl: protocol.Op[protocol.AllReduce] | None = None
+        s = playbook.serving
+        if not container.gpus:
+            self.ops: list[protocol.Op[Any]] = []
+            return
+        # Findings both: nvidia-smi's facts are reported even when the preflight after them fails.
+        self.facts = protocol.gpus(root, s.python, serving.environment(playbook, container)).finding()
+        count = ranks_here(playbook, container, nodes)
+        if count > 1 and s.python is not None:
+            # The server's own GPU environment: what the preflight proves is what the server gets.
+            env = {**serving.gpu_env(container), **s.env}
+            self.nccl = protocol.nccl(root, s.python, count, env, playbook.gates.nccl.timeout_s).finding()
+        self.ops = [op for op in (self.facts, self.nccl) if op is not None]
+
+    def read(self, answers: protocol.Answers, report: HostReport) -> None:
+        """The gate from what came back: nvidia-smi's facts, and the preflight's answer or failure."""
+        if self.facts is None:
+            return
+        failed = answers.failure(self.facts)
+        if failed is not None:
+            report.gates[GATE_GPUS] = Gate(False, failed.describe())
+            return
+        if self.facts not in answers:
+            return
+        nccl_failed = answers.failure(self.nccl)
+        nccl = Gate(False, nccl_failed.describe()) if nccl_failed is not None else None
+        read_gpus(self.playbook, self.container, answers[self.facts], answers.get(self.nccl), report, self.nodes, nccl)
+
+
+def read_gpus(
+    playbook: Playbook,
+    container: Container,
+    facts: protocol.GpuFacts,
+    all_reduce: protocol.AllReduce | None,
+    report: HostReport,
+    nodes: int = 1,
+    nccl_failed: Gate | None = None,
+) -> None:
+    """The gpus gate from nvidia-smi's answers and the NCCL preflight's (or its failure)."""
+    if facts.missing:
+        report.gates[GATE_GPUS] = Gate(
+            False, f"no nvidia-smi in the container, but the inventory gives it GPUs {list(container.gpus)}"
+        )
+        return
+    try:
+        seen, apps = parse_gpus(facts.gpus), parse_apps(facts.apps)
+    except FactsError as exc:
+        report.gates[GATE_GPUS] = Gate(False, f"nvidia-smi's answer could not be read: {exc}")
+        return
+    report.gpus = [g.to_json() for g in seen]
+    problems = judge(playbook, container, seen, apps, set(facts.ours), facts.torch_cuda, nodes)
+    data: dict[str, Any] = {}
+    detail = describe(seen, facts.torch_cuda)
+    if problems:
+        pass  # the preflight's answer says no more: these GPUs are not the server's to begin with
+    elif nccl_failed is not None:
+        problems.append(nccl_failed.detail)
+    elif all_reduce is not None and all_reduce.skipped:
+        detail += f"; NCCL preflight skipped: {all_reduce.skipped}"
+    elif all_reduce is not None:
+        data = {"busbw_gbps": round(all_reduce.busbw_gbps, 1), "nccl": all_reduce.nccl}
+        floor = playbook.gates.nccl.min_busbw_gbps
+        if not all_reduce.right:
+            problems.append(f"the all-reduce over {all_reduce.gpus} GPUs gave a wrong sum")
+        elif floor is not None and all_reduce.busbw_gbps < floor:
+            problems.append(f"the all-reduce reached {all_reduce.busbw_gbps:.1f} GB/s bus bandwidth, below {floor:g}")
+        detail += f"; NCCL {all_reduce.nccl} all-reduce over {all_reduce.gpus} GPUs: {all_reduce.busbw_gbps:.1f} GB/s bus bandwidth"
+    report.gates[GATE_GPUS] = Gate(not problems, "; ".join(problems) if problems else detail, data)

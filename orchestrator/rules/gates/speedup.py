@@ -1,4 +1,25 @@
-"""The speed-up gate's arithmetic, pure: the same load (concurrency, prompts, greedy, a fixed
+"""The speedup gate proves speculation makes the host faster at the fleet's load (only with
+`gates.speedup`).
+
+The same greedy load (the gate's `concurrency` levels, its prompts or the probe's, `max_tokens`
+each, `ignore_eos`) streamed by the agent to the server, `repeats` runs an arm at each level after
+one warm-up run, interleaved across levels: output tokens/s per run (and each request's time to
+first token and decode tokens/s, p50/p90 in the gate's data). The *baseline* arm (the same target,
+build, GPUs, arguments and environment without `--speculative-config`) costs one extra server start:
+the rollout's canary measures it before the release starts (out of rotation with a gateway), once
+per key (the target's digest, the vLLM build, the GPU model and count, the parallel sizes, the
+server's own arguments, the load), and the state store keeps it (`speedup_baselines`), so a later
+rollout of another drafter over the same target reuses it. The *drafter* arm runs right after the
+acceptance probe, on the server just proven. Per level: the ratio of mean tokens/s with a 95% lower
+bound from the repeats (the delta method, Student's t; a spread over 5% is said, and widens it); a
+level below `min` fails with both numbers, and the diagnosis tells "accepted but does not pay at
+this load" (`speedup_absent`: drafter cost, K, load) apart from low acceptance
+(`speedup_low_acceptance`, tau under the acceptance floor or 1.5). The hosts after the canary of the
+same key hold its verdict (`held_from`); a rollout with no `rollout.canary` measures nothing and
+says so; a multi-node group is not measured (said). `verify --speedup` sends the drafter arm again
+against the kept baseline.
+
+The speed-up gate's arithmetic, pure: the same load (concurrency, prompts, greedy, a fixed
 output length) run against the target alone (the baseline arm) and with the drafter (the drafter
 arm), repeated; per concurrency the output tokens per second of each arm, their spread, the
 speed-up with its 95% lower bound, and the verdict against ``gates.speedup.min``.
@@ -22,7 +43,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.agent import protocol
 from orchestrator.agent.protocol import Loaded, Sent
+from orchestrator.config.inventory import Container
+from orchestrator.config.playbook import Playbook
+from orchestrator.results import (
+    GATE_BUILD,
+    HostReport,
+)
+from orchestrator.rules import serving
+from orchestrator.rules.gates.acceptance import probe_prompts
 from orchestrator.rules.probe import t975
 
 # Why the speed-up gate fails, as codes (``Gate.reason``; the diagnosis reads them).
@@ -264,4 +294,62 @@ def _numbers(lv: Level) -> str:
     return (
         f"at {lv.concurrency}: {lv.speedup:.2f}x ({lv.drafter:.0f} against {lv.baseline:.0f} tokens/s{bound}, "
         f"n = {lv.repeats[0]}+{lv.repeats[1]})"
+    )
+
+
+def speedup_prompts(playbook: Playbook) -> tuple[str, ...]:
+    """The speed-up gate's prompts: its own, or the acceptance probe's."""
+    gate = playbook.gates.speedup
+    return (gate.prompts if gate is not None else ()) or probe_prompts(playbook)
+
+
+# Waves of requests a load run sends at the least: one wave's ramp and tail are most of a short
+# run (the H200's runs of one wave at 16 and 64 spread 17-20% between repeats).
+LOAD_WAVES = 4
+
+
+def load_requests(playbook: Playbook, concurrency: int) -> int:
+    """Requests of one load run at ``concurrency``: every prompt at least once, in whole waves of
+    ``concurrency`` (a last wave half full would measure a lighter load than asked), and at least
+    ``LOAD_WAVES`` waves."""
+    prompts = len(speedup_prompts(playbook))
+    return concurrency * max(-(-prompts // concurrency), LOAD_WAVES)
+
+
+def load_ops(playbook: Playbook, host: str = protocol.LOOPBACK) -> list[protocol.Op[protocol.Loaded]]:
+    """One arm of the speed-up gate: a load run per concurrency per repeat, repeats interleaved
+    across the levels (a slow minute of the host spreads over every level, not one), after a
+    warm-up run at the highest concurrency whose numbers are not kept (the first requests after a
+    start pay for allocations and compiled shapes the later ones reuse)."""
+    gate = playbook.gates.speedup
+    assert gate is not None
+    s, prompts = playbook.serving, speedup_prompts(playbook)
+
+    def run(concurrency: int, max_tokens: int) -> protocol.Op[protocol.Loaded]:
+        requests = load_requests(playbook, concurrency)
+        # a token a second for each request in a wave, at the least: a CPU server is that slow
+        timeout = 60.0 + max_tokens * requests / concurrency
+        return protocol.load(s.port, s.model_name, prompts, max_tokens, concurrency, requests, timeout, host=host)
+
+    warm = run(max(gate.concurrency), min(gate.max_tokens, 16))
+    return [warm] + [run(c, gate.max_tokens) for _ in range(gate.repeats) for c in gate.concurrency]
+
+
+def speedup_key(playbook: Playbook, container: Container, report: HostReport) -> tuple[str, str] | None:
+    """The baseline arm's key for a host, from what its gates found (``baseline_key``):
+    None while the build or the target is not known (the checks did not run)."""
+    gate, s = playbook.gates.speedup, playbook.serving
+    build = report.gates.get(GATE_BUILD)
+    vllm = build.data.get("vllm") if build is not None else None
+    if gate is None or s.target is None or not isinstance(vllm, str):
+        return None
+    target = next((m.get("sha256") for m in report.models if m.get("name") == "target" and m.get("sha256")), None)
+    prompts = hashlib.sha256(json.dumps(list(speedup_prompts(playbook))).encode()).hexdigest()
+    return baseline_key(
+        target or s.target,
+        vllm,
+        [str(g.get("name")) for g in report.gpus],
+        (serving.tensor_parallel_size(playbook, container), s.pipeline_parallel_size),
+        {"python": s.python, "env": dict(s.env), "extra_args": list(s.extra_args), "model_name": s.model_name},
+        {"max_tokens": gate.max_tokens, "prompts_sha256": prompts, "requests": f"whole waves, {LOAD_WAVES} at least"},
     )

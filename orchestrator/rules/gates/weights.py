@@ -1,4 +1,8 @@
-"""The weights gate, pure: does a drafter's config describe the weights it is served with?
+"""The weights gate proves the drafter's config describes its weights.
+
+The safetensors headers on the host: layers, `fc` width, attention shapes, vocabulary.
+
+The weights gate, pure: does a drafter's config describe the weights it is served with?
 
 A config copied from another drafter (or left stale in a model directory) loads, starts and
 serves; vLLM then either fails on a shape at load time or, where shapes happen to agree, runs a

@@ -1,0 +1,4 @@
+"""The connect gate proves we talk to the right host.
+
+Strict host keys, through the GPU host when `jump`.
+"""
