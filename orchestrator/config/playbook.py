@@ -195,7 +195,7 @@ class NcclGate:
 class SpeedupGate:
     """Does speculation pay at the fleet's load: the same greedy load, at each ``concurrency``, with
     and without the drafter; the drafter arm's output tokens per second at least ``min`` times the
-    baseline's at every level (orchestrator/rules/speedup.py)."""
+    baseline's at every level (orchestrator/rules/gates/speedup.py)."""
 
     concurrency: tuple[int, ...] = (1, 8)
     min: float = 1.1

@@ -282,7 +282,7 @@ def test_the_agent_scrapes_inside_the_cold_pass_after_the_prompts_the_warm_pass_
         answer = serving.op_probe(req)
     finally:
         server.shutdown()
-    scrapes = protocol._scrapes(answer, 1, 2)
+    scrapes = protocol.serving._scrapes(answer, 1, 2)
     assert len(scrapes.each) == 2  # after each prompt of the cold pass
     a = probe.measure(scrapes.before, scrapes.middle or "", scrapes.each)
     assert a.per_prompt == (4.0, 1.0) and a.bound_over == "over 2 prompts"
@@ -402,7 +402,7 @@ def test_the_probe_answer_s_own_tokens_are_read_warily() -> None:
     from orchestrator.agent import protocol
 
     base = {"before": "", "after": "", "seconds": 1.0, "middle": None, "each": ["", ""]}
-    read = protocol._scrapes  # the answer's reader, as the op uses it
+    read = protocol.serving._scrapes  # the answer's reader, as the op uses it
     assert read({**base, "completions": [{"tokens": 64}, {"tokens": 64}]}, 0, 2).own_tokens == 128
     assert read({**base, "completions": [{"tokens": 64}, {"tokens": None}]}, 0, 2).own_tokens is None
     assert read({**base, "completions": [{"tokens": True}, {"tokens": 64}]}, 0, 2).own_tokens is None

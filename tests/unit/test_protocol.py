@@ -16,7 +16,7 @@ from orchestrator.connectors.base import Command, OnStderr, Result, Session
 from orchestrator.errors import AgentError, AgentProtocolError
 from orchestrator.rules.serving import ServerCommand
 
-PACKAGE = Path(protocol.__file__).parent.parent  # the whole controller
+PACKAGE = Path(protocol.__file__).parents[2]  # the whole controller
 
 
 def agent_ops() -> list[str]:
@@ -27,10 +27,10 @@ def agent_ops() -> list[str]:
 
 
 def used_builders() -> set[str]:
-    """``protocol.<name>(...)`` calls anywhere in the controller outside protocol.py itself."""
+    """``protocol.<name>(...)`` calls anywhere in the controller outside the protocol package."""
     used = set()
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "protocol.py":
+        if path.relative_to(PACKAGE).parts[:2] == ("agent", "protocol"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (
@@ -206,3 +206,12 @@ def test_a_malformed_batch_answer_is_a_protocol_error(stdout: bytes, why: str) -
 
 def test_every_operation_has_words_for_progress_and_a_gate() -> None:
     assert all(spec.words and spec.gate for spec in protocol.OPS)
+
+
+def test_each_op_is_built_in_the_protocol_module_named_for_its_agent_module() -> None:
+    """The contract split as the agent is: ``protocol/serving.py`` builds the ops that
+    ``remote_agent/serving.py`` runs, and so on for every module."""
+    for spec in protocol.OPS:
+        assert spec.build.__module__ == f"orchestrator.agent.protocol.{spec.module}", (spec.name, spec.module)
+    modules = {p.stem for p in Path(protocol.__file__).parent.glob("*.py")} - {"__init__"}
+    assert modules == {spec.module for spec in protocol.OPS}

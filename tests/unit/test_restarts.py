@@ -85,7 +85,7 @@ def test_a_recorded_command_not_kept_as_ours_is_never_run(box: Box, damage: str)
         store.chmod(0o600)
     run = deploy(box, box.playbook("broken", env={"STANDIN_FAIL_START": "1"}))
     solo = host(run, "solo")
-    assert not run.ok and "no other server command is recorded" in solo.diagnosis[-1], solo.diagnosis
+    assert not run.ok and "no other server command is recorded" in solo.diagnosis[-1], (solo.diagnosis, solo.gates)
     assert not alive(box.pid("solo"))
     assert "--planted" not in (box.root("solo") / "logs" / "dflash-serve.log").read_text()
 
