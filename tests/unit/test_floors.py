@@ -9,22 +9,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import orchestrator
+from tests.floors import FLOORS
 
 PACKAGE = Path(orchestrator.__file__).parent
 
-# Top floor first. Packages on one floor are siblings: neither imports the other.
-FLOORS: tuple[tuple[str, ...], ...] = (
-    ("cli",),
-    ("deployment", "sandbox"),
-    ("engine",),
-    ("store", "gateways"),
-    ("rules",),
-    ("agent",),
-    ("connectors", "lxd"),
-    ("config",),
-    ("results",),
-    ("errors",),
-)
 FACE = ("orchestrator", "orchestrator.__main__")  # the public names and `python -m`: above every floor
 
 
@@ -168,3 +156,44 @@ def test_siblings_do_not_import_each_other_and_nothing_imports_the_cli() -> None
     found = violations(known)
     assert "orchestrator.engine.runs imports orchestrator.cli.render: up, from engine to cli" in found
     assert "orchestrator.store.metrics imports orchestrator.gateways.client: sideways, from store to gateways" in found
+
+
+def test_each_package_is_on_the_lowest_floor_its_imports_allow() -> None:
+    """A package a floor too high hides what it really needs (the sandbox sat beside the
+    deployment while it needs only LXD, the config and errors)."""
+    known = sources()
+    graph = {module: set(imports(module, source, known)) for module, source in known.items()}
+    for index, floor in enumerate(FLOORS[:-1]):
+        for package in floor:
+            needs = [
+                floor_of(t)
+                for m, targets in graph.items()
+                if m.split(".")[1:2] == [package]
+                for t in targets
+                if t.split(".")[1:2] != [package]
+            ]
+            deepest_needed = min((n[0] for n in needs if n is not None), default=len(FLOORS))
+            assert deepest_needed == index + 1, f"{package} could sit lower: it needs nothing of floor {index + 1}"
+
+
+def _tree_imports(folder: str) -> dict[str, set[str]]:
+    """Each Python file under the checkout's ``folder`` and the top-level names it imports."""
+    out = {}
+    for path in sorted((PACKAGE.parent / folder).rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+        out[str(path.relative_to(PACKAGE.parent))] = names
+    return out
+
+
+def test_the_agent_imports_nothing_of_the_controller_and_nothing_installed_imports_lab_or_bench() -> None:
+    """The agent runs on hosts where the controller is not installed; ``lab/`` and ``bench/`` are
+    the checkout's, not the package's."""
+    agent = _tree_imports("remote_agent")
+    assert agent and not [f for f, names in agent.items() if "orchestrator" in names]
+    installed = {**_tree_imports("orchestrator"), **agent}
+    assert not [f for f, names in installed.items() if names & {"lab", "bench", "tests", "scripts"}]
