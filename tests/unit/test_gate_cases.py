@@ -1,0 +1,76 @@
+"""The gates' golden cases (tests/data/gates/<gate>/*.yaml): an answer in as the agent sends it,
+the gate out, read by the gate's own reader through the op's own answer reader. pyinfra tests its
+operations and facts this way: a data file a case, nothing started."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.agent import protocol
+from orchestrator.config.playbook import Playbook, load_playbook
+from orchestrator.results import HostReport
+from orchestrator.rules import gates
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = ROOT / "tests" / "data" / "gates"
+ROOT_DIR, SERVER = "/srv/dflash", "vllm"
+
+Reader = Callable[[Playbook, Any, dict[str, Any], HostReport], None]
+
+
+def _engine(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    op = protocol.engine_check(ROOT_DIR, SERVER, protocol.ServerCommand(("vllm", "serve"), {}))
+    gates.engine.read_engine(op.read(answer), report)
+
+
+def _health(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    op = gates.health.health_op(playbook, ROOT_DIR, SERVER)
+    report.release_id = context.get("release_id")
+    gates.health.read_health(op.read(answer), bool(context.get("kept")), report, context.get("last_ready"))
+
+
+def _build(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    op = protocol.vllm_build(playbook.serving.python, playbook.serving.env)
+    gates.build.read_build(playbook, op.read(answer), report)
+
+
+# One reader a gate that has cases; a gate's folder with no row here fails below.
+READERS: dict[str, Reader] = {"engine": _engine, "health": _health, "build": _build}
+
+
+def cases() -> list[Path]:
+    return sorted(CASES.glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("path", cases(), ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_the_gate_reads_the_answer_as_recorded(path: Path) -> None:
+    case = yaml.safe_load(path.read_text())
+    gate = path.parent.name
+    playbook = load_playbook(ROOT / "playbooks" / case["playbook"])
+    report = HostReport("host")
+    expect = case["expect"]
+    if "error" in expect:
+        with pytest.raises(protocol.AnswerError) as refused:
+            READERS[gate](playbook, case["answer"], case.get("context") or {}, report)
+        assert expect["error"] in str(refused.value)
+        return
+    READERS[gate](playbook, case["answer"], case.get("context") or {}, report)
+    found = report.gates[gate]
+    assert found.ok == expect["ok"], found
+    assert found.reason == expect.get("reason", ""), found
+    for words in expect.get("detail", []):
+        assert words in found.detail, found.detail
+    assert {k: found.data.get(k) for k in expect.get("data", {})} == expect.get("data", {}), found.data
+
+
+def test_every_gate_with_cases_has_a_reader_and_every_case_says_what_it_shows() -> None:
+    folders = {p.name for p in CASES.iterdir() if p.is_dir()}
+    assert folders == set(READERS)
+    assert folders <= {g.name for g in gates.GATES}
+    for path in cases():
+        assert path.read_text().startswith("# "), f"{path}: its first line says what the case shows"
