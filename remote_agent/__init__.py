@@ -5,6 +5,7 @@ the project, and imported from here by the tests:
 
     core       the op registry and argument specs, failures as data, paths confined to the
                deploy root, atomic writes and read-back, the digest cache, ``lock`` and ``put``
+    web        HTTP/1.1 to the server or the gateway, whole within its deadline
     releases   staging, switching, reading back and pruning releases
     models     model directories: digests, safetensors headers, tokens, uploads
     compile_cache  vLLM's compile cache, listed and read for the controller to give to other hosts
@@ -16,7 +17,7 @@ the project, and imported from here by the tests:
     dispatch   the request, each op checked against its spec, references, findings, sessions
     helpers/   the programs the serving Python runs for ``checks``
 
-For the wire, ``pack`` joins the modules a batch's ops need (with what they need: ``NEEDS``),
+For the wire, ``pack`` joins the modules a batch's ops need (with what they import of each other),
 core first and dispatch last, with their docstrings, comments and imports of each other taken out
 (as mitogen minifies the core it ships): one namespace, as if one file had been written. The host
 caches the compiled code by the digest of exactly what was sent (``loader.py``). This package
@@ -35,16 +36,18 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 
 # In the order they are packed (and so the order the agent's registry lists its ops in).
-MODULES = ("core", "releases", "models", "compile_cache", "serving", "checks", "background", "gateway", "dispatch")
-# What each module uses of the others (besides core, which every module uses).
-NEEDS: dict[str, tuple[str, ...]] = {
-    "models": ("releases",),
-    "compile_cache": ("releases",),
-    "serving": ("releases",),  # the ``launched`` link is a release link
-    "checks": ("serving",),
-    "background": ("checks", "serving", "releases"),
-    "gateway": ("serving",),
-}
+MODULES = (
+    "core",
+    "web",
+    "releases",
+    "models",
+    "compile_cache",
+    "serving",
+    "checks",
+    "background",
+    "gateway",
+    "dispatch",
+)
 _HELPER = re.compile(r'_helper\("(\w+)"\)')
 
 
@@ -58,14 +61,30 @@ def helper_source(name: str) -> str:
     return (_HERE / "helpers" / f"{name}.py").read_text()
 
 
+@cache
+def needs(name: str) -> frozenset[str]:
+    """The agent modules ``name`` imports from (``from remote_agent.X import ...``): what a batch
+    carrying it must carry too. Read from its source, so that the wire follows the code."""
+    found = set()
+    for node in ast.parse(module_source(name)).body:
+        module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        if module.startswith("remote_agent."):
+            found.add(module.split(".", 1)[1])
+    return frozenset(found)
+
+
 def closure(modules: Iterable[str]) -> tuple[str, ...]:
-    """The modules named, what they need, core and dispatch: in packing order."""
-    wanted = {"core", "dispatch", *modules}
-    for name in list(wanted):
-        wanted.update(NEEDS.get(name, ()))
-    unknown = wanted - set(MODULES)
-    if unknown:
-        raise ValueError(f"no agent module {sorted(unknown)}")
+    """The modules named, all they need (and what that needs), core and dispatch: in packing order."""
+    wanted = {"core", "dispatch"}
+    todo = list(modules)
+    while todo:
+        name = todo.pop()
+        if name in wanted:
+            continue
+        if name not in MODULES:
+            raise ValueError(f"no agent module {name!r}")
+        wanted.add(name)
+        todo.extend(needs(name))
     return tuple(m for m in MODULES if m in wanted)
 
 

@@ -9,7 +9,7 @@ file changed under its lock with the atomic write protocol and read back.
 """
 
 from remote_agent.core import NONE, NUMBER, OpError, _atomic_write, _os_error, _sha256, op, os, stat
-from remote_agent.serving import _http_url
+from remote_agent.web import http_url
 
 # The largest answer read from a gateway (HAProxy's `show stat` of a big backend is a few hundred KB).
 GATEWAY_LIMIT = 4 << 20
@@ -66,7 +66,7 @@ def op_gateway_http(req):
     if not req["url"].startswith("http://"):
         raise OpError("bad_request", "only http:// URLs: %r" % req["url"])
     body = req["body"].encode("utf-8") if req["body"] is not None else None
-    status, text = _http_url(req["url"], req["method"], body, float(req["timeout"]), limit=GATEWAY_LIMIT)
+    status, text = http_url(req["url"], req["method"], body, float(req["timeout"]), limit=GATEWAY_LIMIT)
     return {"status": status, "text": text}
 
 

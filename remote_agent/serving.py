@@ -33,6 +33,7 @@ from remote_agent.core import (
     time,
 )
 from remote_agent.releases import LAUNCHED, _link_target, _point_launched, _restore_launched
+from remote_agent.web import http_request
 
 # --- signed caches of the deploy root, and the release a check reads through ``launched`` ---
 # (here, not in core: a files-only batch carries neither)
@@ -939,143 +940,6 @@ def _launch_unit(root, name, argv, extra_env, log_path, release_id, stop_timeout
         time.sleep(0.05)
 
 
-class _Expired(Exception):
-    """The whole of an HTTP exchange did not finish by its deadline."""
-
-
-HTTP_LIMIT = 64 << 20  # the largest answer read (a vLLM /metrics is a few hundred KB)
-
-
-def _http(port, method, path, body=None, timeout=30.0, host="127.0.0.1"):
-    """One request to the server and its whole answer, within ``timeout`` seconds in all."""
-    url = "http://%s:%d%s" % ("[%s]" % host if ":" in host else host, int(port), path)
-    data = _dumps(body).encode("utf-8") if body is not None else None
-    return _http_url(url, method, data, timeout)
-
-
-def _http_url(url, method, data=None, timeout=30.0, limit=None):
-    """One HTTP exchange and its whole answer, within ``timeout`` seconds in all: (status, text),
-    or (None, why) when nothing whole answered.
-
-    A socket timeout bounds each read only: a server that trickles a byte a second would hold
-    the agent for ever (and a watch round with it, leaving one stuck agent a round). So the whole
-    exchange runs under an interval timer; past it, the answer is (None, why).
-
-    HTTP/1.1 over a plain socket, one request a connection, never through a proxy of the host's
-    environment (the gateway and the server are reached directly): urllib.request would bring
-    http.client, email and ssl into every agent that reads /health, 6 MiB of memory and tens of
-    milliseconds a start on each host of a watched fleet."""
-    import signal
-
-    limit = limit or HTTP_LIMIT
-    try:
-        host, port, authority, path = _split_url(url)
-    except ValueError as exc:
-        return None, str(exc)
-
-    def expire(signum, frame):
-        raise _Expired()
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, max(float(timeout), 0.001))
-    try:
-        try:
-            return _exchange(host, port, authority, path, method, data, timeout, limit)
-        except OSError as exc:
-            return None, str(exc)
-    except _Expired:
-        return None, "no whole answer to %s %s within %g s" % (method, path, timeout)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _split_url(url):
-    """(host, port, authority, path) of an ``http://`` URL; ValueError for anything else."""
-    if not url.startswith("http://"):
-        raise ValueError("only http:// URLs: %r" % url)
-    authority, slash, rest = url[len("http://") :].partition("/")
-    path = slash + rest or "/"
-    host, port = authority, 80
-    if authority.startswith("["):
-        host, _, tail = authority[1:].partition("]")
-        if tail:
-            if not tail.startswith(":"):
-                raise ValueError("bad address in URL: %r" % url)
-            port = tail[1:]
-    elif ":" in authority:
-        host, port = authority.rsplit(":", 1)
-    try:
-        port = int(port)
-    except ValueError:
-        raise ValueError("bad port in URL: %r" % url)
-    if not host or not 0 < port < 65536 or any(c in url for c in " \r\n"):
-        raise ValueError("bad URL: %r" % url)
-    return host, port, authority, path
-
-
-def _exchange(host, port, authority, path, method, data, timeout, limit):
-    import socket
-
-    sock = socket.create_connection((host, port), timeout=timeout)
-    try:
-        head = "%s %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\nAccept: */*\r\n" % (method, path, authority)
-        if data is not None:
-            head += "Content-Type: application/json\r\nContent-Length: %d\r\n" % len(data)
-        sock.sendall(head.encode("latin-1") + b"\r\n" + (data or b""))
-        answer = sock.makefile("rb")
-        try:
-            line = answer.readline(65537)
-            if not line:
-                return None, "the server closed the connection without an answer"
-            parts = line.split(None, 2)
-            if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
-                return None, "not an HTTP answer: %r" % line[:80]
-            status = int(parts[1])
-            headers = {}
-            while True:
-                line = answer.readline(65537)
-                if line in (b"\r\n", b"\n", b""):
-                    break
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-            if "chunked" in headers.get("transfer-encoding", "").lower():
-                body = _chunked(answer, limit)
-            elif headers.get("content-length", "").isdigit():
-                body = answer.read(min(int(headers["content-length"]), limit + 1))
-            else:
-                body = answer.read(limit + 1)  # to the end of the connection
-        finally:
-            answer.close()
-        return status, _bounded(body, limit)
-    finally:
-        sock.close()
-
-
-def _chunked(answer, limit):
-    """A chunked body, up to ``limit`` + 1 bytes (past that it is cut anyway)."""
-    body = bytearray()
-    while len(body) <= limit:
-        size = answer.readline(1026).split(b";", 1)[0].strip()
-        try:
-            size = int(size, 16)
-        except ValueError:
-            raise OSError("a chunked answer with a bad chunk size %r" % size[:20])
-        if size == 0:
-            break
-        body += answer.read(min(size, limit + 1 - len(body)))
-        if len(body) > limit:
-            break
-        answer.readline(3)  # the CRLF after the chunk
-    return bytes(body)
-
-
-def _bounded(raw, limit):
-    if len(raw) > limit:
-        return raw[:limit].decode("utf-8", "replace") + "\n(cut at %d bytes)" % limit
-    return raw.decode("utf-8", "replace")
-
-
 @op("wait_health", name=str, root=str, host=str, port=int, model=str, timeout=NUMBER)
 def op_wait_health(req):
     """Poll /health and /v1/models until healthy; fail at once when the process dies, or at the deadline."""
@@ -1097,9 +961,9 @@ def op_wait_health(req):
                 % (time.monotonic() - started, log, _log_tail(log)),
                 log,
             )
-        status, text = _http(port, "GET", "/health", timeout=5, host=req["host"])
+        status, text = http_request(port, "GET", "/health", timeout=5, host=req["host"])
         if status == 200:
-            status, text = _http(port, "GET", "/v1/models", timeout=10, host=req["host"])
+            status, text = http_request(port, "GET", "/v1/models", timeout=10, host=req["host"])
             models = []
             if status == 200:
                 try:
@@ -1148,7 +1012,7 @@ def op_serving_status(req):
     record = _server(root, req["name"])
     health = None
     if record and record["alive"] and req["port"] is not None:
-        health, _ = _http(int(record.get("port") or req["port"]), "GET", "/health", timeout=5, host=req["host"])
+        health, _ = http_request(int(record.get("port") or req["port"]), "GET", "/health", timeout=5, host=req["host"])
     ready = None
     try:
         ready = json.loads(_read_own(os.path.join(root, "ready.json")) or b"null")  # a link: no record
@@ -1170,7 +1034,7 @@ def op_probe(req):
     import json
 
     port, timeout, host = req["port"], float(req["timeout"]), req["host"]
-    before_status, before = _http(port, "GET", "/metrics", timeout=30, host=host)
+    before_status, before = http_request(port, "GET", "/metrics", timeout=30, host=host)
     if before_status != 200:
         raise OpError("probe", "GET /metrics failed: %s %s" % (before_status, before[:200]))
     completions, each = [], []
@@ -1180,7 +1044,7 @@ def op_probe(req):
     middle = None
     for i, prompt in enumerate(prompts + prompts[:warm]):
         if i == len(prompts):
-            middle_status, middle = _http(port, "GET", "/metrics", timeout=30, host=host)
+            middle_status, middle = http_request(port, "GET", "/metrics", timeout=30, host=host)
             if middle_status != 200:
                 raise OpError("probe", "GET /metrics between the passes failed: %s %s" % (middle_status, middle[:200]))
         _event({"op": "probe", "done": i, "of": len(prompts) + warm})
@@ -1191,7 +1055,7 @@ def op_probe(req):
             "temperature": 0,
             "ignore_eos": True,
         }
-        status, text = _http(port, "POST", "/v1/completions", body, timeout=timeout, host=host)
+        status, text = http_request(port, "POST", "/v1/completions", body, timeout=timeout, host=host)
         if status != 200:
             raise OpError("probe", "completion failed: %s %s" % (status, text[:300]))
         try:
@@ -1200,13 +1064,13 @@ def op_probe(req):
             usage = {}
         completions.append({"tokens": usage.get("completion_tokens")})
         if i < len(prompts):
-            each_status, scraped = _http(port, "GET", "/metrics", timeout=30, host=host)
+            each_status, scraped = http_request(port, "GET", "/metrics", timeout=30, host=host)
             if each_status != 200:
                 raise OpError(
                     "probe", "GET /metrics after prompt %d failed: %s %s" % (i + 1, each_status, scraped[:200])
                 )
             each.append(_families(scraped, ("vllm:spec_decode",)))  # all the per-prompt reading needs
-    after_status, after = _http(port, "GET", "/metrics", timeout=30, host=host)
+    after_status, after = http_request(port, "GET", "/metrics", timeout=30, host=host)
     if after_status != 200:
         raise OpError("probe", "GET /metrics after the probe failed: %s %s" % (after_status, after[:200]))
     return {
@@ -1358,7 +1222,7 @@ def _pieces(answer, chunked, sock, left):
 def op_metrics(req):
     """Read-only: the server's spec-decode counters as /metrics shows them now (only the lines of
     the families asked for: a vLLM scrape is mostly histograms nobody here reads)."""
-    status, text = _http(req["port"], "GET", "/metrics", timeout=float(req["timeout"]), host=req["host"])
+    status, text = http_request(req["port"], "GET", "/metrics", timeout=float(req["timeout"]), host=req["host"])
     if status != 200:
         raise OpError("metrics", "GET /metrics failed: %s %s" % (status, text[:200]))
     return {"text": _families(text, tuple(req["prefixes"]) or ("",))}

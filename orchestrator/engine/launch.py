@@ -45,7 +45,7 @@ def serve(run: Run, unit: Unit) -> None:
     With a gateway, a server that will be restarted leaves its rotation first (drained), and READY
     needs the gateway to send the host traffic again (``rotation``)."""
     from orchestrator.engine import (
-        rotation,  # the gateway's steps, only for a playbook with one
+        gateway,  # the gateway's steps, only for a playbook with one
         speedup,  # the speed-up gate's arms, only for a playbook with one
     )
 
@@ -56,7 +56,7 @@ def serve(run: Run, unit: Unit) -> None:
     # Every restart is drained first, whatever caused it: changed files, a changed command (a flag,
     # a variable of serving.env: the launch restarts a server whose command differs), no server.
     restarts = bool(changed) or baseline is not None or unit.head.keeps is False
-    if run.gateway is not None and restarts and not rotation.drain(run, unit):
+    if run.gateway is not None and restarts and not gateway.drain(run, unit):
         unit.fail_others([unit.head.name], "not launched")
         return  # the gateway refused, or capacity would fall below its floor: nothing was stopped
     head = unit.head
@@ -64,7 +64,7 @@ def serve(run: Run, unit: Unit) -> None:
         # The baseline arm stops what serves: the loader and engine checks are heard first, so a
         # refusal still leaves the serving release serving.
         if run.gateway is not None:
-            rotation.put_back(run, unit)
+            gateway.put_back(run, unit)
         return
     if baseline is not None and not speedup.before_launch(run, unit, release, baseline):
         unit.head.report.diagnosis = diagnosis.diagnose(run.playbook, unit.head.report)
@@ -76,7 +76,7 @@ def serve(run: Run, unit: Unit) -> None:
         unit.fail_others([unit.head.name], "group not ready")
         roll_back(run, unit)
     elif proven:
-        if run.gateway is None or rotation.admit(run, unit):
+        if run.gateway is None or gateway.admit(run, unit):
             write_ready(run, unit, release)
             if unit.single and unit.head.report.ready:
                 compile_cache.take(run, unit.head)  # for the hosts of its key after it
@@ -90,7 +90,7 @@ def serve(run: Run, unit: Unit) -> None:
     elif run.gateway is not None:
         # the lock, the switch or vLLM's verdict failed before anything was stopped or started:
         # what ran, runs, and goes back into rotation
-        rotation.put_back(run, unit)
+        gateway.put_back(run, unit)
 
 
 def start_and_prove(
@@ -500,10 +500,10 @@ def _out_before_the_stop(run: Run, unit: Unit) -> None:
     its proof leaves the gateway's rotation before it stops, as a restart's drain does: stopped in
     rotation, the users' requests sent to it were lost. No floor holds here (the host failed); a
     gateway that cannot be told is said, and the stop goes on."""
-    from orchestrator.engine import rotation
+    from orchestrator.engine import gateway
 
     try:
-        rotation.take_out(run, unit)
+        gateway.take_out(run, unit)
     except OrchestratorError as exc:
         unit.head.report.gates[GATE_GATEWAY] = Gate(False, f"not taken out of rotation before the stop: {exc}")
         return
@@ -515,13 +515,13 @@ def _admitted(run: Run, again: Unit, unit: Unit) -> bool:
     attempt's drain is in ``unit``'s report)."""
     if run.gateway is None:
         return True
-    from orchestrator.engine import rotation
+    from orchestrator.engine import gateway
 
     drained = unit.head.report.gates.get(GATE_GATEWAY)
     if drained is not None:
         again.head.report.gates[GATE_GATEWAY] = drained
     again.head.drained = unit.head.drained
-    return rotation.admit(run, again)
+    return gateway.admit(run, again)
 
 
 def _ray_cluster_then_vllm(run: Run, unit: Unit, release: str) -> bool:

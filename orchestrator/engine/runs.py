@@ -77,16 +77,16 @@ def deploy(scope: Scope) -> RunReport:
 def _bake(run: Run, canaries: list[Unit]) -> str | None:
     """The canary batch on live traffic for ``rollout.bake_s``: a canary that degrades is taken out
     of rotation and rolled back, and the rollout stops there."""
-    from orchestrator.engine import rotation
+    from orchestrator.engine import gateway
 
     ready = [u for u in canaries if u.head.report.ready]
     if not ready:
         return None  # the failure budget decides
     run.say(f"baking the canary ({', '.join(u.head.name for u in ready)}) for {run.playbook.rollout.bake_s:g} s")
-    degraded = rotation.bake(run, ready)
+    degraded = gateway.bake(run, ready)
     for unit in (u for u in ready if u.head.name in degraded):
         if run.gateway is not None:
-            rotation.take_out(run, unit)
+            gateway.take_out(run, unit)
             unit.head.drained = True
         launch.roll_back(run, unit)
     if degraded:
@@ -293,9 +293,9 @@ def verify(
         if speedup and unit.single and not unit.failed():
             _speedup_again(run, unit)
         if run.gateway is not None:
-            from orchestrator.engine import rotation
+            from orchestrator.engine import gateway
 
-            rotation.judge(run, unit)
+            gateway.judge(run, unit)
         if unit.single:
             return
         head = unit.head
@@ -365,9 +365,9 @@ def stop(scope: Scope) -> RunReport:
     def work(run: Run, unit: Unit) -> None:
         unit.each(run.locate, GATE_CONNECT)
         if not unit.failed() and run.gateway is not None:
-            from orchestrator.engine import rotation
+            from orchestrator.engine import gateway
 
-            rotation.take_out(run, unit)
+            gateway.take_out(run, unit)
         if not unit.failed():
             launch.stop_all(run, unit)
         unit.fail_others(unit.failed(), "group stop incomplete")

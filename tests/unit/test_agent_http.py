@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from remote_agent.serving import _http, _http_url
+from remote_agent.web import http_request, http_url
 
 pytestmark = pytest.mark.usefixtures("loopback")
 
@@ -91,9 +91,12 @@ def raw_server(answer: Callable[[socket.socket], None], family: int = socket.AF_
 
 def test_answers_with_a_length_and_error_statuses(server: tuple[int, list[dict[str, Any]]]) -> None:
     port, seen = server
-    assert _http(port, "GET", "/ok") == (200, "fine")
-    assert _http(port, "GET", "/missing") == (404, '{"error": "not found"}')
-    assert _http(port, "POST", "/echo", {"prompt": "hi", "max_tokens": 4}) == (201, '{"prompt":"hi","max_tokens":4}')
+    assert http_request(port, "GET", "/ok") == (200, "fine")
+    assert http_request(port, "GET", "/missing") == (404, '{"error": "not found"}')
+    assert http_request(port, "POST", "/echo", {"prompt": "hi", "max_tokens": 4}) == (
+        201,
+        '{"prompt":"hi","max_tokens":4}',
+    )
     assert seen[0] == {"method": "GET", "path": "/ok", "host": f"127.0.0.1:{port}"}
     assert seen[2]["type"] == "application/json" and json.loads(seen[2]["body"]) == {"prompt": "hi", "max_tokens": 4}
 
@@ -113,7 +116,7 @@ def test_chunked_and_to_the_end_of_the_connection() -> None:
         (to_close, (503, "loading the model")),
     ):
         for port in raw_server(answer):
-            assert _http(port, "GET", "/metrics") == expected
+            assert http_request(port, "GET", "/metrics") == expected
 
 
 def test_an_ipv6_address_and_a_gateway_url() -> None:
@@ -121,8 +124,8 @@ def test_an_ipv6_address_and_a_gateway_url() -> None:
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
 
     for port in raw_server(ok, socket.AF_INET6):
-        assert _http(port, "GET", "/health", host="::1") == (200, "{}")
-        assert _http_url(f"http://[::1]:{port}/v1/models?x=1", "GET") == (200, "{}")
+        assert http_request(port, "GET", "/health", host="::1") == (200, "{}")
+        assert http_url(f"http://[::1]:{port}/v1/models?x=1", "GET") == (200, "{}")
 
 
 def test_failures_are_answers_not_exceptions() -> None:
@@ -130,7 +133,7 @@ def test_failures_are_answers_not_exceptions() -> None:
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()
-    status, why = _http(port, "GET", "/health", timeout=5)
+    status, why = http_request(port, "GET", "/health", timeout=5)
     assert status is None and "Connection refused" in why
 
     def trickle(conn: socket.socket) -> None:
@@ -150,16 +153,16 @@ def test_failures_are_answers_not_exceptions() -> None:
 
     for port in raw_server(trickle):
         started = time.monotonic()
-        status, why = _http(port, "GET", "/metrics", timeout=1.0)
+        status, why = http_request(port, "GET", "/metrics", timeout=1.0)
         assert status is None and why == "no whole answer to GET /metrics within 1 s"
         assert time.monotonic() - started < 5  # the deadline holds the whole exchange, not each read
     for port in raw_server(garbage):
-        assert _http(port, "GET", "/health") == (None, "not an HTTP answer: b'SSH-2.0-OpenSSH_9.2\\r\\n'")
+        assert http_request(port, "GET", "/health") == (None, "not an HTTP answer: b'SSH-2.0-OpenSSH_9.2\\r\\n'")
     for port in raw_server(silent):
-        assert _http(port, "GET", "/health") == (None, "the server closed the connection without an answer")
+        assert http_request(port, "GET", "/health") == (None, "the server closed the connection without an answer")
     for port in raw_server(large):
-        status, text = _http_url(f"http://127.0.0.1:{port}/", "GET", limit=1000)
+        status, text = http_url(f"http://127.0.0.1:{port}/", "GET", limit=1000)
         assert status == 200 and text == "y" * 1000 + "\n(cut at 1000 bytes)"
     for url in ("https://example.org/", "http://h:99999/", "http://h:x/", "http:///path", "http://h/a b"):
-        status, why = _http_url(url, "GET")
+        status, why = http_url(url, "GET")
         assert status is None and url in why, url
