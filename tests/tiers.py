@@ -80,13 +80,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # vllm tier's longest file (the real pair, one test) started last and ran five minutes alone.
 # A file not named here costs nothing: it keeps its place after these.
 COSTS = {
-    "tests/integration/test_real_pair.py": 588,
-    "tests/integration/test_gateway_vllm.py": 555,
-    "tests/integration/test_real_drafters.py": 375,
-    "tests/integration/test_lxd.py": 310,
+    # vllm
+    "tests/integration/test_real_pair.py": 500,
+    "tests/integration/test_gateway_vllm.py": 480,
+    "tests/integration/test_lxd.py": 310,  # (49 s of it in the system tier)
     "tests/integration/test_multinode.py": 305,
     "tests/integration/test_serving.py": 214,
     "tests/integration/test_engine_gate.py": 163,
+    "tests/integration/test_real_drafters.py": 128,
+    # system
+    "tests/integration/test_gateway.py": 208,
+    "tests/integration/test_gateway_rollout.py": 182,
+    "tests/integration/test_sandbox.py": 62,
+    "tests/integration/test_bench.py": 62,
+    "tests/integration/test_models.py": 58,
+    # local
+    "tests/unit/test_restarts.py": 68,
+    "tests/unit/test_speedup.py": 58,
+    "tests/unit/test_runs.py": 30,
+    "tests/unit/test_progress.py": 25,
+    "tests/unit/test_controllers.py": 22,
 }
 
 

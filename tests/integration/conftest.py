@@ -28,6 +28,7 @@ import yaml
 from orchestrator.sandbox.lxdhosts import LxdSandbox
 from orchestrator.sandbox.sshhosts import SandboxHost, SshSandbox
 from tests import lanes
+from tests.integration.gateway_parts import Fleet, Haproxy, free_port, make_fleet
 from tests.lanes import Lane
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,3 +228,16 @@ def run(*args: str | Path, tmp_path: Path) -> tuple[int, Any, str]:
 
 def host(report: Any, name: str) -> Any:
     return next(h for h in report["hosts"] if h["name"] == name)
+
+
+# The stand-in gateway tests' three servers and HAProxy in front of them (tests/integration/gateway_parts.py).
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    yield from make_fleet(tmp_path)
+
+
+@pytest.fixture
+def haproxy(tmp_path: Path, fleet: Fleet) -> Iterator[Haproxy]:
+    proxy = Haproxy(tmp_path, free_port(), fleet.port).start()
+    yield proxy
+    proxy.stop()

@@ -364,3 +364,21 @@ def make_fleet(tmp_path: Path) -> Iterator[Fleet]:
     write_inventory(tmp_path, HOSTS)
     yield Fleet(tmp_path, free_port())
     end_servers(tmp_path)
+
+
+def haproxy_gateway(proxy: Haproxy) -> dict[str, object]:
+    return {
+        "kind": "haproxy",
+        "runs_on": "gw",
+        "url": f"http://127.0.0.1:{proxy.port}",
+        "socket": str(proxy.socket),
+        "backend": "vllm",
+    }
+
+
+def by_name(report: RunReport) -> dict[str, object]:
+    return {h.name: h for h in report.hosts}
+
+
+def failures(report: RunReport) -> dict[str, str]:
+    return {h.name: f"{h.failed_gate}: {h.gates[h.failed_gate].detail}" for h in report.hosts if h.failed_gate}
