@@ -39,8 +39,13 @@ def _build(playbook: Playbook, answer: Any, context: dict[str, Any], report: Hos
     gates.build.read_build(playbook, op.read(answer), report)
 
 
+def _loader(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    op = protocol.loader_view(ROOT_DIR, None, playbook.serving.python, sorted(playbook.drafter.values))
+    gates.loader.read_loader(playbook, op.read(answer), report)
+
+
 # One reader a gate that has cases; a gate's folder with no row here fails below.
-READERS: dict[str, Reader] = {"engine": _engine, "health": _health, "build": _build}
+READERS: dict[str, Reader] = {"engine": _engine, "health": _health, "build": _build, "loader": _loader}
 
 
 def cases() -> list[Path]:
