@@ -333,6 +333,7 @@ def scrape(port: int) -> dict[tuple[str, str], float]:
 
 
 @pytest.mark.usefixtures("vllm_cpu")
+@pytest.mark.timeout(1500)  # two real starts in a container and watch's windows: 290-530 s seen, beside other tiers
 def test_real_vllm_in_a_container_is_ready_and_watch_sees_the_founding_incident(
     lxd_sandbox: LxdSandbox, tmp_path: Path
 ) -> None:
