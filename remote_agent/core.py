@@ -34,16 +34,16 @@ import time
 # Every batch pays this interpreter's start-up on every host, so the modules a files-only batch
 # needs are the cheap ones: json, base64 and hashlib each pull in re/enum or OpenSSL (together
 # about 9 ms a start, more than the interpreter itself). The request arrives as marshal, answers
-# are written by _dumps below, manifests are sha256sum lines, and sha256 is the builtin one. json,
+# are written by json_text below, manifests are sha256sum lines, and sha256 is the builtin one. json,
 # hashlib (fast for big files), platform, shutil, signal, socket and subprocess are imported
 # where they are used.
 try:
-    from _sha256 import sha256 as _builtin_sha256  # 3.8 - 3.11
+    from _sha256 import sha256 as builtin_sha256  # 3.8 - 3.11
 except ImportError:
     try:
-        from _sha2 import sha256 as _builtin_sha256  # 3.12+
+        from _sha2 import sha256 as builtin_sha256  # 3.12+
     except ImportError:
-        from hashlib import sha256 as _builtin_sha256
+        from hashlib import sha256 as builtin_sha256
 
 PROTOCOL_VERSION = 1
 MANIFEST = ".manifest.sha256"
@@ -55,26 +55,26 @@ SEQUENCE = ".sequence"  # a release's place in its deploy root's order: 1 + the 
 CHUNK = 1 << 20
 
 # Kept open for the life of the process: the flock is released when the batch ends.
-_held_locks: "list[int]" = []
+held_locks: "list[int]" = []
 # The deploy roots' digest caches, by root: kept for a session's life (each entry is checked
 # against its file's stat before it is used). Nothing else is kept between ops: an op that needs
 # an earlier op's answer names it in its request ({"$ref": key}), resolved by the dispatcher.
-_digest_caches: "dict[str, _Digests]" = {}
+digest_caches: "dict[str, _Digests]" = {}
 
 
 EVENT = b"@dflash-event "
-_events = [False]  # on when the request asks (a person is watching the run)
+events_wanted = [False]  # on when the request asks (a person is watching the run)
 # The controller's key for digest cache lines, as the request gives it (hex; "" trusts no line).
-_digest_key = [""]
+request_digest_key = [""]
 
 
-def _event(fields):
+def send_event(fields):
     """A progress event for the controller, on stderr as one line (stdout carries the answer
     alone). Best effort: a closed stderr only loses the progress."""
-    if not _events[0]:
+    if not events_wanted[0]:
         return
     try:
-        sys.stderr.buffer.write(EVENT + _dumps(fields).encode("utf-8", "backslashreplace") + b"\n")
+        sys.stderr.buffer.write(EVENT + json_text(fields).encode("utf-8", "backslashreplace") + b"\n")
         sys.stderr.buffer.flush()
     except (OSError, ValueError):
         pass
@@ -119,7 +119,7 @@ def op(name, /, **spec):
 HELPERS: "dict[str, str]" = {}
 
 
-def _helper(name):
+def helper_program(name):
     if name not in HELPERS:
         here = os.path.dirname(os.path.abspath(__file__))
         with open(os.path.join(here, "helpers", name + ".py")) as f:
@@ -127,7 +127,7 @@ def _helper(name):
     return HELPERS[name]
 
 
-def _run_bounded(argv, timeout, env=None, cwd=None, data=None, merge=False, keep=None):
+def run_bounded(argv, timeout, env=None, cwd=None, data=None, merge=False, keep=None):
     """A program run to completion within ``timeout`` seconds: (exit status, stdout, stderr).
 
     It runs in a session of its own, and at the deadline its whole process group is killed:
@@ -233,7 +233,7 @@ def items(req, key, **spec):
     return [check("%s[%d]" % (key, i), spec, item) for i, item in enumerate(req[key])]
 
 
-def _os_error(code, exc, path):
+def os_error(code, exc, path):
     name = errno.errorcode.get(exc.errno or 0, "")
     return OpError(code, "%s: %s" % (name or "error", exc.strerror or exc), path, exc.errno)
 
@@ -241,7 +241,7 @@ def _os_error(code, exc, path):
 # --- paths -----------------------------------------------------------------------------
 
 
-def _root(req, create=True):
+def deploy_root(req, create=True):
     """The deploy root, made when missing unless the op only reads (verify and the dry run never
     write, not even the directory)."""
     root = req["root"]
@@ -251,11 +251,11 @@ def _root(req, create=True):
         try:
             os.makedirs(root, mode=0o755, exist_ok=True)
         except OSError as exc:
-            raise _os_error("io", exc, root)
+            raise os_error("io", exc, root)
     return os.path.realpath(root)
 
 
-def _inside(root_real, path):
+def path_inside(root_real, path):
     """Refuse a path outside the deploy root, or one whose real location escapes it."""
     if not isinstance(path, str) or not path or "\x00" in path:
         raise OpError("bad_path", "path must be a non-empty string", path)
@@ -273,7 +273,7 @@ def _inside(root_real, path):
     return joined
 
 
-def _own_dir(root_real, name):
+def own_dir(root_real, name):
     """A directory of the tool's own under the deploy root (releases, run, logs), made when
     missing. Anything else in its place, a link included, was not made by us: it is neither
     followed nor removed, and refused by name (a link an operator made, to a tmpfs say, holds
@@ -298,11 +298,11 @@ def _own_dir(root_real, name):
     except FileExistsError:
         pass  # made meanwhile by another agent of ours
     except OSError as exc:
-        raise _os_error("io", exc, path)
+        raise os_error("io", exc, path)
     return path
 
 
-def _open_own(path, flags, mode=0o600):
+def open_own(path, flags, mode=0o600):
     """Open a file of the tool's own without following a link: a link, FIFO, socket or device
     node in its place is removed (the node only: it holds no data) and the file made afresh.
     O_NONBLOCK: opening a FIFO to write would wait for a reader for ever."""
@@ -312,7 +312,7 @@ def _open_own(path, flags, mode=0o600):
             fd = os.open(path, flags, mode)
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.ENXIO):  # ENXIO: a FIFO with no reader
-                raise _os_error("io", exc, path)
+                raise os_error("io", exc, path)
         else:
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode):
@@ -324,11 +324,11 @@ def _open_own(path, flags, mode=0o600):
         try:
             os.unlink(path)
         except OSError as exc:
-            raise _os_error("io", exc, path)
+            raise os_error("io", exc, path)
     raise OpError("io", "%s keeps being replaced by something that is not a file" % path, path)
 
 
-def _open_file(path, follow=True):
+def open_file(path, follow=True):
     """A regular file, opened for reading. What a host may have put in its place instead (a FIFO,
     whose open and read would block this agent for ever; a device, a link to /dev/zero, endless)
     is refused with EINVAL: O_NONBLOCK makes the open return at once, fstat says what it is."""
@@ -342,11 +342,11 @@ def _open_file(path, follow=True):
         raise
 
 
-def _read_own(path):
+def read_own(path):
     """A file of the tool's own, or None: a link or anything but a regular file in its place is
     not read through."""
     try:
-        f = _open_file(path, follow=False)
+        f = open_file(path, follow=False)
     except OSError:
         return None
     with f:
@@ -356,18 +356,18 @@ def _read_own(path):
 # --- file primitives -------------------------------------------------------------------
 
 
-def _sha256(data):
-    return _builtin_sha256(data).hexdigest()
+def sha256_hex(data):
+    return builtin_sha256(data).hexdigest()
 
 
-def _sha256_file(path, follow=True):
-    with _open_file(path, follow) as f:
+def sha256_file(path, follow=True):
+    with open_file(path, follow) as f:
         if os.fstat(f.fileno()).st_size > CHUNK:
             import hashlib  # OpenSSL's sha256 is several times faster on big files
 
             h = hashlib.sha256()
         else:
-            h = _builtin_sha256()
+            h = builtin_sha256()
         while True:
             block = f.read(CHUNK)
             if not block:
@@ -376,9 +376,9 @@ def _sha256_file(path, follow=True):
     return h.hexdigest()
 
 
-def _sha256_or_none(path):
+def sha256_or_none(path):
     try:
-        return _sha256_file(path)
+        return sha256_file(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
@@ -387,7 +387,7 @@ def _sha256_or_none(path):
         raise
 
 
-def _fsync_dir(path):
+def fsync_dir(path):
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -395,7 +395,7 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _stat_record(path):
+def stat_record(path):
     st = os.stat(path)
     return {
         "size": st.st_size,
@@ -405,13 +405,13 @@ def _stat_record(path):
     }
 
 
-def _atomic_write(final, data, expected, mode):
+def atomic_write(final, data, expected, mode):
     """Steps 4-7 of the write protocol: temp file, verify, rename, fresh read-back."""
     directory = os.path.dirname(final)
     try:
         os.makedirs(directory, mode=0o755, exist_ok=True)
     except OSError as exc:
-        raise _os_error("io", exc, directory)
+        raise os_error("io", exc, directory)
     tmp = os.path.join(directory, ".%s.tmp-%d" % (os.path.basename(final), os.getpid()))
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -419,7 +419,7 @@ def _atomic_write(final, data, expected, mode):
         os.unlink(tmp)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except OSError as exc:
-        raise _os_error("io", exc, tmp)
+        raise os_error("io", exc, tmp)
     try:
         try:
             view = memoryview(data)
@@ -430,7 +430,7 @@ def _atomic_write(final, data, expected, mode):
             os.fsync(fd)
         finally:
             os.close(fd)
-        got = _sha256_file(tmp)
+        got = sha256_file(tmp)
         if got != expected:
             raise OpError(
                 "checksum",
@@ -438,19 +438,19 @@ def _atomic_write(final, data, expected, mode):
                 tmp,
             )
         os.replace(tmp, final)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except OSError as exc:
-        _unlink_quietly(tmp)
-        raise _os_error("io", exc, final)
+        unlink_quietly(tmp)
+        raise os_error("io", exc, final)
     except OpError:
-        _unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise
-    _read_back(final, expected)
+    read_back(final, expected)
 
 
-def _read_back(path, expected):
+def read_back(path, expected):
     """Open the final path afresh: what the server will read must be what we meant."""
-    got = _sha256_or_none(path)
+    got = sha256_or_none(path)
     if got != expected:
         raise OpError(
             "drift",
@@ -464,7 +464,7 @@ _ESCAPES = dict((i, "\\u%04x" % i) for i in range(32))
 _ESCAPES.update({ord('"'): '\\"', ord("\\"): "\\\\"})
 
 
-def _dumps(value):
+def json_text(value):
     """JSON text of plain data (dict, list, str, int, float, bool, None), without importing json."""
     if value is None:
         return "null"
@@ -479,31 +479,31 @@ def _dumps(value):
     if isinstance(value, str):
         return '"' + value.translate(_ESCAPES) + '"'
     if isinstance(value, dict):
-        return "{" + ",".join(_dumps(str(k)) + ":" + _dumps(v) for k, v in value.items()) + "}"
+        return "{" + ",".join(json_text(str(k)) + ":" + json_text(v) for k, v in value.items()) + "}"
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_dumps(v) for v in value) + "]"
+        return "[" + ",".join(json_text(v) for v in value) + "]"
     raise TypeError("cannot write %s as JSON" % type(value).__name__)
 
 
-def _b64(data):
+def b64(data):
     return binascii.b2a_base64(data, newline=False).decode("ascii")
 
 
-def _unlink_quietly(path):
+def unlink_quietly(path):
     try:
         os.unlink(path)
     except OSError:
         pass
 
 
-def _decode_content(spec):
+def decode_content(spec):
     data, expected = spec["content"], spec["sha256"]
-    if _sha256(data) != expected:
+    if sha256_hex(data) != expected:
         raise OpError("checksum", "content does not match its sha256 in transit", spec["path"])
     return data, expected
 
 
-def _mode(spec):
+def file_mode(spec):
     try:
         value = int(spec["mode"], 8)
     except (TypeError, ValueError):
@@ -516,13 +516,13 @@ def _mode(spec):
 # --- model files and their digests ---------------------------------------------------------
 
 
-def _line_mac(fields):
+def line_mac(fields):
     """A digest cache line's signature: HMAC-SHA256 with the controller's key (None: no key)."""
-    if not _digest_key[0]:
+    if not request_digest_key[0]:
         return None
     import hmac
 
-    key = binascii.unhexlify(_digest_key[0])
+    key = binascii.unhexlify(request_digest_key[0])
     return hmac.new(key, fields.encode("utf-8", "surrogateescape"), "sha256").hexdigest()
 
 
@@ -546,14 +546,14 @@ class _Digests:
         """Take the entries of another cache file (a pushed model directory keeps its own): each
         is still checked against the file's stat before it is used."""
         try:
-            with _open_file(path) as f:
+            with open_file(path) as f:
                 text = f.read().decode("utf-8", "replace")
         except OSError:
             text = ""
         for line in text.split("\n"):
             mac, _, fields = line.partition(" ")
             parts = fields.split(" ", 6)
-            if len(parts) != 7 or len(parts[0]) != 64 or mac != _line_mac(fields):
+            if len(parts) != 7 or len(parts[0]) != 64 or mac != line_mac(fields):
                 continue
             try:
                 key = (int(parts[1]), int(parts[2]))
@@ -574,7 +574,7 @@ class _Digests:
         hit = self.known.get(key)
         if not rehash and hit is not None and hit[:3] == stamp:
             return hit[3], "cached"
-        digest = _sha256_or_none(path)
+        digest = sha256_or_none(path)
         try:
             after = os.stat(path)
         except OSError:
@@ -586,7 +586,7 @@ class _Digests:
 
     def save(self):
         """Written under the deploy-root lock only; entries whose file is gone or changed are dropped."""
-        if not self.dirty or not _digest_key[0]:
+        if not self.dirty or not request_digest_key[0]:
             return
         lines = []
         for (dev, ino), (size, mtime, ctime, digest, real) in sorted(self.known.items()):
@@ -596,17 +596,17 @@ class _Digests:
                 continue
             if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (dev, ino, size, mtime, ctime):
                 fields = "%s %d %d %d %d %d %s" % (digest, dev, ino, size, mtime, ctime, real)
-                lines.append("%s %s\n" % (_line_mac(fields), fields))
+                lines.append("%s %s\n" % (line_mac(fields), fields))
         body = "".join(lines).encode("utf-8", "surrogateescape")
-        _atomic_write(self.path, body, _sha256(body), 0o644)
+        atomic_write(self.path, body, sha256_hex(body), 0o644)
         self.dirty = False
 
 
-def _digests(root_real):
+def digest_cache(root_real):
     """The deploy root's digest cache, shared by every op of the batch."""
-    if root_real not in _digest_caches:
-        _digest_caches[root_real] = _Digests(root_real)
-    return _digest_caches[root_real]
+    if root_real not in digest_caches:
+        digest_caches[root_real] = _Digests(root_real)
+    return digest_caches[root_real]
 
 
 def _replaced_mount(path):
@@ -632,7 +632,7 @@ def _replaced_mount(path):
     return found
 
 
-def _missing(what, path):
+def missing_reason(what, path):
     """Why ``path`` is not there, with the cause when it is a replaced mount."""
     point = _replaced_mount(path)
     if point is None:
@@ -644,18 +644,18 @@ def _missing(what, path):
     )
 
 
-def _model_path(value):
+def model_path(value):
     if not isinstance(value, str) or not os.path.isabs(value) or os.path.normpath(value) != value or value == "/":
         raise OpError("bad_request", "a model path must be absolute and normalised", value)
     return value
 
 
-def _model_names(source, names=None):
+def model_names(source, names=None):
     """The files of a model directory, relative to it (hidden entries, such as the .cache/ that
     `hf download` leaves, skipped), or the named ones. Directories that are links are not entered."""
     if names is None:
         if not os.path.isdir(source):
-            raise OpError("missing_model", _missing("model directory", source), source)
+            raise OpError("missing_model", missing_reason("model directory", source), source)
         names = []
         for dirpath, dirnames, filenames in os.walk(source):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -679,15 +679,15 @@ def _model_names(source, names=None):
     return sorted(names)
 
 
-def _read_small(path, limit=CHUNK):
+def read_small(path, limit=CHUNK):
     """A small text file's content (a model's config.json), or None when there is none."""
     try:
-        with _open_file(path) as f:
+        with open_file(path) as f:
             data = f.read(limit + 1)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise _os_error("io", exc, path)
+        raise os_error("io", exc, path)
     if len(data) > limit:
         raise OpError("too_large", "%s is larger than %d bytes" % (path, limit), path)
     return data.decode("utf-8", "replace")
@@ -700,22 +700,22 @@ def _read_small(path, limit=CHUNK):
 def op_put(req):
     """Atomic write of one file under the root (steps 1-8 of the protocol). A link where the file
     goes is replaced by the file (the rename), never written through."""
-    root = _root(req)
+    root = deploy_root(req)
     path = req["path"]
     if not path:
         raise OpError("bad_path", "path must be a non-empty string", path)
-    final = os.path.join(_inside(root, os.path.dirname(path) or "."), os.path.basename(path))
+    final = os.path.join(path_inside(root, os.path.dirname(path) or "."), os.path.basename(path))
     if os.path.islink(final):
         os.unlink(final)
-    data, expected = _decode_content(req)
-    before = _sha256_or_none(final)
+    data, expected = decode_content(req)
+    before = sha256_or_none(final)
     if before == expected:
         record = {"path": final, "changed": False, "before": before, "sha256": expected}
-        record.update(_stat_record(final))
+        record.update(stat_record(final))
         return record
-    _atomic_write(final, data, expected, _mode(req))
+    atomic_write(final, data, expected, file_mode(req))
     record = {"path": final, "changed": True, "before": before, "sha256": expected}
-    record.update(_stat_record(final))
+    record.update(stat_record(final))
     return record
 
 
@@ -729,7 +729,7 @@ def _holder(text):
         pid = int(record.get("pid"))
     except (ValueError, TypeError, AttributeError):
         return text or "unknown holder"
-    if _proc_start(pid) is None:
+    if process_start_time(pid) is None:
         return "%s; its pid %d is no longer running: another process holds the lock" % (record.get("owner") or "?", pid)
     return "%s, pid %d" % (record.get("owner") or "?", pid)
 
@@ -737,10 +737,10 @@ def _holder(text):
 @op("lock", root=str, timeout=NUMBER, owner=str)
 def op_lock(req):
     """Exclusive flock on the deploy root, held until this batch ends."""
-    root = _root(req)
+    root = deploy_root(req)
     timeout = float(req["timeout"])
     path = os.path.join(root, ".lock")
-    fd = _open_own(path, os.O_RDWR | os.O_CREAT)
+    fd = open_own(path, os.O_RDWR | os.O_CREAT)
     started = time.monotonic()
     delay = 0.01
     while True:
@@ -759,14 +759,14 @@ def op_lock(req):
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
     waited = time.monotonic() - started
-    holder = _dumps({"owner": req["owner"], "pid": os.getpid(), "since": time.time()})
+    holder = json_text({"owner": req["owner"], "pid": os.getpid(), "since": time.time()})
     os.ftruncate(fd, 0)
     os.pwrite(fd, holder.encode("utf-8"), 0)
-    _held_locks.append(fd)
+    held_locks.append(fd)
     return {"path": path, "waited_s": round(waited, 3)}
 
 
-def _proc_start(pid):
+def process_start_time(pid):
     try:
         with open("/proc/%d/stat" % pid) as f:
             data = f.read()

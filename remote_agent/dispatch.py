@@ -30,13 +30,13 @@ from remote_agent.core import (
     PROTOCOL_VERSION,
     REF,
     OpError,
-    _digest_caches,
-    _digest_key,
-    _dumps,
-    _event,
-    _events,
-    _held_locks,
     check,
+    digest_caches,
+    events_wanted,
+    held_locks,
+    json_text,
+    request_digest_key,
+    send_event,
 )
 
 REQUEST = {"v": int, "session": bool, "events": bool, "ops": list, "findings": list, "key": str}
@@ -86,7 +86,7 @@ def _error(name, code, message, path=None, err=None):
 
 def run(request):
     """Every op of the request in order; the answer with one result per op."""
-    _digest_key[0] = request["key"]
+    request_digest_key[0] = request["key"]
     results: list[dict] = []
     done: dict[str, object] = {}
     findings = set(request["findings"])
@@ -101,7 +101,7 @@ def run(request):
                 raise OpError("unknown_op", "unknown operation %r" % (name,))
             function, spec = OPS[name]
             args = check(name, dict(spec, op=str), _resolved(name, spec, req, done))
-            _event({"op": name})
+            send_event({"op": name})
             value = function(args)
             results.append({"op": name, "ok": True, "result": value})
             done[_key(req)] = value
@@ -114,7 +114,7 @@ def run(request):
         except Exception as exc:
             results.append(_error(name, "internal", "%s: %s" % (type(exc).__name__, exc)))
         failed = index not in findings
-    for cache in _digest_caches.values():  # what the batch's uploads recorded, written once
+    for cache in digest_caches.values():  # what the batch's uploads recorded, written once
         try:
             cache.save()
         except (OpError, OSError):
@@ -151,7 +151,7 @@ def _read_request(stdin):
 
 def _answer(response, framed):
     # Lone surrogates (undecodable file names) leave as \udcXX escapes: still valid JSON.
-    out = _dumps(response).encode("utf-8", "backslashreplace")
+    out = json_text(response).encode("utf-8", "backslashreplace")
     if framed:
         out = b"%d\n" % len(out) + out
     sys.stdout.buffer.write(out)
@@ -161,8 +161,8 @@ def _answer(response, framed):
 def _end_batch():
     """What a batch held ends with it: its locks. The digest caches stay (each entry is checked
     against its file's stat before it is used)."""
-    while _held_locks:
-        os.close(_held_locks.pop())
+    while held_locks:
+        os.close(held_locks.pop())
 
 
 def _session(stdin):
@@ -200,7 +200,7 @@ def main():
         if request["session"]:
             _session(stdin)
             return
-        _events[0] = request["events"]
+        events_wanted[0] = request["events"]
         response = run(request)
     _answer(response, False)
 

@@ -8,7 +8,7 @@ HTTP call to a router's admin API, or through the gateway as a client would send
 file changed under its lock with the atomic write protocol and read back.
 """
 
-from remote_agent.core import NONE, NUMBER, OpError, _atomic_write, _os_error, _sha256, op, os, stat
+from remote_agent.core import NONE, NUMBER, OpError, atomic_write, op, os, os_error, sha256_hex, stat
 from remote_agent.web import http_url
 
 # The largest answer read from a gateway (HAProxy's `show stat` of a big backend is a few hundred KB).
@@ -32,7 +32,7 @@ def op_gateway_socket(req):
         try:
             sock.connect(path)
         except OSError as exc:
-            raise _os_error("gateway", exc, path)
+            raise os_error("gateway", exc, path)
         sock.sendall((command + "\n").encode("utf-8"))
         chunks, size = [], 0
         while True:
@@ -45,7 +45,7 @@ def op_gateway_socket(req):
             except socket.timeout:
                 raise OpError("gateway", "no whole answer to %r within %s s" % (command, req["timeout"]), path)
             except OSError as exc:
-                raise _os_error("gateway", exc, path)
+                raise os_error("gateway", exc, path)
             if not chunk:
                 break
             size += len(chunk)
@@ -94,7 +94,7 @@ def op_gateway_endpoints(req):
     try:
         fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
-        raise _os_error("gateway", exc, path + ".lock")
+        raise os_error("gateway", exc, path + ".lock")
     try:
         deadline = time.monotonic() + float(req["timeout"])
         while True:
@@ -115,7 +115,7 @@ def op_gateway_endpoints(req):
         changed = endpoints != before
         if changed:
             data = (json.dumps({"endpoints": endpoints}, indent=2, sort_keys=True) + "\n").encode("utf-8")
-            _atomic_write(path, data, _sha256(data), 0o644)
+            atomic_write(path, data, sha256_hex(data), 0o644)
             if _read_endpoints(path) != endpoints:
                 raise OpError("gateway", "the endpoints file does not read back as written", path)
         return {"endpoints": endpoints, "changed": changed}
@@ -132,7 +132,7 @@ def _read_endpoints(path):
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise _os_error("gateway", exc, path)
+        raise os_error("gateway", exc, path)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OpError("gateway", "the endpoints file is not a regular file: left as it is", path)
@@ -140,7 +140,7 @@ def _read_endpoints(path):
         try:
             raw = f.read(GATEWAY_LIMIT + 1)
         except OSError as exc:
-            raise _os_error("gateway", exc, path)
+            raise os_error("gateway", exc, path)
     if len(raw) > GATEWAY_LIMIT:
         raise OpError("gateway", "the endpoints file is over %d bytes" % GATEWAY_LIMIT, path)
     try:

@@ -11,25 +11,25 @@ from remote_agent.core import (
     DIGESTS,
     NONE,
     OpError,
-    _builtin_sha256,
-    _digests,
-    _fsync_dir,
-    _mode,
-    _model_names,
-    _model_path,
-    _open_file,
-    _os_error,
-    _read_small,
-    _root,
-    _unlink_quietly,
+    builtin_sha256,
+    deploy_root,
+    digest_cache,
     fcntl,
+    file_mode,
+    fsync_dir,
     items,
+    model_names,
+    model_path,
     op,
+    open_file,
     os,
+    os_error,
+    read_small,
     stat,
     sys,
+    unlink_quietly,
 )
-from remote_agent.releases import _link_target, _read_models
+from remote_agent.releases import link_target, release_models
 
 # What safetensors' reader (vLLM loads weights through its safe_open) requires of a file before it
 # gives a single tensor, from its read_metadata and Metadata.validate: a header length within
@@ -82,7 +82,7 @@ def _safetensors_header(path):
     def not_json(text):
         raise ValueError(text)
 
-    with _open_file(path) as f:
+    with open_file(path) as f:
         total = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         size = int.from_bytes(raw, "little") if len(raw) == 8 else -1
@@ -166,7 +166,7 @@ def _loaded_weights(source, names):
 
     names = [n for n in names if "/" not in n and n.endswith(".safetensors")]
     index = os.path.join(source, WEIGHTS_INDEX)
-    text = _read_small(index, 16 * CHUNK)
+    text = read_small(index, 16 * CHUNK)
     if text is None:
         return names
     try:
@@ -204,14 +204,14 @@ def op_model_files(req):
     """The files of a model directory with their digests (the cache's, or hashed now), and on
     request its config.json as text and its safetensors headers. Reads only: the cache is
     written when ``record`` (under the lock, by a deploy)."""
-    root = _root(req, create=req["record"])
-    source = _model_path(req["path"])
+    root = deploy_root(req, create=req["record"])
+    source = model_path(req["path"])
     skip = set(req["skip"])
-    names = [n for n in _model_names(source, req["files"]) if n not in skip]
-    digests = _digests(root)
+    names = [n for n in model_names(source, req["files"]) if n not in skip]
+    digests = digest_cache(root)
     digests.merge(os.path.join(source, DIGESTS))  # what a push recorded there
-    current = _link_target(root, "current")
-    recorded = _read_models(os.path.join(root, "releases", current)) if current else {}
+    current = link_target(root, "current")
+    recorded = release_models(os.path.join(root, "releases", current)) if current else {}
     prefix = source + "/"
     pins = dict((p[len(prefix) :], d) for p, d in recorded.items() if p.startswith(prefix))
     files, missing = [], []
@@ -229,9 +229,9 @@ def op_model_files(req):
         # Pinned by name: what else the directory holds is not what was pinned (a planted shard
         # that an index names would be loaded).
         asked = set(names) | skip
-        out["extra"] = [n for n in _model_names(source) if n not in asked]
+        out["extra"] = [n for n in model_names(source) if n not in asked]
     if req["config"]:
-        out["config"] = _read_small(os.path.join(source, "config.json"))
+        out["config"] = read_small(os.path.join(source, "config.json"))
     if req["tokens"]:
         out["tokens"] = _name_tokens(source, [t for t in req["tokens"] if isinstance(t, int)])
     if req["headers"]:
@@ -253,7 +253,7 @@ def _json_file(path, limit):
     import json
 
     try:
-        text = _read_small(path, limit)
+        text = read_small(path, limit)
     except OpError:
         return None
     if text is None:
@@ -342,8 +342,8 @@ def _drop_partials(path, keep=None):
 
 
 def _prefix_sha256(path, size):
-    h = _builtin_sha256() if size <= CHUNK else __import__("hashlib").sha256()
-    with _open_file(path) as f:
+    h = builtin_sha256() if size <= CHUNK else __import__("hashlib").sha256()
+    with open_file(path) as f:
         left = size
         while left:
             block = f.read(min(CHUNK, left))
@@ -363,14 +363,14 @@ def op_upload_status(req):
     recorded in the directory's signed cache (an operator's own file, a model downloaded by
     hand, a link) is refused before any byte is sent, unless ``replace`` (the playbook's
     ``replace: true``). A file a push made and someone changed since is the push's to repair."""
-    root = _root(req, create=False)
-    digests = _digests(root)
+    root = deploy_root(req, create=False)
+    digests = digest_cache(root)
     pushed = set(entry[4] for entry in digests.known.values())  # the real paths pushes recorded
     specs = items(req, "files", path=str, size=int, sha256=str)
     if not req["replace"]:
         foreign = []
         for spec in specs:
-            path = _model_path(spec["path"])
+            path = model_path(spec["path"])
             # What already holds the bytes pushed is kept as it is, whoever made it; anything
             # else at the path (a file, a link, a directory) is replaced only if a push made it.
             theirs = os.path.lexists(path) and not {path, os.path.realpath(path)} & pushed
@@ -391,7 +391,7 @@ def op_upload_status(req):
             )
     out = []
     for spec in specs:
-        path, digest, size = _model_path(spec["path"]), spec["sha256"], spec["size"]
+        path, digest, size = model_path(spec["path"]), spec["sha256"], spec["size"]
         have, _ = digests.digest(path)
         record = {"path": path, "present": have == digest, "partial": 0, "partial_sha256": None}
         if record["present"]:
@@ -413,8 +413,8 @@ def op_upload(req):
     """A file streamed on stdin after the request (``size - offset`` bytes), appended to what an
     earlier upload left at ``offset``, then checked whole against ``sha256``, renamed into place
     (fsync, rename, directory fsync) and read back afresh. Memory stays flat whatever the size."""
-    root = _root(req)
-    path, digest = _model_path(req["path"]), req["sha256"]
+    root = deploy_root(req)
+    path, digest = model_path(req["path"]), req["sha256"]
     size, offset = req["size"], req["offset"]
     if len(digest) != 64 or not 0 <= offset <= size:
         raise OpError("bad_request", "upload needs a sha256, a size and an offset within it", path)
@@ -422,13 +422,13 @@ def op_upload(req):
     try:
         os.makedirs(directory, mode=0o755, exist_ok=True)
     except OSError as exc:
-        raise _os_error("io", exc, directory)
+        raise os_error("io", exc, directory)
     partial = _partial(path, digest)
     try:
         fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
-        raise _os_error("io", exc, partial)
-    h = _builtin_sha256() if size <= CHUNK else __import__("hashlib").sha256()
+        raise os_error("io", exc, partial)
+    h = builtin_sha256() if size <= CHUNK else __import__("hashlib").sha256()
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -458,22 +458,22 @@ def op_upload(req):
         os.fsync(fd)
         written = os.fstat(fd)
     except OSError as exc:
-        raise _os_error("io", exc, partial)
+        raise os_error("io", exc, partial)
     finally:
         os.close(fd)
     if h.hexdigest() != digest:
-        _unlink_quietly(partial)
+        unlink_quietly(partial)
         raise OpError("checksum", "the uploaded bytes hash to %s, expected %s" % (h.hexdigest(), digest), path)
     try:
-        os.chmod(partial, _mode(req))
+        os.chmod(partial, file_mode(req))
         os.replace(partial, path)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except OSError as exc:
-        raise _os_error("io", exc, path)
+        raise os_error("io", exc, path)
     # Read back through a fresh open of the final path: the very file hashed above (same device,
     # inode, size and mtime: nothing wrote it since) is what a reader gets there. Hashing many GB a
     # second time would double the host's work for nothing more; any other answer is hashed whole.
-    digests = _digests(root)
+    digests = digest_cache(root)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
@@ -481,7 +481,7 @@ def op_upload(req):
         finally:
             os.close(fd)
     except OSError as exc:
-        raise _os_error("io", exc, path)
+        raise os_error("io", exc, path)
     same = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (
         written.st_dev,
         written.st_ino,

@@ -16,40 +16,40 @@ from remote_agent.core import (
     SEQUENCE,
     STAGING_PREFIX,
     OpError,
-    _atomic_write,
-    _b64,
-    _decode_content,
-    _digests,
-    _fsync_dir,
-    _inside,
-    _mode,
-    _model_names,
-    _model_path,
-    _open_file,
-    _os_error,
-    _own_dir,
-    _read_back,
-    _read_own,
-    _root,
-    _sha256,
-    _sha256_or_none,
-    _stat_record,
-    _unlink_quietly,
+    atomic_write,
+    b64,
+    decode_content,
+    deploy_root,
+    digest_cache,
     errno,
+    file_mode,
+    fsync_dir,
     items,
+    model_names,
+    model_path,
     op,
+    open_file,
     os,
+    os_error,
+    own_dir,
+    path_inside,
+    read_back,
+    read_own,
+    sha256_hex,
+    sha256_or_none,
     stat,
+    stat_record,
+    unlink_quietly,
 )
 
 # --- releases --------------------------------------------------------------------------
 
 
 def _releases_dir(root_real):
-    return _own_dir(root_real, "releases")
+    return own_dir(root_real, "releases")
 
 
-def _link_target(root_real, name, strict=True):
+def link_target(root_real, name, strict=True):
     """Release id a ``current``/``previous`` link points at, or None. A link of that name that
     points anywhere else (absolute, out of releases/) is reported, or with ``strict=False`` taken
     as no release: it is ours by its name, and the next switch replaces it."""
@@ -61,7 +61,7 @@ def _link_target(root_real, name, strict=True):
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             raise OpError("not_a_link", "%s exists and is not a symlink (not ours: left alone)" % name, link)
-        raise _os_error("io", exc, link)
+        raise os_error("io", exc, link)
     parent, release_id = os.path.split(os.path.normpath(target))
     if parent != "releases" or release_id.startswith(".") or not release_id:
         if not strict:
@@ -85,7 +85,7 @@ def _manifest_bytes(wanted):
 def _read_manifest(release_dir):
     """{path: sha256} of a release, or None when it has no readable, well-formed manifest."""
     try:
-        with _open_file(os.path.join(release_dir, MANIFEST)) as f:
+        with open_file(os.path.join(release_dir, MANIFEST)) as f:
             lines = f.read().decode("utf-8").split("\n")
     except (OSError, ValueError):
         return None
@@ -100,15 +100,15 @@ def _read_manifest(release_dir):
     return files
 
 
-def _read_models(release_dir):
+def release_models(release_dir):
     """{absolute path: sha256} of the model files a release was proven with ({} when none)."""
     try:
-        with _open_file(os.path.join(release_dir, MODELS)) as f:
+        with open_file(os.path.join(release_dir, MODELS)) as f:
             lines = f.read().decode("utf-8", "surrogateescape").split("\n")
     except FileNotFoundError:
         return {}
     except OSError as exc:
-        raise _os_error("io", exc, os.path.join(release_dir, MODELS))
+        raise os_error("io", exc, os.path.join(release_dir, MODELS))
     return dict((line[66:], line[:64]) for line in lines[:-1] if line[64:66] == "  ")
 
 
@@ -119,12 +119,12 @@ def _links_bytes(links):
 def _read_links(release_dir):
     """{path: target} of a release's overlay links ({} when it has none)."""
     try:
-        with _open_file(os.path.join(release_dir, LINKS)) as f:
+        with open_file(os.path.join(release_dir, LINKS)) as f:
             lines = f.read().decode("utf-8", "surrogateescape").split("\n")
     except FileNotFoundError:
         return {}
     except OSError as exc:
-        raise _os_error("io", exc, os.path.join(release_dir, LINKS))
+        raise os_error("io", exc, os.path.join(release_dir, LINKS))
     links = {}
     for line in lines[:-1]:
         path, sep, target = line.partition("\t")
@@ -137,14 +137,14 @@ def _set_link(root_real, name, release_id):
     """Point ``name`` at a release with a rename over the old link (atomic)."""
     link = os.path.join(root_real, name)
     tmp = os.path.join(root_real, ".%s.tmp-%d" % (name, os.getpid()))
-    _unlink_quietly(tmp)
+    unlink_quietly(tmp)
     try:
         os.symlink(os.path.join("releases", release_id), tmp)
         os.replace(tmp, link)
-        _fsync_dir(root_real)
+        fsync_dir(root_real)
     except OSError as exc:
-        _unlink_quietly(tmp)
-        raise _os_error("io", exc, link)
+        unlink_quietly(tmp)
+        raise os_error("io", exc, link)
 
 
 # The release the server was last started from. The server reads its drafter through this link
@@ -155,27 +155,27 @@ def _set_link(root_real, name, release_id):
 LAUNCHED = "launched"
 
 
-def _point_launched(root_real, release_id):
+def point_launched(root_real, release_id):
     """Point ``launched`` at a release before a server starts from it; returns the release it
     pointed at before. A release that is not there removes the link: the server then fails to
     find its drafter, rather than start from another release's."""
     _check_release_id(release_id)
-    before = _link_target(root_real, LAUNCHED, strict=False)
+    before = link_target(root_real, LAUNCHED, strict=False)
     if before == release_id:
         return before  # nothing written
     if os.path.isdir(os.path.join(root_real, "releases", release_id)):
         _set_link(root_real, LAUNCHED, release_id)
     else:
-        _unlink_quietly(os.path.join(root_real, LAUNCHED))
+        unlink_quietly(os.path.join(root_real, LAUNCHED))
     return before
 
 
-def _restore_launched(root_real, before):
+def restore_launched(root_real, before):
     """Put ``launched`` back where it was (after an engine check)."""
-    if _link_target(root_real, LAUNCHED, strict=False) == before:
+    if link_target(root_real, LAUNCHED, strict=False) == before:
         return
     if before is None:
-        _unlink_quietly(os.path.join(root_real, LAUNCHED))
+        unlink_quietly(os.path.join(root_real, LAUNCHED))
     else:
         _set_link(root_real, LAUNCHED, before)
 
@@ -183,7 +183,7 @@ def _restore_launched(root_real, before):
 def _switch(root_real, release_id):
     """Make ``release_id`` current, keeping the old current as ``previous`` (a damaged link of
     either name, ours by its name, is replaced)."""
-    old = _link_target(root_real, "current", strict=False)
+    old = link_target(root_real, "current", strict=False)
     if old == release_id:
         return old
     if old is not None:
@@ -198,7 +198,7 @@ def _served_files(root_real, files, rehash=False, strict=True):
     other file must be the release's own file, not a link (to a copy elsewhere in the root, or out
     of it): such a file reads as missing, with where it leads. ``strict=False``: a damaged
     ``current`` link is no release (a deploy replaces it)."""
-    current = _link_target(root_real, "current", strict)
+    current = link_target(root_real, "current", strict)
     links = _read_links(os.path.join(root_real, "releases", current)) if current else {}
     out = []
     for spec in files:
@@ -212,7 +212,7 @@ def _served_files(root_real, files, rehash=False, strict=True):
         own = os.path.join(root_real, "releases", current, spec["path"]) if current else None
         record = {"path": spec["path"], "remote_path": real, "sha256": None}
         if current is None or real == own:
-            record["sha256"] = _sha256_or_none(real)
+            record["sha256"] = sha256_or_none(real)
             if record["sha256"] is not None:
                 record["mode"] = "%04o" % stat.S_IMODE(os.stat(real).st_mode)
         elif os.path.lexists(joined):
@@ -239,19 +239,19 @@ def _extra_files(root_real, current, manifest, links):
 def _served_link(root_real, base, path, target, rehash=False):
     """One overlay link under ``base`` (``current``, or a release's directory): where it points
     (``link``), and the digest of what it points at when that is where the release says."""
-    parent = _inside(root_real, os.path.join(base, os.path.dirname(path))) if os.path.dirname(path) else None
-    link = os.path.join(parent or _inside(root_real, base), os.path.basename(path))
+    parent = path_inside(root_real, os.path.join(base, os.path.dirname(path))) if os.path.dirname(path) else None
+    link = os.path.join(parent or path_inside(root_real, base), os.path.basename(path))
     try:
         found = os.readlink(link)
     except OSError:
         found = None
     record = {"path": path, "remote_path": target, "link": found, "sha256": None, "verified": None}
     if found == target:
-        record["sha256"], record["verified"] = _digests(root_real).digest(link, rehash)
+        record["sha256"], record["verified"] = digest_cache(root_real).digest(link, rehash)
     return record
 
 
-def _rmtree(path, ignore_errors=False):
+def remove_tree(path, ignore_errors=False):
     """Remove a directory tree without following symlinks (shutil's fd-based walk, in short).
 
     Not shutil itself: it pulls in re, bz2 and lzma, ~5 ms of every deploy once old releases
@@ -302,7 +302,7 @@ def _clean_staging(releases):
         # and no number was not staged by us.
         if held is None or (held and SEQUENCE not in held):
             continue
-        _rmtree(path, ignore_errors=True)
+        remove_tree(path, ignore_errors=True)
 
 
 def _ours(releases, name):
@@ -327,7 +327,7 @@ def _order(releases, name):
     from before sequence numbers come first, by their time."""
     path = os.path.join(releases, name)
     try:
-        with _open_file(os.path.join(path, SEQUENCE)) as f:
+        with open_file(os.path.join(path, SEQUENCE)) as f:
             return (1, int(f.read(32).decode("ascii").strip()), name)
     except (OSError, ValueError, UnicodeDecodeError):
         return (0, os.lstat(path).st_mtime, name)
@@ -342,7 +342,7 @@ def _next_sequence(releases):
 def _prune(root_real, releases, keep):
     """Remove the oldest releases beyond ``keep``, then the compile caches no kept release used."""
     # ``launched``: the release the server was started from reads its drafter through it.
-    protected = set(x for x in (_link_target(root_real, n, False) for n in ("current", "previous", LAUNCHED)) if x)
+    protected = set(x for x in (link_target(root_real, n, False) for n in ("current", "previous", LAUNCHED)) if x)
     candidates = []
     for name in os.listdir(releases):
         if name.startswith(".") or name in protected or not _ours(releases, name):
@@ -352,7 +352,7 @@ def _prune(root_real, releases, keep):
     excess = len(candidates) + len(protected) - keep
     pruned = []
     for _, name in candidates[: max(0, excess)]:
-        _rmtree(os.path.join(releases, name))
+        remove_tree(os.path.join(releases, name))
         pruned.append(name)
     _prune_cache(root_real, releases)
     return pruned
@@ -375,7 +375,7 @@ def _hash_name(name):
     return 8 <= len(name) <= 64 and all(c in "0123456789abcdef" for c in name)
 
 
-def _cache_key_dir(path):
+def cache_key_dir(path):
     """A logged cache path cut to its hash directory, relative to the compile cache: ``<hash>``
     or ``torch_aot_compile/<hash>``; None when it is not one."""
     parts = [x for x in str(path).split("/") if x]
@@ -395,7 +395,7 @@ def _note_ready_cache(root_real):
     import json
 
     try:
-        record = json.loads(_read_own(os.path.join(root_real, "ready.json")) or b"null")
+        record = json.loads(read_own(os.path.join(root_real, "ready.json")) or b"null")
         release = record["release_id"]
         dirs = record["gates"]["health"]["startup"]["cache_dirs"]
         _check_release_id(release)
@@ -404,7 +404,7 @@ def _note_ready_cache(root_real):
     ours = os.path.realpath(os.path.join(root_real, CACHE))
     names = set()
     for d in dirs if isinstance(dirs, list) else ():
-        name = _cache_key_dir(d)
+        name = cache_key_dir(d)
         cut = str(d).split("/torch_compile_cache/")[0]
         if name and os.path.realpath(os.path.join(cut, "torch_compile_cache")) == ours:
             names.add(name)
@@ -413,14 +413,14 @@ def _note_ready_cache(root_real):
     used = os.path.join(root_real, CACHE_USED, release)
     names |= set(_used(used))
     data = ("\n".join(sorted(names)) + "\n").encode()
-    if _read_own(used) != data:
-        _atomic_write(used, data, _sha256(data), 0o644)
+    if read_own(used) != data:
+        atomic_write(used, data, sha256_hex(data), 0o644)
     return True
 
 
 def _used(path):
-    text = (_read_own(path) or b"").decode("utf-8", "replace")
-    return [x for x in text.splitlines() if _cache_key_dir("torch_compile_cache/" + x) == x]
+    text = (read_own(path) or b"").decode("utf-8", "replace")
+    return [x for x in text.splitlines() if cache_key_dir("torch_compile_cache/" + x) == x]
 
 
 def _prune_cache(root_real, releases):
@@ -435,7 +435,7 @@ def _prune_cache(root_real, releases):
         if name in kept:
             keep.update(_used(os.path.join(notes, name)))
         elif not name.startswith("."):
-            _unlink_quietly(os.path.join(notes, name))
+            unlink_quietly(os.path.join(notes, name))
     cache, removed = os.path.join(root_real, CACHE), []
     for sub in ("", AOT):
         where = os.path.join(cache, sub) if sub else cache
@@ -451,7 +451,7 @@ def _prune_cache(root_real, releases):
                 continue
             if not is_dir or not _hash_name(name) or rel in keep:
                 continue  # not a compile key's directory as vLLM names them, or one a kept release used
-            _rmtree(os.path.join(where, name), ignore_errors=True)
+            remove_tree(os.path.join(where, name), ignore_errors=True)
             removed.append(rel)
     return removed
 
@@ -459,25 +459,25 @@ def _prune_cache(root_real, releases):
 def _stage_release(staging, files, wanted, links, models, sequence):
     os.mkdir(staging, 0o755)
     number = b"%d\n" % sequence
-    _atomic_write(os.path.join(staging, SEQUENCE), number, _sha256(number), 0o644)
+    atomic_write(os.path.join(staging, SEQUENCE), number, sha256_hex(number), 0o644)
     for spec in files:
         if "\n" in spec["path"] or "\\" in spec["path"]:
             raise OpError("bad_request", "a file path may not hold a newline or a backslash", spec["path"])
-        data, expected = _decode_content(spec)
-        _atomic_write(os.path.join(staging, spec["path"]), data, expected, _mode(spec))
+        data, expected = decode_content(spec)
+        atomic_write(os.path.join(staging, spec["path"]), data, expected, file_mode(spec))
     for path in sorted(links):
         where = os.path.join(staging, path)
         os.makedirs(os.path.dirname(where), mode=0o755, exist_ok=True)
         os.symlink(links[path], where)
     if links:
         body = _links_bytes(links)
-        _atomic_write(os.path.join(staging, LINKS), body, _sha256(body), 0o644)
+        atomic_write(os.path.join(staging, LINKS), body, sha256_hex(body), 0o644)
     if models:
         # sha256sum(1) format with absolute paths: `sha256sum -c` checks the models from anywhere.
         body = "".join("%s  %s\n" % (models[p], p) for p in sorted(models)).encode("utf-8", "surrogateescape")
-        _atomic_write(os.path.join(staging, MODELS), body, _sha256(body), 0o644)
+        atomic_write(os.path.join(staging, MODELS), body, sha256_hex(body), 0o644)
     body = _manifest_bytes(wanted)
-    _atomic_write(os.path.join(staging, MANIFEST), body, _sha256(body), 0o644)
+    atomic_write(os.path.join(staging, MANIFEST), body, sha256_hex(body), 0o644)
 
 
 def _overlay_links(overlays, pushed):
@@ -485,10 +485,10 @@ def _overlay_links(overlays, pushed):
     (the drafter's weights beside the release's own config.json)."""
     links = {}
     for overlay in overlays:
-        dest, source = overlay["dest"], _model_path(overlay["source"])
+        dest, source = overlay["dest"], model_path(overlay["source"])
         if not dest or os.path.normpath(dest) != dest or dest.startswith(("/", "..")):
             raise OpError("bad_request", "an overlay's dest must be a relative path", dest)
-        for name in _model_names(source, overlay["files"]):
+        for name in model_names(source, overlay["files"]):
             path = "%s/%s" % (dest, name)
             if path not in pushed:
                 links[path] = os.path.join(source, name)
@@ -525,7 +525,7 @@ def op_release_apply(req):
     the release's config.json): each link and its target's digest are part of the release.
     ``models``: the answers of this batch's ``model_files`` ops (by reference): the model files
     the release is proven with, recorded in its ``.models.sha256``."""
-    root = _root(req)
+    root = deploy_root(req)
     release_id = req["release_id"]
     _check_release_id(release_id)
     files = items(req, "files", path=str, sha256=str, mode=str, content=bytes)
@@ -533,15 +533,15 @@ def op_release_apply(req):
     keep, switch = req["keep"], req["switch"]
     releases = _releases_dir(root)  # a link in its place is replaced before any path is resolved
     for spec in files:
-        _inside(root, os.path.join("releases", release_id, spec["path"]))
+        path_inside(root, os.path.join("releases", release_id, spec["path"]))
     _clean_staging(releases)
 
     wanted = dict((f["path"], f["sha256"]) for f in files)
     links = _overlay_links(overlays, wanted)
-    digests = _digests(root)
+    digests = digest_cache(root)
     verified = {}
     for path in sorted(links):
-        _inside(root, os.path.join("releases", release_id, os.path.dirname(path)))
+        path_inside(root, os.path.join("releases", release_id, os.path.dirname(path)))
         wanted[path], verified[path] = digests.digest(links[path], req["rehash"])
         if wanted[path] is None:
             raise OpError("missing_model_file", "%s is missing or not a readable file" % links[path], links[path])
@@ -549,13 +549,13 @@ def op_release_apply(req):
     before = dict((f["path"], f["sha256"]) for f in served)
     # A release is its files with their modes: a mode changed in the playbook or on the host is a
     # new release (chmod 0666 by hand is repaired by the next deploy).
-    same_modes = all(f.get("mode") == "%04o" % _mode(spec) for f, spec in zip(served, files))
+    same_modes = all(f.get("mode") == "%04o" % file_mode(spec) for f, spec in zip(served, files))
     current_dir = os.path.join(releases, current) if current else None
     current_links = _read_links(current_dir) if current_dir else {}
     pinned = _read_manifest(current_dir) if current_dir else None
     # The model files this batch read (model_files): the release records what it is proven with.
     models = _models_read(req["models"])
-    same_models = (_read_models(current_dir) if current_dir else {}) == models
+    same_models = (release_models(current_dir) if current_dir else {}) == models
     # reuse=False: a new release even when current holds these files (a multi-node group must
     # share one release id, and a node that was repaired alone holds another).
     same_files = pinned == wanted and current_links == links and all(before[p] == wanted[p] for p in wanted)
@@ -569,7 +569,7 @@ def op_release_apply(req):
             "switched": True,
             "retried": made_now,
             "release_id": current,
-            "previous": _link_target(root, "previous", strict=False),
+            "previous": link_target(root, "previous", strict=False),
             "files": [_with_link(dict(f, changed=False), links, verified, pinned, current_links) for f in served],
             "pruned": [],
         }
@@ -577,25 +577,29 @@ def op_release_apply(req):
     final_dir = os.path.join(releases, release_id)
     if os.path.lexists(final_dir):
         # A retried batch after a cut connection may find its own finished release.
-        if _read_manifest(final_dir) != wanted or _read_links(final_dir) != links or _read_models(final_dir) != models:
+        if (
+            _read_manifest(final_dir) != wanted
+            or _read_links(final_dir) != links
+            or release_models(final_dir) != models
+        ):
             raise OpError("release_exists", "release %s exists with other content" % release_id, final_dir)
     else:
         staging = os.path.join(releases, "%s%s-%d" % (STAGING_PREFIX, release_id, os.getpid()))
         try:
             _stage_release(staging, files, wanted, links, models, _next_sequence(releases))
             os.rename(staging, final_dir)
-            _fsync_dir(releases)
+            fsync_dir(releases)
         except OSError as exc:
-            _rmtree(staging, ignore_errors=True)
-            raise _os_error("io", exc, final_dir)
+            remove_tree(staging, ignore_errors=True)
+            raise os_error("io", exc, final_dir)
         except OpError as exc:
             # A half-built release is never left behind: current is untouched and stays served.
-            _rmtree(staging, ignore_errors=True)
+            remove_tree(staging, ignore_errors=True)
             if exc.path and exc.path.startswith(staging):
                 exc.path = final_dir + exc.path[len(staging) :]
             raise
     for spec in files:
-        _read_back(os.path.join(final_dir, spec["path"]), spec["sha256"])
+        read_back(os.path.join(final_dir, spec["path"]), spec["sha256"])
     for path in sorted(links):
         found = _served_link(root, os.path.join("releases", release_id), path, links[path])
         if found["sha256"] != wanted[path]:
@@ -619,13 +623,13 @@ def op_release_apply(req):
             }
             record["changed"] = before[path] != wanted[path]
             if path not in links:
-                record.update(_stat_record(where))
+                record.update(stat_record(where))
             out.append(_with_link(record, links, verified, pinned, current_links))
         return {
             "changed": True,
             "switched": False,
             "release_id": release_id,
-            "previous": _link_target(root, "current", strict=False),
+            "previous": link_target(root, "current", strict=False),
             "files": out,
             "pruned": [],
         }
@@ -644,7 +648,7 @@ def op_release_apply(req):
     for f in served:
         record = dict(f, changed=before[f["path"]] != f["sha256"])
         if f["path"] not in links:
-            record.update(_stat_record(f["remote_path"]))
+            record.update(stat_record(f["remote_path"]))
         record["before"] = before[f["path"]]
         out.append(_with_link(record, links, verified, pinned, current_links))
     return {
@@ -675,7 +679,7 @@ def _with_link(record, links, verified, pinned, current_links):
 def op_release_verify(req):
     """Read-only: the digests of the files the server reads, through ``current``, and every link of
     its overlay (where it points, and its target's digest: the cache's unless ``rehash``)."""
-    root = _root(req, create=False)
+    root = deploy_root(req, create=False)
     rehash = req["rehash"]
     current, served = _served_files(root, items(req, "files", path=str), rehash)
     manifest, links = None, []
@@ -684,13 +688,13 @@ def op_release_verify(req):
         manifest = _read_manifest(release_dir)
         recorded = _read_links(release_dir)
         links = [_served_link(root, "current", p, recorded[p], rehash) for p in sorted(recorded)]
-        models = _read_models(release_dir)
+        models = release_models(release_dir)
         extra = _extra_files(root, current, manifest, recorded)
     else:
         models, extra = {}, []
     return {
         "current": current,
-        "previous": _link_target(root, "previous", strict=False),
+        "previous": link_target(root, "previous", strict=False),
         "files": served,
         "manifest": manifest,
         "links": links,
@@ -702,7 +706,7 @@ def op_release_verify(req):
 @op("release_inspect", root=str, files=list, max_bytes=int)
 def op_release_inspect(req):
     """What ``current`` holds, with small text contents, for dry-run diffs."""
-    root = _root(req, create=False)
+    root = deploy_root(req, create=False)
     limit = req["max_bytes"]
     current, served = _served_files(root, items(req, "files", path=str))
     for f in served:
@@ -713,19 +717,19 @@ def op_release_inspect(req):
         # A file not everyone may read never leaves the host: dry-run shows digests for it.
         f["private"] = not st.st_mode & 0o004
         if not f["private"] and st.st_size <= limit:
-            with _open_file(f["remote_path"]) as fh:
-                f["content_b64"] = _b64(fh.read())
+            with open_file(f["remote_path"]) as fh:
+                f["content_b64"] = b64(fh.read())
     return {"current": current, "files": served}
 
 
 @op("release_list", root=str)
 def op_release_list(req):
     """The releases this tool made under the deploy root, oldest first, and current and previous."""
-    root = _root(req, create=False)
+    root = deploy_root(req, create=False)
     releases = os.path.join(root, "releases")
     names = []
     if os.path.isdir(releases):
-        _inside(root, "releases")
+        path_inside(root, "releases")
         names = sorted(os.listdir(releases))
     items: list[dict] = []
     for name in names:
@@ -734,8 +738,8 @@ def op_release_list(req):
             items.append({"release_id": name, "mtime": os.stat(path).st_mtime, "order": _order(releases, name)})
     items.sort(key=lambda r: r.pop("order"))
     return {
-        "current": _link_target(root, "current"),
-        "previous": _link_target(root, "previous"),
+        "current": link_target(root, "current"),
+        "previous": link_target(root, "previous"),
         "releases": items,
     }
 
@@ -743,8 +747,8 @@ def op_release_list(req):
 @op("release_switch", root=str, release_id=(str, NONE), keep=(int, NONE))
 def op_release_switch(req):
     """Switch ``current`` (rollback when no release is named), then read it back."""
-    root = _root(req)
-    target = req["release_id"] or _link_target(root, "previous")
+    root = deploy_root(req)
+    target = req["release_id"] or link_target(root, "previous")
     if target is None:
         raise OpError("no_previous", "there is no previous release to go back to", root)
     _check_release_id(target)
@@ -765,7 +769,7 @@ def op_release_switch(req):
                     links[path],
                 )
         else:
-            _read_back(os.path.join(release_dir, path), digest)
+            read_back(os.path.join(release_dir, path), digest)
     previous = _switch(root, target)
     current, served = _served_files(root, [{"path": p} for p in sorted(wanted)])
     for f in served:

@@ -12,34 +12,34 @@ from remote_agent.core import (
     NUMBER,
     REF,
     OpError,
-    _atomic_write,
-    _dumps,
-    _event,
-    _helper,
-    _line_mac,
-    _missing,
-    _open_file,
-    _open_own,
-    _os_error,
-    _own_dir,
-    _proc_start,
-    _read_own,
-    _read_small,
-    _root,
-    _run_bounded,
-    _sha256,
+    atomic_write,
+    deploy_root,
+    helper_program,
+    json_text,
+    line_mac,
+    missing_reason,
     op,
+    open_file,
+    open_own,
     os,
+    os_error,
+    own_dir,
+    process_start_time,
+    read_own,
+    read_small,
+    run_bounded,
+    send_event,
+    sha256_hex,
     time,
 )
-from remote_agent.releases import LAUNCHED, _link_target, _point_launched, _restore_launched
+from remote_agent.releases import LAUNCHED, link_target, point_launched, restore_launched
 from remote_agent.web import http_request
 
 # --- signed caches of the deploy root, and the release a check reads through ``launched`` ---
 # (here, not in core: a files-only batch carries neither)
 
 
-def _stamp(path):
+def file_stamp(path):
     """What a cache keyed on a file's stat compares: device, inode, size, mtime and ctime (None:
     no such file)."""
     try:
@@ -49,7 +49,7 @@ def _stamp(path):
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _signed_lines(path, limit):
+def signed_lines(path, limit):
     """The lines of a cache file the agent keeps signed (``<mac> <json>``) whose signature holds,
     as (entry, body): a line planted without the controller's key is skipped, a file larger than
     ``limit`` (not one the agent wrote) read not at all."""
@@ -61,9 +61,9 @@ def _signed_lines(path, limit):
     except OSError:
         return []
     out = []
-    for line in (_read_own(path) or b"").decode("utf-8", "replace").split("\n"):
+    for line in (read_own(path) or b"").decode("utf-8", "replace").split("\n"):
         mac, _, body = line.partition(" ")
-        if not body or mac != _line_mac(body):
+        if not body or mac != line_mac(body):
             continue
         try:
             entry = json.loads(body)
@@ -74,19 +74,19 @@ def _signed_lines(path, limit):
     return out
 
 
-def _signed_keep(path, entry, limit, entries):
+def signed_keep(path, entry, limit, entries):
     """Keep ``entry`` (a dict with a ``key``) first in a signed cache file, before the newest
     ``entries - 1`` others of another key; without the controller's key nothing is kept, and a
     file that cannot be written costs the next check its work, nothing else."""
     import json
 
-    if not _line_mac(""):
+    if not line_mac(""):
         return
     body = json.dumps(entry, sort_keys=True)
-    others = [b for e, b in _signed_lines(path, limit) if e.get("key") != entry["key"]]
-    data = "".join("%s %s\n" % (_line_mac(b), b) for b in [body, *others[: entries - 1]]).encode("utf-8")
+    others = [b for e, b in signed_lines(path, limit) if e.get("key") != entry["key"]]
+    data = "".join("%s %s\n" % (line_mac(b), b) for b in [body, *others[: entries - 1]]).encode("utf-8")
     try:
-        _atomic_write(path, data, _sha256(data), 0o644)
+        atomic_write(path, data, sha256_hex(data), 0o644)
     except OpError:
         pass
 
@@ -100,12 +100,12 @@ class _LaunchedAt:
 
     def __enter__(self):
         if self.release_id is not None:
-            self.before = _point_launched(self.root_real, self.release_id)
+            self.before = point_launched(self.root_real, self.release_id)
         return self
 
     def __exit__(self, *exc):
         if self.release_id is not None:
-            _restore_launched(self.root_real, self.before)
+            restore_launched(self.root_real, self.before)
         return False
 
 
@@ -118,23 +118,23 @@ def _pidfile(root, name):
     return os.path.join(root, "run", "%s.json" % name)
 
 
-def _server(root, name):
+def server_record(root, name):
     import json
 
     try:
-        record = json.loads(_read_own(_pidfile(root, name)) or b"null")
+        record = json.loads(read_own(_pidfile(root, name)) or b"null")
     except ValueError:
         return None
     if not isinstance(record, dict):
         return None
-    if _proc_start(record.get("pid", 0)) != record.get("start"):
+    if process_start_time(record.get("pid", 0)) != record.get("start"):
         record["alive"] = False
         unit = record.get("unit")
         if isinstance(unit, str) and unit and _systemd_is_init():
             # Restarted through systemd behind our back (systemctl restart): the unit we wrote is
             # still the server, under a new pid. Named as such, never taken for the one we proved.
             pid = _unit_main_pid(unit)
-            if pid and _proc_start(pid) is not None:
+            if pid and process_start_time(pid) is not None:
                 record.update({"restarted_from": record.get("pid"), "pid": pid, "alive": True})
     else:
         record["alive"] = True
@@ -168,7 +168,7 @@ def _log_tail(path, lines=30):
     import re
 
     try:
-        with _open_file(path) as f:
+        with open_file(path) as f:
             f.seek(0, 2)
             size = f.tell()
             f.seek(max(0, size - 64 * 1024))
@@ -202,7 +202,7 @@ def _startup(record):
         return None
     lines: list[str] = []
     try:
-        with _open_file(record["log"]) as f:
+        with open_file(record["log"]) as f:
             f.seek(offset)
             read = 0
             while len(lines) < STARTUP_LINES and read < 4 * 1024 * 1024:
@@ -231,7 +231,7 @@ def _stop(root, name, timeout):
     import signal
     import subprocess
 
-    record = _server(root, name)
+    record = server_record(root, name)
     if record and record.get("unit"):
         # systemd sends SIGTERM to the main process only (KillMode=mixed), SIGKILL to whatever of
         # the control group is left at TimeoutStopSec, and waits for it.
@@ -259,9 +259,9 @@ def _stop(root, name, timeout):
     except ProcessLookupError:
         pass
     deadline = time.monotonic() + timeout
-    while _proc_start(pid) == record["start"] and time.monotonic() < deadline:
+    while process_start_time(pid) == record["start"] and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _proc_start(pid) == record["start"] or _group_alive(pid):
+    if process_start_time(pid) == record["start"] or _group_alive(pid):
         # past the wait, or what the main process left behind: SIGKILL to all of the group
         _end_group(pid, deadline)
     return pid
@@ -287,7 +287,7 @@ def _group_alive(pgid):
         if not entry.isdigit():
             continue
         try:
-            if os.getpgid(int(entry)) == pgid and _proc_start(int(entry)) is not None:
+            if os.getpgid(int(entry)) == pgid and process_start_time(int(entry)) is not None:
                 return True
         except ProcessLookupError:
             continue
@@ -297,7 +297,7 @@ def _group_alive(pgid):
 @op("stop", name=str, root=str, timeout=NUMBER)
 def op_stop(req):
     """Stop the process we started under ``name`` and check that nothing of it is left."""
-    root = _root(req)
+    root = deploy_root(req)
     name = req["name"]
     pid = _stop(root, name, float(req["timeout"]))
     return {"stopped": pid, "gone": _gone(root, name)}
@@ -306,7 +306,7 @@ def op_stop(req):
 def _gone(root, name):
     import subprocess
 
-    record = _server(root, name)
+    record = server_record(root, name)
     if not record:
         return True
     if record.get("unit"):
@@ -327,20 +327,20 @@ def op_command(req):
     return its exit status and output."""
     import subprocess
 
-    argv = _argv(req)
+    argv = checked_argv(req)
     env = dict(os.environ)
     env.update(req["env"])
     data = req["input"].encode("utf-8") if req["input"] is not None else None
     try:
-        code, out, _ = _run_bounded(argv, float(req["timeout"]), env=env, data=data, merge=True, keep=16384)
+        code, out, _ = run_bounded(argv, float(req["timeout"]), env=env, data=data, merge=True, keep=16384)
     except OSError as exc:
-        raise _os_error("command", exc, argv[0])
+        raise os_error("command", exc, argv[0])
     except subprocess.TimeoutExpired:
         raise OpError("timeout", "%s did not finish in %s s" % (argv[0], req["timeout"]), argv[0])
     return {"returncode": code, "output": out.decode("utf-8", "replace")}
 
 
-def _argv(req):
+def checked_argv(req):
     argv = req["argv"]
     if not argv or not all(isinstance(a, str) for a in argv):
         raise OpError("bad_request", "argv must be a non-empty list of strings")
@@ -351,10 +351,10 @@ def _command_digest(argv, env):
     """A server command and its environment, as one digest: a changed environment (say
     VLLM_USE_V2_MODEL_RUNNER) restarts the server as a changed flag does, and the record on disk
     names no secret the environment holds."""
-    return _sha256(_dumps({"argv": argv, "env": sorted(env.items())}).encode("utf-8"))
+    return sha256_hex(json_text({"argv": argv, "env": sorted(env.items())}).encode("utf-8"))
 
 
-def _runs(current, argv, env, release_id):
+def server_runs(current, argv, env, release_id):
     """Whether the server we started is alive on this very command, from this release (the same
     command reads another release's drafter through ``launched``)."""
     return bool(
@@ -388,10 +388,10 @@ def op_engine_check(req):
     ``release_id``: the release the command reads its drafter from through ``launched``, pointed
     there for the check alone (the running server read its own at its start) and back after it:
     only a launch leaves it moved."""
-    root = _root(req, create=False)
-    argv, env = _argv(req), req["env"]
-    current = _server(root, req["name"])
-    if req["keep_if_running"] and _runs(current, argv, env, req["release_id"]):
+    root = deploy_root(req, create=False)
+    argv, env = checked_argv(req), req["env"]
+    current = server_record(root, req["name"])
+    if req["keep_if_running"] and server_runs(current, argv, env, req["release_id"]):
         return {"skipped": "the server already runs this command"}
     with _LaunchedAt(root, req["release_id"]):
         return _engine_check(req, root, argv, env)
@@ -402,34 +402,34 @@ def op_serving_runs(req):
     """Whether the server we started runs this very command (argv and environment) from this
     release, alive: then a launch of it keeps it; else the launch restarts it (a changed flag or
     variable restarts it as changed files do), and a gateway must drain it first. Reads only."""
-    root = _root(req, create=False)
-    return {"runs": _runs(_server(root, req["name"]), _argv(req), req["env"], req["release_id"])}
+    root = deploy_root(req, create=False)
+    return {"runs": server_runs(server_record(root, req["name"]), checked_argv(req), req["env"], req["release_id"])}
 
 
 def _engine_check(req, root, argv, env):
     import subprocess
 
-    _engine_may_run(root, req["name"], argv)
+    engine_may_run(root, req["name"], argv)
     if req["kept"]:  # ``launched`` is pointed already
-        known = _engine_cached(root, _engine_key(argv, env, req["expect"]), None)
+        known = engine_cached(root, engine_check_key(argv, env, req["expect"]), None)
         if known is not None:
             return known
     full = dict(os.environ)
     full.update(env)  # as the launch gives it
     try:
-        code, stdout, stderr = _run_bounded(
-            [argv[0], "-c", _helper("engine_check"), *argv[3:]], float(req["timeout"]), env=full, cwd=root
+        code, stdout, stderr = run_bounded(
+            [argv[0], "-c", helper_program("engine_check"), *argv[3:]], float(req["timeout"]), env=full, cwd=root
         )
     except FileNotFoundError:
-        raise OpError("no_python", _missing("serving interpreter", argv[0]), argv[0])
+        raise OpError("no_python", missing_reason("serving interpreter", argv[0]), argv[0])
     except subprocess.TimeoutExpired:
         raise OpError("timeout", "vLLM did not finish checking its configuration in %d s" % req["timeout"], argv[0])
-    verdict = _engine_verdict(code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), req["expect"])
+    verdict = engine_verdict(code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), req["expect"])
     verdict.pop("where", None)
     return verdict
 
 
-def _engine_may_run(root, name, argv):
+def engine_may_run(root, name, argv):
     """Before vLLM is asked: the command is a `vllm serve` of the serving Python, and where systemd
     is the init, the unit the launch would write is ours to write."""
     if len(argv) < 4 or argv[1] != "-c" or argv[3] != "serve":
@@ -441,7 +441,7 @@ def _engine_may_run(root, name, argv):
             raise OpError("unit_not_ours", refused, _unit_name(root, name))
 
 
-def _engine_verdict(code, out, err, expect):
+def engine_verdict(code, out, err, expect):
     """vLLM's verdict from the check's output (after its marker), or its refusal as an OpError:
     vLLM's own words, or a value it resolved other than the one ``expect`` names."""
     import json
@@ -496,12 +496,12 @@ SIDE_FILES = 256  # more top-level files than any model directory has: not kept
 SIDE_FILE_HASHED = 32 << 20  # a larger one (never a config) is stamped by stat
 
 
-def _engine_key(argv, env, expect):
+def engine_check_key(argv, env, expect):
     """A command, its environment and what the tool expects vLLM to resolve, with the helper that
     asks: one digest (the environment may hold a secret)."""
-    helper = _sha256(_helper("engine_check").encode("utf-8"))
-    return _sha256(
-        _dumps({"argv": argv, "env": sorted(env.items()), "expect": expect, "helper": helper}).encode("utf-8")
+    helper = sha256_hex(helper_program("engine_check").encode("utf-8"))
+    return sha256_hex(
+        json_text({"argv": argv, "env": sorted(env.items()), "expect": expect, "helper": helper}).encode("utf-8")
     )
 
 
@@ -530,14 +530,14 @@ def _model_stamp(path):
         if not stat_mod.S_ISREG(st.st_mode):
             return None  # a FIFO or a device: never opened
         if st.st_size > SIDE_FILE_HASHED:
-            parts.append([name, _stamp(full)])
+            parts.append([name, file_stamp(full)])
             continue
         try:
-            with _open_file(full) as f:
-                parts.append([name, _sha256(f.read())])
+            with open_file(full) as f:
+                parts.append([name, sha256_hex(f.read())])
         except OSError:
             return None
-    return _sha256(_dumps(parts).encode("utf-8"))
+    return sha256_hex(json_text(parts).encode("utf-8"))
 
 
 def _engine_deps(where):
@@ -547,9 +547,13 @@ def _engine_deps(where):
         models = [m for m in where["models"] if m is not None]
     except (KeyError, TypeError):
         return None
-    if not all(isinstance(p, str) for p in paths + models) or _stamp(paths[0]) is None or _stamp(paths[1]) is None:
+    if (
+        not all(isinstance(p, str) for p in paths + models)
+        or file_stamp(paths[0]) is None
+        or file_stamp(paths[1]) is None
+    ):
         return None
-    deps = {"stat": {p: _stamp(p) for p in paths}, "models": {}}
+    deps = {"stat": {p: file_stamp(p) for p in paths}, "models": {}}
     for model in models:
         deps["models"][model] = _model_stamp(model)
         if deps["models"][model] is None:
@@ -557,13 +561,13 @@ def _engine_deps(where):
     return deps
 
 
-def _engine_cached(root, key, release_id):
+def engine_cached(root, key, release_id):
     """vLLM's kept pass for this key while what it depends on holds, read with ``launched`` at
     the release the command reads its drafter from (None: ask vLLM)."""
     import time as clock
 
     began = clock.monotonic()
-    entries = [e for e, _ in _signed_lines(os.path.join(root, ENGINE_CACHE), ENGINE_CACHE_BYTES) if e.get("key") == key]
+    entries = [e for e, _ in signed_lines(os.path.join(root, ENGINE_CACHE), ENGINE_CACHE_BYTES) if e.get("key") == key]
     if not entries:
         return None
     with _LaunchedAt(root, release_id):
@@ -574,22 +578,24 @@ def _engine_cached(root, key, release_id):
             stats, models = deps.get("stat"), deps.get("models")
             if not isinstance(stats, dict) or not isinstance(models, dict):
                 continue
-            if all(_stamp(p) == s for p, s in stats.items()) and all(_model_stamp(m) == s for m, s in models.items()):
+            if all(file_stamp(p) == s for p, s in stats.items()) and all(
+                _model_stamp(m) == s for m, s in models.items()
+            ):
                 return dict(verdict, cached=True, seconds=round(clock.monotonic() - began, 3))
     return None
 
 
-def _engine_keep(root, key, verdict, release_id):
+def engine_keep(root, key, verdict, release_id):
     """Keep a pass (its ``where`` taken out of the answer either way), stamped with ``launched`` at
     the release the check read its drafter from."""
     where = verdict.pop("where", None)
-    if not _line_mac("") or not isinstance(where, dict):
+    if not line_mac("") or not isinstance(where, dict):
         return
     with _LaunchedAt(root, release_id if isinstance(release_id, str) else None):
         deps = _engine_deps(where)
     if deps is not None:
         entry = {"key": key, "deps": deps, "verdict": verdict}
-        _signed_keep(os.path.join(root, ENGINE_CACHE), entry, ENGINE_CACHE_BYTES, ENGINE_CACHE_ENTRIES)
+        signed_keep(os.path.join(root, ENGINE_CACHE), entry, ENGINE_CACHE_BYTES, ENGINE_CACHE_ENTRIES)
 
 
 @op(
@@ -614,11 +620,11 @@ def op_launch(req):
     of this release, as its launch recorded it, where one is recorded for the same port and host,
     else the request's; ``"only"`` starts that command or nothing (``no_ready_command``), and
     never the one that runs or last ran (it is the one that failed)."""
-    root = _root(req)
+    root = deploy_root(req)
     name = req["name"]
-    argv = _argv(req)
+    argv = checked_argv(req)
     env = req["env"]
-    current = _server(root, name)
+    current = server_record(root, name)
     from_ready = False
     if req["ready_command"] is not None:
         recorded = _ready_command(root, name, req, current)
@@ -631,11 +637,11 @@ def op_launch(req):
                 % (req["release_id"], req["port"]),
             )
     spec = _command_digest(argv, env)
-    if req["keep_if_running"] and _runs(current, argv, env, req["release_id"]):
+    if req["keep_if_running"] and server_runs(current, argv, env, req["release_id"]):
         return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}
     stopped = _stop(root, name, float(req["stop_timeout"]))
     # Stopped first: the server that ran read its drafter through ``launched`` at its start.
-    _point_launched(root, req["release_id"])
+    point_launched(root, req["release_id"])
     if req["port"] is not None and _port_answers(req["host"], int(req["port"])):
         # Health and the probe would be answered by whatever holds it, and our server, unable to
         # bind, would look ready for as long as it takes to die.
@@ -646,7 +652,7 @@ def op_launch(req):
             "serving.port" % int(req["port"]),
         )
     for sub in ("run", "logs"):
-        _own_dir(root, sub)
+        own_dir(root, sub)
     # This start's own variables (a host given a compile cache is held to it): in the process's
     # environment, not in the command's digest or record (a redeploy of the command keeps it).
     run_env = dict(env)
@@ -657,7 +663,7 @@ def op_launch(req):
             raise OpError("bad_request", "start_env holds %r: only VLLM_* variables of string values" % (key,))
         run_env[key] = value
     log_path = os.path.join(root, "logs", "%s.log" % name)
-    with os.fdopen(_open_own(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab") as log:
+    with os.fdopen(open_own(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab") as log:
         log.write(
             ("\n=== %s launch %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), req["release_id"])).encode()
         )
@@ -672,7 +678,7 @@ def op_launch(req):
         unit, pid = None, _launch_process(root, argv, run_env, log_path)
     record = {
         "pid": pid,
-        "start": _proc_start(pid),
+        "start": process_start_time(pid),
         "release_id": req["release_id"],
         "unit": unit,
         "port": req["port"],
@@ -682,8 +688,8 @@ def op_launch(req):
         "argv": argv,
         "command_sha256": spec,
     }
-    body = _dumps(record).encode("utf-8")
-    _atomic_write(_pidfile(root, name), body, _sha256(body), 0o644)
+    body = json_text(record).encode("utf-8")
+    atomic_write(_pidfile(root, name), body, sha256_hex(body), 0o644)
     _remember_command(root, name, record, env, req)
     return {
         "pid": pid,
@@ -713,7 +719,7 @@ def _remembered(root, name):
     # Only a regular file of our own that no one else may read or write (a command from it is
     # run): anything else is as good as none, and a going back then uses the playbook's command.
     try:
-        f = _open_file(_commands_path(root, name), follow=False)
+        f = open_file(_commands_path(root, name), follow=False)
     except OSError:
         return []
     with f:
@@ -741,9 +747,9 @@ def _remember_command(root, name, record, env, req):
         "command_sha256": spec,
     }
     kept = [e for e in _remembered(root, name) if e.get("command_sha256") != spec]
-    body = _dumps([entry, *kept[: REMEMBERED - 1]]).encode("utf-8")
+    body = json_text([entry, *kept[: REMEMBERED - 1]]).encode("utf-8")
     try:
-        _atomic_write(_commands_path(root, name), body, _sha256(body), 0o600)
+        atomic_write(_commands_path(root, name), body, sha256_hex(body), 0o600)
     except OpError:
         pass  # the server runs: a record that cannot be written costs a going back, not this start
 
@@ -754,7 +760,7 @@ def _ready_command(root, name, req, current):
     import json
 
     try:
-        ready = json.loads(_read_own(os.path.join(root, "ready.json")) or b"null")
+        ready = json.loads(read_own(os.path.join(root, "ready.json")) or b"null")
     except ValueError:
         return None
     if not isinstance(ready, dict) or ready.get("release_id") != req["release_id"]:
@@ -801,7 +807,7 @@ def _launch_process(root, argv, extra_env, log_path):
 
     env = dict(os.environ)
     env.update(extra_env)
-    with os.fdopen(_open_own(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab") as log:
+    with os.fdopen(open_own(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "ab") as log:
         try:
             proc = subprocess.Popen(
                 argv,
@@ -814,7 +820,7 @@ def _launch_process(root, argv, extra_env, log_path):
                 close_fds=True,
             )
         except OSError as exc:
-            raise _os_error("launch", exc, argv[0])
+            raise os_error("launch", exc, argv[0])
     return proc.pid
 
 
@@ -850,7 +856,7 @@ UNIT_DIRS_AFTER = (
 
 
 def _unit_name(root, name):
-    return "%s-%s.service" % (name, _sha256(root.encode())[:8])
+    return "%s-%s.service" % (name, sha256_hex(root.encode())[:8])
 
 
 def _unit_not_ours(unit):
@@ -861,7 +867,7 @@ def _unit_not_ours(unit):
     (``service.d``, as LXC's) are left to the host."""
     ours = os.path.join("/etc/systemd/system", unit)
     try:
-        text = _read_small(ours, 1 << 16)
+        text = read_small(ours, 1 << 16)
     except OpError as exc:
         return exc.message
     if text is not None and UNIT_MARK not in text:
@@ -918,7 +924,7 @@ def _launch_unit(root, name, argv, extra_env, log_path, release_id, stop_timeout
         "Environment=" + _systemd_quote("%s=%s" % (k, v), expand_dollar=False) for k, v in sorted(extra_env.items())
     ]
     body = ("\n".join(lines) + "\n").encode("utf-8")
-    _atomic_write(os.path.join("/etc/systemd/system", unit), body, _sha256(body), 0o600)
+    atomic_write(os.path.join("/etc/systemd/system", unit), body, sha256_hex(body), 0o600)
 
     def systemctl(*args):
         return subprocess.run(["systemctl", *list(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
@@ -945,14 +951,14 @@ def op_wait_health(req):
     """Poll /health and /v1/models until healthy; fail at once when the process dies, or at the deadline."""
     import json
 
-    root = _root(req, create=False)
+    root = deploy_root(req, create=False)
     name, port, model = req["name"], req["port"], req["model"]
     deadline = time.monotonic() + float(req["timeout"])
     started = time.monotonic()
     delay = 0.5
     last = "no answer yet"
     while True:
-        record = _server(root, name)
+        record = server_record(root, name)
         if not record or not record["alive"]:
             log = record["log"] if record else os.path.join(root, "logs", "%s.log" % name)
             raise OpError(
@@ -982,7 +988,7 @@ def op_wait_health(req):
         else:
             # connection refused while the process lives: the engine is still loading
             last = "/health: %s" % (text[:200] if status is None else status)
-        _event(
+        send_event(
             {
                 "op": "wait_health",
                 "elapsed_s": round(time.monotonic() - started, 1),
@@ -1008,21 +1014,21 @@ def op_serving_status(req):
     serves HTTP), and the READY record."""
     import json
 
-    root = _root(req, create=False)
-    record = _server(root, req["name"])
+    root = deploy_root(req, create=False)
+    record = server_record(root, req["name"])
     health = None
     if record and record["alive"] and req["port"] is not None:
         health, _ = http_request(int(record.get("port") or req["port"]), "GET", "/health", timeout=5, host=req["host"])
     ready = None
     try:
-        ready = json.loads(_read_own(os.path.join(root, "ready.json")) or b"null")  # a link: no record
+        ready = json.loads(read_own(os.path.join(root, "ready.json")) or b"null")  # a link: no record
     except ValueError:
         pass
     if not isinstance(ready, dict):
         ready = None  # not a record of ours (edited by hand, cut short): as good as none
     if record:
         record.pop("argv", None)
-    return {"server": record, "health": health, "ready": ready, "launched": _link_target(root, LAUNCHED, strict=False)}
+    return {"server": record, "health": health, "ready": ready, "launched": link_target(root, LAUNCHED, strict=False)}
 
 
 @op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER, warm=int)
@@ -1047,7 +1053,7 @@ def op_probe(req):
             middle_status, middle = http_request(port, "GET", "/metrics", timeout=30, host=host)
             if middle_status != 200:
                 raise OpError("probe", "GET /metrics between the passes failed: %s %s" % (middle_status, middle[:200]))
-        _event({"op": "probe", "done": i, "of": len(prompts) + warm})
+        send_event({"op": "probe", "done": i, "of": len(prompts) + warm})
         body = {
             "model": req["model"],
             "prompt": prompt,
@@ -1114,7 +1120,7 @@ def op_load(req):
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            results[i] = _streamed(host, port, _dumps(body).encode("utf-8"), deadline)
+            results[i] = _streamed(host, port, json_text(body).encode("utf-8"), deadline)
 
     started = time.monotonic()
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(req["concurrency"], req["requests"]))]

@@ -3,7 +3,7 @@ gateway (never through a proxy of the host's environment), the whole exchange wi
 Its own module so that a batch that only asks a gateway carries neither the serving code nor the
 releases' (``remote_agent/__init__.py`` derives what each module needs from its imports)."""
 
-from remote_agent.core import _dumps
+from remote_agent.core import json_text
 
 
 class _Expired(Exception):
@@ -16,7 +16,7 @@ HTTP_LIMIT = 64 << 20  # the largest answer read (a vLLM /metrics is a few hundr
 def http_request(port, method, path, body=None, timeout=30.0, host="127.0.0.1"):
     """One request to the server and its whole answer, within ``timeout`` seconds in all."""
     url = "http://%s:%d%s" % ("[%s]" % host if ":" in host else host, int(port), path)
-    data = _dumps(body).encode("utf-8") if body is not None else None
+    data = json_text(body).encode("utf-8") if body is not None else None
     return http_url(url, method, data, timeout)
 
 

@@ -8,7 +8,6 @@ A ``Field`` walks the data with its path and turns each wrong type into one ``In
 
 from __future__ import annotations
 
-import difflib
 import math
 import posixpath
 from collections.abc import Iterator
@@ -196,6 +195,8 @@ class Field:
         if allowed is not None:
             for name in self.value:
                 if name not in allowed:
+                    import difflib  # only on the error's path
+
                     hint = difflib.get_close_matches(name, sorted(allowed), n=1)
                     also = f" (did you mean '{hint[0]}'?)" if hint else f"; allowed: {', '.join(sorted(allowed))}"
                     raise self[name].error(f"unknown key{also}")

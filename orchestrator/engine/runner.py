@@ -40,7 +40,6 @@ from orchestrator.errors import (
     OrchestratorError,
     TransportError,
 )
-from orchestrator.lxd.containers import spec_for
 from orchestrator.results import (
     GATE_CONNECT,
     GATE_CONTAINERS,
@@ -336,6 +335,8 @@ class ContainerGate:
             return target
         started = time.monotonic()
         try:
+            from orchestrator.lxd.containers import spec_for  # SSH-only runs never load the LXD layer
+
             host = self._host(container.host)
             spec = spec_for(container, self.playbook.disks)
             result = host.ensure(spec) if self.ensure else host.inspect(spec)

@@ -133,7 +133,7 @@ def test_the_loader_check_leaves_the_bytecode_it_compiled_for_the_next_import(
     default) the engine check and the server then read it instead of compiling again. A cache
     prefix stands in for the site's own __pycache__ directories (read-only here)."""
     from remote_agent.checks import _serving_python
-    from remote_agent.core import _helper
+    from remote_agent.core import helper_program
 
     prefix = tmp_path / "pycache"
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(prefix))
@@ -142,7 +142,7 @@ def test_the_loader_check_leaves_the_bytecode_it_compiled_for_the_next_import(
     drafter.mkdir()
     (drafter / "config.json").write_text(GOOD_DRAFTER.read_text())
     req = {"python": str(SERVING_PYTHON), "timeout": 300, "env": {}}
-    view = _serving_python(req, _helper("loader_view"), [str(drafter), json.dumps(["sliding_window"])])
+    view = _serving_python(req, helper_program("loader_view"), [str(drafter), json.dumps(["sliding_window"])])
     assert view["class"] == "Qwen3Config"
     compiled = {p.name.split(".")[0] for p in prefix.rglob("*.pyc") if "transformers" in p.parts}
     assert {"configuration_utils", "configuration_qwen3"} <= compiled
@@ -163,7 +163,7 @@ def test_a_deploy_keeps_the_loader_s_view_and_verify_reuses_it_while_nothing_it_
     site = tmp_path / "site"  # a directory on the serving Python's import path
     site.mkdir()
     monkeypatch.setenv("PYTHONPATH", str(site))
-    monkeypatch.setattr(core, "_digest_key", ["ab" * 32])  # the controller's key, as a batch sets it
+    monkeypatch.setattr(core, "request_digest_key", ["ab" * 32])  # the controller's key, as a batch sets it
     root = tmp_path / "root"
     (root / "current" / "drafter").mkdir(parents=True)
     config = root / "current" / "drafter" / "config.json"
@@ -193,7 +193,7 @@ def test_a_deploy_keeps_the_loader_s_view_and_verify_reuses_it_while_nothing_it_
     assert not fresh.get("cached") and fresh["fields"]["sliding_window"] != first["fields"]["sliding_window"]
 
     config.write_text(GOOD_DRAFTER.read_text())
-    core._digest_key[0] = "cd" * 32  # another controller: the entries are not its
+    core.request_digest_key[0] = "cd" * 32  # another controller: the entries are not its
     assert not load(keep=False).get("cached")
 
 

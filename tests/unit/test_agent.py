@@ -411,12 +411,12 @@ def agent_namespace() -> dict[str, Any]:
     ],
 )
 def test_agent_json_writer_round_trips(value: dict[str, Any]) -> None:
-    text = agent_namespace()["_dumps"](value)
+    text = agent_namespace()["json_text"](value)
     assert json.loads(text) == json.loads(json.dumps(value))
 
 
 def test_agent_json_writer_edge_cases() -> None:
-    dumps = agent_namespace()["_dumps"]
+    dumps = agent_namespace()["json_text"]
     assert dumps({"x": float("nan"), "y": float("inf"), 3: 1}) == '{"x":null,"y":null,"3":1}'
     # an undecodable file name arrives as a lone surrogate and leaves as a JSON escape
     raw = dumps(["a\udcff"]).encode("utf-8", "backslashreplace")
@@ -746,8 +746,8 @@ def test_a_loader_cache_that_is_no_file_of_ours_is_read_as_empty(tmp_path: Path)
     import remote_agent.core as core
     from remote_agent.checks import LOADER_CACHE, LOADER_CACHE_BYTES, _loader_entries
 
-    key = core._digest_key[0]
-    core._digest_key[0] = "ab" * 32
+    key = core.request_digest_key[0]
+    core.request_digest_key[0] = "ab" * 32
     try:
         path = tmp_path / LOADER_CACHE
         os.mkfifo(path)
@@ -755,15 +755,13 @@ def test_a_loader_cache_that_is_no_file_of_ours_is_read_as_empty(tmp_path: Path)
         path.unlink()
         secret = tmp_path / "elsewhere"
         body = json.dumps({"key": "k", "stamps": {}, "view": {}})
-        secret.write_text(f"{core._line_mac(body)} {body}\n")
+        secret.write_text(f"{core.line_mac(body)} {body}\n")
         path.symlink_to(secret)
         assert _loader_entries(str(tmp_path)) == []
         path.unlink()
-        path.write_text(f"{core._line_mac(body)} {body}\n" + " " * LOADER_CACHE_BYTES)
+        path.write_text(f"{core.line_mac(body)} {body}\n" + " " * LOADER_CACHE_BYTES)
         assert _loader_entries(str(tmp_path)) == []
-        path.write_text(
-            f"{'0' * 64} {body}\nnot json at all\n{core._line_mac('[1')} [1\n{core._line_mac(body)} {body}\n"
-        )
+        path.write_text(f"{'0' * 64} {body}\nnot json at all\n{core.line_mac('[1')} [1\n{core.line_mac(body)} {body}\n")
         assert [e[0] for e in _loader_entries(str(tmp_path))] == ["k"]  # the one signed, whole entry
     finally:
-        core._digest_key[0] = key
+        core.request_digest_key[0] = key

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from remote_agent.serving import _gone, _group_alive, _proc_start, _stop
+from remote_agent.serving import _gone, _group_alive, _stop, process_start_time
 
 pytestmark = pytest.mark.usefixtures("programs")
 
@@ -29,23 +29,23 @@ def test_stop_ends_what_a_killed_main_process_left_in_its_group(tmp_path: Path) 
         time.sleep(0.01)
     worker = int(child.read_text())
     (tmp_path / "run").mkdir()
-    record = {"pid": main.pid, "start": _proc_start(main.pid), "unit": None}
+    record = {"pid": main.pid, "start": process_start_time(main.pid), "unit": None}
     (tmp_path / "run" / "dflash-serve.json").write_text(json.dumps(record))
     try:
         os.kill(main.pid, signal.SIGKILL)  # the main process killed, as a rank is by hand or by the OOM killer
         main.wait()  # reaped, as init reaps a detached server
-        assert _group_alive(main.pid) and _proc_start(worker) is not None
+        assert _group_alive(main.pid) and process_start_time(worker) is not None
         assert not _gone(str(tmp_path), "dflash-serve")
         assert _stop(str(tmp_path), "dflash-serve", 5.0) == main.pid
-        assert _gone(str(tmp_path), "dflash-serve") and _proc_start(worker) is None
+        assert _gone(str(tmp_path), "dflash-serve") and process_start_time(worker) is None
     finally:
-        if _proc_start(worker) is not None:
+        if process_start_time(worker) is not None:
             os.kill(worker, signal.SIGKILL)
 
 
 def test_stop_with_nothing_left_kills_nothing(tmp_path: Path) -> None:
     main = subprocess.Popen(["sleep", "30"], start_new_session=True)
-    start = _proc_start(main.pid)
+    start = process_start_time(main.pid)
     assert start is not None
     main.kill()
     main.wait()

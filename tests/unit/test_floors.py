@@ -197,3 +197,19 @@ def test_the_agent_imports_nothing_of_the_controller_and_nothing_installed_impor
     assert agent and not [f for f, names in agent.items() if "orchestrator" in names]
     installed = {**_tree_imports("orchestrator"), **agent}
     assert not [f for f, names in installed.items() if names & {"lab", "bench", "tests", "scripts"}]
+
+
+def test_what_one_module_takes_from_another_is_that_modules_public_api() -> None:
+    """A name another module imports is part of its owner's API and is spelled so: a leading
+    underscore promises that the name can change without looking elsewhere (the agent's modules
+    are one namespace on the wire, but modules in the tree, held to the same rule)."""
+    private = []
+    for folder in ("orchestrator", "remote_agent"):
+        for path in sorted((PACKAGE.parent / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in {
+                    "orchestrator",
+                    "remote_agent",
+                }:
+                    private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert private == []

@@ -61,12 +61,12 @@ def test_only_a_launch_moves_the_link_the_server_reads_its_drafter_through(box: 
 
 def test_a_launch_from_a_release_that_is_not_there_removes_the_link(box: Box, tmp_path: Path) -> None:
     """Never a server started from another release's drafter: the link goes, vLLM finds none."""
-    from remote_agent.releases import _point_launched
+    from remote_agent.releases import point_launched
 
     root = tmp_path / "root"
     (root / "releases" / "R1").mkdir(parents=True)
-    assert _point_launched(str(root), "R1") is None and os.readlink(root / "launched") == "releases/R1"
-    assert _point_launched(str(root), "R2") == "R1" and not os.path.lexists(root / "launched")
+    assert point_launched(str(root), "R1") is None and os.readlink(root / "launched") == "releases/R1"
+    assert point_launched(str(root), "R2") == "R1" and not os.path.lexists(root / "launched")
 
 
 def ledger_of(run: object) -> dict[str, object]:

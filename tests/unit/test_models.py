@@ -641,11 +641,11 @@ def test_a_batch_of_uploads_writes_the_digest_cache_once_at_its_end(
         buffer = io.BytesIO(b"".join(b for _, b in blobs))
 
     writes: list[str] = []
-    real = core._atomic_write
-    monkeypatch.setattr(core, "_atomic_write", lambda path, *a, **k: (writes.append(path), real(path, *a, **k))[1])
+    real = core.atomic_write
+    monkeypatch.setattr(core, "atomic_write", lambda path, *a, **k: (writes.append(path), real(path, *a, **k))[1])
     monkeypatch.setattr(sys, "stdin", Stdin())
-    monkeypatch.setattr(core, "_digest_caches", {})
-    monkeypatch.setattr(dispatch, "_digest_caches", core._digest_caches)
+    monkeypatch.setattr(core, "digest_caches", {})
+    monkeypatch.setattr(dispatch, "digest_caches", core.digest_caches)
     answer = dispatch.run({"v": 1, "session": False, "events": False, "ops": ops, "findings": [], "key": "ab" * 32})
     assert all(r["ok"] for r in answer["results"]), answer["results"][:2]
     cache = str(tmp_path / "m" / ".digests")

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     pass
-from orchestrator.agent.protocol.checks import LoaderView, _loader_view
-from orchestrator.agent.protocol.core import Op, ServerCommand, _field, ref
+from orchestrator.agent.protocol.checks import LoaderView, read_loader_view
+from orchestrator.agent.protocol.core import Op, ServerCommand, answer_field, ref
 from orchestrator.agent.protocol.releases import Applied
-from orchestrator.agent.protocol.serving import ENGINE_CHECK_TIMEOUT, Engine, Refused, _engine
+from orchestrator.agent.protocol.serving import ENGINE_CHECK_TIMEOUT, Engine, Refused, read_engine
 
 
 @dataclass(frozen=True)
@@ -40,28 +40,28 @@ class ChecksDone:
 
 
 def _checks_started(v: dict[str, Any]) -> ChecksStarted:
-    loader, engine = _field(v, "loader", dict, optional=True), _field(v, "engine", dict, optional=True)
+    loader, engine = answer_field(v, "loader", dict, optional=True), answer_field(v, "engine", dict, optional=True)
     return ChecksStarted(
-        _field(v, "token", str, optional=True),
-        _field(v, "serving", bool),
-        _loader_view(loader) if loader is not None else None,
-        _engine(engine) if engine is not None else None,
+        answer_field(v, "token", str, optional=True),
+        answer_field(v, "serving", bool),
+        read_loader_view(loader) if loader is not None else None,
+        read_engine(engine) if engine is not None else None,
     )
 
 
 def _checks_done(v: dict[str, Any]) -> ChecksDone:
-    loader, engine = _field(v, "loader", dict, optional=True), _field(v, "engine", dict, optional=True)
+    loader, engine = answer_field(v, "loader", dict, optional=True), answer_field(v, "engine", dict, optional=True)
     view = error = verdict = refused = None
     if loader is not None:
-        error = _field(loader, "error", str, optional=True)
-        view = _loader_view(loader) if error is None else None
+        error = answer_field(loader, "error", str, optional=True)
+        view = read_loader_view(loader) if error is None else None
     if engine is not None:
-        said = _field(engine, "refused", dict, optional=True)
+        said = answer_field(engine, "refused", dict, optional=True)
         if said is not None:
-            refused = Refused(_field(said, "code", str), _field(said, "message", str))
+            refused = Refused(answer_field(said, "code", str), answer_field(said, "message", str))
         else:
-            verdict = _engine(engine)
-    return ChecksDone(_field(v, "seconds", float), view, error, verdict, refused)
+            verdict = read_engine(engine)
+    return ChecksDone(answer_field(v, "seconds", float), view, error, verdict, refused)
 
 
 def checks_start(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     pass
-from orchestrator.agent.protocol.core import AnswerError, Op, _field, _mapping, ref
+from orchestrator.agent.protocol.core import AnswerError, Op, answer_field, answer_mapping, ref
 from orchestrator.agent.protocol.releases import Applied
 
 
@@ -50,16 +50,16 @@ class Build:
 SERVING_PYTHON_TIMEOUT = 120.0
 
 
-def _loader_view(v: dict[str, Any]) -> LoaderView:
-    missing = _field(v, "missing", str, optional=True)
+def read_loader_view(v: dict[str, Any]) -> LoaderView:
+    missing = answer_field(v, "missing", str, optional=True)
     if missing is not None:
         return LoaderView(missing)
     return LoaderView(
         missing=None,
-        config_class=_field(v, "class", str),
-        transformers=_field(v, "transformers", str),
-        fields=_mapping(_field(v, "fields", dict), "'fields'"),
-        cached=bool(_field(v, "cached", bool, optional=True)),
+        config_class=answer_field(v, "class", str),
+        transformers=answer_field(v, "transformers", str),
+        fields=answer_mapping(answer_field(v, "fields", dict), "'fields'"),
+        cached=bool(answer_field(v, "cached", bool, optional=True)),
     )
 
 
@@ -89,7 +89,7 @@ def loader_view(
         "keep": keep,
         "env": dict(env or {}),
     }
-    return Op(request, _loader_view, budget_s=SERVING_PYTHON_TIMEOUT)
+    return Op(request, read_loader_view, budget_s=SERVING_PYTHON_TIMEOUT)
 
 
 def vllm_build(python: str, env: dict[str, str] | None = None) -> Op[Build]:
@@ -101,9 +101,9 @@ def vllm_build(python: str, env: dict[str, str] | None = None) -> Op[Build]:
 
 def _build(v: dict[str, Any]) -> Build:
     return Build(
-        _field(v, "dist", str, optional=True),
-        _field(v, "version", str, optional=True),
-        _field(v, "force_aot_load", bool, optional=True),
+        answer_field(v, "dist", str, optional=True),
+        answer_field(v, "version", str, optional=True),
+        answer_field(v, "force_aot_load", bool, optional=True),
     )
 
 
@@ -119,13 +119,17 @@ class GpuFacts:
 
 
 def _gpu_facts(v: dict[str, Any]) -> GpuFacts:
-    if _field(v, "missing", bool):
+    if answer_field(v, "missing", bool):
         return GpuFacts(True)
-    ours = _field(v, "ours", list)
+    ours = answer_field(v, "ours", list)
     if not all(isinstance(p, int) and not isinstance(p, bool) for p in ours):
         raise AnswerError("'ours' is not a list of pids")
     return GpuFacts(
-        False, _field(v, "gpus", str), _field(v, "apps", str), tuple(ours), _field(v, "torch_cuda", str, optional=True)
+        False,
+        answer_field(v, "gpus", str),
+        answer_field(v, "apps", str),
+        tuple(ours),
+        answer_field(v, "torch_cuda", str, optional=True),
     )
 
 
@@ -150,17 +154,17 @@ class AllReduce:
 
 
 def _all_reduce(v: dict[str, Any]) -> AllReduce:
-    skipped = _field(v, "skipped", str, optional=True)
+    skipped = answer_field(v, "skipped", str, optional=True)
     if skipped is not None:
         return AllReduce(skipped)
     return AllReduce(
         None,
-        _field(v, "gpus", int),
-        _field(v, "busbw_gbps", float),
-        _field(v, "algbw_gbps", float),
-        _field(v, "seconds", float),
-        _field(v, "right", bool),
-        _field(v, "nccl", str, optional=True) or "",
+        answer_field(v, "gpus", int),
+        answer_field(v, "busbw_gbps", float),
+        answer_field(v, "algbw_gbps", float),
+        answer_field(v, "seconds", float),
+        answer_field(v, "right", bool),
+        answer_field(v, "nccl", str, optional=True) or "",
     )
 
 

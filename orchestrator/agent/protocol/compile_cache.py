@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     pass
-from orchestrator.agent.protocol.core import AnswerError, Op, _field, _mapping, _sha256
+from orchestrator.agent.protocol.core import AnswerError, Op, answer_field, answer_mapping, answer_names, answer_sha256
 from orchestrator.agent.protocol.models import MODEL_HASH_TIMEOUT, SLOWEST_UPLOAD_BYTES_PER_S
-from orchestrator.agent.protocol.serving import _names
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ class CacheFile:
 
 
 def _cache_files(v: dict[str, Any]) -> dict[str, tuple[CacheFile, ...] | None]:
-    dirs = _mapping(v.get("dirs"), "dirs")
+    dirs = answer_mapping(v.get("dirs"), "dirs")
     out: dict[str, tuple[CacheFile, ...] | None] = {}
     for name, files in dirs.items():
         if files is None:
@@ -34,8 +33,8 @@ def _cache_files(v: dict[str, Any]) -> dict[str, tuple[CacheFile, ...] | None]:
         if not isinstance(files, list):
             raise AnswerError(f"dirs[{name!r}] is not a list")
         out[name] = tuple(
-            CacheFile(_field(f, "path", str), _field(f, "size", int), _sha256(f, "sha256") or "")
-            for f in (_mapping(x, f"dirs[{name!r}][]") for x in files)
+            CacheFile(answer_field(f, "path", str), answer_field(f, "size", int), answer_sha256(f, "sha256") or "")
+            for f in (answer_mapping(x, f"dirs[{name!r}][]") for x in files)
         )
     return out
 
@@ -74,7 +73,7 @@ class Placed:
 def compile_cache_place(root: str, dirs: Sequence[str]) -> Op[Placed]:
     """Move uploaded hash directories (``.given/<dir>``) where vLLM reads them, each whole."""
     request = {"op": "compile_cache_place", "root": root, "dirs": list(dirs)}
-    return Op(request, lambda v: Placed(_names(v, "placed"), _names(v, "kept")))
+    return Op(request, lambda v: Placed(answer_names(v, "placed"), answer_names(v, "kept")))
 
 
 def compile_cache_read(root: str, path: str, offset: int, length: int) -> Op[tuple[int, bytes]]:
@@ -90,9 +89,9 @@ def compile_cache_read(root: str, path: str, offset: int, length: int) -> Op[tup
 
     def read(v: dict[str, Any]) -> tuple[int, bytes]:
         try:
-            data = base64.b64decode(_field(v, "data", str), validate=True)
+            data = base64.b64decode(answer_field(v, "data", str), validate=True)
         except (binascii.Error, ValueError) as exc:
             raise AnswerError(f"data is not base64: {exc}") from exc
-        return _field(v, "size", int), data
+        return answer_field(v, "size", int), data
 
     return Op(request, read, budget_s=60.0 + length / SLOWEST_UPLOAD_BYTES_PER_S)

@@ -36,7 +36,7 @@ class AnswerError(ValueError):
     """An answer that does not have the shape its operation promises."""
 
 
-def _field(value: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
+def answer_field(value: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
     if key not in value or value[key] is None:
         if optional:
             return None
@@ -49,22 +49,29 @@ def _field(value: dict[str, Any], key: str, kind: type, optional: bool = False) 
     return got
 
 
-def _sha256(value: dict[str, Any], key: str) -> str | None:
-    digest = _field(value, key, str, optional=True)
+def answer_sha256(value: dict[str, Any], key: str) -> str | None:
+    digest = answer_field(value, key, str, optional=True)
     if digest is not None and (len(digest) != 64 or digest.strip("0123456789abcdef")):
         raise AnswerError(f"'{key}' is not a sha256 hex digest")
     return digest  # type: ignore[no-any-return]
 
 
-def _mapping(value: Any, what: str) -> dict[str, Any]:
+def answer_mapping(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise AnswerError(f"{what} is {type(value).__name__}, expected an object")
     return value
 
 
-def _items(value: dict[str, Any], key: str) -> list[dict[str, Any]]:
-    items = _field(value, key, list)
-    return [_mapping(item, f"an item of '{key}'") for item in items]
+def answer_names(v: dict[str, Any], key: str) -> tuple[str, ...]:
+    names = answer_field(v, key, list, optional=True) or []
+    if not all(isinstance(n, str) for n in names):
+        raise AnswerError(f"'{key}' is not a list of names")
+    return tuple(names)
+
+
+def answer_items(value: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    items = answer_field(value, key, list)
+    return [answer_mapping(item, f"an item of '{key}'") for item in items]
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,7 @@ class Op(Generic[A]):
         return f"{self.name}:{process}" if process else self.name
 
     def read(self, value: Any) -> A:
-        return self.reader(_mapping(value, "the answer"))
+        return self.reader(answer_mapping(value, "the answer"))
 
 
 class Answers:
@@ -207,14 +214,14 @@ def batch_timeout(ops: Iterable[Op[Any]], base: float) -> float:
 def lock(root: str, owner: str, timeout: float) -> Op[Locked]:
     """The deploy-root flock, held by the agent until its batch ends."""
     request = {"op": "lock", "root": root, "timeout": timeout, "owner": owner}
-    return Op(request, lambda v: Locked(_field(v, "waited_s", float)), budget_s=timeout)
+    return Op(request, lambda v: Locked(answer_field(v, "waited_s", float)), budget_s=timeout)
 
 
 def put(root: str, path: str, content: bytes, mode: str = "0644") -> Op[Written]:
     """One file written with the atomic protocol (temp, fsync, verify, rename), e.g. ready.json."""
     digest = hashlib.sha256(content).hexdigest()
     request = {"op": "put", "root": root, "path": path, "content": content, "sha256": digest, "mode": mode}
-    return Op(request, lambda v: Written(_field(v, "path", str), _field(v, "changed", bool)))
+    return Op(request, lambda v: Written(answer_field(v, "path", str), answer_field(v, "changed", bool)))
 
 
 @dataclass(frozen=True)

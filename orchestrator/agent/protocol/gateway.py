@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     pass
-from orchestrator.agent.protocol.core import Op, _field, _items
+from orchestrator.agent.protocol.core import Op, answer_field, answer_items
 
 
 @dataclass(frozen=True)
@@ -31,18 +31,20 @@ class Endpoint:
 def gateway_socket(path: str, command: str, timeout: float) -> Op[str]:
     """One command to a unix socket that answers and closes (HAProxy's runtime API): its answer."""
     request = {"op": "gateway_socket", "path": path, "command": command, "timeout": timeout}
-    return Op(request, lambda v: str(_field(v, "text", str)), budget_s=timeout)
+    return Op(request, lambda v: str(answer_field(v, "text", str)), budget_s=timeout)
 
 
 def gateway_http(method: str, url: str, body: str | None, timeout: float) -> Op[HttpAnswer]:
     """One HTTP exchange with the gateway, from its own host."""
     request = {"op": "gateway_http", "method": method, "url": url, "body": body, "timeout": timeout}
-    reader = lambda v: HttpAnswer(_field(v, "status", int, optional=True), _field(v, "text", str))  # noqa: E731
+    reader = lambda v: HttpAnswer(answer_field(v, "status", int, optional=True), answer_field(v, "text", str))  # noqa: E731
     return Op(request, reader, budget_s=timeout)
 
 
 def _endpoints(v: dict[str, Any]) -> tuple[Endpoint, ...]:
-    return tuple(Endpoint(_field(e, "name", str), _field(e, "url", str)) for e in _items(v, "endpoints"))
+    return tuple(
+        Endpoint(answer_field(e, "name", str), answer_field(e, "url", str)) for e in answer_items(v, "endpoints")
+    )
 
 
 def gateway_endpoints(

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     pass
-from orchestrator.agent.protocol.core import AnswerError, Op, _field, _items, _mapping, _sha256
+from orchestrator.agent.protocol.core import AnswerError, Op, answer_field, answer_items, answer_mapping, answer_sha256
 
 
 @dataclass(frozen=True)
@@ -48,55 +48,57 @@ class TokenFacts:
 
 
 def _token_facts(v: dict[str, Any]) -> TokenFacts:
-    kind = _field(v, "kind", str)
+    kind = answer_field(v, "kind", str)
     if kind not in ("added", "vocab", "none"):
         raise AnswerError(f"'kind' is {kind!r}")
-    roles = _field(v, "roles", list, optional=True) or []
+    roles = answer_field(v, "roles", list, optional=True) or []
     if not all(isinstance(r, str) for r in roles):
         raise AnswerError("'roles' is not a list of names")
     return TokenFacts(
         kind,
-        _field(v, "content", str, optional=True),
-        bool(_field(v, "special", bool, optional=True)),
+        answer_field(v, "content", str, optional=True),
+        bool(answer_field(v, "special", bool, optional=True)),
         tuple(roles),
-        _field(v, "vocab_size", int, optional=True),
+        answer_field(v, "vocab_size", int, optional=True),
     )
 
 
 def _model_files(v: dict[str, Any]) -> ModelFiles:
     files = []
-    for item in _items(v, "files"):
-        verified = _field(item, "verified", str)
+    for item in answer_items(v, "files"):
+        verified = answer_field(item, "verified", str)
         if verified not in ("cached", "hashed"):
             raise AnswerError(f"'verified' is {verified!r}")
-        digest = _sha256(item, "sha256")
+        digest = answer_sha256(item, "sha256")
         if digest is None:
             raise AnswerError("'sha256' is missing")
-        files.append(ModelFile(_field(item, "path", str), _field(item, "size", int), digest, verified))
-    missing = _field(v, "missing", list)
+        files.append(ModelFile(answer_field(item, "path", str), answer_field(item, "size", int), digest, verified))
+    missing = answer_field(v, "missing", list)
     if not all(isinstance(m, str) for m in missing):
         raise AnswerError("'missing' is not a list of paths")
-    headers = _field(v, "headers", dict, optional=True) or {}
+    headers = answer_field(v, "headers", dict, optional=True) or {}
     for name, tensors in headers.items():
-        _mapping(tensors, f"the header of {name}")
-    pins = _field(v, "pins", dict, optional=True)
+        answer_mapping(tensors, f"the header of {name}")
+    pins = answer_field(v, "pins", dict, optional=True)
     if pins is not None and not all(isinstance(k, str) and isinstance(d, str) for k, d in pins.items()):
         raise AnswerError("'pins' is not a mapping of paths to digests")
-    tokens = _field(v, "tokens", dict, optional=True)
+    tokens = answer_field(v, "tokens", dict, optional=True)
     if tokens is not None and not all(isinstance(k, str) and k.isdigit() for k in tokens):
         raise AnswerError("'tokens' is not a mapping of token ids")
-    extra = _field(v, "extra", list, optional=True) or []
+    extra = answer_field(v, "extra", list, optional=True) or []
     if not all(isinstance(e, str) for e in extra):
         raise AnswerError("'extra' is not a list of paths")
     return ModelFiles(
-        _field(v, "path", str),
+        answer_field(v, "path", str),
         tuple(files),
         tuple(missing),
         pins,
-        _field(v, "release_id", str, optional=True),
-        _field(v, "config", str, optional=True),
+        answer_field(v, "release_id", str, optional=True),
+        answer_field(v, "config", str, optional=True),
         headers,
-        {int(k): _token_facts(_mapping(t, f"token {k}")) for k, t in tokens.items()} if tokens is not None else None,
+        {int(k): _token_facts(answer_mapping(t, f"token {k}")) for k, t in tokens.items()}
+        if tokens is not None
+        else None,
         tuple(extra),
     )
 
@@ -150,7 +152,10 @@ class UploadState:
 
 def _upload_state(v: dict[str, Any]) -> UploadState:
     return UploadState(
-        _field(v, "path", str), _field(v, "present", bool), _field(v, "partial", int), _sha256(v, "partial_sha256")
+        answer_field(v, "path", str),
+        answer_field(v, "present", bool),
+        answer_field(v, "partial", int),
+        answer_sha256(v, "partial_sha256"),
     )
 
 
@@ -165,7 +170,7 @@ def upload_status(
         "files": [{"path": p, "size": n, "sha256": d} for p, n, d in files],
         "replace": replace,
     }
-    return Op(request, lambda v: tuple(_upload_state(f) for f in _items(v, "files")), budget_s=MODEL_HASH_TIMEOUT)
+    return Op(request, lambda v: tuple(_upload_state(f) for f in answer_items(v, "files")), budget_s=MODEL_HASH_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -193,5 +198,5 @@ def upload(root: str, path: str, size: int, sha256: str, offset: int = 0, mode: 
         "offset": offset,
         "mode": mode,
     }
-    reader = lambda v: Uploaded(_field(v, "path", str), _field(v, "written", int))  # noqa: E731
+    reader = lambda v: Uploaded(answer_field(v, "path", str), answer_field(v, "written", int))  # noqa: E731
     return Op(request, reader, budget_s=60.0 + (size - offset) / SLOWEST_UPLOAD_BYTES_PER_S)

@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from orchestrator.config.playbook import FileSpec
-from orchestrator.agent.protocol.core import AnswerError, Op, _field, _items, _sha256, ref
+from orchestrator.agent.protocol.core import (
+    AnswerError,
+    Op,
+    answer_field,
+    answer_items,
+    answer_names,
+    answer_sha256,
+    ref,
+)
 from orchestrator.agent.protocol.models import ModelFiles
 
 
@@ -29,7 +37,7 @@ class ServedFile:
 
     @classmethod
     def read(cls, value: dict[str, Any]) -> ServedFile:
-        content = _field(value, "content_b64", str, optional=True)
+        content = answer_field(value, "content_b64", str, optional=True)
         if content is not None:
             import base64
 
@@ -39,25 +47,25 @@ class ServedFile:
                 raise AnswerError("'content_b64' is not base64") from exc
         else:
             content_bytes = None
-        verified = _field(value, "verified", str, optional=True)
+        verified = answer_field(value, "verified", str, optional=True)
         if verified not in (None, "cached", "hashed"):
             raise AnswerError(f"'verified' is {verified!r}")
         return cls(
-            path=_field(value, "path", str),
-            remote_path=_field(value, "remote_path", str),
-            sha256=_sha256(value, "sha256"),
-            changed=bool(_field(value, "changed", bool, optional=True)),
+            path=answer_field(value, "path", str),
+            remote_path=answer_field(value, "remote_path", str),
+            sha256=answer_sha256(value, "sha256"),
+            changed=bool(answer_field(value, "changed", bool, optional=True)),
             content=content_bytes,
-            link=_field(value, "link", str, optional=True),
+            link=answer_field(value, "link", str, optional=True),
             verified=verified,
-            pinned=_sha256(value, "pinned"),
-            private=bool(_field(value, "private", bool, optional=True)),
-            mode=_field(value, "mode", str, optional=True),
+            pinned=answer_sha256(value, "pinned"),
+            private=bool(answer_field(value, "private", bool, optional=True)),
+            mode=answer_field(value, "mode", str, optional=True),
         )
 
 
 def _files(value: dict[str, Any]) -> tuple[ServedFile, ...]:
-    return tuple(ServedFile.read(f) for f in _items(value, "files"))
+    return tuple(ServedFile.read(f) for f in answer_items(value, "files"))
 
 
 @dataclass(frozen=True)
@@ -107,21 +115,14 @@ class Releases:
 
 def _applied(v: dict[str, Any]) -> Applied:
     return Applied(
-        release_id=_field(v, "release_id", str),
-        previous=_field(v, "previous", str, optional=True),
-        changed=_field(v, "changed", bool),
-        switched=_field(v, "switched", bool, optional=True) is not False,
+        release_id=answer_field(v, "release_id", str),
+        previous=answer_field(v, "previous", str, optional=True),
+        changed=answer_field(v, "changed", bool),
+        switched=answer_field(v, "switched", bool, optional=True) is not False,
         files=_files(v),
-        foreign=_names_of(v, "foreign"),
-        retried=bool(_field(v, "retried", bool, optional=True)),
+        foreign=answer_names(v, "foreign"),
+        retried=bool(answer_field(v, "retried", bool, optional=True)),
     )
-
-
-def _names_of(v: dict[str, Any], key: str) -> tuple[str, ...]:
-    names = _field(v, key, list, optional=True) or []
-    if not all(isinstance(n, str) for n in names):
-        raise AnswerError(f"'{key}' is not a list of names")
-    return tuple(names)
 
 
 @dataclass(frozen=True)
@@ -173,20 +174,20 @@ def release_apply(
 
 
 def _served(v: dict[str, Any]) -> Served:
-    manifest = _field(v, "manifest", dict, optional=True)
+    manifest = answer_field(v, "manifest", dict, optional=True)
     if manifest is not None and not all(isinstance(k, str) and isinstance(d, str) for k, d in manifest.items()):
         raise AnswerError("'manifest' is not a mapping of paths to digests")
-    models = _field(v, "models", dict, optional=True) or {}
+    models = answer_field(v, "models", dict, optional=True) or {}
     if not all(isinstance(k, str) and isinstance(d, str) for k, d in models.items()):
         raise AnswerError("'models' is not a mapping of paths to digests")
     return Served(
-        current=_field(v, "current", str, optional=True),
-        previous=_field(v, "previous", str, optional=True),
+        current=answer_field(v, "current", str, optional=True),
+        previous=answer_field(v, "previous", str, optional=True),
         files=_files(v),
-        links=tuple(ServedFile.read(f) for f in _items(v, "links")) if "links" in v else (),
+        links=tuple(ServedFile.read(f) for f in answer_items(v, "links")) if "links" in v else (),
         manifest=manifest,
         models=models,
-        extra=_names_of(v, "extra"),
+        extra=answer_names(v, "extra"),
     )
 
 
@@ -209,9 +210,9 @@ def release_inspect(root: str, paths: Iterable[str]) -> Op[Served]:
 
 def _releases(v: dict[str, Any]) -> Releases:
     return Releases(
-        current=_field(v, "current", str, optional=True),
-        previous=_field(v, "previous", str, optional=True),
-        releases=tuple(_field(r, "release_id", str) for r in _items(v, "releases")),
+        current=answer_field(v, "current", str, optional=True),
+        previous=answer_field(v, "previous", str, optional=True),
+        releases=tuple(answer_field(r, "release_id", str) for r in answer_items(v, "releases")),
     )
 
 
@@ -222,10 +223,10 @@ def release_list(root: str) -> Op[Releases]:
 
 def _switched(v: dict[str, Any]) -> Switched:
     return Switched(
-        release_id=_field(v, "release_id", str),
-        previous=_field(v, "previous", str, optional=True),
+        release_id=answer_field(v, "release_id", str),
+        previous=answer_field(v, "previous", str, optional=True),
         files=_files(v),
-        foreign=_names_of(v, "foreign"),
+        foreign=answer_names(v, "foreign"),
     )
 
 

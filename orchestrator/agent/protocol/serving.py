@@ -10,7 +10,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     pass
-from orchestrator.agent.protocol.core import LOOPBACK, AnswerError, Op, ServerCommand, _field, _items, _mapping, ref
+from orchestrator.agent.protocol.core import (
+    LOOPBACK,
+    AnswerError,
+    Op,
+    ServerCommand,
+    answer_field,
+    answer_items,
+    answer_mapping,
+    answer_names,
+    ref,
+)
 from orchestrator.agent.protocol.releases import Applied
 
 
@@ -48,14 +58,14 @@ class Startup:
     def read(value: dict[str, Any] | None) -> Startup | None:
         if value is None:
             return None
-        value = _mapping(value, "'startup'")
-        lines = _field(value, "lines", list)
+        value = answer_mapping(value, "'startup'")
+        lines = answer_field(value, "lines", list)
         if not all(isinstance(line, str) for line in lines):
             raise AnswerError("'startup.lines' holds something other than text")
         return Startup(
-            _field(value, "launched_at", float),
-            _field(value, "healthy_at", float),
-            _field(value, "utc_offset", int),
+            answer_field(value, "launched_at", float),
+            answer_field(value, "healthy_at", float),
+            answer_field(value, "utc_offset", int),
             tuple(lines),
         )
 
@@ -178,36 +188,29 @@ def engine_check(
         "release_id": release_id,
         "kept": kept,
     }
-    return Op(request, _engine, budget_s=ENGINE_CHECK_TIMEOUT)
+    return Op(request, read_engine, budget_s=ENGINE_CHECK_TIMEOUT)
 
 
-def _names(v: dict[str, Any], key: str) -> tuple[str, ...]:
-    names = _field(v, key, list, optional=True) or []
-    if not all(isinstance(n, str) for n in names):
-        raise AnswerError(f"'{key}' is not a list of names")
-    return tuple(names)
-
-
-def _engine(v: dict[str, Any]) -> Engine:
-    skipped = _field(v, "skipped", str, optional=True)
+def read_engine(v: dict[str, Any]) -> Engine:
+    skipped = answer_field(v, "skipped", str, optional=True)
     if skipped is not None:
         return Engine(skipped)
-    runner = _field(v, "runner", str, optional=True)
+    runner = answer_field(v, "runner", str, optional=True)
     if runner not in (None, "v1", "v2"):
         raise AnswerError(f"'runner' is {runner!r}")
-    checks = _field(v, "checks", dict, optional=True) or {}
+    checks = answer_field(v, "checks", dict, optional=True) or {}
     if not all(isinstance(k, str) and isinstance(c, str) for k, c in checks.items()):
         raise AnswerError("'checks' is not a mapping of names to verdicts")
     return Engine(
         None,
-        _field(v, "version", str),
-        _names(v, "target"),
-        _names(v, "drafter"),
+        answer_field(v, "version", str),
+        answer_names(v, "target"),
+        answer_names(v, "drafter"),
         runner,
-        _field(v, "seconds", float),
+        answer_field(v, "seconds", float),
         tuple(sorted(checks.items())),
-        _field(v, "compile_key", str, optional=True),
-        bool(_field(v, "cached", bool, optional=True)),
+        answer_field(v, "compile_key", str, optional=True),
+        bool(answer_field(v, "cached", bool, optional=True)),
     )
 
 
@@ -231,7 +234,7 @@ def serving_runs(root: str, name: str, command: ServerCommand, release: str | Op
         "env": dict(command.env),
         "release_id": ref(release, "release_id") if isinstance(release, Op) else release,
     }
-    return Op(request, lambda v: bool(_field(v, "runs", bool)))
+    return Op(request, lambda v: bool(answer_field(v, "runs", bool)))
 
 
 def launch(
@@ -271,10 +274,10 @@ def launch(
 
 def _launched(v: dict[str, Any]) -> Launched:
     return Launched(
-        _field(v, "pid", int),
-        bool(_field(v, "kept", bool, optional=True)),
-        _field(v, "unit", str, optional=True),
-        bool(_field(v, "from_ready", bool, optional=True)),
+        answer_field(v, "pid", int),
+        bool(answer_field(v, "kept", bool, optional=True)),
+        answer_field(v, "unit", str, optional=True),
+        bool(answer_field(v, "from_ready", bool, optional=True)),
     )
 
 
@@ -285,7 +288,7 @@ def stop(root: str, name: str, timeout: float = 30.0) -> Op[Stopped]:
 
 
 def _stopped(v: dict[str, Any]) -> Stopped:
-    return Stopped(_field(v, "stopped", int, optional=True), _field(v, "gone", bool))
+    return Stopped(answer_field(v, "stopped", int, optional=True), answer_field(v, "gone", bool))
 
 
 def wait_health(root: str, name: str, port: int, model: str, timeout: float, host: str = LOOPBACK) -> Op[Healthy]:
@@ -302,23 +305,27 @@ def wait_health(root: str, name: str, port: int, model: str, timeout: float, hos
     return Op(
         request,
         lambda v: Healthy(
-            _field(v, "pid", int), _field(v, "waited_s", float), Startup.read(_field(v, "startup", dict, optional=True))
+            answer_field(v, "pid", int),
+            answer_field(v, "waited_s", float),
+            Startup.read(answer_field(v, "startup", dict, optional=True)),
         ),
         budget_s=timeout,
     )
 
 
 def _status(v: dict[str, Any]) -> Status:
-    server = _field(v, "server", dict, optional=True)
-    ready = _field(v, "ready", dict, optional=True)
+    server = answer_field(v, "server", dict, optional=True)
+    ready = answer_field(v, "ready", dict, optional=True)
     process = None
     if server is not None:
         process = Process(
-            pid=_field(server, "pid", int),
-            alive=_field(server, "alive", bool),
-            release_id=_field(server, "release_id", str, optional=True),
+            pid=answer_field(server, "pid", int),
+            alive=answer_field(server, "alive", bool),
+            release_id=answer_field(server, "release_id", str, optional=True),
         )
-    return Status(process, _field(v, "health", int, optional=True), ready, _field(v, "launched", str, optional=True))
+    return Status(
+        process, answer_field(v, "health", int, optional=True), ready, answer_field(v, "launched", str, optional=True)
+    )
 
 
 def serving_status(root: str, name: str, port: int | None, host: str = LOOPBACK) -> Op[Status]:
@@ -333,7 +340,9 @@ def command(
 ) -> Op[Output]:
     """Run a command to completion (``ray status``, a gateway's hook): its exit status and output."""
     request = {"op": "command", "argv": list(argv), "env": dict(env or {}), "timeout": timeout, "input": stdin}
-    return Op(request, lambda v: Output(_field(v, "returncode", int), _field(v, "output", str)), budget_s=timeout)
+    return Op(
+        request, lambda v: Output(answer_field(v, "returncode", int), answer_field(v, "output", str)), budget_s=timeout
+    )
 
 
 def probe(
@@ -361,7 +370,7 @@ def probe(
 
 
 def _scrapes(v: dict[str, Any], warm: int, prompts: int) -> Scrapes:
-    each = _field(v, "each", list)
+    each = answer_field(v, "each", list)
     if len(each) != prompts or not all(isinstance(t, str) for t in each):
         raise AnswerError(f"'each' holds {len(each)} scrapes for {prompts} prompts, or one that is not a text")
     completions = v.get("completions")
@@ -371,10 +380,10 @@ def _scrapes(v: dict[str, Any], warm: int, prompts: int) -> Scrapes:
     whole = [n for n in counts if isinstance(n, int) and not isinstance(n, bool) and n >= 0]
     own = sum(whole) if len(whole) == prompts else None
     return Scrapes(
-        _field(v, "before", str),
-        _field(v, "after", str),
-        _field(v, "seconds", float, optional=True),
-        _field(v, "middle", str, optional=True),
+        answer_field(v, "before", str),
+        answer_field(v, "after", str),
+        answer_field(v, "seconds", float, optional=True),
+        answer_field(v, "middle", str, optional=True),
         tuple(each),
         warm,
         own,
@@ -428,17 +437,17 @@ def load(
 def _loaded(v: dict[str, Any]) -> Loaded:
     sent = tuple(
         Sent(
-            _field(r, "tokens", int),
-            _field(r, "seconds", float),
-            _field(r, "first_token_s", float, optional=True),
-            _field(r, "error", str, optional=True),
+            answer_field(r, "tokens", int),
+            answer_field(r, "seconds", float),
+            answer_field(r, "first_token_s", float, optional=True),
+            answer_field(r, "error", str, optional=True),
         )
-        for r in _items(v, "requests")
+        for r in answer_items(v, "requests")
     )
-    return Loaded(_field(v, "wall_s", float), sent)
+    return Loaded(answer_field(v, "wall_s", float), sent)
 
 
 def metrics(port: int, prefixes: Sequence[str], timeout: float = 10.0, host: str = LOOPBACK) -> Op[str]:
     """The server's /metrics now, only the lines of the families named by ``prefixes``."""
     request = {"op": "metrics", "host": host, "port": port, "prefixes": list(prefixes), "timeout": timeout}
-    return Op(request, lambda v: str(_field(v, "text", str)), budget_s=timeout)
+    return Op(request, lambda v: str(answer_field(v, "text", str)), budget_s=timeout)

@@ -5,8 +5,6 @@ Atomic writes into a staged release, read back; `current` switched only after th
 
 from __future__ import annotations
 
-import difflib
-
 from orchestrator.agent import protocol
 from orchestrator.config.playbook import FileSpec, Playbook
 from orchestrator.results import (
@@ -149,6 +147,8 @@ def file_diff(
     old_text = text_of(old) if old is not None else ("" if old_sha is None else None)
     if new_text is None or old_text is None:
         return f"{header}binary or large file: sha256 {old_sha or 'missing'} -> {spec.sha256}\n"
+    import difflib  # only for --diff
+
     return "".join(
         difflib.unified_diff(
             old_text.splitlines(keepends=True),
