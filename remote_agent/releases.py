@@ -392,10 +392,16 @@ def _note_ready_cache(root_real):
     """The READY release's compile caches, from its record's ledger, noted as that release's (only
     those under this root's cache: a cache root set elsewhere in serving.env is not ours). Returns
     whether the record named any here (no ledger, a rank without one: nothing is pruned)."""
+    try:
+        text = read_own(os.path.join(root_real, "ready.json"))
+    except OpError:
+        return False
+    if not text:
+        return False  # no READY record (a files-only root): no json import, ~10 ms of every batch
     import json
 
     try:
-        record = json.loads(read_own(os.path.join(root_real, "ready.json")) or b"null")
+        record = json.loads(text)
         release = record["release_id"]
         dirs = record["gates"]["health"]["startup"]["cache_dirs"]
         _check_release_id(release)

@@ -50,7 +50,7 @@ STARTS: dict[str, Allowed] = {
         1, "real vLLM without a drafter exposes no spec_decode counters: the gate must say speculation is off"
     ),
     "tests/integration/test_real_pair.py::test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refused": Allowed(
-        3, "the stale mask refused, the speed-up gate's baseline (the target alone), the real pair READY"
+        3, "the stale mask refused, the real pair READY, the speed-up gate's baseline beside it (the target alone)"
     ),
     "tests/integration/test_multinode.py::TestTwoContainerGroup::test_a_two_container_group_is_ready_through_its_head": Allowed(
         2, "the TP=2 group over two containers: a server per node"

@@ -260,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--speedup",
         action="store_true",
-        help="also send the speed-up gate's load again and judge it against the baseline the state store keeps "
-        "(gates.speedup; a deploy's canary measured it)",
+        help="also measure the speed-up gate's two arms again, the target alone started beside the server "
+        "(gates.speedup; where the GPU's memory holds both, nothing restarted)",
     )
     v.add_argument(
         "--rehash",

@@ -200,8 +200,13 @@ class SpeedupGate:
     concurrency: tuple[int, ...] = (1, 8)
     min: float = 1.1
     max_tokens: int = 256
-    repeats: int = 3  # runs an arm at each concurrency: the spread, and the bound
+    repeats: int = 3  # pairs at each concurrency at the least: the spread, and the bound
     prompts: tuple[str, ...] = ()  # the acceptance probe's unless set
+    max_pairs: int = 6  # pairs at the most: more only while a level's interval still holds min
+    on_inconclusive: str = "refuse"  # or "pass": what READY does with a level that cannot decide
+    arms: str = "auto"  # "beside" (both servers at once), "before" (the baseline first), or as fits
+    baseline_port: int | None = None  # the baseline beside: the serving port + 1 unless set
+    baseline_memory: float | None = None  # its --gpu-memory-utilization: what the target needs unless set
 
 
 @dataclass(frozen=True)
@@ -355,7 +360,7 @@ def load_playbook(path: Path | str) -> Playbook:
     if not files and drafter is None:
         raise top.error("the playbook pushes no files: add files: or drafter:")
     gates = _gates(top["gates"])
-    _speedup_fits(gates.speedup, serving, top["gates"]["speedup"]["concurrency"])
+    _speedup_fits(gates.speedup, serving, top["gates"]["speedup"])
     return Playbook(
         file=path,
         name=top["name"].str(),
@@ -656,18 +661,44 @@ def _rate(f: Field, default: float | None) -> float | None:
 def _speedup(f: Field) -> SpeedupGate | None:
     if not f.present:
         return None
-    g = f.mapping({"concurrency", "min", "max_tokens", "repeats", "prompts"})
+    g = f.mapping(
+        {
+            "concurrency",
+            "min",
+            "max_tokens",
+            "repeats",
+            "prompts",
+            "max_pairs",
+            "on_inconclusive",
+            "arms",
+            "baseline_port",
+            "baseline_memory",
+        }
+    )
     levels = g["concurrency"].int_list(list(SpeedupGate.concurrency))
     if not levels or any(not 1 <= c <= 4096 for c in levels) or len(set(levels)) != len(levels):
         raise g["concurrency"].error(f"distinct request counts from 1 to 4096, got {g['concurrency'].value}")
     minimum = _above(g["min"], SpeedupGate.min, 0.0, "a speed-up is never below 0, so it would pass any drafter")
     assert minimum is not None
+    repeats = g["repeats"].int(SpeedupGate.repeats, minimum=1, maximum=20)
+    most = g["max_pairs"].int(max(repeats, SpeedupGate.max_pairs), minimum=1, maximum=50)
+    if most < repeats:
+        raise g["max_pairs"].error(f"at least repeats ({repeats}): the pairs measured at the least")
+    memory = g["baseline_memory"].number(None, minimum=0.0)
+    if memory is not None and not 0 < memory < 1:
+        raise g["baseline_memory"].error(f"a share of a GPU's memory between 0 and 1 (exclusive), got {memory:g}")
+    port = g["baseline_port"].int(None, minimum=1, maximum=65535)
     return SpeedupGate(
         concurrency=tuple(sorted(levels)),
         min=minimum,
         max_tokens=g["max_tokens"].int(SpeedupGate.max_tokens, minimum=1, maximum=4096),
-        repeats=g["repeats"].int(SpeedupGate.repeats, minimum=1, maximum=20),
+        repeats=repeats,
         prompts=tuple(g["prompts"].str_list(())),
+        max_pairs=most,
+        on_inconclusive=g["on_inconclusive"].choice(("refuse", "pass"), SpeedupGate.on_inconclusive),
+        arms=g["arms"].choice(("auto", "beside", "before"), SpeedupGate.arms),
+        baseline_port=port,
+        baseline_memory=memory,
     )
 
 
@@ -680,11 +711,16 @@ def _speedup_fits(gate: SpeedupGate | None, serving: Serving, f: Field) -> None:
         name, eq, value = arg.partition("=")
         if name in ("--max-num-seqs", "--max_num_seqs"):
             seqs = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    if gate is not None and gate.baseline_port == serving.port:
+        raise f["baseline_port"].error(
+            f"the serving port ({serving.port}): the baseline beside needs a port of its own (or leave it unset: "
+            "the serving port + 1)"
+        )
     if gate is None or seqs is None or not seqs.isdigit():
         return  # vLLM's own default, or a value the engine gate has vLLM's word on
     over = [c for c in gate.concurrency if c > int(seqs)]
     if over:
-        raise f.error(
+        raise f["concurrency"].error(
             f"{over} requests at once is above serving.extra_args --max-num-seqs {seqs}: vLLM would run "
             f"{seqs} of them at a time and queue the rest, so the level would measure less than it names "
             "(raise --max-num-seqs or lower the level)"

@@ -257,6 +257,14 @@ class Field:
             raise self.error(f"must be at most {maximum}, got {self.value}")
         return self.value
 
+    def choice(self, allowed: tuple[Any, ...], default: Any = _MISSING) -> Any:
+        """The field as one of ``allowed`` words; the default when absent."""
+        if not self.present:
+            return self._default(default)
+        if self.value not in allowed:
+            raise self.error(f"expected one of {', '.join(allowed)}, got {_kind(self.value)}")
+        return self.value
+
     def number(self, default: Any = _MISSING, *, minimum: float | None = None) -> Any:
         """The field as a finite number within bounds; the default when absent."""
         if not self.present:

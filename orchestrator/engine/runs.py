@@ -244,8 +244,8 @@ def verify(
     (or rank) alive and healthy, the READY record; with ``probe_acceptance`` the acceptance probe
     through the head, held to the READY record's; with ``engine`` the installed vLLM's verdict on
     the served command. A group also needs every node on one release (and, with Ray, every node
-    in the cluster). ``speedup``: the speed-up gate's drafter arm again, against the baseline
-    the store keeps (``engine.speedup``; a host that fails a gate before it is not loaded)."""
+    in the cluster). ``speedup``: the speed-up gate's two arms again, the target alone beside the
+    server (``engine.speedup``; a host that fails a gate before it is not loaded)."""
     playbook, inventory = scope.playbook, scope.inventory
 
     def check(run: Run, unit: Unit, node: Node) -> None:
@@ -315,7 +315,8 @@ def verify(
 
 
 def _speedup_again(run: Run, unit: Unit) -> None:
-    """verify --speedup: the drafter arm on the server as it runs, against the kept baseline."""
+    """verify --speedup: both arms again, the target alone beside the server as it runs (where the
+    memory holds both: nothing is restarted)."""
     from orchestrator.engine import speedup
 
     head = unit.head
@@ -328,7 +329,7 @@ def _speedup_again(run: Run, unit: Unit) -> None:
             False, "the vLLM build or the target is not known here (the build check did not run)"
         )
         return
-    speedup.measure(run, unit, *found)
+    speedup.measure(run, unit, *found, again=True)
 
 
 def dry_run(scope: Scope) -> RunReport:

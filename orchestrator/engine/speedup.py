@@ -1,19 +1,22 @@
 """The speed-up gate on a host: does speculation make it faster at the fleet's load?
 
 Two arms of the same greedy load (``gates.speedup``: its concurrency levels, prompts, output
-length, repeats), sent by the agent on the host to its server:
+length, pairs), sent by the agent on the host to its servers, both in this session on the
+rollout's canary (``rules.gates.speedup`` has the method and the arithmetic):
 
-- the *baseline*: the same target, build, GPUs and arguments without the drafter. It costs one
-  extra server start, so it is measured once per key (``gates.speedup.speedup_key``: the target's weights,
-  the vLLM build, the GPU model and count, the parallel sizes, the server's own arguments, the
-  load) by a canary, before the drafter's release starts, with the host out of rotation, and kept
-  in the state store; a later rollout of another drafter over the same target reuses it;
-- the *drafter arm*: right after the acceptance probe passed, on the server just proven.
+- *beside*: once the release is proven, the target alone starts beside it on the baseline port
+  (``BASELINE_SERVER``), the two are measured in pairs, one run at a time in an A B B A order, and
+  the baseline server is stopped; the release's server is never restarted for it;
+- *before* (where the GPU's memory does not hold both): the target alone is started in the
+  release's place before the release starts (one extra start) and measured, then the release's
+  drafter arm right after the acceptance probe; their runs are paired in order.
 
-Only the rollout's canary measures: the hosts after it of the same key hold its verdict (the gpus
-and build gates prove "the same"), and a rollout with no canary measures nothing and says so. The
-gate fails with both numbers per concurrency where the speed-up is below ``min``
-(``rules.speedup.judge``), and the host is not READY: it goes back to the release it had.
+The baseline kept by an earlier session of the same key is never the comparator: it is the drift
+check (today's baseline against it, said when they differ), and this session's is kept in its
+place. Only the rollout's canary measures: the hosts after it of the same key hold its verdict
+(the gpus and build gates prove "the same"), and a rollout with no canary measures nothing and
+says so. The gate fails where a level does not pay (or cannot decide, unless
+``on_inconclusive: pass``), and the host is not READY: it goes back to the release it had.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from orchestrator.results import GATE_ACCEPTANCE, GATE_SPEEDUP, Gate
 from orchestrator.rules import gates, serving
 from orchestrator.rules.gates import speedup as rules
 
+# The baseline beside the release's server: a process of its own name, so that stopping it never
+# touches the server that serves.
+BASELINE_SERVER = "dflash-speedup-baseline"
+
+Runs = dict[int, list[rules.Run]]
+
 
 def wanted(run: Run) -> bool:
     """The playbook asks for the gate, and its server speculates."""
@@ -42,32 +51,56 @@ def _key(run: Run, unit: Unit) -> tuple[str, str] | None:
 
 
 def _kept(run: Run, key: str) -> dict[int, dict[str, Any]]:
-    """The baseline kept under ``key`` (this run's, or the store's), every level the gate asks for."""
-    gate = run.playbook.gates.speedup
-    assert gate is not None
+    """The baseline an earlier session kept under ``key`` (for the drift check), read once a run
+    before this session's replaces it."""
     with run.once_lock:
-        found = run.once.get(("baseline", key))
-    if found is None and run.store is not None:
+        if ("kept", key) in run.once:
+            return dict(run.once[("kept", key)])
+    found: dict[int, dict[str, Any]] = {}
+    if run.store is not None:
         try:
             found = run.store.baseline(key)
         except StateError as exc:
             run.say(f"error: the speed-up baselines could not be read: {exc}")
-            found = None
-    if not found or any(c not in found for c in gate.concurrency):
-        return {}
-    return dict(found)
+    with run.once_lock:
+        run.once.setdefault(("kept", key), found)
+        return dict(run.once[("kept", key)])
+
+
+def _keep(run: Run, node: Node, key: str, what: str, runs: Runs) -> None:
+    """This session's baseline, for the next session's drift check."""
+    _kept(run, key)  # the earlier one is read before it is replaced
+    if run.store is None or not runs:
+        return
+    try:
+        run.store.keep_baseline(key, what, node.name, {c: [r.to_json() for r in rs] for c, rs in runs.items()})
+    except StateError as exc:  # this run still judges; the next one has no drift check
+        run.say(f"error: the speed-up baseline was not kept: {exc}")
+
+
+def needs_baseline(run: Run, unit: Unit) -> tuple[str, str] | None:
+    """The key (and its words) of the baseline this unit measures *before* its release starts: a
+    canary, one host, a key, and arms that do not fit beside each other. None: it measures none
+    before (beside, or not at all)."""
+    if not wanted(run) or unit.head.name not in run.canaries or not unit.single:
+        return None
+    found = _key(run, unit)
+    if found is None:
+        return None
+    arms, _ = gates.speedup.arms(run.playbook, unit.head.report)
+    return found if arms == "before" else None
 
 
 def before_launch(run: Run, unit: Unit, release: str, found: tuple[str, str]) -> bool:
-    """On a canary with no baseline kept for its key: start the target alone, measure the load,
-    stop it, keep what it measured (a store's, and this run's for the hosts after it). False: it
-    could not be measured, and the speed-up gate says why (the host was disturbed: roll back).
+    """On a canary whose arms do not fit beside each other: start the target alone in the
+    release's place, measure the load, stop it, and hold its runs for the drafter arm after the
+    proof. False: it could not be measured, and the speed-up gate says why (the host was
+    disturbed: roll back).
 
     The host must serve nothing else meanwhile: with a gateway it is out of rotation (``serve``
-    drains a host before this step whenever it will measure). ``found``: its key, in words too
-    (``needs_baseline``'s)."""
+    drains a host before this step whenever it will measure)."""
     head = unit.head
-    key, what = found
+    key, _ = found
     playbook = run.playbook
     host = serving.probe_host(playbook, head.target.container)
     command = serving.command(playbook, head.target.container, release, speculative=False)
@@ -76,13 +109,18 @@ def before_launch(run: Run, unit: Unit, release: str, found: tuple[str, str]) ->
     started = time.monotonic()
     run.step(head, "measuring the speed-up's baseline", "one extra start: the target without the drafter")
     head.disturbed = True
+    runs: Runs = {}
     try:
         run.batch(head, [run.lock(head), launch, health])
-        runs, failed = _arm(run, head, "baseline")
+        failed = _warm(run, head, playbook.serving.port)
+        order = gates.speedup.level_order(playbook)
+        for i in range(_gate(run).repeats):
+            for c in order:
+                failed += _into(runs, *_load(run, head, playbook.serving.port, c, f"baseline, pair {i + 1}"))
     except AgentError as exc:
-        runs, failed = {}, [exc.failure.describe()]
+        failed = [exc.failure.describe()]
     finally:
-        _stop(run, head)
+        _stop(run, head, serving.SERVER)
     seconds = round(time.monotonic() - started, 1)
     if failed:
         head.report.gates[GATE_SPEEDUP] = Gate(
@@ -92,27 +130,10 @@ def before_launch(run: Run, unit: Unit, release: str, found: tuple[str, str]) ->
             reason=rules.UNMEASURED,
         )
         return False
-    stored = {c: [r.to_json() for r in rs] for c, rs in runs.items()}
-    kept = {c: {"at": time.time(), "host": head.name, "what": what, "runs": r} for c, r in stored.items()}
     with run.once_lock:
-        run.once[("baseline", key)] = kept
-        run.once[("baseline_seconds", key)] = seconds
-    if run.store is not None:
-        try:
-            run.store.keep_baseline(key, what, head.name, stored)
-        except StateError as exc:  # this run still judges with it; a later one measures again
-            run.say(f"error: the speed-up baseline was not kept: {exc}")
-    run.say(f"{head.name}: the speed-up's baseline measured in {seconds:g} s ({what})")
+        run.once[("today", key)] = (runs, seconds)
+    run.say(f"{head.name}: the speed-up's baseline measured in {seconds:g} s, before the release")
     return True
-
-
-def needs_baseline(run: Run, unit: Unit) -> tuple[str, str] | None:
-    """The key (and its words) of the baseline this unit measures before its release starts: a
-    canary, one host, a key, and none kept under it. None: it measures none."""
-    if not wanted(run) or unit.head.name not in run.canaries or not unit.single:
-        return None
-    found = _key(run, unit)
-    return found if found is not None and not _kept(run, found[0]) else None
 
 
 def after_proof(run: Run, unit: Unit) -> bool:
@@ -155,37 +176,145 @@ def after_proof(run: Run, unit: Unit) -> bool:
     return gate.ok
 
 
-def measure(run: Run, unit: Unit, key: str, what: str) -> Gate:
-    """The drafter arm on the running server, judged against the baseline kept under ``key``."""
+def measure(run: Run, unit: Unit, key: str, what: str, again: bool = False) -> Gate:
+    """Both arms in this session on the running server, and the verdict: the baseline beside it,
+    or the runs ``before_launch`` held. ``again`` (verify --speedup): beside only, as nothing may
+    be restarted."""
     head, playbook = unit.head, run.playbook
-    gate = playbook.gates.speedup
-    assert gate is not None
-    kept = _kept(run, key)
-    if not kept:
+    with run.once_lock:
+        before = run.once.pop(("today", key), None)
+    if before is not None:
+        return _judge_before(run, unit, key, what, before)
+    arms, why = gates.speedup.arms(playbook, head.report)
+    if arms == "before":
+        detail = (
+            f"not measured by verify: {why}, so the baseline starts in the server's place (a deploy's canary "
+            "measures it)"
+            if again
+            else f"not measured: {why}, and no baseline ran before the release"
+        )
+        head.report.gates[GATE_SPEEDUP] = Gate(False, detail, reason=rules.UNMEASURED)
+        return head.report.gates[GATE_SPEEDUP]
+    return _beside(run, unit, key, what, why)
+
+
+def _beside(run: Run, unit: Unit, key: str, what: str, why: str) -> Gate:
+    """The target alone started beside the proven server, the two measured in pairs (A B B A),
+    the stopping rule's early stop once every level decides; the baseline stopped whatever
+    happened."""
+    head, playbook = unit.head, run.playbook
+    gate = _gate(run)
+    release = head.report.release_id
+    assert release is not None
+    port = gates.speedup.baseline_port(playbook)
+    host = serving.probe_host(playbook, head.target.container)
+    command = gates.speedup.beside_command(playbook, head.target.container, release, head.report)
+    launch = protocol.launch(head.root, BASELINE_SERVER, command, release, port, host=host)
+    s = playbook.serving
+    health = protocol.wait_health(head.root, BASELINE_SERVER, port, s.model_name, s.startup_timeout, host=host)
+    run.step(head, "starting the speed-up's baseline beside the server", f"port {port}: {why}")
+    started = time.monotonic()
+    pairs: dict[int, list[tuple[rules.Run, rules.Run]]] = {c: [] for c in gate.concurrency}
+    baseline: Runs = {}
+    drafter: Runs = {}
+    failed: list[str] = []
+    start_s = measured_s = 0.0
+    try:
+        run.batch(head, [launch, health])
+        start_s = time.monotonic() - started
+        measuring = time.monotonic()
+        failed = _warm(run, head, port) + _warm(run, head, s.port)
+        order = gates.speedup.level_order(playbook)
+        for i in range(gate.max_pairs):
+            if failed:
+                break
+            for c in order:
+                got: dict[str, rules.Run] = {}
+                for arm in rules.pair_order(i):
+                    one, lost = _load(run, head, port if arm == "baseline" else s.port, c, f"{arm}, pair {i + 1}")
+                    failed += lost
+                    if one is not None:
+                        got[arm] = one
+                if len(got) == 2:
+                    pairs[c].append((got["baseline"], got["drafter"]))
+                    baseline.setdefault(c, []).append(got["baseline"])
+                    drafter.setdefault(c, []).append(got["drafter"])
+            levels = [rules.paired_level(c, pairs[c]) for c in gate.concurrency]
+            if i + 1 >= gate.repeats and rules.decided(levels, gate.min):
+                break  # every level decides: the stopping rule's early stop
+        measured_s = time.monotonic() - measuring
+    except AgentError as exc:
+        failed.append(exc.failure.describe())
+    finally:
+        stopping = time.monotonic()
+        _stop(run, head, BASELINE_SERVER)
+        start_s += time.monotonic() - stopping
+    if failed:
         head.report.gates[GATE_SPEEDUP] = Gate(
             False,
-            f"no baseline kept for {what} at concurrency {list(gate.concurrency)}: a deploy's canary measures one",
+            f"the speed-up could not be measured with the baseline beside the server: {'; '.join(failed[:3])}",
+            {"baseline": {"arms": "beside", "port": port, "seconds": round(start_s, 1)}},
             reason=rules.UNMEASURED,
         )
         return head.report.gates[GATE_SPEEDUP]
+    _keep(run, head, key, what, baseline)
+    levels = [rules.paired_level(c, pairs[c]) for c in gate.concurrency]
+    base = {"arms": "beside", "port": port, "why": why, "seconds": round(start_s, 1)}
+    run.say(f"{head.name}: the speed-up's baseline beside the server, one extra start and stop: {start_s:.1f} s")
+    return _verdict(run, unit, key, what, levels, (baseline, drafter), base, measured_s)
+
+
+def _judge_before(run: Run, unit: Unit, key: str, what: str, before: tuple[Runs, float]) -> Gate:
+    """The drafter arm right after the proof, its runs paired in order with the baseline's that
+    ran before the release (as many pairs as ``repeats``: no more can be added without another
+    start)."""
+    head, playbook = unit.head, run.playbook
+    gate = _gate(run)
+    baseline, seconds = before
     run.step(head, "measuring the speed-up", f"concurrency {', '.join(map(str, gate.concurrency))}")
     started = time.monotonic()
+    drafter: Runs = {}
     try:
-        runs, failed = _arm(run, head, "drafter")
+        failed = _warm(run, head, playbook.serving.port)
+        order = gates.speedup.level_order(playbook)
+        for i in range(gate.repeats):
+            for c in order:
+                failed += _into(drafter, *_load(run, head, playbook.serving.port, c, f"drafter, pair {i + 1}"))
     except AgentError as exc:
-        runs, failed = {}, [exc.failure.describe()]
+        failed = [exc.failure.describe()]
+    measured_s = time.monotonic() - started
     if failed:
         head.report.gates[GATE_SPEEDUP] = Gate(
             False, f"the drafter arm could not be measured: {'; '.join(failed[:3])}", reason=rules.UNMEASURED
         )
         return head.report.gates[GATE_SPEEDUP]
-    levels, data = [], []
-    for c in gate.concurrency:
-        base = rules.Arm(c, tuple(rules.Run.from_json(r) for r in kept[c]["runs"]))
-        arm = rules.Arm(c, tuple(runs[c]))
-        lv = rules.level(base, arm)
-        levels.append(lv)
-        data.append({**lv.to_json(), "baseline": _latency(base), "drafter": _latency(arm)})
+    _keep(run, head, key, what, baseline)
+    levels = [
+        rules.paired_level(c, list(zip(baseline.get(c, []), drafter.get(c, []), strict=False)))
+        for c in gate.concurrency
+    ]
+    base = {
+        "arms": "before",
+        "why": gates.speedup.arms(playbook, head.report)[1],
+        "seconds": seconds,
+    }
+    return _verdict(run, unit, key, what, levels, (baseline, drafter), base, measured_s)
+
+
+def _verdict(
+    run: Run,
+    unit: Unit,
+    key: str,
+    what: str,
+    levels: list[rules.Level],
+    arms: tuple[Runs, Runs],
+    base: dict[str, Any],
+    measured_s: float,
+) -> Gate:
+    """The gate from this session's pairs, with the drift against the baseline an earlier session
+    kept (said, never used)."""
+    head, playbook = unit.head, run.playbook
+    gate = _gate(run)
     acceptance = head.report.gates.get(GATE_ACCEPTANCE)
     tau = acceptance.data.get("mean_acceptance_length") if acceptance is not None else None
     verdict = rules.judge(
@@ -194,54 +323,93 @@ def measure(run: Run, unit: Unit, key: str, what: str) -> Gate:
         tau if isinstance(tau, (int, float)) else None,
         max(playbook.gates.acceptance.min_mean_acceptance_length, rules.LOW_TAU),
         playbook.serving.num_speculative_tokens,
+        gate.on_inconclusive,
     )
-    first = min(kept[c]["at"] for c in gate.concurrency)
-    with run.once_lock:
-        seconds = run.once.get(("baseline_seconds", key))
-    baseline = {
-        "key": key,
-        "what": what,
-        "host": kept[gate.concurrency[0]]["host"],
-        "at": first,
-        "measured": seconds is not None,  # by this run (one extra start), else kept from an earlier one
-        **({"seconds": seconds} if seconds is not None else {}),
-    }
-    source = (
-        f"baseline measured now ({seconds:g} s, one extra start)"
-        if seconds is not None
-        else f"baseline kept from {baseline['host']} at {time.strftime('%Y-%m-%d %H:%M', time.gmtime(first))} UTC"
-    )
+    baseline, drafter = arms
+    drifts = _drifts(run, key, baseline)
+    data = [
+        {
+            **lv.to_json(),
+            "outcome": lv.outcome(gate.min),
+            "baseline": _latency(baseline.get(lv.concurrency, [])),
+            "drafter": _latency(drafter.get(lv.concurrency, [])),
+        }
+        for lv in levels
+    ]
+    said = f"; drift: {'; '.join(drifts.values())}" if drifts else ""
+    where = "the baseline beside the server" if base["arms"] == "beside" else "the baseline before the release"
     head.report.gates[GATE_SPEEDUP] = Gate(
         verdict.ok,
-        f"{verdict.detail}; {source}",
-        # seconds: the drafter arm's load (measurement, not the tool's own share of the host's time)
-        {"min": gate.min, "levels": data, "baseline": baseline, "seconds": round(time.monotonic() - started, 1)},
+        f"{verdict.detail}; both arms in this session ({where}){said}",
+        # seconds: both arms' load (measurement, not the tool's own share of the host's time)
+        {
+            "min": gate.min,
+            "levels": data,
+            "baseline": {"key": key, "what": what, "host": head.name, "at": time.time(), **base},
+            "drift": drifts,
+            "seconds": round(measured_s, 1),
+        },
         reason=verdict.reason,
     )
     return head.report.gates[GATE_SPEEDUP]
 
 
-def _arm(run: Run, node: Node, arm: str) -> tuple[dict[int, list[rules.Run]], list[str]]:
-    """One arm's load runs, each its own round trip (said as it goes), the warm-up's dropped."""
+def _drifts(run: Run, key: str, today: Runs) -> dict[str, str]:
+    """Per level, how far today's target alone is from the baseline an earlier session kept."""
+    kept = _kept(run, key)
+    out = {}
+    for c, runs in today.items():
+        earlier = kept.get(c)
+        if not earlier:
+            continue
+        try:
+            arm = rules.Arm(c, tuple(rules.Run.from_json(r) for r in earlier["runs"]))
+        except (KeyError, TypeError, ValueError):
+            continue  # a kept row that does not read: no drift check, never a failed gate
+        moved = rules.drift(rules.Arm(c, tuple(runs)), arm)
+        if moved is not None:
+            when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(float(earlier.get("at", 0))))
+            out[str(c)] = f"at {c} {moved}, kept by {earlier.get('host')} at {when} UTC"
+    return out
+
+
+def _gate(run: Run) -> Any:
+    gate = run.playbook.gates.speedup
+    assert gate is not None
+    return gate
+
+
+def _warm(run: Run, node: Node, port: int) -> list[str]:
+    """A warm-up run at the highest level whose numbers are not kept (the first requests after a
+    start pay for allocations and compiled shapes the later ones reuse)."""
     host = serving.probe_host(run.playbook, node.target.container)
-    ops = gates.speedup.load_ops(run.playbook, host)
-    runs: dict[int, list[rules.Run]] = {}
-    failed: list[str] = []
-    for i, op in enumerate(ops):
-        concurrency = int(op.request["concurrency"])
-        if i:
-            run.step(node, f"speed-up: the {arm} arm", f"run {i} of {len(ops) - 1}, concurrency {concurrency}")
-        loaded = run.batch(node, [op])[op]
-        one, why = rules.run_of(concurrency, loaded)
-        if why:
-            failed += [f"concurrency {concurrency}: {w}" for w in why]
-        elif i:
-            runs.setdefault(concurrency, []).append(one)
-    return runs, failed
+    op = gates.speedup.warm_op(run.playbook, port, host)
+    loaded = run.batch(node, [op])[op]
+    _, why = rules.run_of(int(op.request["concurrency"]), loaded)
+    return [f"warm-up on port {port}: {w}" for w in why]
 
 
-def _latency(arm: rules.Arm) -> dict[str, Any]:
+def _load(run: Run, node: Node, port: int, concurrency: int, what: str) -> tuple[rules.Run | None, list[str]]:
+    """One load run, its own round trip (said as it goes): the run, or why it failed."""
+    host = serving.probe_host(run.playbook, node.target.container)
+    op = gates.speedup.load_op(run.playbook, concurrency, port, host)
+    run.step(node, "speed-up", f"{what}, concurrency {concurrency}")
+    loaded = run.batch(node, [op])[op]
+    one, why = rules.run_of(concurrency, loaded)
+    if why:
+        return None, [f"concurrency {concurrency} on port {port}: {w}" for w in why]
+    return one, []
+
+
+def _into(runs: Runs, one: rules.Run | None, failed: list[str]) -> list[str]:
+    if one is not None:
+        runs.setdefault(one.concurrency, []).append(one)
+    return failed
+
+
+def _latency(runs: list[rules.Run]) -> dict[str, Any]:
     """What a user waits on, beside the total: time to first token, and each request's decode speed."""
+    arm = rules.Arm(0, tuple(runs))
     return {
         "ttft_p50_s": arm.percentile(0.5),
         "ttft_p90_s": arm.percentile(0.9),
@@ -254,9 +422,9 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def _stop(run: Run, node: Node) -> None:
-    """The baseline's server, stopped whatever happened (the drafter's release starts next)."""
-    op = protocol.stop(node.root, serving.SERVER, run.playbook.serving.stop_timeout)
+def _stop(run: Run, node: Node, name: str) -> None:
+    """A baseline's server, stopped whatever happened."""
+    op = protocol.stop(node.root, name, run.playbook.serving.stop_timeout)
     # on failure: the release's launch stops what is left under the same name, and checks its port
     with contextlib.suppress(AgentError):
         run.batch(node, [run.lock(node), op])

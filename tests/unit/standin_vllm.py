@@ -41,7 +41,8 @@ drafter's path and config bytes and the target's path (vLLM's hashes both the pa
 tests/integration/test_engine_gate.py), said in vLLM's words for a miss and for a hit. ``$STANDIN_TOKEN_S`` seconds pass per
 token of a completion; with ``$STANDIN_STEP_S``, a server with a drafter takes that long a step and
 keeps the accepted positions + 1 tokens a step (the speed-up gate's arms: the target alone stays at
-a token per ``$STANDIN_TOKEN_S``). ``"stream": true`` answers as server-sent events, a chunk a step. SIGTERM stops it as vLLM stops: with ``--shutdown-timeout N`` it takes no
+a token per ``$STANDIN_TOKEN_S``; ``$STANDIN_SPEED_FILE`` holds both, read at each request: a host whose
+speed moves while its command stays). ``"stream": true`` answers as server-sent events, a chunk a step. SIGTERM stops it as vLLM stops: with ``--shutdown-timeout N`` it takes no
 new request and finishes those in flight for up to N s, else it cuts them. SIGHUP
 stands in for a restart behind our back where the server runs as a plain process: the drafter
 config is read again and the counters start again at zero (the pid stays, so the pidfile still
@@ -251,12 +252,16 @@ def serve(args: list[str]) -> None:
             with inflight_lock:
                 inflight[0] += 1
             token_s = float(os.environ.get("STANDIN_TOKEN_S", "0"))
+            step_env = os.environ.get("STANDIN_STEP_S")
+            # $STANDIN_SPEED_FILE: "<token_s> <step_s>" read at each request, over the two variables:
+            # a host whose speed moves between sessions while its command (and so its key) stays.
+            with contextlib.suppress(KeyError, OSError, ValueError), open(os.environ["STANDIN_SPEED_FILE"]) as f:
+                token_s, step = (float(x) for x in f.read().split())
+                step_env = str(step)
             # $STANDIN_STEP_S: a decoding step's cost with the drafter, which keeps a + 1 tokens a
             # step where its drafts are accepted (the target alone: one token a $STANDIN_TOKEN_S)
-            stepped = bool(spec) and "STANDIN_STEP_S" in os.environ
-            step_s, per_step = (
-                (float(os.environ["STANDIN_STEP_S"]), c.a + 1 if c.good else 1) if stepped else (token_s, 1)
-            )
+            stepped = bool(spec) and step_env is not None
+            step_s, per_step = (float(step_env), c.a + 1 if c.good else 1) if stepped and step_env else (token_s, 1)
             stream = bool(body.get("stream"))
             if stream:  # server-sent events, to the end of the connection (HTTP/1.0)
                 self.send_response(200)

@@ -765,3 +765,25 @@ def test_a_loader_cache_that_is_no_file_of_ours_is_read_as_empty(tmp_path: Path)
         assert [e[0] for e in _loader_entries(str(tmp_path))] == ["k"]  # the one signed, whole entry
     finally:
         core.request_digest_key[0] = key
+
+
+def test_a_files_only_batch_imports_no_json_or_re_on_the_host_changed_or_not(tmp_path: Path) -> None:
+    """Each import the agent makes is paid by every host on every batch (json pulls in re, enum and
+    functools: ~10 ms, more than the interpreter's start; on a fleet sharing cores that was a
+    changing deploy's whole lead over one that changes nothing). A files-only deploy, first, changed
+    and unchanged, imports none of them."""
+    root = tmp_path / "root"
+    for release, content in (("r1", b"1"), ("r2", b"2"), ("r3", b"2")):
+        ops = [
+            {"op": "lock", "root": str(root)},
+            {"op": "release_apply", "root": str(root), "release_id": release, "files": files(a=content)},
+        ]
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "-I", "-S", "-c", BOOTSTRAP],
+            input=encode_request(complete(ops)),
+            capture_output=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0 and all(r["ok"] for r in json.loads(proc.stdout)["results"]), proc.stdout
+        imported = {line.split("|")[-1].strip() for line in proc.stderr.decode().splitlines() if "|" in line}
+        assert not imported & {"json", "re", "enum", "hashlib", "shutil", "subprocess"}, (release, sorted(imported))

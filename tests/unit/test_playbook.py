@@ -88,6 +88,39 @@ def test_loads_everything(tmp_path: Path) -> None:
         ("rollout:", "  speedup: {min: 0}\nrollout:", "gates.speedup.min: must be above 0, got 0"),
         ("rollout:", "  speedup: {repeats: 0}\nrollout:", "gates.speedup.repeats"),
         ("rollout:", "  speedup: {mni: 1.2}\nrollout:", "gates.speedup.mni: unknown key (did you mean 'min'?)"),
+        (
+            "rollout:",
+            "  speedup: {repeats: 5, max_pairs: 4}\nrollout:",
+            "gates.speedup.max_pairs: at least repeats (5)",
+        ),
+        ("rollout:", "  speedup: {max_pairs: 0}\nrollout:", "gates.speedup.max_pairs: must be at least 1, got 0"),
+        (
+            "rollout:",
+            "  speedup: {on_inconclusive: ignore}\nrollout:",
+            "gates.speedup.on_inconclusive: expected one of refuse, pass, got a string ('ignore')",
+        ),
+        ("rollout:", "  speedup: {arms: side}\nrollout:", "gates.speedup.arms: expected one of auto, beside, before"),
+        (
+            "rollout:",
+            "  speedup: {arms: true}\nrollout:",
+            "gates.speedup.arms: expected one of auto, beside, before, got a boolean",
+        ),
+        (
+            "rollout:",
+            "  speedup: {baseline_port: 8100}\nrollout:",
+            "gates.speedup.baseline_port: the serving port (8100)",
+        ),
+        (
+            "rollout:",
+            "  speedup: {baseline_port: 70000}\nrollout:",
+            "gates.speedup.baseline_port: must be at most 65535",
+        ),
+        ("rollout:", "  speedup: {baseline_memory: 1.5}\nrollout:", "gates.speedup.baseline_memory: a share of a GPU"),
+        (
+            "rollout:",
+            "  speedup: {baseline_memory: .nan}\nrollout:",
+            "gates.speedup.baseline_memory: expected a finite",
+        ),
     ],
 )
 def test_bad_playbooks(tmp_path: Path, old: str, new: str, expected: str) -> None:

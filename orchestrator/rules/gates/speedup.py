@@ -2,36 +2,51 @@
 `gates.speedup`).
 
 The same greedy load (the gate's `concurrency` levels, its prompts or the probe's, `max_tokens`
-each, `ignore_eos`) streamed by the agent to the server, `repeats` runs an arm at each level after
-one warm-up run, interleaved across levels: output tokens/s per run (and each request's time to
-first token and decode tokens/s, p50/p90 in the gate's data). The *baseline* arm (the same target,
-build, GPUs, arguments and environment without `--speculative-config`) costs one extra server start:
-the rollout's canary measures it before the release starts (out of rotation with a gateway), once
-per key (the target's digest, the vLLM build, the GPU model and count, the parallel sizes, the
-server's own arguments, the load), and the state store keeps it (`speedup_baselines`), so a later
-rollout of another drafter over the same target reuses it. The *drafter* arm runs right after the
-acceptance probe, on the server just proven. Per level: the ratio of mean tokens/s with a 95% lower
-bound from the repeats (the delta method, Student's t; a spread over 5% is said, and widens it); a
-level below `min` fails with both numbers, and the diagnosis tells "accepted but does not pay at
-this load" (`speedup_absent`: drafter cost, K, load) apart from low acceptance
-(`speedup_low_acceptance`, tau under the acceptance floor or 1.5). The hosts after the canary of the
-same key hold its verdict (`held_from`); a rollout with no `rollout.canary` measures nothing and
-says so; a multi-node group is not measured (said). `verify --speedup` sends the drafter arm again
-against the kept baseline.
+each, `ignore_eos`) streamed by the agent to two servers of the same target, build, GPUs, arguments
+and environment: the *drafter* arm (the release just proven) and the *baseline* arm (the same
+command without `--speculative-config`). Both arms are measured **in the same session**, on the
+rollout's canary, out of rotation with a gateway:
 
-The speed-up gate's arithmetic, pure: the same load (concurrency, prompts, greedy, a fixed
-output length) run against the target alone (the baseline arm) and with the drafter (the drafter
-arm), repeated; per concurrency the output tokens per second of each arm, their spread, the
-speed-up with its 95% lower bound, and the verdict against ``gates.speedup.min``.
+- *beside* (where the host's memory holds both): the baseline server starts beside the proven one,
+  on `gates.speedup.baseline_port` (the serving port + 1 unless set; on GPUs with
+  `--gpu-memory-utilization` of what the target alone needs), and the two are measured one at a
+  time in an interleaved order (A B B A ...: a baseline run and the drafter run beside it make a
+  *pair*, the order alternating so that a drift within the session falls on both arms alike);
+- *before* (where it does not: the GPU's memory, or `gates.speedup.arms: before`): the baseline
+  server starts before the release (one extra start), its runs are paired in order with the
+  drafter arm's, minutes later.
+
+Per level, each pair gives a ratio (the drafter run's output tokens/s over its baseline's); the
+speed-up is their **median**, its spread their median absolute deviation over the median, and its
+95% interval Student's t on the logs of the ratios. A level has **three outcomes**: it *pays* (the
+interval's low end at `min` or above), it *does not pay* (its high end below `min`), or it is
+*inconclusive* (neither: the gate says how many pairs would decide at today's spread). The
+stopping rule is fixed before measuring: at least `repeats` pairs (3), at most `max_pairs` (6),
+stopping early only once every level's interval decides. `on_inconclusive` says what READY does
+with an inconclusive level: `refuse` (the default: READY means proven, and an interval holding
+`min` proves neither way) or `pass` (said in the gate's words).
+
+A kept baseline is never the comparator: a host's speed moves from one session to the next
+(another tenant, clocks, a driver: 9-15% between two rollouts on one H100). The store keeps each
+session's baseline (`speedup_baselines`) under its key (the target's digest, the vLLM build, the GPU
+model and count, the parallel sizes, the server's own arguments, the load); the next rollout of
+that key compares its own baseline with it and says the drift when they differ beyond their
+spread. The hosts after the canary of the same key hold its verdict (`held_from`); a rollout with
+no `rollout.canary` measures nothing and says so; a multi-node group is not measured (said).
+`verify --speedup` measures both arms again, beside, where the host's memory holds both.
+
+The diagnosis tells "accepted but does not pay at this load" (`speedup_absent`: drafter cost, K,
+load) apart from low acceptance (`speedup_low_acceptance`, tau under the acceptance floor or 1.5)
+and from a measurement that cannot decide (`speedup_inconclusive`).
 
     total tokens/s     = sum(output tokens) / wall seconds of the run      (what the host serves)
     per request        = (tokens - 1) / (seconds - time to first token)    (what a user waits on)
-    speed-up           = drafter arm's mean total tokens/s / the baseline's, per concurrency
+    a pair's ratio     = the drafter run's total tokens/s / its baseline run's
+    speed-up           = the median of the level's pair ratios
 
 Published DFlash speed-ups fall with load (2.8x at 1 request to 2.4x at 8 on one model; 2.7x to
 1.0x on another): acceptance says the drafter's tokens are kept, not that keeping them pays at the
-fleet's load. So the verdict is per concurrency, and a level where acceptance is fine but the
-speed-up is absent is told apart from a level where acceptance itself is low.
+fleet's load. So the verdict is per concurrency.
 """
 
 from __future__ import annotations
@@ -39,12 +54,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from orchestrator.agent import protocol
-from orchestrator.agent.protocol import Loaded, Sent
+from orchestrator.agent.protocol import Loaded, Sent, ServerCommand
 from orchestrator.config.inventory import Container
 from orchestrator.config.playbook import Playbook
 from orchestrator.results import (
@@ -53,12 +69,16 @@ from orchestrator.results import (
 )
 from orchestrator.rules import serving
 from orchestrator.rules.gates.acceptance import probe_prompts
+from orchestrator.rules.gates.gpus import memory_utilization
 from orchestrator.rules.probe import t975
 
 # Why the speed-up gate fails, as codes (``Gate.reason``; the diagnosis reads them).
 NO_SPEEDUP = "speedup_absent"  # acceptance fine, speculation does not pay at this load
 LOW_ACCEPTANCE = "speedup_low_acceptance"  # the drafter's tokens are not kept: acceptance's finding
 UNMEASURED = "speedup_unmeasured"  # an arm has no runs at a level the playbook asks for
+INCONCLUSIVE = "speedup_inconclusive"  # a level's interval holds min after the planned pairs
+# A level's outcome: its 95% interval above min, below it, or holding it.
+PAYS, DOES_NOT_PAY, UNDECIDED = "pays", "does not pay", "inconclusive"
 # Below this many tokens a step (tau), a drafter is low in acceptance whatever the acceptance gate's
 # own threshold: fewer than one draft in two gets a token kept (a lost drafter gives ~1.03, the real
 # pair 2.25; the diagnosis's "does not match the target" line starts here too).
@@ -169,12 +189,35 @@ class Level:
     drafter: float
     speedup: float
     low: float  # 95% lower bound of the speed-up
-    spread: float  # the larger of the two arms' relative spreads
-    repeats: tuple[int, int]  # (baseline runs, drafter runs)
+    spread: float  # paired: the ratios' MAD over their median; else the larger arm's relative SD
+    repeats: tuple[int, int]  # (baseline runs, drafter runs): equal when paired
+    high: float = math.inf  # 95% upper bound of the speed-up (inf: no bound)
+    paired: bool = False  # runs paired in one session (the median of ratios), not two arms' means
+    log_mean: float | None = None  # paired: the mean and SD of the logs of the ratios
+    log_sd: float | None = None
 
     @property
     def steady(self) -> bool:
         return self.spread <= STEADY
+
+    def outcome(self, minimum: float) -> str:
+        """Pays, does not pay, or inconclusive: where ``minimum`` falls against the interval."""
+        if self.low >= minimum:
+            return PAYS
+        if self.high < minimum:
+            return DOES_NOT_PAY
+        return UNDECIDED
+
+    def pairs_to_decide(self, minimum: float) -> int | None:
+        """Pairs in all that would make the interval decide at today's spread of the ratios (None:
+        not paired, fewer than 2 pairs, or the ratios centre on ``minimum`` itself)."""
+        if self.log_mean is None or not self.log_sd or minimum <= 0:
+            return None
+        gap = abs(self.log_mean - math.log(minimum))
+        for n in range(2, 1001):
+            if t975(n - 1) * self.log_sd / math.sqrt(n) < gap:
+                return n
+        return None
 
     def to_json(self) -> dict[str, Any]:
         """The level as the gate's data carries it (the READY record, history, the report)."""
@@ -186,6 +229,8 @@ class Level:
             "drafter_tokens_per_s": round(self.drafter, 2),
             "spread": round(self.spread, 4),
             "repeats": list(self.repeats),
+            **({"speedup_high": round(self.high, 4)} if math.isfinite(self.high) else {}),
+            **({"pairs": self.repeats[1]} if self.paired else {}),
         }
 
 
@@ -198,8 +243,9 @@ def level(baseline: Arm, drafter: Arm) -> Level:
     if n >= 2:
         rel_se = math.sqrt(baseline.spread**2 / len(baseline.runs) + drafter.spread**2 / len(drafter.runs))
         low = ratio * max(0.0, 1 - t975(n - 1) * rel_se)
+        high = ratio * (1 + t975(n - 1) * rel_se)
     else:
-        low = ratio
+        low, high = 0.0, math.inf  # one run an arm: no bound, so no verdict either way
     return Level(
         concurrency=drafter.concurrency,
         baseline=baseline.mean,
@@ -208,7 +254,69 @@ def level(baseline: Arm, drafter: Arm) -> Level:
         low=low,
         spread=max(baseline.spread, drafter.spread),
         repeats=(len(baseline.runs), len(drafter.runs)),
+        high=high,
     )
+
+
+def paired_level(concurrency: int, pairs: Sequence[tuple[Run, Run]]) -> Level:
+    """Runs paired in one session (a baseline run and the drafter run beside it): the median of
+    the pairs' ratios, its spread (median absolute deviation over the median: one disturbed pair
+    moves neither), and its 95% interval from the logs of the ratios (Student's t on n - 1: the
+    ratio of two speeds is log-symmetric). Pairs whose either run served nothing are left out."""
+    kept = [(b, d) for b, d in pairs if b.tokens_per_s > 0 and d.tokens_per_s > 0]
+    ratios = [d.tokens_per_s / b.tokens_per_s for b, d in kept]
+    n = len(ratios)
+    if not n:
+        return Level(concurrency, 0.0, 0.0, 0.0, 0.0, 0.0, (0, 0), paired=True)
+    median = statistics.median(ratios)
+    spread = statistics.median(abs(r - median) for r in ratios) / median
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if n >= 2:
+        sd = statistics.stdev(logs)
+        half = t975(n - 1) * sd / math.sqrt(n)
+        low, high, log_sd = math.exp(mean - half), math.exp(mean + half), sd
+    else:
+        low, high, log_sd = 0.0, math.inf, None
+    return Level(
+        concurrency=concurrency,
+        baseline=statistics.fmean(b.tokens_per_s for b, _ in kept),
+        drafter=statistics.fmean(d.tokens_per_s for _, d in kept),
+        speedup=median,
+        low=low,
+        spread=spread,
+        repeats=(n, n),
+        high=high,
+        paired=True,
+        log_mean=mean,
+        log_sd=log_sd,
+    )
+
+
+def decided(levels: Sequence[Level], minimum: float) -> bool:
+    """Whether every level's interval already decides (the stopping rule's early stop)."""
+    return bool(levels) and all(lv.outcome(minimum) != UNDECIDED for lv in levels)
+
+
+def pair_order(index: int) -> tuple[str, str]:
+    """The arms' order in pair ``index``: A B, then B A, ... (a drift within the session, a host
+    warming or cooling, falls on both arms alike instead of on the one measured second)."""
+    return ("baseline", "drafter") if index % 2 == 0 else ("drafter", "baseline")
+
+
+def drift(today: Arm, kept: Arm) -> str | None:
+    """The host's target-alone speed today against the baseline a session before kept, in words
+    when they differ beyond both spreads (the interval of their ratio excludes 1, by over 5%): what
+    a kept baseline would have put into a ratio taken across sessions. None: no drift to say."""
+    if not today.runs or not kept.runs or kept.mean <= 0:
+        return None
+    moved = level(kept, today)
+    if (moved.low > 1 or moved.high < 1) and abs(moved.speedup - 1) > STEADY:
+        return (
+            f"the target alone ran {moved.speedup - 1:+.0%} against the baseline kept before "
+            f"({today.mean:.0f} against {kept.mean:.0f} tokens/s)"
+        )
+    return None
 
 
 def baseline_key(
@@ -249,51 +357,92 @@ class Verdict:
 
 
 def judge(
-    levels: Sequence[Level], minimum: float, tau: float | None = None, min_tau: float | None = None, k: int = 0
+    levels: Sequence[Level],
+    minimum: float,
+    tau: float | None = None,
+    min_tau: float | None = None,
+    k: int = 0,
+    on_inconclusive: str = "refuse",
 ) -> Verdict:
-    """The gate: every concurrency at ``minimum`` or above. A level below it is told apart by
-    acceptance (``tau`` against ``min_tau``): low acceptance is acceptance's finding; acceptance
-    fine with no speed-up is the drafter's cost at that load (K drafted a step, tau kept)."""
-    said = "; ".join(_numbers(lv) for lv in levels)
+    """The gate, per level: pays, does not pay, or inconclusive (``Level.outcome``). Any level that
+    does not pay fails it, told apart by acceptance (``tau`` against ``min_tau``): low acceptance is
+    acceptance's finding; acceptance fine with no speed-up is the drafter's cost at that load (K
+    drafted a step, tau kept). A level that is inconclusive fails it too unless ``on_inconclusive``
+    is ``pass``, and says how many pairs would decide."""
+    said = "; ".join(_numbers(lv, minimum) for lv in levels)
     if not levels:
         return Verdict(False, "no load was measured", UNMEASURED)
     unsteady = [lv for lv in levels if not lv.steady]
     if unsteady:
         said += "; " + ", ".join(
-            f"at {lv.concurrency} the repeats spread {lv.spread:.0%} (over {STEADY:.0%}): the bound is widened by it"
+            f"at {lv.concurrency} the {'pairs' if lv.paired else 'repeats'} spread {lv.spread:.0%} "
+            f"(over {STEADY:.0%}): the bound is widened by it"
             for lv in unsteady
         )
-    slow = [lv for lv in levels if lv.speedup < minimum]
-    if not slow:
-        return Verdict(True, said, levels=tuple(levels))
-    at = ", ".join(str(lv.concurrency) for lv in slow)
-    if tau is not None and min_tau is not None and tau < min_tau:
+    slow = [lv for lv in levels if lv.outcome(minimum) == DOES_NOT_PAY]
+    open_ = [lv for lv in levels if lv.outcome(minimum) == UNDECIDED]
+    undecided = ""
+    if open_:
+        undecided = f"inconclusive at concurrency {', '.join(str(lv.concurrency) for lv in open_)} " + "; ".join(
+            _to_decide(lv, minimum) for lv in open_
+        )
+    if slow:
+        at = ", ".join(str(lv.concurrency) for lv in slow)
+        also = f" ({undecided})" if undecided else ""
+        if tau is not None and min_tau is not None and tau < min_tau:
+            return Verdict(
+                False,
+                f"speed-up below {minimum:g} at concurrency {at}{also}, and acceptance is low (tau {tau:.2f} < "
+                f"{min_tau:g}): the drafter's tokens are not kept. {said}",
+                LOW_ACCEPTANCE,
+                tuple(levels),
+            )
+        if tau is None:
+            kept = "with acceptance not probed in this run"
+        else:
+            kept = f"with acceptance fine (tau {tau:.2f}" + (f" of K = {k} drafted)" if k else ")")
         return Verdict(
             False,
-            f"speed-up below {minimum:g} at concurrency {at}, and acceptance is low (tau {tau:.2f} < {min_tau:g}): "
-            f"the drafter's tokens are not kept. {said}",
-            LOW_ACCEPTANCE,
+            f"speed-up below {minimum:g} at concurrency {at} {kept}{also}: speculation does not pay "
+            f"at this load (the drafter's cost per step outweighs what it keeps: a lower K, less load per host, or no "
+            f"speculation here). {said}",
+            NO_SPEEDUP,
             tuple(levels),
         )
-    if tau is None:
-        kept = "with acceptance not probed in this run"
+    if open_ and on_inconclusive != "pass":
+        return Verdict(
+            False,
+            f"{undecided}: the measurement neither shows that speculation pays {minimum:g}x nor that it does not, "
+            f"so the host is not READY on it (gates.speedup.on_inconclusive: refuse). {said}",
+            INCONCLUSIVE,
+            tuple(levels),
+        )
+    if open_:
+        said = f"{undecided}, READY as gates.speedup.on_inconclusive: pass says. {said}"
+    return Verdict(True, said, levels=tuple(levels))
+
+
+def _to_decide(lv: Level, minimum: float) -> str:
+    """How many pairs would decide an inconclusive level, at today's spread."""
+    need = lv.pairs_to_decide(minimum)
+    if lv.repeats[1] < 2:
+        return f"(at {lv.concurrency}: one run an arm, no interval)"
+    if not lv.paired:
+        return f"(at {lv.concurrency}: arms measured apart, {lv.repeats[0]}+{lv.repeats[1]} runs)"
+    if need is None:
+        return f"(at {lv.concurrency}: the speed-up sits at {minimum:g}, no number of pairs would decide)"
+    return f"(at {lv.concurrency}: about {need} pairs would decide, {lv.repeats[1]} measured)"
+
+
+def _numbers(lv: Level, minimum: float) -> str:
+    if lv.repeats[0] > 1 and lv.repeats[1] > 1:
+        bound = f", 95% {lv.low:.2f}-{lv.high:.2f}" if math.isfinite(lv.high) else f", 95% >= {lv.low:.2f}"
     else:
-        kept = f"with acceptance fine (tau {tau:.2f}" + (f" of K = {k} drafted)" if k else ")")
-    return Verdict(
-        False,
-        f"speed-up below {minimum:g} at concurrency {at} {kept}: speculation does not pay "
-        f"at this load (the drafter's cost per step outweighs what it keeps: a lower K, less load per host, or no "
-        f"speculation here). {said}",
-        NO_SPEEDUP,
-        tuple(levels),
-    )
-
-
-def _numbers(lv: Level) -> str:
-    bound = f", 95% >= {lv.low:.2f}" if lv.repeats[0] > 1 and lv.repeats[1] > 1 else ", one run an arm: no bound"
+        bound = ", one run an arm: no bound"
+    n = f"{lv.repeats[1]} pairs" if lv.paired else f"n = {lv.repeats[0]}+{lv.repeats[1]}"
     return (
         f"at {lv.concurrency}: {lv.speedup:.2f}x ({lv.drafter:.0f} against {lv.baseline:.0f} tokens/s{bound}, "
-        f"n = {lv.repeats[0]}+{lv.repeats[1]})"
+        f"{n}): {lv.outcome(minimum)}"
     )
 
 
@@ -316,23 +465,104 @@ def load_requests(playbook: Playbook, concurrency: int) -> int:
     return concurrency * max(-(-prompts // concurrency), LOAD_WAVES)
 
 
-def load_ops(playbook: Playbook, host: str = protocol.LOOPBACK) -> list[protocol.Op[protocol.Loaded]]:
-    """One arm of the speed-up gate: a load run per concurrency per repeat, repeats interleaved
-    across the levels (a slow minute of the host spreads over every level, not one), after a
-    warm-up run at the highest concurrency whose numbers are not kept (the first requests after a
-    start pay for allocations and compiled shapes the later ones reuse)."""
+def load_op(
+    playbook: Playbook, concurrency: int, port: int, host: str = protocol.LOOPBACK, max_tokens: int | None = None
+) -> protocol.Op[protocol.Loaded]:
+    """One load run at ``concurrency`` against the server on ``port``."""
     gate = playbook.gates.speedup
     assert gate is not None
     s, prompts = playbook.serving, speedup_prompts(playbook)
+    tokens = gate.max_tokens if max_tokens is None else max_tokens
+    requests = load_requests(playbook, concurrency)
+    # a token a second for each request in a wave, at the least: a CPU server is that slow
+    timeout = 60.0 + tokens * requests / concurrency
+    return protocol.load(port, s.model_name, prompts, tokens, concurrency, requests, timeout, host=host)
 
-    def run(concurrency: int, max_tokens: int) -> protocol.Op[protocol.Loaded]:
-        requests = load_requests(playbook, concurrency)
-        # a token a second for each request in a wave, at the least: a CPU server is that slow
-        timeout = 60.0 + max_tokens * requests / concurrency
-        return protocol.load(s.port, s.model_name, prompts, max_tokens, concurrency, requests, timeout, host=host)
 
-    warm = run(max(gate.concurrency), min(gate.max_tokens, 16))
-    return [warm] + [run(c, gate.max_tokens) for _ in range(gate.repeats) for c in gate.concurrency]
+def warm_op(playbook: Playbook, port: int, host: str = protocol.LOOPBACK) -> protocol.Op[protocol.Loaded]:
+    """A warm-up run at the highest level, short, whose numbers are not kept (the first requests
+    after a start pay for allocations and compiled shapes the later ones reuse)."""
+    gate = playbook.gates.speedup
+    assert gate is not None
+    return load_op(playbook, max(gate.concurrency), port, host, min(gate.max_tokens, 16))
+
+
+def level_order(playbook: Playbook) -> tuple[int, ...]:
+    """The levels in the order a pair round measures them: every level once a round, so that a
+    slow minute of the host spreads over every level, not one."""
+    gate = playbook.gates.speedup
+    assert gate is not None
+    return gate.concurrency
+
+
+def baseline_port(playbook: Playbook) -> int:
+    """Where the baseline beside the server listens: ``gates.speedup.baseline_port``, else the
+    serving port + 1 (- 1 at the top of the range)."""
+    gate, port = playbook.gates.speedup, playbook.serving.port
+    if gate is not None and gate.baseline_port is not None:
+        return gate.baseline_port
+    return port + 1 if port < 65535 else port - 1
+
+
+# What the target alone needs of a GPU beyond its weights: activations, CUDA graphs and a KV cache
+# for the gate's levels (a few GiB whatever the model), and a margin over the weights' bytes.
+_BESIDE_FIXED_MIB = 3 * 1024
+_BESIDE_WEIGHTS = 1.25
+# What two servers may ask of one GPU together (vLLM refuses a start whose share is not free).
+_BESIDE_CEILING = 0.95
+
+
+def baseline_memory(playbook: Playbook, report: HostReport) -> float | None:
+    """The ``--gpu-memory-utilization`` of the baseline beside the server: the gate's, else the
+    target's weights per GPU (its bytes over the tensor parallel size) with a margin, over the
+    GPU's memory. None: no GPU (a CPU build: the host's memory) or nothing known to size it by."""
+    gate = playbook.gates.speedup
+    assert gate is not None
+    if not report.gpus:
+        return None
+    if gate.baseline_memory is not None:
+        return gate.baseline_memory
+    sizes: list[int] = [g["memory_total_mib"] for g in report.gpus if isinstance(g.get("memory_total_mib"), int)]
+    total = min(sizes, default=0)
+    weights = next((m.get("bytes") for m in report.models if m.get("name") == "target"), None)
+    if not total or not isinstance(weights, int):
+        return None
+    per_gpu_mib = weights / max(1, len(report.gpus)) / 2**20
+    return math.ceil((per_gpu_mib * _BESIDE_WEIGHTS + _BESIDE_FIXED_MIB) / total * 100) / 100
+
+
+def arms(playbook: Playbook, report: HostReport) -> tuple[str, str]:
+    """Beside (both servers at once, measured in turn) or before (the baseline in the release's
+    place first), and why: ``gates.speedup.arms``, else beside where the memory holds both."""
+    gate = playbook.gates.speedup
+    assert gate is not None
+    if gate.arms != "auto":
+        return gate.arms, f"gates.speedup.arms: {gate.arms}"
+    if not report.gpus:
+        return "beside", "no GPU: both servers in the host's memory"
+    need = baseline_memory(playbook, report)
+    share = memory_utilization(playbook)
+    if need is None:
+        return "before", "the target's size or the GPU's memory is not known, so both may not fit"
+    if round(share + need, 4) <= _BESIDE_CEILING:
+        return "beside", f"the server asks {share:g} of the GPU's memory, the target alone {need:g}"
+    return "before", (
+        f"the GPU's memory does not hold both (the server asks {share:g} of it, the target alone about {need:g}; "
+        "a lower --gpu-memory-utilization or gates.speedup.baseline_memory would)"
+    )
+
+
+def beside_command(playbook: Playbook, container: Container, release: str, report: HostReport) -> ServerCommand:
+    """The baseline beside the server: the release's command without the drafter, on the baseline
+    port, with its own share of the GPU's memory (the last flag given is the one vLLM keeps)."""
+    command = serving.command(playbook, container, release, speculative=False)
+    argv = list(command.argv)
+    at = argv.index("--port")
+    argv[at + 1] = str(baseline_port(playbook))
+    share = baseline_memory(playbook, report)
+    if share is not None:
+        argv += ["--gpu-memory-utilization", f"{share:g}"]
+    return replace(command, argv=tuple(argv))
 
 
 def speedup_key(playbook: Playbook, container: Container, report: HostReport) -> tuple[str, str] | None:
