@@ -203,6 +203,20 @@ def test_the_arms_go_beside_where_the_memory_holds_both_and_before_where_it_does
     assert su.baseline_memory(book(baseline_memory=0.2), large) == 0.2
     assert su.baseline_port(book()) == 8001 and su.baseline_port(book(baseline_port=9100)) == 9100
 
+    # The baseline's command: the release's without the drafter, on its port, with one share of the
+    # GPU's memory in place of the server's (however the server's was spelled).
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"h": {"containers": {"c": {"connection": "local", "gpus": [0]}}}}}))
+    container = load_inventory(inv).containers[0]
+    for given in (["--gpu-memory-utilization", "0.6"], ["--gpu-memory-utilization=0.6"], []):
+        argv = su.beside_command(book(given), container, "R1", small).argv
+        assert argv[argv.index("--port") + 1] == "8001" and "--speculative-config" not in argv
+        flags = [a for a in argv if a.startswith("--gpu-memory-utilization")]
+        assert flags == ["--gpu-memory-utilization"] and argv[-1] == "0.05", argv
+    assert not any(
+        a.startswith("--gpu-memory") for a in su.beside_command(book(), container, "R1", HostReport("cpu")).argv
+    )
+
 
 # --- whole runs through the real agent and the local connector (the stand-in for vLLM: a
 # drafter's step costs $STANDIN_STEP_S and keeps K + 1 tokens where accepted, the target alone a
@@ -655,3 +669,43 @@ def test_on_the_h200_the_hand_weighted_pair_pays_at_every_load_below_its_tau() -
     assert t["vllm_start_s"] + t["probe_s"] + t["tool_s"] + t["speedup_baseline_s"] == pytest.approx(
         t["seconds"], abs=0.2
     )
+
+
+# --- the H100's record of both arms in one session (tests/data/gpu/speedup-beside,
+# scripts/gpu-serve --only speedup --only stop: the hand-weighted pair, vLLM 0.26.0 CUDA) ---------
+
+BESIDE = Path(__file__).resolve().parents[1] / "data" / "gpu" / "speedup-beside"
+
+
+def beside_starts() -> list[Path]:
+    return sorted(p for p in BESIDE.iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("start", [p.name for p in beside_starts()])
+def test_on_the_h100_the_baseline_beside_the_server_shares_its_gpu_and_each_level_pays(start: str) -> None:
+    """Each machine start: READY, the target alone started beside the drafter's server on the same
+    GPU (its own port, its own share of memory: 0.04 of 80 GB beside the server's 0.15), both arms
+    paired in one session, every level at 1, 4, 16 and 64 requests paying its interval, each
+    speed-up below tau (8.00: a step keeps at most 8 tokens and the drafter's pass costs)."""
+    folder = BESIDE / start
+    host = json.loads((folder / "speedup-deploy.json").read_text())["hosts"][0]
+    gate, tau = host["gates"]["speedup"], host["gates"]["acceptance"]["mean_acceptance_length"]
+    assert host["ready"] and gate["ok"] and tau == 8.0
+    base = gate["baseline"]
+    assert base["arms"] == "beside" and base["port"] == 8001 and "the target alone 0.04" in base["why"]
+    assert [lv["concurrency"] for lv in gate["levels"]] == [1, 4, 16, 64]
+    levels = [
+        su.Level(
+            lv["concurrency"], lv["baseline_tokens_per_s"], lv["drafter_tokens_per_s"], lv["speedup"],
+            lv["speedup_low"], lv["spread"], tuple(lv["repeats"]), high=lv["speedup_high"], paired=True,  # type: ignore[arg-type]
+        )
+        for lv in gate["levels"]
+    ]  # fmt: skip
+    assert all(lv.outcome(1.0) == su.PAYS and lv.repeats[1] >= 3 and lv.speedup < tau for lv in levels)
+    assert su.judge(levels, 1.0, tau, 4.0, 7).ok
+    # vLLM's own words on the baseline's command: the share asked, the one it kept
+    said = (folder / "baseline-server-log.txt").read_text()
+    assert "Desired GPU memory utilization is (0.04" in said and "'port': 8001" in said
+    # the time split: the baseline's extra start and both arms' load apart from the tool's share
+    t = host["time"]
+    assert t["speedup_baseline_s"] == base["seconds"] and t["tool_share"] < 0.02
