@@ -35,6 +35,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orchestrate":
     sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
     gc.disable()
 
+from orchestrator import __version__
 from orchestrator.cli.render import (
     MessagePrinter,
     ProgressPrinter,
@@ -202,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Deploy vLLM DFlash speculative decoding to LXC containers, and prove each host READY.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks for errors")
+    # As Ansible, pyinfra and vLLM answer it (-v is --verbose, as theirs is).
+    parser.add_argument("--version", action="version", version=f"orchestrate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def run_parser(name: str, help_text: str) -> argparse.ArgumentParser:
