@@ -709,3 +709,20 @@ def test_on_the_h100_the_baseline_beside_the_server_shares_its_gpu_and_each_leve
     # the time split: the baseline's extra start and both arms' load apart from the tool's share
     t = host["time"]
     assert t["speedup_baseline_s"] == base["seconds"] and t["tool_share"] < 0.02
+
+
+def test_on_the_h100_every_level_gives_the_same_outcome_on_every_machine_start() -> None:
+    """The verdict holds from one machine start to the next: every level pays on every start. The
+    speed-ups themselves do not hold within 5% for this pair: a hand-weighted 135M-geometry step
+    is a few milliseconds, most of it the host's Python, and the machines differ (the target alone
+    at one request ran 423 tokens/s on the first start, 616 on the second); pairing in the session
+    removes a drift within it, not a host that is another host."""
+    gates = [
+        json.loads((folder / "speedup-deploy.json").read_text())["hosts"][0]["gates"]["speedup"]
+        for folder in beside_starts()
+    ]
+    assert len(gates) >= 2
+    outcomes = {tuple((lv["concurrency"], lv["outcome"]) for lv in g["levels"]) for g in gates}
+    assert outcomes == {((1, "pays"), (4, "pays"), (16, "pays"), (64, "pays"))}
+    alone = [g["levels"][0]["baseline_tokens_per_s"] for g in gates]
+    assert max(alone) / min(alone) > 1.3  # the hosts differ by this much with the GPU the same
