@@ -712,17 +712,23 @@ def test_on_the_h100_the_baseline_beside_the_server_shares_its_gpu_and_each_leve
 
 
 def test_on_the_h100_every_level_gives_the_same_outcome_on_every_machine_start() -> None:
-    """The verdict holds from one machine start to the next: every level pays on every start. The
-    speed-ups themselves do not hold within 5% for this pair: a hand-weighted 135M-geometry step
-    is a few milliseconds, most of it the host's Python, and the machines differ (the target alone
-    at one request ran 423 tokens/s on the first start, 616 on the second); pairing in the session
-    removes a drift within it, not a host that is another host."""
+    """The verdict holds from one machine start to the next: every level pays on each of three
+    fresh machines. The speed-ups themselves do not hold within 5% for this pair (at 1 request
+    3.87x, 4.41x and 3.66x: up to 18% from their mean at some level): its step is a few
+    milliseconds, most of it the host's Python; the first machine served the target alone 1.5x
+    slower than the other two, and on those two, alike for the target alone (616 and 622 tokens/s),
+    the drafter arm still moved 14%. Pairing in the session takes out a drift within it, not
+    another machine."""
     gates = [
         json.loads((folder / "speedup-deploy.json").read_text())["hosts"][0]["gates"]["speedup"]
         for folder in beside_starts()
     ]
-    assert len(gates) >= 2
+    assert len(gates) == 3
     outcomes = {tuple((lv["concurrency"], lv["outcome"]) for lv in g["levels"]) for g in gates}
     assert outcomes == {((1, "pays"), (4, "pays"), (16, "pays"), (64, "pays"))}
+    for i in range(4):
+        speedups = [g["levels"][i]["speedup"] for g in gates]
+        mean = sum(speedups) / 3
+        assert 0.10 < max(abs(x - mean) / mean for x in speedups) < 0.20  # not within 5%, said
     alone = [g["levels"][0]["baseline_tokens_per_s"] for g in gates]
-    assert max(alone) / min(alone) > 1.3  # the hosts differ by this much with the GPU the same
+    assert max(alone) / min(alone) > 1.4
