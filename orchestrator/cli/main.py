@@ -35,7 +35,6 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orchestrate":
     sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
     gc.disable()
 
-from orchestrator import __version__
 from orchestrator.cli.render import (
     MessagePrinter,
     ProgressPrinter,
@@ -195,6 +194,17 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+class _Version(argparse.Action):
+    """The installed distribution's version, read only when asked (importlib.metadata costs a few
+    milliseconds of every start otherwise)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from importlib.metadata import version
+
+        sys.stdout.write(f"orchestrate {version('dflash-orchestrator')}\n")  # stdout, as argparse's own
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every command and option of `orchestrate`; each subcommand names the function that runs it
     (set_defaults)."""
@@ -204,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks for errors")
     # As Ansible, pyinfra and vLLM answer it (-v is --verbose, as theirs is).
-    parser.add_argument("--version", action="version", version=f"orchestrate {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def run_parser(name: str, help_text: str) -> argparse.ArgumentParser:
