@@ -114,7 +114,8 @@ def before_launch(run: Run, unit: Unit, release: str, found: tuple[str, str]) ->
         run.batch(head, [run.lock(head), launch, health])
         failed = _warm(run, head, playbook.serving.port)
         order = gates.speedup.level_order(playbook)
-        for i in range(_gate(run).repeats):
+        # As many as the stopping rule may pair (max_pairs): none can be added once the release runs.
+        for i in range(_gate(run).max_pairs):
             for c in order:
                 failed += _into(runs, *_load(run, head, playbook.serving.port, c, f"baseline, pair {i + 1}"))
     except AgentError as exc:
@@ -266,8 +267,7 @@ def _beside(run: Run, unit: Unit, key: str, what: str, why: str) -> Gate:
 
 def _judge_before(run: Run, unit: Unit, key: str, what: str, before: tuple[Runs, float]) -> Gate:
     """The drafter arm right after the proof, its runs paired in order with the baseline's that
-    ran before the release (as many pairs as ``repeats``: no more can be added without another
-    start)."""
+    ran before the release (``max_pairs`` of them), stopping early once every level decides."""
     head, playbook = unit.head, run.playbook
     gate = _gate(run)
     baseline, seconds = before
@@ -277,9 +277,11 @@ def _judge_before(run: Run, unit: Unit, key: str, what: str, before: tuple[Runs,
     try:
         failed = _warm(run, head, playbook.serving.port)
         order = gates.speedup.level_order(playbook)
-        for i in range(gate.repeats):
+        for i in range(gate.max_pairs):
             for c in order:
                 failed += _into(drafter, *_load(run, head, playbook.serving.port, c, f"drafter, pair {i + 1}"))
+            if failed or (i + 1 >= gate.repeats and rules.decided(_paired(gate, baseline, drafter), gate.min)):
+                break  # the stopping rule's early stop (or a run failed)
     except AgentError as exc:
         failed = [exc.failure.describe()]
     measured_s = time.monotonic() - started
@@ -289,16 +291,21 @@ def _judge_before(run: Run, unit: Unit, key: str, what: str, before: tuple[Runs,
         )
         return head.report.gates[GATE_SPEEDUP]
     _keep(run, head, key, what, baseline)
-    levels = [
-        rules.paired_level(c, list(zip(baseline.get(c, []), drafter.get(c, []), strict=False)))
-        for c in gate.concurrency
-    ]
+    levels = _paired(gate, baseline, drafter)
     base = {
         "arms": "before",
         "why": gates.speedup.arms(playbook, head.report)[1],
         "seconds": seconds,
     }
     return _verdict(run, unit, key, what, levels, (baseline, drafter), base, measured_s)
+
+
+def _paired(gate: Any, baseline: Runs, drafter: Runs) -> list[rules.Level]:
+    """Each level's runs paired in order: the i-th baseline run with the i-th drafter run."""
+    return [
+        rules.paired_level(c, list(zip(baseline.get(c, []), drafter.get(c, []), strict=False)))
+        for c in gate.concurrency
+    ]
 
 
 def _verdict(

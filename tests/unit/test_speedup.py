@@ -403,7 +403,8 @@ def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_
         got = second.gates["speedup"]
         assert got.data["baseline"]["key"] == key and not got.ok and got.reason == su.NO_SPEEDUP, got.detail
         (level,) = got.data["levels"]
-        assert level["outcome"] == "does not pay" and level["speedup"] < 1 and level["speedup_high"] < 1.5
+        # 0.8x by the sleeps; more under load (the target alone's tokens pay the stand-in's Python)
+        assert level["outcome"] == "does not pay" and level["speedup_high"] < 1.5
         # what the kept baseline would have said of the same drafter runs: paying, by far
         assert level["drafter_tokens_per_s"] / kept.mean > 2.5
         assert "at 1 the target alone ran +" in got.data["drift"]["1"] and "kept by n0" in got.data["drift"]["1"]
@@ -431,9 +432,12 @@ def test_where_both_do_not_fit_the_baseline_runs_before_the_release_in_the_same_
             gate.data["baseline"]["arms"] == "before" and "gates.speedup.arms: before" in gate.data["baseline"]["why"]
         )
         assert "both arms in this session (the baseline before the release)" in gate.detail
-        assert all(lv["pairs"] == GATE["repeats"] and lv["outcome"] == "pays" for lv in gate.data["levels"])
+        assert all(lv["pairs"] >= GATE["repeats"] and lv["outcome"] == "pays" for lv in gate.data["levels"])
         assert launches(box, "n0") == 2 and baseline_launches(box, "n0") == 0  # the baseline, then the release
-        assert sorted(store.baseline(gate.data["baseline"]["key"])) == [1, 2]
+        # the baseline ran the stopping rule's most before the release (no run can be added after)
+        kept = store.baseline(gate.data["baseline"]["key"])
+        assert all(len(k["runs"]) == 6 for k in kept.values())
+        assert sorted(kept) == [1, 2]
         # verify cannot start the baseline in the serving server's place: it says so, nothing stopped
         checked = host(Deployment(book, fleet(box), OPTIONS, store=store).verify(speedup=True), "n0")
         said = checked.gates["speedup"]
