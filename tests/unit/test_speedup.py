@@ -388,7 +388,7 @@ def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_
     store = StateDB(tmp_path / "state")
     speed = tmp_path / "speed"
     speed.write_text("0.01 0.02")  # the target alone: a token in 10 ms; the drafter: 8 tokens in 20 ms
-    gate = {"concurrency": [1], "repeats": 3}
+    gate = {"concurrency": [1], "repeats": 3, "max_pairs": 4}
     env = {"STANDIN_SPEED_FILE": str(speed)}
     book = speedup_playbook(box, targets="[n0]", env=env, gate=gate)
     try:
@@ -423,7 +423,7 @@ def test_where_both_do_not_fit_the_baseline_runs_before_the_release_in_the_same_
     its runs paired in order with the drafter arm's, in this session, and kept only for the next
     session's drift check."""
     store = StateDB(tmp_path / "state")
-    book = speedup_playbook(box, targets="[n0]", gate={"arms": "before"})
+    book = speedup_playbook(box, targets="[n0]", gate={"arms": "before", "max_pairs": 4})
     try:
         run = host(Deployment(book, fleet(box), OPTIONS, store=store).deploy(), "n0")
         gate = run.gates["speedup"]
@@ -436,7 +436,7 @@ def test_where_both_do_not_fit_the_baseline_runs_before_the_release_in_the_same_
         assert launches(box, "n0") == 2 and baseline_launches(box, "n0") == 0  # the baseline, then the release
         # the baseline ran the stopping rule's most before the release (no run can be added after)
         kept = store.baseline(gate.data["baseline"]["key"])
-        assert all(len(k["runs"]) == 6 for k in kept.values())
+        assert all(len(k["runs"]) == 4 for k in kept.values())
         assert sorted(kept) == [1, 2]
         # verify cannot start the baseline in the serving server's place: it says so, nothing stopped
         checked = host(Deployment(book, fleet(box), OPTIONS, store=store).verify(speedup=True), "n0")
