@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from orchestrator.agent import protocol
+from orchestrator.config.playbook import SpeedupGate
 from orchestrator.engine.runner import Node, Run, Unit
 from orchestrator.errors import AgentError, StateError
 from orchestrator.results import GATE_ACCEPTANCE, GATE_SPEEDUP, Gate
@@ -300,7 +301,7 @@ def _judge_before(run: Run, unit: Unit, key: str, what: str, before: tuple[Runs,
     return _verdict(run, unit, key, what, levels, (baseline, drafter), base, measured_s)
 
 
-def _paired(gate: Any, baseline: Runs, drafter: Runs) -> list[rules.Level]:
+def _paired(gate: SpeedupGate, baseline: Runs, drafter: Runs) -> list[rules.Level]:
     """Each level's runs paired in order: the i-th baseline run with the i-th drafter run."""
     return [
         rules.paired_level(c, list(zip(baseline.get(c, []), drafter.get(c, []), strict=False)))
@@ -380,7 +381,7 @@ def _drifts(run: Run, key: str, today: Runs) -> dict[str, str]:
     return out
 
 
-def _gate(run: Run) -> Any:
+def _gate(run: Run) -> SpeedupGate:
     gate = run.playbook.gates.speedup
     assert gate is not None
     return gate
