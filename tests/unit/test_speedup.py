@@ -16,7 +16,7 @@ import yaml
 
 from orchestrator.agent import protocol
 from orchestrator.config.inventory import Inventory, load_inventory
-from orchestrator.config.playbook import Playbook
+from orchestrator.config.playbook import Playbook, SpeedupGate
 from orchestrator.deployment import Deployment
 from orchestrator.rules.gates import speedup as su
 from orchestrator.store import report
@@ -280,7 +280,9 @@ def test_the_canary_measures_the_baseline_once_and_the_hosts_after_it_hold_its_v
         gate = canary.gates["speedup"]
         # K = 7 all accepted: 8 tokens a step of the same cost as the baseline's one token
         assert gate.ok and all(lv["speedup"] > GATE["min"] for lv in gate.data["levels"]), gate.detail
-        assert all(lv["outcome"] == "pays" and lv["pairs"] == GATE["repeats"] for lv in gate.data["levels"])
+        # decided by the stopping rule: at least `repeats` pairs, more only where load spread them
+        assert all(lv["outcome"] == "pays" for lv in gate.data["levels"]), gate.data["levels"]
+        assert all(GATE["repeats"] <= lv["pairs"] <= SpeedupGate().max_pairs for lv in gate.data["levels"])
         base = gate.data["baseline"]
         assert base["arms"] == "beside" and base["port"] == book.serving.port + 1 and base["seconds"] > 0
         assert "both arms in this session (the baseline beside the server)" in gate.detail and gate.data["drift"] == {}

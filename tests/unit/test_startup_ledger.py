@@ -210,7 +210,9 @@ def test_whole_runs_record_each_start_warn_of_a_smaller_kv_cache_and_the_report_
     assert sorted(str(Path(d).parent) for d in ledger["cache_dirs"]) == [cache, f"{cache}/torch_aot_compile"]
     assert ledger["artifacts_saved"] == 1  # the stand-in's AOT artifact, as vLLM's CUDA build saves one
     assert list(ledger["phases"]) == ["imports", "config", "weights", "compile", "profile", "warm-up", "API", "health"]
-    assert abs(sum(ledger["phases"].values()) - ledger["total_s"]) <= 0.05 * max(ledger["total_s"], 1.0)
+    # each phase and the total are kept to a tenth of a second: up to half a tenth off each
+    resolution = 0.05 * (len(ledger["phases"]) + 1)
+    assert abs(sum(ledger["phases"].values()) - ledger["total_s"]) <= 0.05 * ledger["total_s"] + resolution
     assert "KV cache 90,112 tokens" in health.detail
     assert json.loads((box.root("solo") / "ready.json").read_text())["gates"]["health"]["startup"] == ledger
 
