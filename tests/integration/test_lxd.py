@@ -377,6 +377,8 @@ def test_real_vllm_in_a_container_is_ready_and_watch_sees_the_founding_incident(
         # is named as the target's tokenizer has it (a reserved special token).
         assert "dflash_config.mask_token_id 5 is '<mask>', a special token" in gates["models"]["detail"], gates
         assert not [g for g, v in gates.items() if v.get("warnings")], gates
+        # the container's name resolves (the image maps it): the start waited on no lookup
+        assert "name_lookup" not in gates["health"], gates["health"]
         code, report, err = run("verify", demo, "-i", inv, "--limit", name, tmp_path=tmp_path)
         assert code == 0, host(report, name)["gates"]
         # systemd is the container's init: the server runs as a unit written by the agent.

@@ -5,7 +5,8 @@ else as a process of its own session (pidfile with start time, log file), `curre
 the drafter read through `launched` (moved by the launch alone); `/health` 200 and `/v1/models`
 lists the model within `serving.startup_timeout`; a dead process fails at once with the last 30
 lines of its log; the start's ledger (phases from vLLM's own lines, compile hit or miss, KV cache)
-is the gate's `startup`, a KV cache smaller than the same release's last start a warning.
+is the gate's `startup`, a KV cache smaller than the same release's last start a warning, and so
+a start that waited on a lookup of the host's own name (Gloo's, on every start of vLLM).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def read_health(
         detail = f"healthy {ledger.total_s:.1f} s after the launch, pid {healthy.pid}: {ledger.line()}"
         if warning := startup.smaller_kv(ledger, last_start(last_ready, report.release_id)):
             data["kv_smaller"] = warning
+            detail += f"; warning: {warning}"
+        if warning := startup.name_lookup(healthy.startup):
+            data["name_lookup"] = warning
             detail += f"; warning: {warning}"
     report.gates[GATE_HEALTH] = Gate(True, detail, data)
 
