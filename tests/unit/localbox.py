@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -88,8 +89,22 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:  # it ended between the two looks
+        return False
+
+
+def ended(pid: int, within: float = 10.0) -> bool:
+    """Whether ``pid`` is gone within ``within`` seconds: a killed process takes a moment to end
+    (its memory torn down), longer on a loaded machine."""
+    deadline = time.monotonic() + within
+    while alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 @dataclass
