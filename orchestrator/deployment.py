@@ -23,12 +23,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from orchestrator.config.inventory import Inventory, Target
-from orchestrator.config.playbook import Playbook
+from orchestrator.config.playbook import Playbook, max_num_seqs
 from orchestrator.connectors.base import Connector
 from orchestrator.engine import runs
 from orchestrator.engine.observer import Observer
@@ -150,7 +151,33 @@ class Deployment:
         return self._scope(self.options)
 
     def _scope(self, options: RunOptions) -> Scope:
-        return Scope(self.playbook, self.inventory, self.targets, options, self.observer, self.connector, self.store)
+        playbook = self._observed_levels(self.playbook)
+        return Scope(playbook, self.inventory, self.targets, options, self.observer, self.connector, self.store)
+
+    def _observed_levels(self, playbook: Playbook) -> Playbook:
+        """``gates.speedup.concurrency: observed``: the levels taken now from the load watch
+        recorded of every target's server (not only those this run limits itself to)."""
+        from orchestrator.rules.gates import speedup
+
+        gate = playbook.gates.speedup
+        if gate is None or not gate.observed:
+            return playbook
+        levels: tuple[int, ...] = ()
+        if self.store is None:
+            why = (
+                "no load was observed: concurrency: observed reads the load watch recorded in the state store, "
+                "and this run has none (--state)"
+            )
+        else:
+            hosts = [t.name for t in select_targets(playbook, self.inventory, ())]
+            try:
+                samples = self.store.observed_load(hosts, time.time() - speedup.OBSERVED_DAYS * 86400)
+            except StateError as exc:
+                samples, why = [], f"no load was observed: the state store could not be read ({exc})"
+            else:
+                levels, why = speedup.observed_levels(samples, max_num_seqs(playbook.serving))
+        observed = replace(gate, concurrency=levels, observed_from=why)
+        return replace(playbook, gates=replace(playbook.gates, speedup=observed))
 
     def deploy(self) -> RunReport:
         """Lint, push and check the release on every target, start the server and prove it (health,

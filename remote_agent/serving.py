@@ -1094,7 +1094,8 @@ def op_load(req):
     """A load run for the speed-up gate: ``requests`` greedy completions of a fixed length (the
     prompts in turn), ``concurrency`` in flight at a time, each streamed so that its first token
     is timed. Per request: output tokens, seconds, seconds to the first token (or why it failed);
-    and the run's wall time. Bounded by ``timeout`` in all."""
+    the run's wall time; and the server's own numbers of it (``metrics``: its load families
+    before and after the run, where it shows them). Bounded by ``timeout`` in all."""
     import threading
 
     port, host, prompts = req["port"], req["host"], req["prompts"]
@@ -1122,6 +1123,7 @@ def op_load(req):
             }
             results[i] = _streamed(host, port, json_text(body).encode("utf-8"), deadline)
 
+    before = _load_metrics(host, port)
     started = time.monotonic()
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(req["concurrency"], req["requests"]))]
     for t in threads:
@@ -1130,7 +1132,54 @@ def op_load(req):
         t.join(max(0.0, deadline - time.monotonic()) + 1.0)
     wall = time.monotonic() - started
     unfinished = {"tokens": 0, "seconds": round(wall, 4), "first_token_s": None, "error": "not finished in time"}
-    return {"wall_s": round(wall, 4), "requests": [r if r is not None else unfinished for r in results]}
+    out = {"wall_s": round(wall, 4), "requests": [r if r is not None else unfinished for r in results]}
+    if before is not None:
+        whole = sum(1 for r in results if r is not None and not r["error"])
+        after = _load_metrics(host, port, _finished(before) + whole)
+        if after is not None:
+            out["metrics"] = {"before": before, "after": after}
+    return out
+
+
+# What the speed-up gate reads of a load run on the server's side (vLLM V1's families): each
+# finished request's decode time and output tokens, the time between a request's steps, and the
+# drafts and accepted tokens. Only these lines travel (a /metrics is mostly other histograms).
+LOAD_FAMILIES = (
+    "vllm:request_decode_time_seconds",
+    "vllm:request_generation_tokens",
+    "vllm:inter_token_latency_seconds",
+    "vllm:spec_decode_num_",
+)
+FINISHED = "vllm:request_decode_time_seconds_count"
+
+
+def _load_metrics(host, port, finished=None):
+    """The load families of /metrics now (None: the server shows none of them). With
+    ``finished``: read again, for up to 2 s, until that many requests are counted as finished:
+    vLLM records a request's numbers just after its last token reaches the client."""
+    until = time.monotonic() + 2.0
+    while True:
+        status, text = http_request(port, "GET", "/metrics", timeout=10, host=host)
+        if status != 200:
+            return None
+        kept = _families(text, LOAD_FAMILIES)
+        if FINISHED not in kept:
+            return None
+        if finished is None or _finished(kept) >= finished or time.monotonic() >= until:
+            return kept
+        time.sleep(0.05)
+
+
+def _finished(text):
+    """Requests vLLM counted as finished (its decode-time histogram's count, every engine)."""
+    total = 0.0
+    for line in text.split("\n"):
+        if line.startswith(FINISHED):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                pass
+    return total
 
 
 def _streamed(host, port, data, deadline):

@@ -207,6 +207,11 @@ class SpeedupGate:
     arms: str = "auto"  # "beside" (both servers at once), "before" (the baseline first), or as fits
     baseline_port: int | None = None  # the baseline beside: the serving port + 1 unless set
     baseline_memory: float | None = None  # its --gpu-memory-utilization: what the target needs unless set
+    # ``concurrency: observed``: the levels are the fleet's own load as watch recorded it (the
+    # median and 90th percentile of the requests its servers ran), taken when the run starts;
+    # ``concurrency`` is then what they came to (empty: none recorded).
+    observed: bool = False
+    observed_from: str = ""  # where the observed levels came from, in words (set when a run takes them)
 
 
 @dataclass(frozen=True)
@@ -675,9 +680,18 @@ def _speedup(f: Field) -> SpeedupGate | None:
             "baseline_memory",
         }
     )
-    levels = g["concurrency"].int_list(list(SpeedupGate.concurrency))
-    if not levels or any(not 1 <= c <= 4096 for c in levels) or len(set(levels)) != len(levels):
-        raise g["concurrency"].error(f"distinct request counts from 1 to 4096, got {g['concurrency'].value}")
+    observed = g["concurrency"].value == "observed"
+    if isinstance(g["concurrency"].value, str) and not observed:
+        raise g["concurrency"].error(
+            f"a list of request counts, or 'observed' (the fleet's load as watch recorded it), "
+            f"got {g['concurrency'].value!r}"
+        )
+    levels = [] if observed else g["concurrency"].int_list(list(SpeedupGate.concurrency))
+    if not observed and (not levels or any(not 1 <= c <= 4096 for c in levels) or len(set(levels)) != len(levels)):
+        raise g["concurrency"].error(
+            f"distinct request counts from 1 to 4096, or 'observed' (the fleet's load as watch recorded it), "
+            f"got {g['concurrency'].value}"
+        )
     minimum = _above(g["min"], SpeedupGate.min, 0.0, "a speed-up is never below 0, so it would pass any drafter")
     assert minimum is not None
     repeats = g["repeats"].int(SpeedupGate.repeats, minimum=1, maximum=20)
@@ -699,26 +713,33 @@ def _speedup(f: Field) -> SpeedupGate | None:
         arms=g["arms"].choice(("auto", "beside", "before"), SpeedupGate.arms),
         baseline_port=port,
         baseline_memory=memory,
+        observed=observed,
     )
 
 
-def _speedup_fits(gate: SpeedupGate | None, serving: Serving, f: Field) -> None:
-    """A speed-up level above the server's ``--max-num-seqs`` would queue in vLLM and measure
-    fewer requests at once than it names: refused, naming both."""
+def max_num_seqs(serving: Serving) -> int | None:
+    """The server's ``--max-num-seqs`` as its extra arguments set it (None: vLLM's own default)."""
     seqs = None
     args = list(serving.extra_args)
     for i, arg in enumerate(args):
         name, eq, value = arg.partition("=")
         if name in ("--max-num-seqs", "--max_num_seqs"):
             seqs = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return int(seqs) if seqs is not None and seqs.isdigit() else None
+
+
+def _speedup_fits(gate: SpeedupGate | None, serving: Serving, f: Field) -> None:
+    """A speed-up level above the server's ``--max-num-seqs`` would queue in vLLM and measure
+    fewer requests at once than it names: refused, naming both."""
+    seqs = max_num_seqs(serving)
     if gate is not None and gate.baseline_port == serving.port:
         raise f["baseline_port"].error(
             f"the serving port ({serving.port}): the baseline beside needs a port of its own (or leave it unset: "
             "the serving port + 1)"
         )
-    if gate is None or seqs is None or not seqs.isdigit():
+    if gate is None or seqs is None:
         return  # vLLM's own default, or a value the engine gate has vLLM's word on
-    over = [c for c in gate.concurrency if c > int(seqs)]
+    over = [c for c in gate.concurrency if c > seqs]
     if over:
         raise f["concurrency"].error(
             f"{over} requests at once is above serving.extra_args --max-num-seqs {seqs}: vLLM would run "

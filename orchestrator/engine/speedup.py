@@ -83,7 +83,7 @@ def needs_baseline(run: Run, unit: Unit) -> tuple[str, str] | None:
     """The key (and its words) of the baseline this unit measures *before* its release starts: a
     canary, one host, a key, and arms that do not fit beside each other. None: it measures none
     before (beside, or not at all)."""
-    if not wanted(run) or unit.head.name not in run.canaries or not unit.single:
+    if not wanted(run) or unit.head.name not in run.canaries or not unit.single or not _gate(run).concurrency:
         return None
     found = _key(run, unit)
     if found is None:
@@ -183,6 +183,9 @@ def measure(run: Run, unit: Unit, key: str, what: str, again: bool = False) -> G
     or the runs ``before_launch`` held. ``again`` (verify --speedup): beside only, as nothing may
     be restarted."""
     head, playbook = unit.head, run.playbook
+    if not _gate(run).concurrency:  # concurrency: observed, and nothing was
+        head.report.gates[GATE_SPEEDUP] = Gate(False, _gate(run).observed_from, reason=rules.UNMEASURED)
+        return head.report.gates[GATE_SPEEDUP]
     with run.once_lock:
         before = run.once.pop(("today", key), None)
     if before is not None:
@@ -345,6 +348,8 @@ def _verdict(
         for lv in levels
     ]
     said = f"; drift: {'; '.join(drifts.values())}" if drifts else ""
+    if gate.observed:
+        said += f"; {gate.observed_from}"
     where = "the baseline beside the server" if base["arms"] == "beside" else "the baseline before the release"
     head.report.gates[GATE_SPEEDUP] = Gate(
         verdict.ok,
@@ -356,6 +361,7 @@ def _verdict(
             "baseline": {"key": key, "what": what, "host": head.name, "at": time.time(), **base},
             "drift": drifts,
             "seconds": round(measured_s, 1),
+            **({"observed": gate.observed_from} if gate.observed else {}),
         },
         reason=verdict.reason,
     )

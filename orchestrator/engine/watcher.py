@@ -284,7 +284,7 @@ class Watcher:
             ops: list[protocol.Op[Any]] = list(served.ops)
             metrics = None
             if served.status is not None and head:
-                metrics = protocol.metrics(playbook.serving.port, probe.FAMILIES, host=host).finding()
+                metrics = protocol.metrics(playbook.serving.port, (*probe.FAMILIES, probe.RUNNING), host=host).finding()
                 ops.append(metrics)
             w.checks = (built_from, served, metrics, ops)
         _, served, metrics, ops = w.checks
@@ -302,10 +302,11 @@ class Watcher:
         if served.status is not None and served.status in answers:
             server = answers[served.status].server
             pid = server.pid if server is not None and server.alive else None
-        counters = None
+        counters = running = None
         if metrics is not None and metrics in answers:
             try:
                 counters = probe.parse(answers[metrics])
+                running = probe.total(answers[metrics], probe.RUNNING)
             except probe.ProbeError as exc:
                 metrics_error = str(exc)
         fields: tuple[str, ...] = ()
@@ -320,6 +321,7 @@ class Watcher:
             metrics_error=metrics_error,
             server_pid=pid,
             changed_fields=fields,
+            running=running,
         )
 
     def _changed_fields(self, w: _Watched, report: HostReport) -> list[str]:

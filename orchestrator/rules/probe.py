@@ -28,6 +28,8 @@ REQUIRED = ("drafts", "draft_tokens", "accepted")
 # speculation does not run for.
 GENERATED = "vllm:generation_tokens_total"
 FAMILIES = (PREFIX, GENERATED.removesuffix("_total"))  # what a scrape is filtered to on the host
+# The requests vLLM runs now (a gauge, every engine): what watch records of the fleet's load.
+RUNNING = "vllm:num_requests_running"
 
 
 # Why the acceptance numbers fail, as codes (``Gate.reason``; the diagnosis reads them).

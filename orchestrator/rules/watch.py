@@ -60,6 +60,7 @@ class Seen:
     # or why it could not be read.
     in_rotation: bool | None = None
     rotation_status: str = ""
+    running: float | None = None  # the requests vLLM ran at the read (None: not shown)
 
     @property
     def down(self) -> bool:
@@ -135,6 +136,7 @@ class Round:
     gateway_unread: str | None = None  # why the gateway could not be read this round
     state_rounds: int = 1  # rounds in this state, this one included (alerts count rounds, not seconds)
     live_min: float | None = None  # the live gate's mean acceptance length, for alerts to compare
+    running: float | None = None  # requests the server ran at the round's read (its gauge)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -152,6 +154,7 @@ class Round:
             "gates": self.gates,
             "in_rotation": self.in_rotation,
             "gateway_unread": self.gateway_unread,
+            "running": self.running,
         }
 
 
@@ -294,6 +297,7 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
         gateway_unread=seen.rotation_status if seen.in_rotation is None and seen.rotation_status else None,
         state_rounds=1 if state != w.state else w.state_rounds + 1,
         live_min=gate.min_mean_acceptance_length,
+        running=seen.running if not down else None,
     )
     changed = state != w.state
     nxt = replace(

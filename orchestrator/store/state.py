@@ -41,7 +41,7 @@ from orchestrator.results import GATE_ACCEPTANCE, Gate, RunReport
 if TYPE_CHECKING:
     from orchestrator.rules.watch import Round, Transition
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4  # 4: serving_load (the requests each watched server ran)
 
 # The tables, written once for both stores: {id} is each dialect's generated key, {real} its float.
 SCHEMA = """
@@ -120,6 +120,13 @@ CREATE TABLE IF NOT EXISTS speedup_baselines (
     runs TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS speedup_baselines_by_key ON speedup_baselines(key, concurrency);
+CREATE TABLE IF NOT EXISTS serving_load (
+    {seq}
+    at {real} NOT NULL,
+    host TEXT NOT NULL,
+    running {real} NOT NULL
+);
+CREATE INDEX IF NOT EXISTS serving_load_by_host ON serving_load(host, at);
 CREATE TABLE IF NOT EXISTS leases (
     name TEXT PRIMARY KEY,
     user_name TEXT NOT NULL,
@@ -648,6 +655,9 @@ class StateDB:
                     if r.live is not None and r.live.until == r.at  # judged in this round
                 ],
             )
+            load = [(r.at, r.host, r.running) for r in rounds if r.running is not None]
+            if load:
+                cur.executemany(self.dialect.sql("INSERT INTO serving_load (at, host, running) VALUES (?, ?, ?)"), load)
 
     def keep_baseline(self, key: str, what: str, host: str, runs: dict[int, list[dict[str, Any]]]) -> None:
         """The speed-up gate's baseline arm as one host measured it: per concurrency its runs
@@ -661,6 +671,18 @@ class StateDB:
                 ),
                 rows,
             )
+
+    def observed_load(self, hosts: Sequence[str], since: float) -> list[tuple[str, float]]:
+        """The requests each of ``hosts``' servers ran at each watch round since ``since``:
+        (host, running), oldest first."""
+        if not hosts:
+            return []
+        marks = ", ".join("?" for _ in hosts)
+        rows = self._query(
+            f"SELECT host, running FROM serving_load WHERE at >= ? AND host IN ({marks}) ORDER BY at, {self.dialect.seq}",
+            (since, *hosts),
+        )
+        return [(str(h), float(r)) for h, r in rows]
 
     def baseline(self, key: str) -> dict[int, dict[str, Any]]:
         """The last baseline kept under ``key``, per concurrency: its runs, who measured it, when."""

@@ -124,6 +124,10 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
             assert lv["pairs"] == 2 and lv["baseline_tokens_per_s"] > 0 and lv["drafter_tokens_per_s"] > 0, lv
             assert lv["outcome"] in ("pays", "inconclusive") and lv["speedup_low"] <= lv["speedup"], lv
             assert lv["drafter"]["ttft_p50_s"] > 0 and lv["baseline"]["decode_p50_tokens_per_s"] > 0, lv
+            # measured by real vLLM's own decode time, its counters' model beside it (tau from the
+            # drafter arm's drafts: the real pair keeps about 2.2 tokens a step)
+            assert lv["measured"] == "server" and lv["client_speedup"] > 0, lv
+            assert 1.5 < lv["tau"] < 4 and all(ms > 0 for ms in lv["step_ms"]) and lv["expected_speedup"] > 0, lv
         assert "the speed-up's baseline beside the server" in good.stderr
         launches = (base / "logs" / "dflash-serve.log").read_text().count(" launch ")
         assert launches == 2, launches  # the stale mask's, then the release (never restarted for the baseline)

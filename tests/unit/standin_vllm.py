@@ -42,7 +42,9 @@ tests/integration/test_engine_gate.py), said in vLLM's words for a miss and for 
 token of a completion; with ``$STANDIN_STEP_S``, a server with a drafter takes that long a step and
 keeps the accepted positions + 1 tokens a step (the speed-up gate's arms: the target alone stays at
 a token per ``$STANDIN_TOKEN_S``; ``$STANDIN_SPEED_FILE`` holds both, read at each request: a host whose
-speed moves while its command stays). ``"stream": true`` answers as server-sent events, a chunk a step. SIGTERM stops it as vLLM stops: with ``--shutdown-timeout N`` it takes no
+speed moves while its command stays); the first step is the prefill's one token, as in vLLM, and
+each finished request goes into vLLM V1's decode-time, output-token and inter-token histograms.
+``"stream": true`` answers as server-sent events, a chunk a step. SIGTERM stops it as vLLM stops: with ``--shutdown-timeout N`` it takes no
 new request and finishes those in flight for up to N s, else it cuts them. SIGHUP
 stands in for a restart behind our back where the server runs as a plain process: the drafter
 config is read again and the counters start again at zero (the pid stays, so the pidfile still
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -90,7 +93,23 @@ class Counters:
         self.drafts = self.draft_tokens = self.accepted = self.generated = 0
         self.finished = 0
         self.per_pos = [0] * k
+        # vLLM V1's request histograms (their sums and counts): decode time, output tokens, and
+        # the time between a request's steps (one observation a step)
+        self.decode = [0.0, 0]
+        self.output = [0.0, 0]
+        self.itl = [0.0, 0]
         self.lock = threading.Lock()
+
+    def timed(self, emitted: list[float], tokens: int) -> None:
+        """A finished request's numbers as vLLM records them: ``emitted`` its steps' times."""
+        with self.lock:
+            self.decode[0] += emitted[-1] - emitted[0] if emitted else 0.0
+            self.decode[1] += 1
+            self.output[0] += tokens
+            self.output[1] += 1
+            gaps = [b - a for a, b in itertools.pairwise(emitted)]
+            self.itl[0] += sum(gaps)
+            self.itl[1] += len(gaps)
 
     def complete(self, tokens: int) -> None:
         with self.lock:
@@ -126,6 +145,17 @@ class Counters:
             "# TYPE vllm:request_success counter",
             f'vllm:request_success_total{{{labels},finished_reason="length"}} {self.finished}.0',
         ]
+        for family, (total, count) in (
+            ("request_decode_time_seconds", self.decode),
+            ("request_generation_tokens", self.output),
+            ("inter_token_latency_seconds", self.itl),
+        ):
+            lines += [
+                f"# TYPE vllm:{family} histogram",
+                f'vllm:{family}_bucket{{{labels},le="+Inf"}} {count}.0',
+                f"vllm:{family}_count{{{labels}}} {count}.0",
+                f"vllm:{family}_sum{{{labels}}} {total}",
+            ]
         lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
         for pos, value in enumerate(self.per_pos):
             lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{pos}"}} {value}.0')
@@ -269,14 +299,17 @@ def serve(args: list[str]) -> None:
                 self.end_headers()
             try:
                 done = 0
-                while done < tokens and not aborting.is_set():  # decoding, step by step
+                emitted: list[float] = []
+                while done < tokens and not aborting.is_set():  # the prefill's token, then step by step
                     time.sleep(step_s)
-                    n = min(per_step, tokens - done)
+                    n = min(per_step if done else 1, tokens - done)
                     done += n
+                    emitted.append(time.monotonic())
                     if stream:
                         self.wfile.write(b"data: %s\n\n" % json.dumps({"choices": [{"text": "C" * n}]}).encode())
                         self.wfile.flush()
                 c.complete(max(done, 1))
+                c.timed(emitted, max(done, 1))
                 # vLLM's abort on shutdown ends a request with what it has and finish_reason "abort"
                 reason = "length" if done == tokens else "abort"
                 if stream:

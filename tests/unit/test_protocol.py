@@ -131,6 +131,8 @@ BAD = [
     ("probe", {**GOOD["probe"], "each": None}, "'each' is missing"),
     ("load", {**GOOD["load"], "requests": [{"tokens": "64", "seconds": 1.0}]}, "'tokens' is str, expected int"),
     ("load", {"requests": []}, "'wall_s' is missing"),
+    ("load", {**GOOD["load"], "metrics": "vllm:x 1"}, "'metrics' is str, expected dict"),
+    ("load", {**GOOD["load"], "metrics": {"before": "", "after": 7}}, "'after' is int, expected str"),
 ]
 
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
+import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from orchestrator.agent import protocol
 from orchestrator.config.inventory import Inventory, load_inventory
 from orchestrator.config.playbook import Playbook, SpeedupGate
 from orchestrator.deployment import Deployment
+from orchestrator.errors import InputError
 from orchestrator.rules.gates import speedup as su
 from orchestrator.store import report
 from orchestrator.store.state import StateDB
@@ -148,6 +152,111 @@ def test_each_level_pays_does_not_pay_or_is_inconclusive_and_says_how_many_pairs
     assert "inconclusive at concurrency 16" in slow.detail
     assert su.judge([not_paying], 1.1, tau=1.03, min_tau=1.5).reason == su.LOW_ACCEPTANCE
     assert su.judge([pays], 1.1).ok and "1.40x" in su.judge([pays], 1.1).detail
+
+
+def scrape(
+    requests: int, decode_s: float, tokens: int, steps: int, step_s: float, drafts: int = 0, accepted: int = 0
+) -> str:
+    """A /metrics of vLLM V1's load families as ``op_load`` keeps them (two engines, each half)."""
+    lines = []
+    for engine in ("0", "1"):
+        labels = f'engine="{engine}",model_name="tiny"'
+        for family, total, count in (
+            ("request_decode_time_seconds", decode_s, requests),
+            ("request_generation_tokens", tokens, requests),
+            ("inter_token_latency_seconds", step_s, steps),
+        ):
+            lines += [
+                f"# TYPE vllm:{family} histogram",
+                f'vllm:{family}_bucket{{{labels},le="+Inf"}} {count / 2}',
+                f"vllm:{family}_count{{{labels}}} {count / 2}",
+                f"vllm:{family}_sum{{{labels}}} {total / 2}",
+            ]
+        if drafts is not None:  # a server with a drafter
+            lines += [
+                f"vllm:spec_decode_num_drafts_total{{{labels}}} {drafts / 2}",
+                f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {accepted / 2}",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def served_pair(base_step: float, drafter_step: float, tau: float, client: float, kept_step: float | None = None):
+    """A pair of runs of 8 requests of 65 tokens whose server numbers are these steps (the drafter
+    keeping ``tau`` tokens a step; ``kept_step``: the drafter's decode time says this step instead,
+    as where something other than the load ran) and whose client clock gives ``client``x."""
+    n, tokens = 8, 65
+    b = su.served(scrape(0, 0, 0, 0, 0), scrape(n, n * 64 * base_step, n * tokens, n * 64, n * 64 * base_step))
+    d_steps = n * 64 / tau
+    drafted = scrape(0, 0, 0, 0, 0, 0, 0)
+    step = kept_step if kept_step is not None else drafter_step
+    d = su.served(
+        drafted,
+        scrape(
+            n, d_steps * step, n * tokens, int(d_steps), d_steps * drafter_step, int(d_steps), int(d_steps * (tau - 1))
+        ),
+    )
+    (base_run,), (drafter_run,) = arm(1, 1000).runs, arm(1, 1000 * client).runs
+    return replace(base_run, served=b), replace(drafter_run, served=d)
+
+
+def test_a_run_is_measured_by_vllms_decode_time_and_the_counters_model_stands_beside_it() -> None:
+    """vLLM's decode time, not the client's clock, makes the ratio; the client's median is kept
+    beside it; tau and the two arms' steps (vLLM's counters alone) predict it, and where the
+    prediction falls outside the measured interval the gate says the measurement is in question."""
+    one = su.served(scrape(3, 1.0, 300, 297, 1.0), scrape(11, 3.0, 820, 809, 3.0))
+    assert one == su.Served(8, 2.0, 520, 512, 2.0) and one.decode_tokens_per_s == pytest.approx(256.0)
+    lv = su.paired_level(1, [served_pair(0.010, 0.012, 4.0, 1.9) for _ in range(3)])
+    assert lv.measured == "server" and lv.speedup == pytest.approx(4.0 * 0.010 / 0.012)
+    assert lv.client_speedup == pytest.approx(1.9)  # the client's clock, beside
+    assert lv.expected == pytest.approx(lv.speedup) and lv.tau == pytest.approx(4.0)
+    assert not lv.model_disagrees and lv.to_json()["measured"] == "server"
+    verdict = su.judge([lv], 1.5)
+    assert verdict.ok and "decode tokens/s a request, vLLM's" in verdict.detail
+    assert "the client's clock 1.90x" in verdict.detail and "expected 3.33x from vLLM's counters" in verdict.detail
+
+    # the drafter's requests took longer than its steps say (decode time of 20 ms a step against
+    # the steps' 12): the model expects 3.33x, the measurement says 2x
+    odd = su.paired_level(1, [served_pair(0.010, 0.012, 4.0, 1.9, kept_step=s) for s in (0.020, 0.0205, 0.0195)])
+    assert odd.model_disagrees and odd.outcome(1.5) == su.PAYS
+    said = su.judge([odd], 1.5).detail
+    assert "vLLM's counters expect 3.33x (tau 4.00, a step 12.0 ms against 10.0 ms alone)" in said
+    assert "the measurement, not the drafter, is in question" in said
+
+    # a server that shows none of these numbers: the client's clock, as before
+    plain = su.paired_level(1, pairs(1, 1.4, 1.42, 1.38))
+    assert plain.measured == "client" and plain.client_speedup is None and plain.expected is None
+    # one pair without the server's numbers: the whole level by the client's clock (one measure)
+    mixed = [served_pair(0.010, 0.012, 4.0, 1.9), (arm(1, 1000).runs[0], arm(1, 1900).runs[0])]
+    assert su.paired_level(1, mixed).measured == "client"
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        pytest.param(None, scrape(1, 1, 1, 1, 1), id="no first read"),
+        pytest.param(scrape(5, 2, 100, 90, 2), scrape(1, 1, 10, 9, 1), id="counters went back (a restart)"),
+        pytest.param(scrape(5, 2, 100, 90, 2), scrape(5, 2, 100, 90, 2), id="no request finished"),
+        pytest.param("vllm:spec_decode_num_drafts_total 3\n", scrape(1, 1, 1, 1, 1), id="no such family before"),
+        pytest.param(
+            scrape(0, 0, 0, 0, 0),
+            scrape(1, 1, 1, 1, 1).replace("_sum{", "_sum{x=").replace("} 0.5", "} nan"),
+            id="unreadable",
+        ),
+        pytest.param(scrape(0, 0, 0, 0, 0, 4, 4), scrape(2, 1, 20, 18, 1, 2, 2), id="drafts went back"),
+    ],
+)
+def test_server_numbers_that_do_not_hold_are_none_never_a_speed(before: str | None, after: str) -> None:
+    assert su.served(before, after) is None
+
+
+def test_a_kept_run_carries_the_servers_numbers_and_one_kept_before_them_reads() -> None:
+    base, _ = served_pair(0.010, 0.012, 4.0, 1.9)
+    assert su.Run.from_json(json.loads(json.dumps(base.to_json()))) == base
+    older = {k: v for k, v in base.to_json().items() if k != "served"}
+    assert su.Run.from_json(older).served is None
+    # a drift between a session with vLLM's numbers and one kept without them: the client's clock
+    today = su.Arm(1, (base, base, base))
+    assert today.by_server and not today.by_client().by_server
 
 
 def test_the_stopping_rule_stops_early_only_where_every_level_decides() -> None:
@@ -311,7 +420,8 @@ def test_the_canary_measures_the_baseline_once_and_the_hosts_after_it_hold_its_v
         )
         assert f"speed-up by concurrency {shown} (min 1.5: passed" in page
         kept = store.baseline(base["key"])  # kept for the next session's drift check, not as its comparator
-        assert sorted(kept) == [1, 2] and kept[1]["host"] == "n0" and len(kept[1]["runs"]) == GATE["repeats"]
+        assert sorted(kept) == [1, 2] and kept[1]["host"] == "n0"
+        assert len(kept[1]["runs"]) == gate.data["levels"][0]["pairs"]  # each pair's baseline run
 
         # Another drafter config over the same target: a new release, both arms measured again in
         # its own session (the kept baseline only checks the drift: none here).
@@ -385,12 +495,14 @@ def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_
 ) -> None:
     """The same key, two rollouts; between them the host serves the target alone five times
     faster (another tenant gone, a clock raised), the drafter's steps as before. Against the
-    baseline the first session kept, the second drafter would measure 4x and pay; measured beside
-    today's target alone it is 0.8x: it does not pay, and the drift is said."""
+    baseline the first session kept, the second drafter would measure 3.75x and pay; measured
+    beside today's target alone it is 0.75x: it does not pay, and the drift is said."""
     store = StateDB(tmp_path / "state")
     speed = tmp_path / "speed"
-    speed.write_text("0.01 0.02")  # the target alone: a token in 10 ms; the drafter: 8 tokens in 20 ms
-    gate = {"concurrency": [1], "repeats": 3, "max_pairs": 4}
+    # the target alone: a token in 30 ms; the drafter: 8 tokens in 60 ms (steps far over what the
+    # stand-in's own Python costs a step under the suite's load)
+    speed.write_text("0.03 0.06")
+    gate = {"concurrency": [1], "repeats": 3, "max_pairs": 4, "max_tokens": 16}
     env = {"STANDIN_SPEED_FILE": str(speed)}
     book = speedup_playbook(box, targets="[n0]", env=env, gate=gate)
     try:
@@ -399,13 +511,14 @@ def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_
         key = first.gates["speedup"].data["baseline"]["key"]
         kept = su.Arm(1, tuple(su.Run.from_json(r) for r in store.baseline(key)[1]["runs"]))
 
-        speed.write_text("0.002 0.02")  # the host, not the command: the same key
+        speed.write_text("0.006 0.06")  # the host, not the command: the same key
         other = speedup_playbook(box, targets="[n0]", env=env, gate=gate, drafter={"rope_theta": 10000.0})
         second = host(Deployment(other, fleet(box), OPTIONS, store=store).deploy(), "n0")
         got = second.gates["speedup"]
         assert got.data["baseline"]["key"] == key and not got.ok and got.reason == su.NO_SPEEDUP, got.detail
         (level,) = got.data["levels"]
-        # 0.8x by the sleeps; more under load (the target alone's tokens pay the stand-in's Python)
+        # 0.75x by the sleeps, measured by vLLM's decode time (the stand-in's histograms)
+        assert level["measured"] == "server" and kept.by_server
         assert level["outcome"] == "does not pay" and level["speedup_high"] < 1.5
         # what the kept baseline would have said of the same drafter runs: paying, by far
         assert level["drafter_tokens_per_s"] / kept.mean > 2.5
@@ -738,3 +851,92 @@ def test_on_the_h100_every_level_gives_the_same_outcome_on_every_machine_start()
         assert 0.10 < max(abs(x - mean) / mean for x in speedups) < 0.20  # not within 5%, said
     alone = [g["levels"][0]["baseline_tokens_per_s"] for g in gates]
     assert max(alone) / min(alone) > 1.4
+
+
+def test_observed_levels_are_the_median_and_90th_percentile_of_the_recorded_load() -> None:
+    samples = [("a", v) for v in (0, 1, 1, 2, 2, 2, 3, 3, 6.5, 9)] + [("b", 2.4)]
+    levels, said = su.observed_levels(samples, None)
+    assert levels == (2, 7)  # the median 2 (nearest rank of 11); the 90th percentile 6.5 -> 7
+    assert "median 2, 90th percentile 6.5 requests running, 11 rounds on 2 hosts" in said
+    assert su.observed_levels([("a", 2.4)], None)[0] == (3,)  # a part of a request rounds up
+    capped, said = su.observed_levels(samples, 4)
+    assert capped == (2, 4) and "at most --max-num-seqs 4" in said
+    assert su.observed_levels([("a", 0.0)] * 5, None)[0] == (1,)  # an idle fleet: one request, never 0
+    none, why = su.observed_levels([], None)
+    assert none == () and "no load was observed" in why and "orchestrate watch" in why
+
+
+@pytest.mark.parametrize(
+    "value, said",
+    [
+        ("observd", "a list of request counts, or 'observed'"),
+        ([0, 4], "distinct request counts from 1 to 4096, or 'observed'"),
+        ("8", "a list of request counts, or 'observed'"),
+    ],
+)
+def test_a_concurrency_that_is_neither_levels_nor_observed_names_the_key(box: Box, value: object, said: str) -> None:
+    with pytest.raises(InputError) as caught:
+        speedup_playbook(box, gate={"concurrency": value})
+    assert "gates.speedup.concurrency" in str(caught.value) and said in str(caught.value)
+
+
+def test_concurrency_observed_measures_at_the_load_watch_recorded_and_says_so(box: Box, tmp_path: Path) -> None:
+    """watch records the requests each server runs at every round (vLLM's running gauge); a
+    deploy with ``concurrency: observed`` takes its levels from that record, and says where from.
+    With nothing recorded the gate says so and refuses."""
+    store = StateDB(tmp_path / "state")
+    observed = {"concurrency": "observed", "max_pairs": 3}
+    try:
+        blind = Deployment(speedup_playbook(box, targets="[n0]", gate=observed), fleet(box), OPTIONS, store=store)
+        first = host(blind.deploy(), "n0")
+        assert not first.ready and first.gates["speedup"].reason == su.UNMEASURED
+        assert "no load was observed" in first.gates["speedup"].detail
+
+        book = speedup_playbook(box, targets="[n0]")
+        assert host(Deployment(book, fleet(box), OPTIONS, store=store).deploy(), "n0").ready
+        # three requests held by the server while watch reads it
+        port = book.serving.port
+        body = {"model": book.serving.model_name, "prompt": "a", "max_tokens": 400, "temperature": 0}
+        clients = [
+            threading.Thread(
+                target=lambda: urllib.request.urlopen(
+                    urllib.request.Request(
+                        f"http://127.0.0.3:{port}/v1/completions",
+                        json.dumps(body).encode(),
+                        {"Content-Type": "application/json"},
+                    ),
+                    timeout=60,
+                ).read()
+            )
+            for _ in range(3)
+        ]
+        for c in clients:
+            c.start()
+        w = Deployment(book, fleet(box), OPTIONS, store=store).watcher()
+        try:
+            deadline = time.monotonic() + 30
+            while not any(r.running == 3 for r in w.round()[0]):
+                assert time.monotonic() < deadline, "no round saw the three requests"
+        finally:
+            w.close()
+        for c in clients:
+            c.join(60)
+        samples = store.observed_load(["n0"], 0.0)
+        assert samples and all(h == "n0" for h, _ in samples) and 3.0 in [v for _, v in samples]
+        levels, words = su.observed_levels(samples, None)
+
+        again = host(
+            Deployment(
+                speedup_playbook(box, targets="[n0]", gate=observed, drafter={"rope_theta": 10000.0}),
+                fleet(box),
+                OPTIONS,
+                store=store,
+            ).deploy(),
+            "n0",
+        )
+        gate = again.gates["speedup"]
+        assert gate.ok and [lv["concurrency"] for lv in gate.data["levels"]] == list(levels), gate.detail
+        assert gate.data["observed"] == words and words in gate.detail
+    finally:
+        Deployment(speedup_playbook(box, targets="[n0]"), fleet(box), OPTIONS).stop()
+        store.close()

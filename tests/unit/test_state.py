@@ -13,12 +13,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_NOT_READY, StateError
 from orchestrator.results import Gate, HostReport, RunReport
+from orchestrator.rules.watch import Round
 from orchestrator.store.state import SCHEMA_VERSION, LockHeld, StateDB, StateUrlError, whoami
 from tests.postgres import PASSWORD, Postgres
 
@@ -94,6 +96,24 @@ def test_a_state_file_from_before_schema_versions_is_upgraded_and_keeps_its_runs
         assert [(r["id"], r["playbook"]) for r in runs] == [(8, "pb.yaml"), (7, "old.yaml")]
         assert runs[1]["by"] is None and runs[0]["by"] is not None
         assert db._query("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
+    finally:
+        db.close()
+
+
+def test_a_store_of_version_3_gains_the_watched_load_and_keeps_its_rows(tmp_path: Path) -> None:
+    db = StateDB(tmp_path)
+    db.record(a_run())
+    db._query("DROP TABLE serving_load")
+    db._query("UPDATE schema_version SET version = 3")
+    db.conn.commit()
+    db.close()
+    db = StateDB(tmp_path)
+    try:
+        assert db._query("SELECT version FROM schema_version") == [(SCHEMA_VERSION,)] and len(db.history()) == 1
+        assert db.observed_load(["solo"], 0.0) == []
+        rnd = Round("solo", 5.0, "READY", (), "r1", None, None, 10, 0, None, 5.0, running=3.0)
+        db.record_watch([], [rnd, replace(rnd, host="other", running=1.0), replace(rnd, at=6.0, running=None)])
+        assert db.observed_load(["solo"], 0.0) == [("solo", 3.0)] and db.observed_load(["solo"], 5.5) == []
     finally:
         db.close()
 

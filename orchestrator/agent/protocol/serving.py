@@ -406,6 +406,9 @@ class Loaded:
 
     wall_s: float
     requests: tuple[Sent, ...]
+    # the server's load families of /metrics before and after the run (None: it shows none)
+    metrics_before: str | None = None
+    metrics_after: str | None = None
 
 
 def load(
@@ -419,7 +422,7 @@ def load(
     host: str = LOOPBACK,
 ) -> Op[Loaded]:
     """A load run: ``requests`` greedy streamed completions of ``max_tokens``, ``concurrency`` at
-    a time, each timed (the speed-up gate's arms)."""
+    a time, each timed, with the server's own numbers of the run (the speed-up gate's arms)."""
     request = {
         "op": "load",
         "host": host,
@@ -431,7 +434,8 @@ def load(
         "requests": requests,
         "timeout": timeout,
     }
-    return Op(request, _loaded, budget_s=timeout)
+    # and the two reads of /metrics around the run (10 s each, 2 s waiting for the last request)
+    return Op(request, _loaded, budget_s=timeout + 25)
 
 
 def _loaded(v: dict[str, Any]) -> Loaded:
@@ -444,7 +448,15 @@ def _loaded(v: dict[str, Any]) -> Loaded:
         )
         for r in answer_items(v, "requests")
     )
-    return Loaded(answer_field(v, "wall_s", float), sent)
+    metrics = answer_field(v, "metrics", dict, optional=True)
+    if metrics is None:
+        return Loaded(answer_field(v, "wall_s", float), sent)
+    return Loaded(
+        answer_field(v, "wall_s", float),
+        sent,
+        answer_field(metrics, "before", str),
+        answer_field(metrics, "after", str),
+    )
 
 
 def metrics(port: int, prefixes: Sequence[str], timeout: float = 10.0, host: str = LOOPBACK) -> Op[str]:

@@ -16,7 +16,10 @@ rollout's canary, out of rotation with a gateway:
   server starts before the release (one extra start), its runs are paired in order with the
   drafter arm's, minutes later.
 
-Per level, each pair gives a ratio (the drafter run's output tokens/s over its baseline's); the
+Each run is measured where the time is spent: vLLM's own numbers of it (its `/metrics` read
+before and after: each finished request's decode time and output tokens), the client's wall clock
+kept beside them as a report (and used alone where a server shows no such numbers). Per level,
+each pair gives a ratio (the drafter run's decode tokens/s a request over its baseline's); the
 speed-up is their **median**, its spread their median absolute deviation over the median, and its
 95% interval Student's t on the logs of the ratios. A level has **three outcomes**: it *pays* (the
 interval's low end at `min` or above), it *does not pay* (its high end below `min`), or it is
@@ -39,10 +42,17 @@ The diagnosis tells "accepted but does not pay at this load" (`speedup_absent`: 
 load) apart from low acceptance (`speedup_low_acceptance`, tau under the acceptance floor or 1.5)
 and from a measurement that cannot decide (`speedup_inconclusive`).
 
-    total tokens/s     = sum(output tokens) / wall seconds of the run      (what the host serves)
-    per request        = (tokens - 1) / (seconds - time to first token)    (what a user waits on)
-    a pair's ratio     = the drafter run's total tokens/s / its baseline run's
+    decode tokens/s    = (output tokens - requests) / their decode seconds   (vLLM's, over the run)
+    total tokens/s     = sum(output tokens) / wall seconds of the run      (the client's, a report)
+    a pair's ratio     = the drafter run's decode tokens/s / its baseline run's
     speed-up           = the median of the level's pair ratios
+    expected speed-up  = tau x the baseline's mean step / the drafter's     (vLLM's counters alone)
+
+The model beside the measurement: vLLM records one inter-token latency a step of a request, however
+many tokens the step kept, so the two arms' mean steps and the drafter arm's tau (its drafts and
+accepted tokens over the same runs) predict the speed-up without the decode times. Where that
+prediction falls outside the measured interval the gate says so: the measurement, not the drafter,
+is in question (other traffic on the server, a load its client could not keep up).
 
 Published DFlash speed-ups fall with load (2.8x at 1 request to 2.4x at 8 on one model; 2.7x to
 1.0x on another): acceptance says the drafter's tokens are kept, not that keeping them pays at the
@@ -66,7 +76,7 @@ from orchestrator.results import (
     GATE_BUILD,
     HostReport,
 )
-from orchestrator.rules import serving
+from orchestrator.rules import probe, serving
 from orchestrator.rules.gates.acceptance import probe_prompts
 from orchestrator.rules.gates.gpus import memory_utilization
 from orchestrator.rules.probe import t975
@@ -103,12 +113,82 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Served:
+    """One run as the server counted it: the deltas of its /metrics over the run (vLLM V1).
+
+    ``decode_s`` sums each finished request's decode time (its first token to its last) and
+    ``tokens`` their output tokens; ``steps`` and ``step_s`` are the inter-token latency
+    histogram's count and sum, one observation a step of a request whatever the tokens the step
+    kept (vLLM 0.32 v1/metrics/stats.py ``update_from_output``), so that a step's mean time is
+    the same measure with and without a drafter; ``drafts`` and ``accepted`` are the drafter's."""
+
+    requests: float
+    decode_s: float
+    tokens: float
+    steps: float
+    step_s: float
+    drafts: float = 0.0
+    accepted: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """A request's decode speed, over the run's requests: tokens after the first a second."""
+        return (self.tokens - self.requests) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_step_s(self) -> float | None:
+        return self.step_s / self.steps if self.steps > 0 else None
+
+    def to_json(self) -> list[float]:
+        return [self.requests, self.decode_s, self.tokens, self.steps, self.step_s, self.drafts, self.accepted]
+
+
+# The server's families a load run's numbers are read from (their _sum and _count samples).
+DECODE, OUTPUT, STEP = (
+    "vllm:request_decode_time_seconds",
+    "vllm:request_generation_tokens",
+    "vllm:inter_token_latency_seconds",
+)
+
+
+def served(before: str | None, after: str | None) -> Served | None:
+    """A run's server-side numbers from the two reads around it. None where the server shows no
+    such families, a value does not read, a counter went back (a restart between the reads), or
+    no request finished within the run."""
+    if before is None or after is None:
+        return None
+    names = (f"{DECODE}_count", f"{DECODE}_sum", f"{OUTPUT}_sum", f"{STEP}_count", f"{STEP}_sum")
+    try:
+        deltas: list[float] = []
+        for name in names:
+            a, b = probe.total(before, name), probe.total(after, name)
+            if a is None or b is None or b < a:
+                return None
+            deltas.append(b - a)
+        drafted = probe.parse(before), probe.parse(after)
+    except probe.ProbeError:
+        return None
+    drafts = accepted = 0.0
+    if drafted[0] is not None and drafted[1] is not None:
+        drafts = drafted[1].drafts - drafted[0].drafts
+        accepted = drafted[1].accepted - drafted[0].accepted
+        if drafts < 0 or accepted < 0:
+            return None
+    requests, decode_s, tokens, steps, step_s = deltas
+    if requests < 1 or decode_s <= 0:
+        return None
+    return Served(requests, decode_s, tokens, steps, step_s, drafts, accepted)
+
+
+@dataclass(frozen=True)
 class Run:
-    """One load run at one concurrency: every request, and the run's wall time."""
+    """One load run at one concurrency: every request, the run's wall time, and the server's own
+    numbers of it where it shows them."""
 
     concurrency: int
     wall_s: float
     requests: tuple[Request, ...]
+    served: Served | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -120,15 +200,18 @@ class Run:
             "concurrency": self.concurrency,
             "wall_s": self.wall_s,
             "requests": [[r.tokens, r.seconds, r.first_token_s] for r in self.requests],
+            **({"served": self.served.to_json()} if self.served is not None else {}),
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Run:
-        """A run the store kept (``to_json``'s)."""
+        """A run the store kept (``to_json``'s; a run kept before the server's numbers has none)."""
+        kept = data.get("served")
         return cls(
             int(data["concurrency"]),
             float(data["wall_s"]),
             tuple(Request(int(t), float(s), None if f is None else float(f)) for t, s, f in data["requests"]),
+            Served(*(float(x) for x in kept)) if kept is not None else None,
         )
 
 
@@ -145,19 +228,28 @@ def run_of(concurrency: int, loaded: Loaded) -> tuple[Run, list[str]]:
 
     kept = tuple(su for su in loaded.requests if why(su) is None)
     failed = [f"request {i + 1}: {w}" for i, su in enumerate(loaded.requests) if (w := why(su)) is not None]
-    return Run(concurrency, loaded.wall_s, tuple(Request(r.tokens, r.seconds, r.first_token_s) for r in kept)), failed
+    requests = tuple(Request(r.tokens, r.seconds, r.first_token_s) for r in kept)
+    return Run(concurrency, loaded.wall_s, requests, served(loaded.metrics_before, loaded.metrics_after)), failed
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm's repeats at one concurrency: the mean total tokens/s and its spread."""
+    """One arm's repeats at one concurrency: the mean speed and its spread (vLLM's decode
+    tokens/s a request where every run has the server's numbers, else the total tokens/s)."""
 
     concurrency: int
     runs: tuple[Run, ...]
 
     @property
+    def by_server(self) -> bool:
+        return bool(self.runs) and all(_decoded(r) for r in self.runs)
+
+    def _speeds(self) -> list[float]:
+        return [_server_speed(r) if self.by_server else r.tokens_per_s for r in self.runs]
+
+    @property
     def mean(self) -> float:
-        return sum(r.tokens_per_s for r in self.runs) / len(self.runs)
+        return sum(self._speeds()) / len(self.runs)
 
     @property
     def spread(self) -> float:
@@ -165,8 +257,13 @@ class Arm:
         n = len(self.runs)
         if n < 2 or self.mean <= 0:
             return 0.0
-        sd = math.sqrt(sum((r.tokens_per_s - self.mean) ** 2 for r in self.runs) / (n - 1))
+        sd = math.sqrt(sum((v - self.mean) ** 2 for v in self._speeds()) / (n - 1))
         return sd / self.mean
+
+    def by_client(self) -> Arm:
+        """The same runs measured by the client's clock alone (to compare with an arm that has no
+        server numbers)."""
+        return Arm(self.concurrency, tuple(replace(r, served=None) for r in self.runs))
 
     def percentile(self, q: float, what: str = "first_token_s") -> float | None:
         """A percentile (nearest rank) of the requests' time to first token, or their decode speed."""
@@ -194,6 +291,22 @@ class Level:
     paired: bool = False  # runs paired in one session (the median of ratios), not two arms' means
     log_mean: float | None = None  # paired: the mean and SD of the logs of the ratios
     log_sd: float | None = None
+    # what the ratios are of: "server" (vLLM's decode time of each request: where the time is
+    # spent) or "client" (the agent's wall clock: a server that shows no such numbers)
+    measured: str = "client"
+    client_speedup: float | None = None  # measured by the server: the wall clock's median beside it
+    # The model beside the measurement, from vLLM's counters alone: tau (the drafter arm's tokens a
+    # step) times the baseline's mean step over the drafter's.
+    expected: float | None = None
+    tau: float | None = None
+    steps_s: tuple[float, float] | None = None  # (baseline, drafter) mean step seconds
+
+    @property
+    def model_disagrees(self) -> bool:
+        """The expected speed-up falls outside the measured 95% interval."""
+        if self.expected is None or not math.isfinite(self.high) or self.repeats[1] < 2:
+            return False
+        return not self.low <= self.expected <= self.high
 
     @property
     def steady(self) -> bool:
@@ -230,6 +343,19 @@ class Level:
             "repeats": list(self.repeats),
             **({"speedup_high": round(self.high, 4)} if math.isfinite(self.high) else {}),
             **({"pairs": self.repeats[1]} if self.paired else {}),
+            **({"measured": self.measured} if self.paired else {}),
+            **({"client_speedup": round(self.client_speedup, 4)} if self.client_speedup is not None else {}),
+            **self._model_json(),
+        }
+
+    def _model_json(self) -> dict[str, Any]:
+        if self.expected is None or self.tau is None or self.steps_s is None:
+            return {}
+        return {
+            "expected_speedup": round(self.expected, 4),
+            "tau": round(self.tau, 3),
+            "step_ms": [round(self.steps_s[0] * 1000, 3), round(self.steps_s[1] * 1000, 3)],
+            "model_disagrees": self.model_disagrees,
         }
 
 
@@ -265,10 +391,17 @@ def paired_level(concurrency: int, pairs: Sequence[tuple[Run, Run]]) -> Level:
     import statistics  # here: it brings fractions and decimal, ~5 ms of every controller start
 
     kept = [(b, d) for b, d in pairs if b.tokens_per_s > 0 and d.tokens_per_s > 0]
-    ratios = [d.tokens_per_s / b.tokens_per_s for b, d in kept]
-    n = len(ratios)
+    n = len(kept)
     if not n:
         return Level(concurrency, 0.0, 0.0, 0.0, 0.0, 0.0, (0, 0), paired=True)
+    client = [d.tokens_per_s / b.tokens_per_s for b, d in kept]
+    by_server = all(_decoded(b) and _decoded(d) for b, d in kept)
+    if by_server:  # vLLM's decode time: what the client's Python and the queue do not move
+        speeds = [(_server_speed(b), _server_speed(d)) for b, d in kept]
+        ratios = [d / b for b, d in speeds]
+    else:
+        speeds = [(b.tokens_per_s, d.tokens_per_s) for b, d in kept]
+        ratios = client
     median = statistics.median(ratios)
     spread = statistics.median(abs(r - median) for r in ratios) / median
     logs = [math.log(r) for r in ratios]
@@ -279,10 +412,11 @@ def paired_level(concurrency: int, pairs: Sequence[tuple[Run, Run]]) -> Level:
         low, high, log_sd = math.exp(mean - half), math.exp(mean + half), sd
     else:
         low, high, log_sd = 0.0, math.inf, None
+    tau, steps = _model([b for b, _ in kept], [d for _, d in kept])
     return Level(
         concurrency=concurrency,
-        baseline=statistics.fmean(b.tokens_per_s for b, _ in kept),
-        drafter=statistics.fmean(d.tokens_per_s for _, d in kept),
+        baseline=statistics.fmean(b for b, _ in speeds),
+        drafter=statistics.fmean(d for _, d in speeds),
         speedup=median,
         low=low,
         spread=spread,
@@ -291,6 +425,69 @@ def paired_level(concurrency: int, pairs: Sequence[tuple[Run, Run]]) -> Level:
         paired=True,
         log_mean=mean,
         log_sd=log_sd,
+        measured="server" if by_server else "client",
+        client_speedup=statistics.median(client) if by_server else None,
+        expected=tau * steps[0] / steps[1] if tau is not None and steps is not None else None,
+        tau=tau,
+        steps_s=steps,
+    )
+
+
+def _decoded(run: Run) -> bool:
+    return run.served is not None and run.served.decode_tokens_per_s > 0
+
+
+def _server_speed(run: Run) -> float:
+    assert run.served is not None
+    return run.served.decode_tokens_per_s
+
+
+def _model(baseline: Sequence[Run], drafter: Sequence[Run]) -> tuple[float | None, tuple[float, float] | None]:
+    """tau (the drafter arm's drafts and accepted tokens: 1 + accepted a draft) and both arms'
+    mean step (their steps' time over their number), pooled over the level's runs; None where a
+    run lacks the server's numbers or the drafter arm drafted nothing."""
+    b = [r.served for r in baseline]
+    d = [r.served for r in drafter]
+    if not b or not d or any(x is None for x in (*b, *d)):
+        return None, None
+    bs = [x for x in b if x is not None]
+    ds = [x for x in d if x is not None]
+    drafts = sum(x.drafts for x in ds)
+    b_steps, d_steps = sum(x.steps for x in bs), sum(x.steps for x in ds)
+    if drafts <= 0 or b_steps <= 0 or d_steps <= 0:
+        return None, None
+    b_step, d_step = sum(x.step_s for x in bs) / b_steps, sum(x.step_s for x in ds) / d_steps
+    if b_step <= 0 or d_step <= 0:
+        return None, None
+    return 1 + sum(x.accepted for x in ds) / drafts, (b_step, d_step)
+
+
+# How far back ``concurrency: observed`` looks at the load watch recorded.
+OBSERVED_DAYS = 7
+
+
+def observed_levels(samples: Sequence[tuple[str, float]], most: int | None) -> tuple[tuple[int, ...], str]:
+    """``concurrency: observed``: the levels from the requests the servers ran at each watch round
+    (``samples``: host and running requests): their median and 90th percentile (nearest rank),
+    each rounded up to a whole request and at least 1, at most ``most`` (``--max-num-seqs``: a
+    level above it would queue). Empty, and why, where watch recorded none."""
+    if not samples:
+        return (), (
+            f"no load was observed: watch recorded no round of these hosts' servers in the last {OBSERVED_DAYS} days "
+            "(run `orchestrate watch` with the state store, or list the levels in gates.speedup.concurrency)"
+        )
+    values = sorted(v for _, v in samples)
+
+    def rank(q: float) -> float:
+        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+    median, p90 = rank(0.5), rank(0.9)
+    levels = sorted({min(max(1, math.ceil(v)), most or 1 << 30) for v in (median, p90)})
+    hosts = len({h for h, _ in samples})
+    capped = f", at most --max-num-seqs {most}" if most is not None and math.ceil(p90) > most else ""
+    return tuple(levels), (
+        f"levels from the fleet's load as watch recorded it: median {median:g}, 90th percentile {p90:g} requests "
+        f"running, {len(values)} rounds on {hosts} host{'s' * (hosts != 1)} over {OBSERVED_DAYS} days{capped}"
     )
 
 
@@ -309,13 +506,18 @@ def drift(today: Arm, kept: Arm) -> str | None:
     """The host's target-alone speed today against the baseline a session before kept, in words
     when they differ beyond both spreads (the interval of their ratio excludes 1, by over 5%): what
     a kept baseline would have put into a ratio taken across sessions. None: no drift to say."""
-    if not today.runs or not kept.runs or kept.mean <= 0:
+    if not today.runs or not kept.runs:
+        return None
+    if not (today.by_server and kept.by_server):  # one measure for both: the client's, if not vLLM's
+        today, kept = today.by_client(), kept.by_client()
+    if kept.mean <= 0:
         return None
     moved = level(kept, today)
+    unit = "decode tokens/s a request, vLLM's" if today.by_server else "tokens/s"
     if (moved.low > 1 or moved.high < 1) and abs(moved.speedup - 1) > STEADY:
         return (
             f"the target alone ran {moved.speedup - 1:+.0%} against the baseline kept before "
-            f"({today.mean:.0f} against {kept.mean:.0f} tokens/s)"
+            f"({today.mean:.0f} against {kept.mean:.0f} {unit})"
         )
     return None
 
@@ -380,6 +582,9 @@ def judge(
             f"(over {STEADY:.0%}): the bound is widened by it"
             for lv in unsteady
         )
+    odd = [lv for lv in levels if lv.model_disagrees]
+    if odd:
+        said += "; " + "; ".join(_disagreement(lv) for lv in odd)
     slow = [lv for lv in levels if lv.outcome(minimum) == DOES_NOT_PAY]
     open_ = [lv for lv in levels if lv.outcome(minimum) == UNDECIDED]
     undecided = ""
@@ -435,15 +640,31 @@ def _to_decide(lv: Level, minimum: float) -> str:
     return f"(at {lv.concurrency}: about {need} pairs would decide, {lv.repeats[1]} measured)"
 
 
+def _disagreement(lv: Level) -> str:
+    assert lv.expected is not None and lv.tau is not None and lv.steps_s is not None
+    return (
+        f"at {lv.concurrency} vLLM's counters expect {lv.expected:.2f}x (tau {lv.tau:.2f}, a step "
+        f"{lv.steps_s[1] * 1000:.1f} ms against {lv.steps_s[0] * 1000:.1f} ms alone), outside the measured "
+        f"{lv.low:.2f}-{lv.high:.2f}: the measurement, not the drafter, is in question (other traffic on the "
+        "server, or a load its client could not keep up)"
+    )
+
+
 def _numbers(lv: Level, minimum: float) -> str:
     if lv.repeats[0] > 1 and lv.repeats[1] > 1:
         bound = f", 95% {lv.low:.2f}-{lv.high:.2f}" if math.isfinite(lv.high) else f", 95% >= {lv.low:.2f}"
     else:
         bound = ", one run an arm: no bound"
     n = f"{lv.repeats[1]} pairs" if lv.paired else f"n = {lv.repeats[0]}+{lv.repeats[1]}"
+    unit = "decode tokens/s a request, vLLM's" if lv.measured == "server" else "tokens/s"
+    beside = ""
+    if lv.client_speedup is not None:
+        beside += f"; the client's clock {lv.client_speedup:.2f}x"
+    if lv.expected is not None:
+        beside += f"; expected {lv.expected:.2f}x from vLLM's counters"
     return (
-        f"at {lv.concurrency}: {lv.speedup:.2f}x ({lv.drafter:.0f} against {lv.baseline:.0f} tokens/s{bound}, "
-        f"{n}): {lv.outcome(minimum)}"
+        f"at {lv.concurrency}: {lv.speedup:.2f}x ({lv.drafter:.0f} against {lv.baseline:.0f} {unit}{bound}, "
+        f"{n}{beside}): {lv.outcome(minimum)}"
     )
 
 
