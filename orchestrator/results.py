@@ -142,6 +142,9 @@ class HostReport:
     # Where the host's time went when the run started a server: vLLM's start, the probe, the
     # speed-up gate's arms, the tool's own share (rules.startup.time_split).
     time: dict[str, float] | None = None
+    # The gates of the start that went back to the previous release after a failure (its own
+    # vLLM start and probe: vLLM's time, not the tool's); kept for the time split only.
+    rollback_gates: dict[str, Any] | None = None
 
     @property
     def ready(self) -> bool:

@@ -475,6 +475,9 @@ def roll_back(run: Run, unit: Unit) -> None:
         again = unit.again()
         switch = {n.name for n in unit.nodes if n.report.changed}
         proven = start_and_prove(run, again, back, switch, keep=False, ready_command="prefer")
+    went_back = {name: g.to_json() for name, g in again.head.report.gates.items()}
+    for report in reports:
+        report.rollback_gates = went_back  # its start and probe: vLLM's time in the split, not the tool's
     with_command = " with the server command it was READY with" if again.head.from_ready else ""
     if proven and _admitted(run, again, unit):
         write_ready(run, again, back)

@@ -505,7 +505,7 @@ def execute(
             for node in unit.nodes:
                 node.report.duration_s = time.monotonic() - started
                 gates = {name: g.to_json() for name, g in node.report.gates.items()}
-                node.report.time = startup.time_split(node.report.duration_s, gates)
+                node.report.time = startup.time_split(node.report.duration_s, gates, node.report.rollback_gates)
                 node.report.ssh = connections.counters(node.name).to_json()
                 observer.host_done(node.report)
 

@@ -290,26 +290,39 @@ def name_lookup(start: Startup) -> str | None:
     )
 
 
-def time_split(duration_s: float, gates: dict[str, Any]) -> dict[str, float] | None:
-    """Where a host's time in a run went (``gates``: the host's gates as JSON): vLLM's own start
-    (launch to /health, from the ledger), the acceptance probe, the speed-up gate's baseline arm
-    where this run measured it (an extra start and its load) and its drafter arm (the load), and
-    the rest: the tool's own share (its checks, pushes, waits and round trips). None when the run
-    started no server."""
+def _start_and_probe(gates: dict[str, Any]) -> tuple[float, float] | None:
+    """A start's vLLM time (its ledger's total) and its acceptance probe's, from its gates."""
     health = gates.get("health")
     ledger = health.get("startup") if isinstance(health, dict) else None
     if not isinstance(ledger, dict) or ledger.get("carried") or not _seconds(ledger.get("total_s")):
         return None
-    start = float(ledger["total_s"])
     acceptance = gates.get("acceptance")
     probe = (
         float(acceptance["seconds"]) if isinstance(acceptance, dict) and _seconds(acceptance.get("seconds")) else 0.0
     )
+    return float(ledger["total_s"]), probe
+
+
+def time_split(
+    duration_s: float, gates: dict[str, Any], rollback: dict[str, Any] | None = None
+) -> dict[str, float] | None:
+    """Where a host's time in a run went (``gates``: the host's gates as JSON): vLLM's own start
+    (launch to /health, from the ledger), the acceptance probe, the speed-up gate's baseline arm
+    where this run measured it (an extra start and its load) and its drafter arm (the load), the
+    start and probe of the release it went back to after a failure (``rollback``: that start's
+    gates), and the rest: the tool's own share (its checks, pushes, waits and round trips). None
+    when the run started no server."""
+    found = _start_and_probe(gates)
+    if found is None:
+        return None
+    start, probe = found
+    back = _start_and_probe(rollback) if rollback else None
+    went_back = sum(back) if back is not None else 0.0
     speed = gates.get("speedup")
     baseline = speed.get("baseline") if isinstance(speed, dict) else None
     arm = float(baseline["seconds"]) if isinstance(baseline, dict) and _seconds(baseline.get("seconds")) else 0.0
     drafter = float(speed["seconds"]) if isinstance(speed, dict) and _seconds(speed.get("seconds")) else 0.0
-    tool = max(0.0, duration_s - start - probe - arm - drafter)
+    tool = max(0.0, duration_s - start - probe - arm - drafter - went_back)
     out = {
         "seconds": round(duration_s, 1),
         "vllm_start_s": round(start, 1),
@@ -321,6 +334,8 @@ def time_split(duration_s: float, gates: dict[str, Any]) -> dict[str, float] | N
         out["speedup_baseline_s"] = round(arm, 1)
     if drafter:
         out["speedup_drafter_s"] = round(drafter, 1)
+    if went_back:
+        out["rollback_s"] = round(went_back, 1)
     return out
 
 

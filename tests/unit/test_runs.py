@@ -724,6 +724,11 @@ def test_a_release_whose_tau_fell_against_the_last_ready_one_is_refused_and_roll
     )
     assert box.current("solo") == f"releases/{first.release_id}"  # rolled back to what was READY
     assert json.loads((box.root("solo") / "ready.json").read_text())["release_id"] == first.release_id
+    # the time split: the going back's vLLM start and probe are vLLM's time, not the tool's own
+    split = solo.time
+    assert split is not None and split["rollback_s"] > 0, split
+    parts = ("vllm_start_s", "probe_s", "rollback_s", "tool_s")
+    assert sum(split[k] for k in parts) == pytest.approx(split["seconds"], abs=0.3), split
 
     # `rollback` to the slower release (with its command) proves it like a deploy: refused by the
     # same history, and the READY release started and proven again.
