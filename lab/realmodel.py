@@ -6,6 +6,7 @@ Run by the serving venv's Python with ``gguf`` and ``accelerate`` on its path (`
 does both and caches the result by recipe):
 
     python lab/realmodel.py SmolLM2-135M-Instruct.Q4_1.gguf OUT_DIR > manifest.json
+    python lab/realmodel.py --check tests/data/real-model/smollm2-135m-instruct.json manifest.json
 
 transformers reads GGUF only into a quantization-marked model that ``save_pretrained`` refuses; the
 parameters it reads are dense already, so they are copied into a plain model of the same config.
@@ -22,9 +23,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
 # SmolLM2-135M as its model card and the GGUF's own metadata give it.
 SHAPE = {
     "model_type": "llama",
@@ -40,6 +38,10 @@ ANSWER_TOKENS = 48
 
 
 def convert(gguf: Path, out: Path) -> dict[str, Any]:
+    # here, not at the top: ``--check`` runs where neither is installed (the controller's Python)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     read = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = read.config.to_dict()
@@ -80,5 +82,21 @@ def convert(gguf: Path, out: Path) -> dict[str, Any]:
     }
 
 
+def differences(want: dict[str, Any], got: dict[str, Any]) -> list[str]:
+    """What a conversion's manifest says otherwise than the recorded one: each file whose bytes
+    or digest differ (or that one of them lacks), and the greedy answer."""
+    names = set(want.get("files", {})) | set(got.get("files", {}))
+    differ = sorted(n for n in names if want.get("files", {}).get(n) != got.get("files", {}).get(n))
+    if want.get("greedy") != got.get("greedy"):
+        differ.append("the greedy answer")
+    return differ
+
+
 if __name__ == "__main__":
-    print(json.dumps(convert(Path(sys.argv[1]).resolve(), Path(sys.argv[2])), indent=2))
+    if sys.argv[1] == "--check":  # a conversion held to the recorded digests (here and on a GPU host)
+        recorded, made = (json.loads(Path(p).read_text()) for p in sys.argv[2:4])
+        if differ := differences(recorded, made):
+            raise SystemExit(f"the conversion differs from {sys.argv[2]}: {', '.join(differ)}")
+        print(f"the conversion is the recorded one ({len(recorded['files'])} files)", file=sys.stderr)
+    else:
+        print(json.dumps(convert(Path(sys.argv[1]).resolve(), Path(sys.argv[2])), indent=2))

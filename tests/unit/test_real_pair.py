@@ -239,3 +239,30 @@ def test_no_false_refusal_of_the_good_pair_in_20_deploys_and_20_verify_probes_on
     assert {(r["tau"], r["low"], r["bound"]) for r in repeats} == {(runs["ready"]["tau"], 1.591, "over 12 prompts")}
     compared = [runs[f"redeploy-{i}"]["regression"] for i in range(1, 20)]
     assert all(c.startswith("tau 2.15 against 2.15 of the last READY release") for c in compared), compared
+
+
+@pytest.mark.usefixtures("programs")
+def test_a_conversion_is_held_to_the_recorded_digests_file_by_file_and_by_its_greedy_answer(tmp_path: Path) -> None:
+    """``lab/realmodel.py --check``, as scripts/real-model and lab/gpu/realpair.sh run it: the
+    recorded manifest passes itself; a file of other bytes, one missing, or another greedy answer
+    fails, naming what differs."""
+    import subprocess
+    import sys
+
+    recorded = REPO / "tests" / "data" / "real-model" / "smollm2-135m-instruct.json"
+    want = json.loads(recorded.read_text())
+
+    def check(manifest: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        made = tmp_path / "manifest.json"
+        made.write_text(json.dumps(manifest))
+        argv = [sys.executable, str(REPO / "lab" / "realmodel.py"), "--check", str(recorded), str(made)]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    assert check(want).returncode == 0
+    name = sorted(want["files"])[0]
+    other = {**want, "files": {**want["files"], name: {**want["files"][name], "sha256": "0" * 64}}}
+    fewer = {**want, "files": {n: f for n, f in want["files"].items() if n != name}}
+    answer = {**want, "greedy": {**want["greedy"], "answer": "something else"}}
+    for manifest, said in ((other, name), (fewer, name), (answer, "the greedy answer")):
+        got = check(manifest)
+        assert got.returncode != 0 and f"the conversion differs from {recorded}: " in got.stderr and said in got.stderr
