@@ -81,7 +81,7 @@ def test_loads_everything(tmp_path: Path) -> None:
         (
             "rollout:",
             "  speedup: {concurrency: [1, 0]}\nrollout:",
-            "gates.speedup.concurrency: distinct request counts from 1 to 4096, got [1, 0]",
+            "gates.speedup.concurrency: distinct request counts from 1 to 4096, or 'observed' (the fleet's load as watch recorded it), got [1, 0]",
         ),
         ("rollout:", "  speedup: {concurrency: [8, 8]}\nrollout:", "distinct request counts"),
         ("rollout:", "  speedup: {concurrency: 8}\nrollout:", "speedup.concurrency: expected a list of integers"),
