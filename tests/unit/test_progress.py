@@ -29,7 +29,7 @@ def orchestrate(box: Box, *args: str) -> list[str]:
 
 
 def slow_playbook(box: Box) -> Path:
-    playbook = box.playbook(env={"STANDIN_GOOD_MASK": "5", "STANDIN_START_DELAY": "6"})
+    playbook = box.playbook(env={"STANDIN_GOOD_MASK": "5", "STANDIN_START_DELAY": "10"})
     return playbook.file
 
 

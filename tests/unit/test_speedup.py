@@ -222,6 +222,11 @@ def test_a_run_is_measured_by_vllms_decode_time_and_the_counters_model_stands_be
     assert "vLLM's counters expect 3.33x (tau 4.00, a step 12.0 ms against 10.0 ms alone)" in said
     assert "the measurement, not the drafter, is in question" in said
 
+    # requests end mid-step: 31 tokens after the first at tau 8 take 4 steps (7.75 a step kept),
+    # and the model cuts tau as much (else short loads would always "disagree")
+    assert su.kept_a_step(8.0, 31) == pytest.approx(7.75) and su.kept_a_step(4.0, 64) == pytest.approx(4.0)
+    assert su.kept_a_step(2.2, 15) == pytest.approx(15 / 7)
+
     # a server that shows none of these numbers: the client's clock, as before
     plain = su.paired_level(1, pairs(1, 1.4, 1.42, 1.38))
     assert plain.measured == "client" and plain.client_speedup is None and plain.expected is None
@@ -892,33 +897,31 @@ def test_concurrency_observed_measures_at_the_load_watch_recorded_and_says_so(bo
         assert not first.ready and first.gates["speedup"].reason == su.UNMEASURED
         assert "no load was observed" in first.gates["speedup"].detail
 
-        book = speedup_playbook(box, targets="[n0]")
+        book = speedup_playbook(box, targets="[n0]", gate={"concurrency": [1]})  # a server for watch to read
         assert host(Deployment(book, fleet(box), OPTIONS, store=store).deploy(), "n0").ready
-        # three requests held by the server while watch reads it
+        # three requests kept in flight (each sent again as it ends) while watch reads the server
         port = book.serving.port
-        body = {"model": book.serving.model_name, "prompt": "a", "max_tokens": 400, "temperature": 0}
-        clients = [
-            threading.Thread(
-                target=lambda: urllib.request.urlopen(
-                    urllib.request.Request(
-                        f"http://127.0.0.3:{port}/v1/completions",
-                        json.dumps(body).encode(),
-                        {"Content-Type": "application/json"},
-                    ),
-                    timeout=60,
-                ).read()
-            )
-            for _ in range(3)
-        ]
+        body = json.dumps({"model": book.serving.model_name, "prompt": "a", "max_tokens": 400, "temperature": 0})
+        done = threading.Event()
+
+        def keep_sending() -> None:
+            while not done.is_set():
+                request = urllib.request.Request(
+                    f"http://127.0.0.3:{port}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+                )
+                urllib.request.urlopen(request, timeout=60).read()
+
+        clients = [threading.Thread(target=keep_sending) for _ in range(3)]
         for c in clients:
             c.start()
         w = Deployment(book, fleet(box), OPTIONS, store=store).watcher()
         try:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while not any(r.running == 3 for r in w.round()[0]):
                 assert time.monotonic() < deadline, "no round saw the three requests"
         finally:
             w.close()
+            done.set()
         for c in clients:
             c.join(60)
         samples = store.observed_load(["n0"], 0.0)

@@ -46,7 +46,8 @@ and from a measurement that cannot decide (`speedup_inconclusive`).
     total tokens/s     = sum(output tokens) / wall seconds of the run      (the client's, a report)
     a pair's ratio     = the drafter run's decode tokens/s / its baseline run's
     speed-up           = the median of the level's pair ratios
-    expected speed-up  = tau x the baseline's mean step / the drafter's     (vLLM's counters alone)
+    expected speed-up  = tau' x the baseline's mean step / the drafter's    (vLLM's counters alone)
+    tau'               = n / ceil(n / tau), n the decoded tokens a request (the last step keeps less)
 
 The model beside the measurement: vLLM records one inter-token latency a step of a request, however
 many tokens the step kept, so the two arms' mean steps and the drafter arm's tau (its drafts and
@@ -427,10 +428,21 @@ def paired_level(concurrency: int, pairs: Sequence[tuple[Run, Run]]) -> Level:
         log_sd=log_sd,
         measured="server" if by_server else "client",
         client_speedup=statistics.median(client) if by_server else None,
-        expected=tau * steps[0] / steps[1] if tau is not None and steps is not None else None,
+        expected=_expected(tau, steps, [d for _, d in kept]),
         tau=tau,
         steps_s=steps,
     )
+
+
+def _expected(tau: float | None, steps: tuple[float, float] | None, drafter: Sequence[Run]) -> float | None:
+    """tau, cut to the requests' length (``kept_a_step``), times the baseline's step over the
+    drafter's."""
+    if tau is None or steps is None:
+        return None
+    served = [r.served for r in drafter if r.served is not None]
+    requests = sum(s.requests for s in served)
+    decoded = (sum(s.tokens for s in served) - requests) / requests if requests else 0.0
+    return kept_a_step(tau, decoded) * steps[0] / steps[1]
 
 
 def _decoded(run: Run) -> bool:
@@ -440,6 +452,15 @@ def _decoded(run: Run) -> bool:
 def _server_speed(run: Run) -> float:
     assert run.served is not None
     return run.served.decode_tokens_per_s
+
+
+def kept_a_step(tau: float, decoded: float) -> float:
+    """The tokens a step keeps, on average, for requests of ``decoded`` tokens after the first at
+    ``tau`` a step: their last step keeps only what is left (31 tokens at 8 a step take 4 steps,
+    7.75 a step), while the drafter's counters count every accepted token."""
+    if decoded <= 0 or tau <= 0:
+        return tau
+    return decoded / math.ceil(decoded / tau - 1e-9)
 
 
 def _model(baseline: Sequence[Run], drafter: Sequence[Run]) -> tuple[float | None, tuple[float, float] | None]:
