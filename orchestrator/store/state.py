@@ -851,8 +851,7 @@ class StateDB:
         except psycopg.Error as exc:
             raise StateError(f"state database {self.where}: {' '.join(str(exc).split())}") from exc
         finally:
-            with contextlib.suppress(psycopg.Error):
-                session.close()  # the session's end releases every advisory lock it took
+            _release(session)
 
     @contextlib.contextmanager
     def gateway_lock(self, gateway: str, timeout: float) -> Iterator[None]:
@@ -876,8 +875,7 @@ class StateDB:
             except psycopg.Error as exc:
                 raise StateError(f"state database {self.where}: {' '.join(str(exc).split())}") from exc
             finally:
-                with contextlib.suppress(psycopg.Error):
-                    session.close()  # the advisory lock goes with the session
+                _release(session)
             return
         import fcntl
 
@@ -931,6 +929,19 @@ def _name_holder(session: Any, keys: list[tuple[int, str]], row: tuple[Any, ...]
             "pid = excluded.pid, since = excluded.since, run = excluded.run",
             [(n, *row) for _, n in keys],
         )
+
+
+def _release(session: Any) -> None:
+    """A session's advisory locks released, then the session closed. Unlocked first, and waited
+    for: a closed connection's locks go when the server has ended its backend, after ``close``
+    returned, and a controller starting at once found the lock held and the holder's row gone
+    ("a controller that left no record")."""
+    import psycopg
+
+    with contextlib.suppress(psycopg.Error):
+        session.execute("SELECT pg_advisory_unlock_all()")
+    with contextlib.suppress(psycopg.Error):
+        session.close()
 
 
 class _LeaseKeeper:
