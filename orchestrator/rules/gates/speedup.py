@@ -246,7 +246,8 @@ class Arm:
         return bool(self.runs) and all(_decoded(r) for r in self.runs)
 
     def _speeds(self) -> list[float]:
-        return [_server_speed(r) if self.by_server else r.tokens_per_s for r in self.runs]
+        by_server = self.by_server  # one measure for every run, decided once
+        return [_server_speed(r) if by_server else r.tokens_per_s for r in self.runs]
 
     @property
     def mean(self) -> float:
