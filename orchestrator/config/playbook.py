@@ -377,7 +377,7 @@ def load_playbook(path: Path | str) -> Playbook:
         disks=_disks(top["disks"]),
         serving=serving,
         gates=gates,
-        rollout=_rollout(top["rollout"]),
+        rollout=_rollout(top["rollout"], gateway),
         models=models,
         gateway=gateway,
     )
@@ -694,8 +694,12 @@ def _speedup(f: Field) -> SpeedupGate | None:
         )
     minimum = _above(g["min"], SpeedupGate.min, 0.0, "a speed-up is never below 0, so it would pass any drafter")
     assert minimum is not None
-    repeats = g["repeats"].int(SpeedupGate.repeats, minimum=1, maximum=20)
-    most = g["max_pairs"].int(max(repeats, SpeedupGate.max_pairs), minimum=1, maximum=50)
+    # One pair has no interval (its bound is 0, its top infinite): a level that can only ever be
+    # inconclusive, which ``on_inconclusive: pass`` would pass with a lower bound of 0.00.
+    repeats = g["repeats"].int(SpeedupGate.repeats, maximum=20)
+    if repeats < 2:
+        raise g["repeats"].error(f"at least 2 (one pair has no spread, so no bound either way), got {repeats}")
+    most = g["max_pairs"].int(max(repeats, SpeedupGate.max_pairs), maximum=50)
     if most < repeats:
         raise g["max_pairs"].error(f"at least repeats ({repeats}): the pairs measured at the least")
     memory = g["baseline_memory"].number(None, minimum=0.0)
@@ -705,7 +709,7 @@ def _speedup(f: Field) -> SpeedupGate | None:
     return SpeedupGate(
         concurrency=tuple(sorted(levels)),
         min=minimum,
-        max_tokens=g["max_tokens"].int(SpeedupGate.max_tokens, minimum=1, maximum=4096),
+        max_tokens=_decoded_tokens(g["max_tokens"], SpeedupGate.max_tokens),
         repeats=repeats,
         prompts=tuple(g["prompts"].str_list(())),
         max_pairs=most,
@@ -715,6 +719,19 @@ def _speedup(f: Field) -> SpeedupGate | None:
         baseline_memory=memory,
         observed=observed,
     )
+
+
+def _decoded_tokens(f: Field, default: int) -> int:
+    """A probe's or a load's tokens a request: at least 2, since vLLM's first token comes from the
+    prefill and only the tokens after it are drafted (one token: nothing drafted, and every host
+    "speculative decoding is not running")."""
+    tokens = f.int(default, maximum=4096)
+    if tokens < 2:
+        raise f.error(
+            f"at least 2, got {tokens}: the first token comes from the prefill, so one token a request "
+            "drafts nothing and no host could pass"
+        )
+    return int(tokens)
 
 
 def max_num_seqs(serving: Serving) -> int | None:
@@ -771,7 +788,7 @@ def _gates(f: Field) -> Gates:
         min_acceptance_rate=_rate(a["min_acceptance_rate"], None),
         min_drafts=a["min_drafts"].int(AcceptanceGate.min_drafts, minimum=1),
         prompts=a["prompts"].str_list(()),
-        max_tokens=a["max_tokens"].int(AcceptanceGate.max_tokens, minimum=1, maximum=4096),
+        max_tokens=_decoded_tokens(a["max_tokens"], AcceptanceGate.max_tokens),
         max_regression=regression,
         prefix_cache=a["prefix_cache"].str(AcceptanceGate.prefix_cache),
     )
@@ -793,8 +810,13 @@ def _gates(f: Field) -> Gates:
     )
 
 
-def _rollout(f: Field) -> Rollout:
+def _rollout(f: Field, gateway: Gateway | None) -> Rollout:
     f.mapping({"canary", "batch_size", "max_failures", "min_in_rotation", "bake_s"})
+    if "min_in_rotation" in f and gateway is None:
+        # without a gateway no host is ever in or out of rotation: a floor that could hold nothing
+        raise f["min_in_rotation"].error(
+            "counts the hosts a gateway sends requests to, and this playbook has no gateway: block"
+        )
     rollout = Rollout(
         canary=f["canary"].int(Rollout.canary, minimum=0),
         batch_size=f["batch_size"].int(None, minimum=1),

@@ -318,10 +318,16 @@ class Field:
         if not self.present:
             return self._default(default)
         if isinstance(self.value, str):
+            if not self.value:
+                raise self.error("expected a non-empty string (or a list of them), got an empty one")
             return (self.value,)
-        ok = isinstance(self.value, list) and all(isinstance(v, str) and v for v in self.value)
-        if not ok:
-            raise self.error("expected a list of strings")
+        if not isinstance(self.value, list):
+            raise self.error(f"expected a list of strings, got {_kind(self.value)}")
+        for i, v in enumerate(self.value):  # the element named, at its own line
+            if not isinstance(v, str):
+                raise self[i].error(f"expected a string, got {_kind(v)}")
+            if not v:
+                raise self[i].error("expected a non-empty string, got an empty one")
         return tuple(self.value)
 
     def str_map(self, default: Any = _MISSING) -> Any:

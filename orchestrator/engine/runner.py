@@ -516,6 +516,13 @@ def execute(
         )
         if rollout and rollout.canary:
             run.canaries = frozenset(batches[0])
+            if after_canary is not None and len(batches) == 1:
+                # the bake guards the hosts after the canary: none in this run (a --limit, or as
+                # many hosts as the canary), so none runs, and the run says so
+                run.say(
+                    f"no bake: every host of this run ({len(batches[0])}) is in the canary batch "
+                    f"(rollout.canary {rollout.canary}), so none comes after it to guard"
+                )
         failures = 0
         pool = ThreadPoolExecutor(max_workers=max(1, options.forks))
         try:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from orchestrator.errors import EXIT_BAD_INPUT, StateError
 from orchestrator.results import GATE_ACCEPTANCE, Gate, RunReport
@@ -185,22 +185,37 @@ class StateUrlError(StateError):
 
 
 # libpq takes a password in the query string too (``?password=...``, and ``sslpassword`` for
-# the client key): each is a secret wherever it is written.
-_QUERY_SECRET = re.compile(r"(?i)((?:^|[&;])(?:ssl)?password=)[^&;]*")
+# the client key), its keys and values percent-decoded (``pass%77ord=`` is ``password=``): each
+# is a secret wherever it is written, under any spelling libpq reads.
+_SECRET_KEYS = frozenset({"password", "sslpassword"})
+# libpq's other form, ``host=... password=...`` (a value quoted in '' may hold spaces and \'):
+# not a state URL, but said back in the error that refuses it.
+_CONNINFO_SECRET = re.compile(r"(?i)\b((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|\S*)")
+
+
+def _redact_query(query: str) -> str:
+    items = re.split(r"([&;])", query)
+    for i in range(0, len(items), 2):
+        key, eq, _ = items[i].partition("=")
+        if eq and unquote(key).strip().lower() in _SECRET_KEYS:
+            items[i] = f"{key}=***"
+    return "".join(items)
 
 
 def redact(url: str) -> str:
-    """The URL with its passwords replaced (the user's, and any in its query string), as every
-    message shows it."""
+    """The URL with its passwords replaced (the user's, and any in its query string under any
+    spelling libpq decodes), as every message shows it; a libpq ``key=value`` string (no
+    ``scheme://``) with its ``password=`` values replaced."""
+    if "://" not in url:
+        return _CONNINFO_SECRET.sub(r"\1***", url)
     parts = urlsplit(url)
-    if parts.password is None and not _QUERY_SECRET.search(parts.query) and not _QUERY_SECRET.search(parts.fragment):
-        return url
     if parts.password is not None:
         netloc = parts.netloc.rsplit("@", 1)
         user = netloc[0].split(":", 1)[0]
         parts = parts._replace(netloc=f"{user}:***@{netloc[1]}")
-    query = _QUERY_SECRET.sub(r"\1***", parts.query)
-    fragment = _QUERY_SECRET.sub(r"\1***", parts.fragment)
+    query, fragment = _redact_query(parts.query), _redact_query(parts.fragment)
+    if parts.password is None and (query, fragment) == (parts.query, parts.fragment):
+        return url  # nothing secret: as written
     return urlunsplit(parts._replace(query=query, fragment=fragment))
 
 
@@ -359,6 +374,10 @@ class StateDB:
             elif scheme in ("postgresql", "postgres"):
                 self.path = None
                 self._open_postgresql(urlunsplit(parts._replace(scheme="postgresql")))
+            elif not parts.scheme:  # libpq's key=value form, or a path
+                raise StateUrlError(
+                    f"state URL {self.where}: not a URL (postgresql://user@host/database or sqlite:///path/state.db)"
+                )
             else:
                 raise StateUrlError(f"state URL {self.where}: scheme {parts.scheme!r} is neither sqlite nor postgresql")
         deadline = time.monotonic() + 30

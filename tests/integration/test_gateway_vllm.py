@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -212,53 +213,92 @@ def test_a_restart_behind_vllm_router_loses_no_request(fleet: RealFleet, tmp_pat
         router.stop()
 
 
-def complete(address: str, port: int, out: list[dict[str, Any]]) -> None:
-    body = {"model": "tiny", "prompt": "def fib(n):", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
-    request = urllib.request.Request(
-        f"http://{address}:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=300) as response:
-            doc = json.loads(response.read())
-            out.append({"status": response.status, "tokens": doc["usage"]["completion_tokens"]})
-    except OSError as exc:
-        out.append({"error": str(exc)})
+@dataclass
+class Streams:
+    """Streamed completions sent straight to one server: when each got its first token and when it
+    ended, so that a test knows without polling the server which requests vLLM held at a moment."""
 
+    address: str
+    port: int
+    answers: list[dict[str, Any]] = field(default_factory=list)
+    started: int = 0
+    changed: threading.Condition = field(default_factory=threading.Condition)
 
-def held(address: str, port: int) -> float:
-    """The requests vLLM holds, running or waiting, from its own gauges."""
-    with urllib.request.urlopen(f"http://{address}:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
-    )
+    def complete(self) -> None:
+        body = {
+            "model": "tiny",
+            "prompt": "def fib(n):",
+            "max_tokens": 480,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        request = urllib.request.Request(
+            f"http://{self.address}:{self.port}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        answer: dict[str, Any] = {}
+        try:
+            with urllib.request.urlopen(request, timeout=300) as response:
+                answer["status"] = response.status
+                for line in response:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[len(b"data: ") :])
+                    if chunk.get("choices") and "first" not in answer:
+                        answer["first"] = time.monotonic()
+                        with self.changed:
+                            self.started += 1
+                            self.changed.notify_all()
+                    if chunk.get("usage"):
+                        answer["tokens"] = chunk["usage"]["completion_tokens"]
+        except OSError as exc:
+            answer["error"] = str(exc)
+        answer["ended"] = time.monotonic()
+        with self.changed:
+            self.answers.append(answer)
+            self.changed.notify_all()
+
+    def wait_started(self, count: int, timeout: float) -> None:
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.started >= count or len(self.answers) >= count, timeout):
+                raise AssertionError(f"not within {timeout} s: {count} requests streaming from vLLM")
+            if self.started < count:
+                raise AssertionError(f"requests ended before {count} streamed: {self.answers}")
 
 
 @pytest.mark.timeout(900)
 def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFleet) -> None:
     """A server the tool started behind a gateway has ``--shutdown-timeout`` (``serving.drain_timeout``,
-    60 s there): holding 64 requests of 480 tokens (eight running, the rest waiting) when the
-    agent's ``stop`` op ends it, it finishes every one whole. This is why the stop signals the main process alone: a SIGTERM to
-    the whole process group reached vLLM's worker process, which exited at once, and all six failed
-    with HTTP 500 ("Worker proc VllmWorker-0 died unexpectedly"); the same holds for the systemd
-    unit's KillMode (mixed, not control-group). Runs on the servers the rollouts above left."""
+    60 s there): holding 64 streamed requests of 480 tokens (eight running, the rest waiting) when
+    the agent's ``stop`` op ends it, it finishes every one whole, those it was still sending when the
+    stop came included. This is why the stop signals the main process alone: a SIGTERM to the whole
+    process group reached vLLM's worker process, which exited at once, and all six failed with HTTP
+    500 ("Worker proc VllmWorker-0 died unexpectedly"); the same holds for the systemd unit's
+    KillMode (mixed, not control-group). Runs on the servers the rollouts above left. The stop is
+    sent when the clients have seen six streams begin (not when a poll of the server's gauges sees
+    them: on a loaded machine the first poll was answered after 60 of the 64 had ended)."""
     name, address = "v1", SERVERS["v1"]
     root = str(fleet.dir / "roots" / name)
     if not (fleet.dir / "roots" / name / "run" / "dflash-serve.json").exists():
         pytest.fail("the rollouts above left no server: this test runs after them, on their fleet")
-    # 64, far past the server's 8 at a time: with every draft accepted the tiny pair ends six such
-    # requests in under a second on a quiet machine, too soon to stop it with them in hand.
-    answers: list[dict[str, Any]] = []
-    clients = [threading.Thread(target=complete, args=(address, fleet.port, answers)) for _ in range(64)]
+    # 64, far past the server's 8 at a time: with every draft accepted the tiny pair ends eight such
+    # requests in about a second, so that some are still held when the stop lands.
+    streams = Streams(address, fleet.port)
+    clients = [threading.Thread(target=streams.complete) for _ in range(64)]
     for client in clients:
         client.start()
-    wait_for("at least six requests in vLLM", lambda: held(address, fleet.port) >= 6, timeout=180)
+    streams.wait_started(6, timeout=180)
+    sent = time.monotonic()
     (stopped,) = agent([{"op": "stop", "root": root, "name": "dflash-serve", "timeout": 90}])
     for client in clients:
         client.join(300)
     assert stopped["ok"] and stopped["result"]["gone"], stopped
-    assert answers == [{"status": 200, "tokens": 480}] * 64, answers
+    whole = [{"status": a.get("status"), "tokens": a.get("tokens"), "error": a.get("error")} for a in streams.answers]
+    assert whole == [{"status": 200, "tokens": 480, "error": None}] * 64, streams.answers
+    # The stop reached a server with requests in hand: they ended after it was sent.
+    assert sum(a["ended"] > sent for a in streams.answers) >= 1, streams.answers
     log = (fleet.dir / "roots" / name / "logs" / "dflash-serve.log").read_text()
     assert "mode=drain timeout=60s" in log and "died unexpectedly" not in log

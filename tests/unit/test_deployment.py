@@ -217,6 +217,28 @@ def test_targets_are_chosen_by_the_library(tmp_path: Path) -> None:
         Deployment(only_a, inv, limit=["b"])
 
 
+class Said(Seen):
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: list[str] = []
+
+    def say(self, message: str) -> None:
+        self.said.append(message)
+
+
+def test_a_bake_the_limit_leaves_nothing_to_guard_is_said_not_skipped_in_silence(tmp_path: Path) -> None:
+    """``rollout.bake_s`` guards the hosts after the canary; a ``--limit`` to the canary alone leaves
+    none, so no bake runs: the run says so (it was skipped unsaid, as if the canary had baked)."""
+    playbook, inventory = write(tmp_path)
+    book = load_playbook(playbook)
+    book = replace(book, rollout=replace(book.rollout, canary=1, bake_s=30.0))
+    fake, seen = FakeConnector(Host()), Said()
+    run = Deployment(book, load_inventory(inventory), OPTIONS, seen, fake, limit=["a"]).deploy()
+    assert run.ok and [h.name for h in run.hosts] == ["a"], [h.gates for h in run.hosts]
+    assert "no bake: every host of this run (1) is in the canary batch (rollout.canary 1)" in "\n".join(seen.said)
+    assert "bake" not in run.hosts[0].gates
+
+
 @pytest.mark.parametrize(
     ("options", "said"),
     [

@@ -87,13 +87,40 @@ def test_loads_everything(tmp_path: Path) -> None:
         ("rollout:", "  speedup: {concurrency: 8}\nrollout:", "speedup.concurrency: expected a list of integers"),
         ("rollout:", "  speedup: {min: 0}\nrollout:", "gates.speedup.min: must be above 0, got 0"),
         ("rollout:", "  speedup: {repeats: 0}\nrollout:", "gates.speedup.repeats"),
+        # Inputs that can mean nothing: one pair has no bound (a level only ever inconclusive,
+        # which on_inconclusive: pass passed at a lower bound of 0.00), one token drafts nothing
+        # (every host "speculative decoding is not running"), an empty prompt, a floor of hosts
+        # in rotation with no gateway to have a rotation.
+        (
+            "rollout:",
+            "  speedup: {repeats: 1, max_pairs: 1, on_inconclusive: pass}\nrollout:",
+            "gates.speedup.repeats: at least 2 (one pair has no spread, so no bound either way), got 1",
+        ),
+        (
+            "min_drafts: 10}",
+            "min_drafts: 10, max_tokens: 1}",
+            "gates.acceptance.max_tokens: at least 2, got 1: the first token comes from the prefill",
+        ),
+        ("rollout:", "  speedup: {max_tokens: 1}\nrollout:", "gates.speedup.max_tokens: at least 2, got 1"),
+        (
+            "min_drafts: 10}",
+            'min_drafts: 10, prompts: [Hello, ""]}',
+            "pb.yaml:15 gates.acceptance.prompts[1]: expected a non-empty string, got an empty one",
+        ),
+        ("rollout:", '  speedup: {prompts: ""}\nrollout:', "gates.speedup.prompts: expected a non-empty string"),
+        ("rollout:", "  speedup: {prompts: [Hi, 3]}\nrollout:", "gates.speedup.prompts[1]: expected a string, got"),
+        (
+            "max_failures: 1}",
+            "max_failures: 1, min_in_rotation: 1}",
+            "rollout.min_in_rotation: counts the hosts a gateway sends requests to, and this playbook has no gateway",
+        ),
         ("rollout:", "  speedup: {mni: 1.2}\nrollout:", "gates.speedup.mni: unknown key (did you mean 'min'?)"),
         (
             "rollout:",
             "  speedup: {repeats: 5, max_pairs: 4}\nrollout:",
             "gates.speedup.max_pairs: at least repeats (5)",
         ),
-        ("rollout:", "  speedup: {max_pairs: 0}\nrollout:", "gates.speedup.max_pairs: must be at least 1, got 0"),
+        ("rollout:", "  speedup: {max_pairs: 0}\nrollout:", "gates.speedup.max_pairs: at least repeats (3)"),
         (
             "rollout:",
             "  speedup: {on_inconclusive: ignore}\nrollout:",

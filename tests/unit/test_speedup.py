@@ -378,6 +378,10 @@ def launches(box: Box, name: str, server: str = "dflash-serve") -> int:
 BASELINE = "dflash-speedup-baseline"  # engine.speedup.BASELINE_SERVER
 
 
+def runs_of(kept: dict[str, Any]) -> tuple[su.Run, ...]:
+    return tuple(su.Run.from_json(r) for r in kept["runs"])
+
+
 def baseline_launches(box: Box, name: str) -> int:
     return launches(box, name, BASELINE)
 
@@ -429,12 +433,21 @@ def test_the_canary_measures_the_baseline_once_and_the_hosts_after_it_hold_its_v
         assert len(kept[1]["runs"]) == gate.data["levels"][0]["pairs"]  # each pair's baseline run
 
         # Another drafter config over the same target: a new release, both arms measured again in
-        # its own session (the kept baseline only checks the drift: none here).
+        # its own session; the kept baseline only checks the drift (said where this machine's load
+        # moved the target alone between the two sessions beyond both spreads, never judged on).
         other = speedup_playbook(box, drafter={"rope_theta": 10000.0})
         second = Deployment(other, fleet(box), OPTIONS, store=store).deploy()
         assert second.ok, [(h.name, h.failed_gate) for h in second.hosts]
         gate2 = host(second, "n0").gates["speedup"]
-        assert gate2.data["baseline"]["key"] == base["key"] and gate2.data["drift"] == {}
+        assert gate2.data["baseline"]["key"] == base["key"]
+        today = store.baseline(base["key"])  # this session's, kept in place of the first's
+        assert today[1]["runs"] != kept[1]["runs"]  # each session measured its own
+        moved = {c: su.drift(su.Arm(c, runs_of(today[c])), su.Arm(c, runs_of(kept[c]))) for c in sorted(kept)}
+        said = {str(c): m for c, m in moved.items() if m is not None}
+        assert sorted(gate2.data["drift"]) == sorted(said), (gate2.data["drift"], moved)
+        for c, words in said.items():
+            assert gate2.data["drift"][c].startswith(f"at {c} {words}, kept by n0 at "), gate2.data["drift"]
+            assert gate2.data["drift"][c] in gate2.detail
         assert launches(box, "n0") == 2 and baseline_launches(box, "n0") == 2
 
         # verify --speedup: both arms again, the baseline beside; the serving server not restarted

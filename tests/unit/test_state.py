@@ -289,6 +289,36 @@ def test_a_password_in_the_state_urls_query_string_is_never_shown(query: str, as
     assert f"state database postgresql://alice@127.0.0.1:{port}/x?{query.replace('hunter2', '***')}" in said
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://alice@127.0.0.1:{port}/x?pass%77ord=hunter2",  # libpq decodes the key
+        "postgresql://alice@127.0.0.1:{port}/x?sslmode=disable&%73slpassword=hunter2",
+        "postgresql://alice@127.0.0.1:{port}/x?password=hun%74er2",  # and the value
+        "postgresql://alice:hunter2@127.0.0.1:{port}/x",
+        "host=127.0.0.1 port={port} dbname=x password=hunter2",  # libpq's key=value form
+        "host=127.0.0.1 port={port} password = 'hunter2 and more' dbname=x",
+        "host=127.0.0.1 port={port} sslpassword=hunter2",
+    ],
+)
+@pytest.mark.parametrize("as_json", [False, True])
+@pytest.mark.usefixtures("programs")
+def test_a_password_under_any_spelling_libpq_reads_is_never_shown(url: str, as_json: bool) -> None:
+    """Whatever libpq would take as a password (a percent-encoded key or value, the ``key=value``
+    form, a quoted value with spaces) is a secret in every message, plain or ``--json``: the
+    query's exact ``password=`` alone was redacted, and the others were printed."""
+    with socket_closed() as port:
+        bad = orchestrate("history", "--state-url", url.format(port=port), *(["--json"] if as_json else []))
+    shown = bad.stderr + bad.stdout
+    assert bad.returncode in (EXIT_NOT_READY, EXIT_BAD_INPUT), shown
+    assert "hunter2" not in shown and "hun%74er2" not in shown and "and more" not in shown, shown
+    (line,) = bad.stderr.strip().splitlines()
+    said = json.loads(line)["message"] if as_json else line
+    assert "***" in said and f"{port}" in said, said
+    if "://" not in url:  # refused as input, in words that show the form it takes
+        assert bad.returncode == EXIT_BAD_INPUT and "not a URL (postgresql://" in said, said
+
+
 @pytest.mark.parametrize("stored", ["'three'", "3.5", "-1", "99999999999", "x'00'"])
 @pytest.mark.usefixtures("programs")
 def test_a_schema_version_this_tool_never_writes_is_one_line_and_nothing_written(tmp_path: Path, stored: str) -> None:
