@@ -34,8 +34,8 @@ from orchestrator.connectors.base import Connector
 from orchestrator.engine import runs
 from orchestrator.engine.observer import Observer
 from orchestrator.engine.runner import RELEASE_ID, RELEASE_ID_RULE, RunOptions, Scope, Stop, stop_reason
-from orchestrator.errors import InputError, StateError
-from orchestrator.results import RunKind, RunReport
+from orchestrator.errors import InputError, LeaseWaitStopped, StateError
+from orchestrator.results import GATE_INTERRUPTED, Gate, HostReport, RunKind, RunReport
 from orchestrator.rules.plan import new_release_id
 
 if TYPE_CHECKING:
@@ -238,11 +238,22 @@ class Deployment:
         if store is not None:
             # the record must be possible before any host changes
             _answered(store.check_writable, store, "take the run's first write")
-        with self._lease(kind, detail):
-            hosts = len(self.targets)
-            forks = min(self.options.forks, hosts)
-            self.observer.say(f"{kind} {self.playbook.name}: {hosts} host{'s' * (hosts != 1)}, {forks} at once")
-            report = work()
+        try:
+            with self._lease(kind, detail):
+                hosts = len(self.targets)
+                forks = min(self.options.forks, hosts)
+                self.observer.say(f"{kind} {self.playbook.name}: {hosts} host{'s' * (hosts != 1)}, {forks} at once")
+                report = work()
+        except LeaseWaitStopped as stopped:
+            # A Ctrl-C while another controller held the lease: no host was touched. The run ends
+            # as any interrupted run does, each host named, recorded (it said "aborted", unrecorded).
+            report = RunReport(kind, str(self.playbook.file), str(self.inventory.file), None, [], time.time())
+            for target in self.targets:
+                host = HostReport(target.name)
+                host.gates[GATE_INTERRUPTED] = Gate(False, f"not started: {stopped}")
+                report.hosts.append(host)
+                self.observer.host_done(host)
+            report.finished = time.time()
         report.interrupted = self.options.interrupt.is_set() and stop_reason(self.options.interrupt) is None
         if store is not None:
             try:

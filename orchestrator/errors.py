@@ -179,5 +179,14 @@ class StateError(OrchestratorError):
     """The state database could not be opened, read or written."""
 
 
+class LeaseWaitStopped(StateError):
+    """The run was interrupted while it waited for another controller's rollout lease: nothing was
+    taken and no host touched (the run ends as interrupted, every host named, and is recorded)."""
+
+    def __init__(self, name: str, holder: str) -> None:
+        super().__init__(f"interrupted while waiting for {name}, which {holder} is rolling out")
+        self.name, self.holder = name, holder
+
+
 class SandboxError(OrchestratorError):
     """The local sandbox could not be brought up, read or down."""

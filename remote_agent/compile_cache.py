@@ -9,8 +9,19 @@ hash directory holding anything else (a link planted to read a secret of the ser
 FIFO) is refused, never followed or read.
 """
 
-from remote_agent.core import OpError, deploy_root, fsync_dir, op, open_file, os, os_error, sha256_file, stat
-from remote_agent.releases import CACHE, cache_key_dir, remove_tree
+from remote_agent.core import (
+    OpError,
+    deploy_root,
+    fsync_dir,
+    op,
+    open_file,
+    os,
+    os_error,
+    own_tree,
+    sha256_file,
+    stat,
+)
+from remote_agent.releases import AOT, CACHE, cache_key_dir, remove_tree
 
 READ_MAX = 8 << 20  # bytes one read answers (base64 in the JSON answer: 11 MB)
 # Where a given cache is uploaded before it is placed: a hash directory vLLM can see is always
@@ -57,7 +68,11 @@ def op_compile_cache_files(req):
     cache, size, and (``digests``) sha256. Past ``max_files`` or ``max_bytes`` in all, refused
     (``too_large``)."""
     root = deploy_root(req, create=False)
-    cache = os.path.join(root, CACHE)
+    cache = own_tree(root, CACHE, make=False) or os.path.join(root, CACHE)  # missing: each dir absent
+    # asked before a gift is uploaded into .given: a link there (or on the way to an AOT hash
+    # directory) is refused by name here, before any byte is written through it
+    for sub in (GIVEN, os.path.join(GIVEN, AOT), AOT):
+        own_tree(root, os.path.join(CACHE, sub), make=False)
     out = {}  # type: dict
     total, count = 0, 0
     for name in req["dirs"]:
@@ -104,7 +119,7 @@ def op_compile_cache_read(req):
     import base64
 
     root = deploy_root(req, create=False)
-    cache = os.path.join(root, CACHE)
+    cache = own_tree(root, CACHE, make=False) or os.path.join(root, CACHE)
     parts = req["path"].split("/")
     if any(p in ("", ".", "..") for p in parts) or cache_key_dir("torch_compile_cache/" + req["path"]) is None:
         raise OpError("bad_request", "%r is not a file of a compile-cache hash directory" % req["path"])
@@ -133,7 +148,9 @@ def op_compile_cache_place(req):
     appears whole), unless the host has one of that key by now (vLLM's own: kept, the upload
     dropped)."""
     root = deploy_root(req, create=False)
-    cache = os.path.join(root, CACHE)
+    cache = own_tree(root, CACHE)
+    for sub in (GIVEN, os.path.join(GIVEN, AOT), AOT):
+        own_tree(root, os.path.join(CACHE, sub), make=False)
     placed, kept = [], []
     for name in req["dirs"]:
         src, dst = os.path.join(cache, GIVEN, _cache_name(name)), os.path.join(cache, name)

@@ -302,6 +302,20 @@ def own_dir(root_real, name):
     return path
 
 
+def own_tree(root_real, rel, make=True):
+    """A directory of the tool's own some levels under the deploy root (``cache/used``, the
+    compile cache), each level made when missing (``make=False``: None where one is missing) and
+    held to ``own_dir``'s rule: a link or a non-directory at any level is refused by name and left
+    as it is, never walked, written or pruned through (an operator's ``cache`` linked elsewhere had
+    files outside the root deleted, another root's compile caches pruned)."""
+    path = root_real
+    for part in rel.split("/"):
+        if not make and not os.path.lexists(os.path.join(path, part)):
+            return None
+        path = own_dir(path, part)
+    return path
+
+
 def open_own(path, flags, mode=0o600):
     """Open a file of the tool's own without following a link: a link, FIFO, socket or device
     node in its place is removed (the node only: it holds no data) and the file made afresh.

@@ -32,6 +32,7 @@ from remote_agent.core import (
     os,
     os_error,
     own_dir,
+    own_tree,
     path_inside,
     read_back,
     read_own,
@@ -416,7 +417,7 @@ def _note_ready_cache(root_real):
             names.add(name)
     if not names:
         return False
-    used = os.path.join(root_real, CACHE_USED, release)
+    used = os.path.join(own_tree(root_real, CACHE_USED), release)
     names |= set(_used(used))
     data = ("\n".join(sorted(names)) + "\n").encode()
     if read_own(used) != data:
@@ -430,35 +431,38 @@ def _used(path):
 
 
 def _prune_cache(root_real, releases):
-    """Remove the hash directories that no kept release used, and the notes of releases gone.
-    Nothing is removed unless the READY release's own are noted (an older record, a rank that
-    keeps no ledger, a cache root elsewhere: the cache is left as it is)."""
+    """Remove the hash directories known to be unused: those a release now gone used and no
+    kept release did, and the notes of releases gone. A hash directory no note names is not known
+    to be unused (a start whose log the ledger could not read, a refused release whose graphs the
+    same command will want again, one vLLM made for an engine check) and is kept: on the H100
+    the same server command compiled three times in three rollouts when every directory a READY
+    release had not named was removed. Nothing is removed unless the READY release's own are
+    noted, and nothing through a link in the cache's tree (it is the tool's own: a link there is
+    refused by name, and what it points to is never walked)."""
     if not _note_ready_cache(root_real):
         return []
-    notes = os.path.join(root_real, CACHE_USED)
-    kept, keep = set(x for x in os.listdir(releases) if not x.startswith(".")), set()
+    notes = own_tree(root_real, CACHE_USED)
+    kept, keep, gone = set(x for x in os.listdir(releases) if not x.startswith(".")), set(), set()
     for name in os.listdir(notes):
-        if name in kept:
-            keep.update(_used(os.path.join(notes, name)))
-        elif not name.startswith("."):
-            unlink_quietly(os.path.join(notes, name))
-    cache, removed = os.path.join(root_real, CACHE), []
-    for sub in ("", AOT):
-        where = os.path.join(cache, sub) if sub else cache
-        try:
-            names = os.listdir(where)
-        except OSError:
+        if name.startswith("."):
             continue
-        for name in names:
-            rel = sub + "/" + name if sub else name
-            try:
-                is_dir = stat.S_ISDIR(os.lstat(os.path.join(where, name)).st_mode)  # a link is not
-            except OSError:
-                continue
-            if not is_dir or not _hash_name(name) or rel in keep:
-                continue  # not a compile key's directory as vLLM names them, or one a kept release used
-            remove_tree(os.path.join(where, name), ignore_errors=True)
+        used = _used(os.path.join(notes, name))
+        (keep if name in kept else gone).update(used)
+    cache, removed = own_tree(root_real, CACHE), []
+    for rel in sorted(gone - keep):
+        where = os.path.join(cache, rel)
+        try:
+            is_dir = stat.S_ISDIR(os.lstat(where).st_mode)  # a link is not
+            if rel.startswith(AOT + "/"):
+                is_dir = is_dir and stat.S_ISDIR(os.lstat(os.path.join(cache, AOT)).st_mode)
+        except OSError:
+            is_dir = False
+        if is_dir:
+            remove_tree(where, ignore_errors=True)
             removed.append(rel)
+    for name in os.listdir(notes):
+        if not name.startswith(".") and name not in kept:
+            unlink_quietly(os.path.join(notes, name))
     return removed
 
 

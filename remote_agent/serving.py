@@ -188,9 +188,15 @@ def _log_tail(path, lines=30):
 
 
 # What the startup ledger gets of a start's log: its first lines, each cut (vLLM's config line
-# alone is several KB). A start writes about 120 lines up to /health.
+# alone is several KB). A start writes about 120 lines up to /health. The lines that name the
+# compile cache are kept whole (to a path's length) and looked for past the first lines: the
+# prune keeps what a READY start used by them, so a long deploy root (a path cut at 400) or
+# DEBUG logging (600 lines before vLLM names its cache) made the live cache look unused.
 STARTUP_LINES = 600
 STARTUP_LINE_CHARS = 400
+CACHE_LINES = 64
+CACHE_LINE_CHARS = 8192
+CACHE_MARK = "torch_compile_cache"
 
 
 def _startup(record):
@@ -201,11 +207,12 @@ def _startup(record):
     if not isinstance(offset, int) or not isinstance(record.get("started_at"), (int, float)):
         return None
     lines: list[str] = []
+    cache_lines = 0
     try:
         with open_file(record["log"]) as f:
             f.seek(offset)
             read = 0
-            while len(lines) < STARTUP_LINES and read < 4 * 1024 * 1024:
+            while (len(lines) < STARTUP_LINES or cache_lines < CACHE_LINES) and read < 4 * 1024 * 1024:
                 # Bounded reads: a line with no end (a progress bar) never fills memory.
                 raw = f.readline(64 * 1024)
                 if not raw:
@@ -216,7 +223,12 @@ def _startup(record):
                     rest = f.readline(64 * 1024)
                     read += len(rest)
                     whole = not rest or rest.endswith(b"\n")
-                lines.append(raw.decode("utf-8", "replace").rstrip("\r\n")[:STARTUP_LINE_CHARS])
+                text = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if CACHE_MARK in text and cache_lines < CACHE_LINES:
+                    cache_lines += 1
+                    lines.append(text[:CACHE_LINE_CHARS])
+                elif len(lines) - cache_lines < STARTUP_LINES:
+                    lines.append(text[:STARTUP_LINE_CHARS])
     except OSError:
         return None
     return {
@@ -1028,7 +1040,13 @@ def op_serving_status(req):
         ready = None  # not a record of ours (edited by hand, cut short): as good as none
     if record:
         record.pop("argv", None)
-    return {"server": record, "health": health, "ready": ready, "launched": link_target(root, LAUNCHED, strict=False)}
+    launched = link_target(root, LAUNCHED, strict=False)
+    answer = {"server": record, "health": health, "ready": ready, "launched": launched}
+    if launched is None and os.path.islink(os.path.join(root, LAUNCHED)):
+        # a link of ours by its name that names no release (out of the root, say): what a restart
+        # in place would read its drafter from, said as it is so that verify can refuse it
+        answer["launched_elsewhere"] = os.readlink(os.path.join(root, LAUNCHED))[:4096]
+    return answer
 
 
 @op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER, warm=int)

@@ -467,7 +467,8 @@ def _run(args: argparse.Namespace, kind: RunKind, deployment: Deployment, option
 
     def first(signum: int = signal.SIGINT) -> None:
         options.interrupt.set()
-        what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+        named: dict[int, str] = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}
+        what = named.get(signum, "interrupted")
         _say(f"{what}: starting no new host; the hosts in flight finish (Ctrl-C or SIGTERM again to abort)")
 
     try:
@@ -486,16 +487,18 @@ def _run(args: argparse.Namespace, kind: RunKind, deployment: Deployment, option
 
 @contextlib.contextmanager
 def _interrupts(first: Callable[[int], None], terminate: Callable[[], None] | None = None) -> Iterator[None]:
-    """The one interrupt handler. The first Ctrl-C, or SIGTERM, calls ``first`` with the signal
+    """The one interrupt handler. The first Ctrl-C, SIGTERM or SIGHUP calls ``first`` with the signal
     (a run starts nothing new and lets the hosts in flight finish, bounded by their own
     deadlines, then reports and records: a service manager's stop, or a CI job's cancel, used to
     end the run at once with no table, no record and a host left drained; a watch ends after its
-    round); a second aborts (``KeyboardInterrupt``). With ``terminate``, SIGTERM calls it
-    instead (a watch ends after its round)."""
+    round); a second aborts (``KeyboardInterrupt``). With ``terminate``, SIGTERM and SIGHUP call
+    it instead (a watch ends after its round)."""
     said = threading.Event()
 
     def handle(signum: int, frame: object) -> None:
-        if signum == signal.SIGTERM and terminate is not None:
+        if signum == signal.SIGHUP:
+            _hung_up()
+        if signum in (signal.SIGTERM, signal.SIGHUP) and terminate is not None:
             terminate()
             return
         if said.is_set():
@@ -506,13 +509,29 @@ def _interrupts(first: Callable[[int], None], terminate: Callable[[], None] | No
     if threading.current_thread() is not threading.main_thread():
         yield  # a library caller's thread: signals are not ours to take
         return
-    signals = (signal.SIGINT, signal.SIGTERM)
+    # SIGHUP (the terminal or the SSH session closed under the run) is a first Ctrl-C too: it
+    # ended the run at once, with no table, no record and a host left out of the gateway.
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.signal(sig, handle) for sig in signals}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _hung_up() -> None:
+    """The terminal is gone: what the run still writes to it (its progress, its table) goes to
+    /dev/null rather than fail with EIO in the middle of the hosts' steps; the record still lands."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                os.dup2(null, fd)
+    os.close(null)
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:

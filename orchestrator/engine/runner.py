@@ -527,7 +527,8 @@ def execute(
         pool = ThreadPoolExecutor(max_workers=max(1, options.forks))
         try:
             for index, batch in enumerate(batches):
-                if budget is not None and failures > budget:
+                # an interrupted run names its hosts not started as interrupted (the budget did not stop them)
+                if budget is not None and failures > budget and not options.interrupt.is_set():
                     for unit in (by_name[n] for b in batches[index:] for n in b):
                         for node in unit.nodes:
                             node.report.gates[GATE_ROLLOUT] = Gate(
@@ -539,7 +540,11 @@ def execute(
                 stopped = None
                 if index == 0 and rollout and rollout.canary and after_canary is not None and len(batches) > 1:
                     stopped = after_canary(run, [by_name[n] for n in batch])
-                failures += sum(not n.report.ready for name in batch for n in by_name[name].nodes)
+                failures += sum(
+                    not n.report.ready and n.report.failed_gate != GATE_INTERRUPTED
+                    for name in batch
+                    for n in by_name[name].nodes
+                )
                 if stopped is not None:
                     for unit in (by_name[n] for b in batches[index + 1 :] for n in b):
                         for node in unit.nodes:

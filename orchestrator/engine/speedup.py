@@ -378,9 +378,9 @@ def _drifts(run: Run, key: str, today: Runs) -> dict[str, str]:
             continue
         try:
             arm = rules.Arm(c, tuple(rules.Run.from_json(r) for r in earlier["runs"]))
-        except (KeyError, TypeError, ValueError):
+            moved = rules.drift(rules.Arm(c, tuple(runs)), arm)
+        except (KeyError, TypeError, ValueError, ArithmeticError):
             continue  # a kept row that does not read: no drift check, never a failed gate
-        moved = rules.drift(rules.Arm(c, tuple(runs)), arm)
         if moved is not None:
             when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(float(earlier.get("at", 0))))
             out[str(c)] = f"at {c} {moved}, kept by {earlier.get('host')} at {when} UTC"

@@ -32,10 +32,14 @@ from typing import Any
 
 from orchestrator.agent.protocol import Startup
 
-# "(EngineCore pid=1790) INFO 12-02 15:29:24 [model_runner.py:305] Model loading took ..."
+# "(EngineCore pid=1790) INFO 12-02 15:29:24 [model_runner.py:305] Model loading took ...", also
+# behind what a log pipeline puts before it (journald's "Dec 02 15:29:24 host vllm[9]: ", a
+# container runtime's stamp) and with vLLM's colours (VLLM_LOGGING_COLOR, or a terminal): a
+# ledger blind to those read no cache directory, and the compile cache's sharing did nothing.
 LINE = re.compile(
-    r"^(?:\([^)]*\) )?(?:INFO|WARNING|ERROR|DEBUG|CRITICAL) (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.\d+)? \[[^\]]*\] (.*)$"
+    r"(?:^|[\s:\]|)])(?:INFO|WARNING|ERROR|DEBUG|CRITICAL) (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.\d+)? \[[^\]]*\] (.*)$"
 )
+COLOUR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 NUMBER = r"([\d,]+(?:\.\d+)?)"
 
 # The steps, in the order vLLM passes them: (phase the line ends, what marks it, which of many).
@@ -149,7 +153,7 @@ def stamps(lines: Iterable[str], year: int, utc_offset: int) -> list[tuple[float
     out: list[tuple[float, str]] = []
     last_month = 0
     for line in lines:
-        m = LINE.match(line)
+        m = LINE.search(COLOUR.sub("", line) if "\x1b" in line else line)
         if not m:
             continue
         month, day, hour, minute, second = (int(g) for g in m.groups()[:5])

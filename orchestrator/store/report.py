@@ -111,13 +111,73 @@ def collect(
         return hosts.setdefault(name, HostHistory(name))
 
     for run in runs:
-        for host in run["hosts"]:
-            of(host["name"]).runs.append({**{k: v for k, v in run.items() if k != "hosts"}, "host": host})
-    for sample in samples:
-        of(sample["host"]).samples.append(sample)
-    for t in transitions:
-        of(t["host"]).transitions.append(t)
+        head = _stored_run(run)
+        for host in run.get("hosts") or []:
+            kept = _stored_host(host)
+            if kept is not None:
+                of(kept["name"]).runs.append({**head, "host": kept})
+    for sample in samples:  # typed columns, but SQLite keeps whatever another writer put there
+        if _number(sample.get("at")) is not None and _number(sample.get("mean_acceptance_length")) is not None:
+            of(str(sample["host"])).samples.append({**sample, "source": str(sample.get("source"))})
+    for t in transitions:  # each a stored JSON document
+        if isinstance(t, dict) and isinstance(t.get("host"), str) and _number(t.get("at")) is not None:
+            of(t["host"]).transitions.append({**t, "to": str(t.get("to"))})
     return [hosts[name] for name in sorted(hosts)]
+
+
+def _stored_run(run: dict[str, Any]) -> dict[str, Any]:
+    """A run's row as the report reads it: its kind a word and its times numbers, whatever the
+    store held (a stored record is data: another tool's row or a damaged one)."""
+    head = {k: v for k, v in run.items() if k != "hosts"}
+    head["kind"] = str(run.get("kind"))
+    for key in ("started", "finished"):
+        head[key] = _number(run.get(key)) or 0.0
+    return head
+
+
+def _stored_host(host: Any) -> dict[str, Any] | None:
+    """A host's record within a stored run, in the shapes the report draws (None: not a record of
+    a host at all): ready only when true, seconds only when a number, each gate a mapping with its
+    verdict and words, a start's ledger with numbers only where it holds numbers. A record the
+    report cannot draw was a traceback (``report --html`` on a ledger total that is not a number)."""
+    if not isinstance(host, dict) or not isinstance(host.get("name"), str):
+        return None
+    gates = host.get("gates")
+    kept_gates: dict[str, Any] = {}
+    if not isinstance(gates, dict):
+        gates = {}
+    for name, gate in gates.items():
+        if not isinstance(gate, dict):
+            continue
+        gate = {**gate, "ok": gate.get("ok") is True, "detail": str(gate.get("detail", ""))}
+        if not isinstance(gate.get("data"), dict):
+            gate.pop("data", None)
+        if "startup" in gate:
+            gate["startup"] = _stored_ledger(gate["startup"])
+        kept_gates[str(name)] = gate
+    release = host.get("release_id")
+    return {
+        **host,
+        "ready": host.get("ready") is True,
+        "duration_s": _number(host.get("duration_s")) or 0.0,
+        "release_id": release if isinstance(release, str) else None,
+        "gates": kept_gates,
+    }
+
+
+def _stored_ledger(ledger: Any) -> dict[str, Any] | None:
+    """A start's ledger with its figures kept only where they are numbers (its phases' seconds, its
+    total, its KV cache's tokens) and its words as text."""
+    if not isinstance(ledger, dict) or not isinstance(ledger.get("phases"), dict):
+        return None
+    out = {**ledger, "phases": {str(k): v for k, v in ledger["phases"].items() if _number(v) is not None}}
+    out["total_s"] = _number(ledger.get("total_s"))
+    kv = ledger.get("kv_tokens")
+    out["kv_tokens"] = kv if isinstance(kv, int) and not isinstance(kv, bool) else None
+    for key in ("clock", "compile"):
+        if key in ledger:
+            out[key] = str(ledger[key])
+    return out
 
 
 def to_json(hosts: list[HostHistory], now: float) -> dict[str, Any]:
@@ -389,7 +449,7 @@ def _runs(h: HostHistory) -> str:
         failed = next((g for g in host["gates"].values() if not g.get("ok")), None)
         detail = failed["detail"] if failed else ""
         by = run.get("by")
-        who = f"{by['user']}@{by['host']} pid {by['pid']}" if by else "-"
+        who = f"{by.get('user')}@{by.get('host')} pid {by.get('pid')}" if isinstance(by, dict) else "-"
         rows.append(
             f"<tr><td>{_when(run['started'])}</td><td>{escape(run['kind'])}</td><td>{escape(who)}</td>"
             f"<td>{escape(host.get('release_id') or '-')}</td>"

@@ -21,6 +21,7 @@ import errno
 import getpass
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from orchestrator.errors import EXIT_BAD_INPUT, StateError
+from orchestrator.errors import EXIT_BAD_INPUT, LeaseWaitStopped, StateError
 from orchestrator.results import GATE_ACCEPTANCE, Gate, RunReport
 
 if TYPE_CHECKING:
@@ -701,7 +702,12 @@ class StateDB:
             f"SELECT host, running FROM serving_load WHERE at >= ? AND host IN ({marks}) ORDER BY at, {self.dialect.seq}",
             (since, *hosts),
         )
-        return [(str(h), float(r)) for h, r in rows]
+        # a row another writer put there (text, NaN, a negative count) is no observation
+        return [
+            (str(h), float(r))
+            for h, r in rows
+            if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and 0 <= r <= 1 << 20
+        ]
 
     def baseline(self, key: str) -> dict[int, dict[str, Any]]:
         """The last baseline kept under ``key``, per concurrency: its runs, who measured it, when."""
@@ -711,9 +717,19 @@ class StateDB:
                 f"ORDER BY at, {self.dialect.seq}",
                 (key,),
             )
-        return {
-            int(c): {"at": at, "host": host, "what": what, "runs": json.loads(runs)} for c, at, host, what, runs in rows
-        }
+        out: dict[int, dict[str, Any]] = {}
+        for c, at, host, what, runs in rows:
+            # A row is data (another tool's, a damaged one): one that does not read as a level's
+            # runs is no baseline, never an error in the middle of a rollout.
+            try:
+                level, when, kept = int(c), float(at), json.loads(runs)
+            except (TypeError, ValueError, RecursionError):
+                continue
+            if isinstance(c, bool) or not 1 <= level <= 4096 or not math.isfinite(when):
+                continue
+            if isinstance(kept, list) and all(isinstance(r, dict) for r in kept):
+                out[level] = {"at": when, "host": str(host), "what": str(what), "runs": kept}
+        return out
 
     # --- what is read ----------------------------------------------------------------------
 
@@ -854,7 +870,8 @@ class StateDB:
                 if stop is None:
                     time.sleep(pause)
                 elif stop.wait(pause):
-                    raise KeyboardInterrupt  # nothing was taken yet: the run ends as interrupted
+                    # nothing was taken yet: the run ends as interrupted, every host named
+                    raise LeaseWaitStopped(name, holder.describe() if holder else "a controller that left no record")
             user, controller, pid = whoami()
             _name_holder(session, keys, (user, controller, pid, time.time(), run))
             keeper = _LeaseKeeper(self, session, keys, (user, controller, pid, time.time(), run), on_lost)

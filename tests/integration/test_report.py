@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -165,6 +166,43 @@ def test_nothing_a_host_said_becomes_markup() -> None:
     assert '<span class="state state-UNKNOWN">UNKNOWN (READY&quot;&gt;&lt;style&gt;' in page
     assert "9.00x" not in page  # a string is not shown as a figure
     assert json.dumps(fleetreport.to_json(hosts, 3.0))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"gates": {"health": {"ok": True, "startup": {"phases": {"weights": 2.0}, "total_s": "many"}}}},
+        {"gates": {"health": {"ok": True, "startup": {"phases": {"weights": "2"}, "total_s": 3.0, "kv_tokens": "x"}}}},
+        {"gates": {"health": {"ok": True, "startup": {"phases": ["weights"], "total_s": 3.0}}}},
+        {"gates": {"health": "READY"}},
+        {"gates": ["files"]},
+        {"gates": {"files": {"ok": "yes", "detail": 7, "data": {"seconds": "3"}}}},
+        {"duration_s": "1.5"},
+        {"duration_s": None, "ready": "yes"},
+        {"release_id": {"a": 1}},
+        {"name": 7},
+    ],
+)
+def test_a_stored_record_the_report_cannot_draw_is_drawn_without_it_never_a_traceback(damage: dict[str, Any]) -> None:
+    """What the store holds is data: a run's host record with a ledger total, a duration or a gate
+    that is not what the tool writes (another tool's row, a damaged one) was a traceback from
+    ``report --html`` (a ledger total that is not a number). It is drawn without the figure,
+    never as one."""
+    good = {"name": "gpu-a", "ready": True, "release_id": "r1", "gates": {"files": {"ok": True, "detail": "ok"}}}
+    good["duration_s"] = 1.0
+    run = {"id": 1, "kind": "deploy", "playbook": "p", "started": 1.0, "finished": 2.0, "ok": True, "hosts": []}
+    run["hosts"] = [good, {**good, "name": "gpu-b", **damage}]
+    run["by"] = "someone"  # a run's author that is not the mapping the tool writes
+    transitions = [{"at": "noon", "host": "gpu-a", "to": "READY"}, {"at": 2.5, "host": "gpu-a", "to": 3}]
+    hosts = fleetreport.collect([run], [], transitions)
+    page = fleetreport.render_html(hosts, 3.0)
+    assert "gpu-a" in page and "many" not in page and "1.50 s" not in page
+    assert json.dumps(fleetreport.to_json(hosts, 3.0))
+    shown = {h.name: h for h in hosts}
+    if isinstance(damage.get("name"), int):
+        assert sorted(shown) == ["gpu-a"]  # not a host's record at all
+    else:
+        assert shown["gpu-b"].runs[0]["host"]["ready"] is (damage.get("ready", True) is True)
 
 
 def test_the_report_opens_with_the_fleet_worst_first_at_1024_hosts(tmp_path: Path, chromium: Chromium) -> None:

@@ -22,6 +22,7 @@ import pytest
 
 from orchestrator.deployment import Deployment
 from orchestrator.engine.observer import Observer
+from orchestrator.engine.runner import Stop
 from orchestrator.engine.watcher import WatchGroup
 from orchestrator.rules.watch import READY
 from orchestrator.store.state import LockHeld, StateDB, whoami
@@ -183,6 +184,41 @@ def test_a_deploy_from_python_waits_for_the_held_lease_names_the_holder_then_run
     assert f"waiting for solo: {user}@{controller} pid {pid}" in said.lines[0]
     assert said.lines[1].startswith("deploy pb: 1 host")
     assert [(r["kind"], r["release_id"]) for r in runs] == [("deploy", report.release_id)]
+
+
+def test_an_interrupt_while_the_lease_is_waited_for_ends_the_run_as_interrupted_and_records_it(
+    box: Box, postgres: Postgres
+) -> None:
+    """A first Ctrl-C (``options.interrupt``) while another controller holds the lease: the run
+    ends as an interrupted run does, each host named as interrupted (none touched), recorded. The
+    library raised ``KeyboardInterrupt`` from ``deploy()`` (the CLI said "aborted", unrecorded)."""
+    url = postgres.socket_url(postgres.new_database())
+    held, store = StateDB(box.dir, url), StateDB(box.dir, url)
+    said = Said()
+    options = replace(OPTIONS, lock_timeout=60.0, interrupt=Stop())
+    deployment = Deployment(box.playbook(), box.inventory, options, said, store=store)
+
+    def interrupt() -> None:
+        assert said.waiting.wait(60)
+        options.interrupt.set()
+
+    helper = threading.Thread(target=interrupt)
+    try:
+        with held.rollout_lock(["solo"], "deploy held-by-the-test", 30.0):
+            helper.start()
+            report = deployment.deploy()
+        helper.join(60)
+        runs = store.history()
+    finally:
+        held.close()
+        store.close()
+    assert report.interrupted and not report.ok
+    (solo,) = report.hosts
+    assert solo.failed_gate == "interrupted", solo.gates
+    assert solo.gates["interrupted"].detail.startswith("not started: interrupted while waiting for solo, which ")
+    assert "run deploy held-by-the-test" in solo.gates["interrupted"].detail
+    assert not (box.root("solo") / "current").exists()
+    assert [(r["kind"], r["ok"], r["hosts_total"]) for r in runs] == [("deploy", False, 1)]
 
 
 def test_a_deploy_from_python_past_its_lock_timeout_raises_naming_the_holder(box: Box, postgres: Postgres) -> None:

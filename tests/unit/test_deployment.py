@@ -22,6 +22,7 @@ from orchestrator import Deployment, Observer, RunOptions, load_inventory, load_
 from orchestrator.config.inventory import Target
 from orchestrator.connectors.fake import FakeConnector, answer
 from orchestrator.engine.observer import Step
+from orchestrator.engine.runner import Stop
 from orchestrator.errors import ConnectionLost, InputError
 from orchestrator.results import HostReport
 
@@ -237,6 +238,36 @@ def test_a_bake_the_limit_leaves_nothing_to_guard_is_said_not_skipped_in_silence
     assert run.ok and [h.name for h in run.hosts] == ["a"], [h.gates for h in run.hosts]
     assert "no bake: every host of this run (1) is in the canary batch (rollout.canary 1)" in "\n".join(seen.said)
     assert "bake" not in run.hosts[0].gates
+
+
+def test_hosts_an_interrupt_kept_from_starting_are_named_interrupted_not_over_the_failure_budget(
+    tmp_path: Path,
+) -> None:
+    """One host at a time with ``max_failures: 0``: a first Ctrl-C lands while the first host is in
+    flight. It finishes READY; the next is not started, and neither is the third, for the same
+    reason: the interrupt (the second was counted as a failure, and the third was named "not
+    attempted: over max_failures", as if a host had failed)."""
+    playbook, inventory = write(tmp_path)
+    containers = {name: {"address": f"192.0.2.{i + 1}"} for i, name in enumerate(("a", "b", "c"))}
+    inventory.write_text(yaml.safe_dump({"hosts": {"gpu": {"containers": containers}}}))
+    book = load_playbook(playbook)
+    book = replace(book, rollout=replace(book.rollout, batch_size=1, max_failures=0))
+    options = replace(OPTIONS, forks=1, interrupt=Stop())
+    host = Host()
+
+    def interrupting(target: Target, ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        options.interrupt.set()  # a Ctrl-C while the first host is in flight
+        return host(target, ops)
+
+    run = Deployment(book, load_inventory(inventory), options, Seen(), FakeConnector(interrupting)).deploy()
+    assert run.interrupted and [h.name for h in run.hosts] == ["a", "b", "c"]
+    a, b, c = run.hosts
+    assert a.ready, a.gates
+    for h in (b, c):
+        assert (
+            h.failed_gate == "interrupted" and h.gates["interrupted"].detail == "not started: the run was interrupted"
+        )
+        assert "rollout" not in h.gates
 
 
 @pytest.mark.parametrize(

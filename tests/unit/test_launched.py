@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
+
+import pytest
 
 from tests.unit.localbox import Box, deploy, host, rollback, verify
 
@@ -57,6 +60,19 @@ def test_only_a_launch_moves_the_link_the_server_reads_its_drafter_through(box: 
     assert gate.detail == (
         f"the server reads its drafter from release {b} (the launched link), READY names {a}: deploy again"
     )
+
+    # The link pointed out of the root (a copy of the release elsewhere, another root's): it names
+    # no release, and was taken as none, so verify said IN SYNC while a restart in place would
+    # serve a drafter from outside; it is proven as ``current`` is.
+    elsewhere = box.dir / "elsewhere"
+    shutil.copytree(box.root("solo") / "releases" / str(a), elsewhere)
+    for target in (str(elsewhere), f"../{elsewhere.name}", f"releases/../../{elsewhere.name}"):
+        os.symlink(target, box.root("solo") / ".moved")
+        os.replace(box.root("solo") / ".moved", box.root("solo") / "launched")
+        checked = verify(box, box.playbook())
+        gate = host(checked, "solo").gates["ready"]
+        assert not checked.ok and not gate.ok, gate
+        assert gate.detail.startswith(f"the launched link points at {target!r}, not at a release under releases/")
 
 
 def test_a_launch_from_a_release_that_is_not_there_removes_the_link(box: Box, tmp_path: Path) -> None:
@@ -128,11 +144,13 @@ def test_the_compile_cache_is_kept_while_a_release_that_used_it_is_kept(box: Box
     assert back.ok and ledger_of(back)["compile"] == "hit" and cache(box) == {key_b, key_c}
 
 
-def test_prune_leaves_a_cache_it_cannot_tie_to_a_release_and_what_vllm_did_not_name(tmp_path: Path) -> None:
+def test_prune_removes_only_what_is_known_unused_and_what_vllm_named(tmp_path: Path) -> None:
     """Nothing goes unless the READY record names the READY release's own directories under this
-    root (an older record, a rank that keeps no ledger, a cache root set elsewhere); only vLLM's
-    hash directories go, never a link, a file or another name; a name the record gives is only
-    ever kept, never followed."""
+    root (an older record, a rank that keeps no ledger, a cache root set elsewhere); only what a
+    release now gone used and no kept release did goes: a hash directory no note names (a start
+    the ledger could not read, a refused release's graphs the same command will want again) is
+    not known to be unused and stays; only vLLM's hash directories go, never a link, a file or
+    another name; a name the record gives is only ever kept, never followed."""
     from remote_agent.releases import _prune_cache
 
     root = tmp_path / "root"
@@ -155,15 +173,55 @@ def test_prune_leaves_a_cache_it_cannot_tie_to_a_release_and_what_vllm_did_not_n
     record(["../../x", str(cache / ".." / ".." / "x")])
     assert _prune_cache(str(root), str(releases)) == []  # not a hash directory: nothing named
     record([str(cache / "0123456789"), str(cache / "torch_aot_compile" / ("f" * 64) / "rank_0_0" / "model")])
+    assert _prune_cache(str(root), str(releases)) == []  # abcdefabcd: no release is known to have used it
+    assert (root / "cache" / "used" / "R1").read_text() == "0123456789\ntorch_aot_compile/" + "f" * 64 + "\n"
+    # R0, pruned, used abcdefabcd, a link's name and 0123456789 (which R1 uses too): only the first goes
+    (root / "cache" / "used" / "R0").write_text("abcdefabcd\naaaaaaaaaa\nbbbbbbbbbb\n0123456789\n")
     assert sorted(_prune_cache(str(root), str(releases))) == ["abcdefabcd"]
     assert sorted(p.name for p in cache.iterdir()) == [
         "0123456789", "aaaaaaaaaa", "bbbbbbbbbb", "modelinfos", "torch_aot_compile"
     ]  # fmt: skip
     assert outside.is_dir() and (cache / "torch_aot_compile" / ("f" * 64)).is_dir()
-    assert (root / "cache" / "used" / "R1").read_text() == "0123456789\ntorch_aot_compile/" + "f" * 64 + "\n"
+    assert sorted(p.name for p in (root / "cache" / "used").iterdir()) == ["R1"]  # the gone release's note
 
     # R1 pruned, R2 READY with no ledger of its start (carried forward from an older record): kept
     (releases / "R1").rmdir()
     (releases / "R2").mkdir()
     record(None, "R2")
     assert _prune_cache(str(root), str(releases)) == [] and (cache / "0123456789").is_dir()
+
+
+@pytest.mark.parametrize("level", ["cache", "cache/used", "cache/vllm", "cache/vllm/torch_compile_cache"])
+def test_a_link_anywhere_in_the_caches_tree_is_refused_by_name_and_nothing_through_it_is_touched(
+    tmp_path: Path, level: str
+) -> None:
+    """``cache/``, its notes and vLLM's cache under it are the tool's own tree, as ``releases/``
+    is: a link at any level (to another root's cache, to an operator's files) is refused naming
+    it and left as it is; nothing it points to is read, written or removed (the notes of a gone
+    release were unlinked through it, another root's compile caches pruned)."""
+    from remote_agent.core import OpError
+    from remote_agent.releases import _prune_cache
+
+    root, other = tmp_path / "root", tmp_path / "other"
+    cache = other / "cache" / "vllm" / "torch_compile_cache"
+    for name in ("0123456789", "abcdefabcd"):
+        (cache / name).mkdir(parents=True)
+    (other / "cache" / "used").mkdir()
+    (other / "cache" / "used" / "R0").write_text("abcdefabcd\n")  # a gone release's note, there
+    (root / "releases" / "R1").mkdir(parents=True)
+    mine = root / "cache" / "vllm" / "torch_compile_cache"
+    (mine / "0123456789").mkdir(parents=True)
+    (root / "cache" / "used").mkdir()
+    (root / "cache" / "used" / "R0").write_text("abcdefabcd\n")
+    gates = {"health": {"ok": True, "startup": {"cache_dirs": [str(mine / "0123456789")]}}}
+    (root / "ready.json").write_text(json.dumps({"release_id": "R1", "gates": gates}))
+    # the level replaced by a link to the same level of the other root
+    shutil.rmtree(root / level)
+    (root / level).symlink_to(other / level)
+    before = sorted(str(p.relative_to(other)) for p in other.rglob("*"))
+    with pytest.raises(OpError) as refused:
+        _prune_cache(str(root), str(root / "releases"))
+    assert refused.value.code == "not_a_directory" and f"{root / level} is a symbolic link" in str(refused.value)
+    assert "symbolic link" in str(refused.value)
+    assert sorted(str(p.relative_to(other)) for p in other.rglob("*")) == before
+    assert (root / level).is_symlink()

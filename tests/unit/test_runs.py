@@ -575,11 +575,12 @@ class HeldDeploy:
                 self.said += chunk.decode()
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup"])
 def test_a_first_ctrl_c_finishes_the_host_in_flight_then_reports_and_records(
     box: Box, capfd: pytest.CaptureFixture[str], how: str
 ) -> None:
-    """SIGINT to `orchestrate deploy`, or SIGTERM (a service manager's stop, a CI job cancelled):
+    """SIGINT to `orchestrate deploy`, SIGTERM (a service manager's stop, a CI job cancelled), or
+    SIGHUP (the terminal or SSH session closed):
     no new host starts, the one in flight finishes, the table and the history row say what
     happened, exit 130. SIGTERM used to end the run at once: no table, no record, a host left
     drained. The host in flight is let go only once the run has said it took the signal:
@@ -588,9 +589,12 @@ def test_a_first_ctrl_c_finishes_the_host_in_flight_then_reports_and_records(
     if how == "ctrl-c":
         run.ctrl_c()
         run.wait_said("interrupted: starting no new host")
-    else:
+    elif how == "sigterm":
         os.kill(run.proc.pid, signal.SIGTERM)
         run.wait_said("terminated (SIGTERM): starting no new host")
+    else:  # the terminal or SSH session closed: it ended the run at once, unrecorded
+        os.kill(run.proc.pid, signal.SIGHUP)
+        run.wait_said("hung up (SIGHUP): starting no new host")
     run.held.close()  # the lock is released: the host in flight goes on and finishes
     out, err = run.proc.communicate(timeout=120)
     err = run.said + err

@@ -194,6 +194,39 @@ def test_the_agent_sends_a_start_s_lines_bounded_whatever_the_log_holds(tmp_path
     assert _startup({"log": str(tmp_path / "gone.log"), "log_offset": 0, "started_at": 1.0}) is None
 
 
+@pytest.mark.parametrize(
+    "dress",
+    [
+        lambda line: line,
+        lambda line: "Dec 02 15:29:24 gpu-a vllm[913]: " + line,  # journald's prefix
+        lambda line: "2026-12-02T15:29:24.123Z stdout F " + line,  # a container runtime's
+        lambda line: re.sub(r"^(\S+) (\S+ \S+) (\[[^]]*\])", "\x1b[32m\\1\x1b[0m \\2 \x1b[90m\\3\x1b[0m", line),
+    ],
+    ids=["plain", "journald", "container runtime", "coloured"],
+)
+def test_the_compile_caches_a_start_names_are_read_whole_past_debug_lines_and_prefixes(tmp_path: Path, dress) -> None:  # type: ignore[no-untyped-def]
+    """The prune keeps what a READY start used by the directories its ledger read: with a deploy
+    root deep enough to cut vLLM's line at 400 characters, DEBUG logging putting 600 lines before
+    it, or a prefix or colours in front of vLLM's own, the ledger read none (or a cut one), and
+    the live cache was removed at every release (never a hit again)."""
+    deep = "/srv/" + "/".join(["a-rather-long-directory-name"] * 20) + "/root/cache/vllm/torch_compile_cache"
+    graphs, aot = f"{deep}/0123456789", f"{deep}/torch_aot_compile/{'f' * 64}"
+    stamp = "INFO 12-02 15:29:24 [backends.py:1]"
+    body = [dress(f"DEBUG 12-02 15:29:2{i % 10} [x.py:1] debug line {i}") for i in range(700)]
+    body += [dress(f"{stamp} Using cache directory: {graphs}/rank_0_0/backbone for vLLM's torch.compile")]
+    body += [dress(f"{stamp} Directly load AOT compilation from path {aot}/rank_0_0/model")]
+    body += [dress(f"{stamp} torch.compile took 1.50 s in total")]
+    log = tmp_path / "dflash-serve.log"
+    log.write_text("\n".join(body) + "\n")
+    started = calendar.timegm((2026, 12, 2, 15, 29, 20, 0, 0, 0))
+    got = _startup({"log": str(log), "log_offset": 0, "started_at": float(started)})
+    assert got is not None and len(got["lines"]) <= STARTUP_LINES + 64
+    got |= {"healthy_at": started + 10.0, "utc_offset": 0}
+    ledger = startup.ledger(Startup.read(json.loads(json.dumps(got))))  # type: ignore[arg-type]
+    assert list(ledger.cache_dirs) == [graphs, aot]
+    assert len(graphs) > STARTUP_LINE_CHARS
+
+
 def test_whole_runs_record_each_start_warn_of_a_smaller_kv_cache_and_the_report_draws_them(
     box: Box, tmp_path: Path
 ) -> None:
@@ -282,7 +315,7 @@ def test_an_aot_artifact_vllm_found_and_could_not_load_is_counted() -> None:
     from orchestrator.rules.startup import LINE, _counters
 
     log = Path(__file__).parents[1] / "data" / "vllm-cpu-aot" / "r2.log"
-    messages = [m.group(6) for m in map(LINE.match, log.read_text().splitlines()) if m]
+    messages = [m.group(6) for m in map(LINE.search, log.read_text().splitlines()) if m]
     counted = _counters(messages)
     assert (counted["artifacts_failed"], counted["artifacts_saved"], counted["artifacts_loaded"]) == (2, 2, 0)
     assert counted["compile"] == "miss"

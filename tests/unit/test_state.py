@@ -15,11 +15,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from orchestrator.errors import EXIT_BAD_INPUT, EXIT_NOT_READY, StateError
 from orchestrator.results import Gate, HostReport, RunReport
+from orchestrator.rules.gates import speedup as su
 from orchestrator.rules.watch import Round
 from orchestrator.store.state import SCHEMA_VERSION, LockHeld, StateDB, StateUrlError, whoami
 from tests.postgres import PASSWORD, Postgres
@@ -406,3 +408,77 @@ def test_a_gateways_rotation_lock_is_one_controllers_at_a_time(tmp_path: Path, p
     finally:
         one.close()
         two.close()
+
+
+GOOD_RUN = {"concurrency": 1, "wall_s": 2.0, "requests": [[32, 1.0, 0.1]], "served": [1, 0.9, 32, 31, 0.9, 0, 0]}
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "at", "runs"),
+    [
+        (1, 100.0, "{not json"),
+        (1, 100.0, '"a string"'),
+        (1, 100.0, "[1, 2]"),
+        (1, 100.0, "[" * 100_000),  # nested past the parser: RecursionError
+        ("one", 100.0, json.dumps([GOOD_RUN])),
+        (0, 100.0, json.dumps([GOOD_RUN])),
+        (1, "yesterday", json.dumps([GOOD_RUN])),
+        (1, float("inf"), json.dumps([GOOD_RUN])),  # (SQLite keeps no NaN: it is NULL)
+    ],
+)
+def test_a_kept_baseline_row_that_does_not_read_is_no_baseline_never_an_error(
+    tmp_path: Path, concurrency: Any, at: Any, runs: str
+) -> None:
+    """The speed-up gate reads the kept baseline after the canary has switched: a row another
+    writer or a damaged store left there was a traceback at that point (``current`` new, the
+    READY record old, the run in no history). It is skipped; the last row that reads is the
+    baseline."""
+    db = StateDB(tmp_path)
+    try:
+        db.keep_baseline("k", "target", "n0", {1: [GOOD_RUN], 2: [GOOD_RUN]})
+        with db._tx() as cur:
+            cur.execute(
+                "INSERT INTO speedup_baselines (at, key, concurrency, host, what, runs) VALUES (?, ?, ?, ?, ?, ?)",
+                (at, "k", concurrency, "evil", "x", runs),
+            )
+        kept = db.baseline("k")
+        assert sorted(kept) == [1, 2] and {v["host"] for v in kept.values()} == {"n0"}
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        {**GOOD_RUN, "wall_s": "2"},
+        {**GOOD_RUN, "wall_s": float("nan")},
+        {**GOOD_RUN, "requests": [[32, -1.0, 0.1]]},
+        {**GOOD_RUN, "requests": [[32, 1.0]]},
+        {**GOOD_RUN, "requests": {"a": 1}},
+        {**GOOD_RUN, "served": [1, 2]},
+        {**GOOD_RUN, "served": [1, float("inf"), 32, 31, 0.9, 0, 0]},
+        {**GOOD_RUN, "concurrency": True},
+    ],
+)
+def test_a_kept_run_whose_figures_are_not_counts_or_times_does_not_read(run: dict[str, Any]) -> None:
+    """Each figure of a kept run is a finite number, never below 0: anything else is a run that
+    does not read (ValueError or TypeError, which the drift check takes as no baseline)."""
+    assert su.Run.from_json(GOOD_RUN).wall_s == 2.0
+    with pytest.raises((ValueError, TypeError)):
+        su.Run.from_json(run)
+
+
+def test_observed_load_another_writer_damaged_is_no_observation(tmp_path: Path) -> None:
+    """``concurrency: observed`` takes its levels from the stored rounds: text, a blob, infinity
+    or a negative count there was a traceback; they are not observations."""
+    db = StateDB(tmp_path)
+    try:
+        with db._tx() as cur:
+            for running in (3, 5.0, "three", float("inf"), -2, 1e30, b"\x00"):
+                cur.execute(
+                    "INSERT INTO serving_load (at, host, running) VALUES (?, ?, ?)", (time.time(), "a", running)
+                )
+        assert db.observed_load(["a"], 0) == [("a", 3.0), ("a", 5.0)]
+        assert su.observed_levels(db.observed_load(["a"], 0), None)[0] == (3, 5)
+    finally:
+        db.close()

@@ -97,6 +97,8 @@ class Status:
     health: int | None  # /health's HTTP status; None: not asked, or no answer
     ready: dict[str, Any] | None  # ready.json as the host holds it
     launched: str | None = None  # the release ``launched`` names: the one the server reads its drafter from
+    # where ``launched`` points when it names no release under releases/ (out of the root, say)
+    launched_elsewhere: str | None = None
 
 
 @dataclass(frozen=True)
@@ -324,7 +326,11 @@ def _status(v: dict[str, Any]) -> Status:
             release_id=answer_field(server, "release_id", str, optional=True),
         )
     return Status(
-        process, answer_field(v, "health", int, optional=True), ready, answer_field(v, "launched", str, optional=True)
+        process,
+        answer_field(v, "health", int, optional=True),
+        ready,
+        answer_field(v, "launched", str, optional=True),
+        answer_field(v, "launched_elsewhere", str, optional=True),
     )
 
 

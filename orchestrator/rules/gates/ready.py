@@ -31,6 +31,13 @@ def ready_gate(status: protocol.Status, report: HostReport) -> Gate:
         return Gate(
             False, f"the server was restarted since READY (pid {ready.get('pid')} -> {server.pid}): probe again"
         )
+    if server and server.alive and status.launched_elsewhere is not None:
+        # a restart in place (systemd's, the host's) would read a drafter from outside any release
+        return Gate(
+            False,
+            f"the launched link points at {status.launched_elsewhere!r}, not at a release under releases/: "
+            f"the server's drafter is read from outside release {report.release_id}; deploy again",
+        )
     if server and server.alive and status.launched is not None and status.launched != report.release_id:
         # A server started by hand, or a launch that did not finish: it reads another drafter.
         return Gate(

@@ -209,11 +209,22 @@ class Run:
         """A run the store kept (``to_json``'s; a run kept before the server's numbers has none)."""
         kept = data.get("served")
         return cls(
-            int(data["concurrency"]),
-            float(data["wall_s"]),
-            tuple(Request(int(t), float(s), None if f is None else float(f)) for t, s, f in data["requests"]),
-            Served(*(float(x) for x in kept)) if kept is not None else None,
+            int(_stored(data["concurrency"])),
+            _stored(data["wall_s"]),
+            tuple(
+                Request(int(_stored(t)), _stored(s), None if f is None else _stored(f)) for t, s, f in data["requests"]
+            ),
+            Served(*(_stored(x) for x in kept)) if kept is not None else None,
         )
+
+
+def _stored(value: Any) -> float:
+    """A kept figure: a finite number, never below 0 (ValueError: the kept run does not read)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"not a number: {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"not a count or a time: {value!r}")
+    return float(value)
 
 
 def run_of(concurrency: int, loaded: Loaded) -> tuple[Run, list[str]]:
