@@ -155,6 +155,10 @@ def op_compile_cache_place(req):
     for name in req["dirs"]:
         src, dst = os.path.join(cache, GIVEN, _cache_name(name)), os.path.join(cache, name)
         _directory(src, "missing")
+        try:
+            os.rmdir(dst)  # an empty hash directory (vLLM made it and ended before it wrote): no cache
+        except OSError:
+            pass  # not there, or the host's own cache of that key: kept below
         if os.path.lexists(dst):
             kept.append(name)
             remove_tree(src, ignore_errors=True)

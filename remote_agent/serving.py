@@ -797,6 +797,20 @@ def _ready_command(root, name, req, current):
     return None
 
 
+def _ready_listened(root, name, ready):
+    """Where the command the READY record names (by pid and release) listened, as the host
+    recorded it: a going back after a change of port or host starts it there, and looks for it
+    there (it looked on the new port, found no READY command, and left nothing serving)."""
+    if not isinstance(ready, dict):
+        return None
+    for entry in _remembered(root, name):
+        if entry.get("pid") == ready.get("pid") and entry.get("release_id") == ready.get("release_id"):
+            port, host = entry.get("port"), entry.get("host")
+            if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 and isinstance(host, str):
+                return {"port": port, "host": host}
+    return None
+
+
 def _port_answers(host, port):
     import socket
 
@@ -1042,6 +1056,9 @@ def op_serving_status(req):
         record.pop("argv", None)
     launched = link_target(root, LAUNCHED, strict=False)
     answer = {"server": record, "health": health, "ready": ready, "launched": launched}
+    listened = _ready_listened(root, req["name"], ready)
+    if listened is not None:
+        answer["ready_listened"] = listened
     if launched is None and os.path.islink(os.path.join(root, LAUNCHED)):
         # a link of ours by its name that names no release (out of the root, say): what a restart
         # in place would read its drafter from, said as it is so that verify can refuse it

@@ -17,9 +17,11 @@ taken or not given costs a compile, and says why).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -71,7 +73,7 @@ def kept(run: Run, key: str) -> tuple[rules.Manifest, list[LocalFile]] | None:
         return entry  # type: ignore[no-any-return]
     where = _store(run) / key
     try:
-        data = (where / MANIFEST).read_bytes()
+        data = _read_manifest(where / MANIFEST)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -80,6 +82,12 @@ def kept(run: Run, key: str) -> tuple[rules.Manifest, list[LocalFile]] | None:
         manifest = rules.Manifest.read(data, run.options.key())
     except ValueError as exc:
         raise ArtifactError(f"the kept compile cache {where / MANIFEST} is not given: {exc}") from exc
+    if manifest.key != key:  # signed by this controller, for another key: moved here, never given
+        raise ArtifactError(
+            f"the kept compile cache {where / MANIFEST} is signed for another key ({manifest.key[:12]})"
+        )
+    if (where / "files").is_symlink():
+        raise ArtifactError(f"{where / 'files'} is a symbolic link: the kept compile cache is not given")
     files = []
     for rel, (size, digest) in sorted(manifest.files.items()):
         path = where / "files" / rel
@@ -93,6 +101,28 @@ def kept(run: Run, key: str) -> tuple[rules.Manifest, list[LocalFile]] | None:
     with run.once_lock:
         run.once[("compile-cache", key)] = found
     return found
+
+
+MANIFEST_MAX = 64 << 20  # a manifest of MAX_FILES paths is about 30 MB
+
+
+def _read_manifest(path: Path) -> bytes:
+    """A kept manifest's bytes, from a regular file only: a link is not followed, a FIFO not waited
+    on (it hung the run), a device or a file past any manifest's size not read (a link to
+    /dev/zero filled the controller's memory). OSError says which."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "it is a symbolic link, not a manifest the controller wrote") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "its manifest is not a regular file (a FIFO, a device or a directory)")
+        if st.st_size > MANIFEST_MAX:
+            raise OSError(errno.EFBIG, f"its manifest is {st.st_size} bytes, past any manifest's {MANIFEST_MAX}")
+        return f.read(MANIFEST_MAX + 1)
 
 
 def give(run: Run, node: Node) -> dict[str, str]:
@@ -118,7 +148,8 @@ def give(run: Run, node: Node) -> dict[str, str]:
     # Whether it has them is all that is asked: its files are not hashed (a GB cache on each restart).
     ask = protocol.compile_cache_files(root, manifest.dirs, rules.MAX_BYTES, rules.MAX_FILES, digests=False)
     try:
-        have = [d for d, listed in run.batch(node, [ask])[ask].items() if listed is not None]
+        # an empty hash directory (vLLM made it and ended before it wrote) is no cache of that key
+        have = [d for d, listed in run.batch(node, [ask])[ask].items() if listed]
         if have:
             node.report.gates[GATE_COMPILE_CACHE] = Gate(
                 True, f"not given: it has its own compile cache of this key ({', '.join(have)})", {"key": key}
@@ -257,6 +288,9 @@ def _take(run: Run, node: Node, key: str, words: str, dirs: list[str]) -> rules.
     if not dirs:
         raise ArtifactError("its compile cache's directories hold no file")
     files = {f.path: f for listed in listing.values() for f in listed or ()}
+    past = rules.past_bounds([f.size for f in files.values()])
+    if past is not None:
+        raise ArtifactError(past)
     for path in files:
         parts = path.split("/")
         if path.startswith("/") or ".." in parts or not any(path.startswith(d + "/") for d in dirs):

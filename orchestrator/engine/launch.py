@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 from orchestrator.agent import protocol
@@ -100,15 +101,21 @@ def start_and_prove(
     switch: set[str],
     keep: bool,
     ready_command: Literal["prefer", "only"] | None = None,
+    at: tuple[int, str] | None = None,
 ) -> bool:
     """Switch the ``switch`` nodes to ``release``, start the unit on it, prove it through the head.
 
     ``keep``: nothing changed, so a unit already running this release is kept and proven again.
     ``ready_command`` (going back, one host): start the command the release was READY with, as the
-    host recorded it (see ``protocol.launch``), not the playbook's.
+    host recorded it (see ``protocol.launch``), not the playbook's. ``at``: the port and address
+    that command listened on, where the host recorded another than the playbook's (the playbook
+    changed them, and its start failed): it is started and proven there.
     """
     playbook, head = run.playbook, unit.head
     host = serving.probe_host(playbook, head.target.container)
+    if at is not None:
+        playbook = replace(playbook, serving=replace(playbook.serving, port=at[0]))
+        host = at[1]
     health, probe = (
         gates.health.health_op(playbook, head.root, serving.SERVER, host),
         gates.acceptance.probe_op(playbook, host),
@@ -132,7 +139,7 @@ def start_and_prove(
         if together and ready_command is None and not (keep and node.keeps):
             start_env = compile_cache.give(run, node)
         launch = _launch_op(
-            run, unit, node, release, keep=keep and together, ready_command=ready_command, start_env=start_env
+            run, unit, node, release, keep=keep and together, ready_command=ready_command, start_env=start_env, at=at
         )
         # The loader and engine checks started at staging: collected before anything is switched
         # or stopped for the release (a refusal leaves what serves serving); on a host where
@@ -190,6 +197,7 @@ def start_and_prove(
         if together:
             assert launch is not None
             kept_now = False if beside else answers[launch].kept  # beside: nothing was running to keep
+            node.kept = kept_now
             node.from_ready = not beside and answers[launch].from_ready
             _read_proof(run, unit, answers[health], answers[probe], kept_now, answers[record].ready)
             compile_cache.judge(node)
@@ -284,11 +292,14 @@ def _launch_op(
     keep: bool,
     ready_command: Literal["prefer", "only"] | None = None,
     start_env: dict[str, str] | None = None,
+    at: tuple[int, str] | None = None,
 ) -> protocol.Op[protocol.Launched] | None:
     """What a node starts: vLLM (a single host, or an ``mp`` rank), or Ray (None: a Ray head
-    starts vLLM only once the cluster is up)."""
+    starts vLLM only once the cluster is up). ``at``: see ``start_and_prove``."""
     playbook, port = run.playbook, run.playbook.serving.port
     host = serving.probe_host(playbook, unit.head.target.container)
+    if at is not None:
+        port, host = at
     if unit.single:
         command = serving.command(playbook, node.target.container, release)
         return protocol.launch(
@@ -396,6 +407,20 @@ def stop_all(run: Run, unit: Unit) -> None:
     unit.each(stop, GATE_STOPPED)
 
 
+def _ready_listened(run: Run, unit: Unit) -> tuple[int, str] | None:
+    """Where the command the head's READY record names listened, when the host recorded another
+    port or address than the playbook's (None: the playbook's, or not known)."""
+    head = unit.head
+    status = protocol.serving_status(head.root, serving.SERVER, None)
+    try:
+        listened = run.batch(head, [status])[status].ready_listened
+    except AgentError:
+        return None
+    playbook = run.playbook
+    here = (playbook.serving.port, serving.probe_host(playbook, head.target.container))
+    return listened if listened is not None and listened != here else None
+
+
 def write_ready(run: Run, unit: Unit, release: str) -> None:
     """The READY record on every node: which release, on what evidence, served by which process."""
     head = unit.head
@@ -448,9 +473,19 @@ def roll_back(run: Run, unit: Unit) -> None:
         again = unit.again()
         for node, old in zip(again.nodes, unit.nodes, strict=True):
             node.report.files = old.report.files  # the same release, read back by this run: no switch
-        proven = start_and_prove(run, again, back, set(), keep=False, ready_command="only")
+        at = _ready_listened(run, unit)
+        proven = start_and_prove(run, again, back, set(), keep=False, ready_command="only", at=at)
         if not proven and any(g.reason == "no_ready_command" for g in again.head.report.gates.values()):
             again = None  # no other command recorded: nothing was started
+            if unit.head.kept:
+                # The server that failed its proof was the one READY named, kept in place: its own
+                # command from its own release is started afresh (it was stopped, leaving less
+                # serving than before), and proven.
+                run.note(unit, f"starting release {back} again: the server kept in place failed its proof")
+                again = unit.again()
+                for node, old in zip(again.nodes, unit.nodes, strict=True):
+                    node.report.files = old.report.files
+                proven = start_and_prove(run, again, back, set(), keep=False)
     if again is None and (back is None or not changed or not stopped):  # nothing to go back to, or stuck
         if not stopped:
             line = "the deployment could not be stopped: see the stopped gate"
@@ -479,6 +514,8 @@ def roll_back(run: Run, unit: Unit) -> None:
     for report in reports:
         report.rollback_gates = went_back  # its start and probe: vLLM's time in the split, not the tool's
     with_command = " with the server command it was READY with" if again.head.from_ready else ""
+    if unit.head.kept and not changed and not again.head.from_ready:
+        with_command = ", its server (kept in place, failed its proof) started afresh from it"
     if proven and _admitted(run, again, unit):
         write_ready(run, again, back)
         proof = again.head.report.gates[GATE_ACCEPTANCE].detail

@@ -71,8 +71,8 @@ def _kept(run: Run, key: str) -> dict[int, dict[str, Any]]:
 def _keep(run: Run, node: Node, key: str, what: str, runs: Runs) -> None:
     """This session's baseline, for the next session's drift check."""
     _kept(run, key)  # the earlier one is read before it is replaced
-    if run.store is None or not runs:
-        return
+    if run.store is None or not runs or rules.pinned_target(node.report) is None:
+        return  # a target known by its path alone: nothing to tell the next session's apart by
     try:
         run.store.keep_baseline(key, what, node.name, {c: [r.to_json() for r in rs] for c, rs in runs.items()})
     except StateError as exc:  # this run still judges; the next one has no drift check
@@ -337,7 +337,10 @@ def _verdict(
         gate.on_inconclusive,
     )
     baseline, drafter = arms
-    drifts = _drifts(run, key, baseline)
+    # A target known by its path alone: a baseline kept under that key may be another checkpoint
+    # at the same path, so no drift is said against it, and none is kept for the next session.
+    pinned = rules.pinned_target(head.report) is not None
+    drifts = _drifts(run, key, baseline) if pinned else {}
     data = [
         {
             **lv.to_json(),
@@ -348,8 +351,18 @@ def _verdict(
         for lv in levels
     ]
     said = f"; drift: {'; '.join(drifts.values())}" if drifts else ""
+    if not pinned:
+        said += (
+            "; no drift check: the target is not pinned (models.target), so a baseline kept before may be "
+            "another checkpoint at its path"
+        )
     if gate.observed:
         said += f"; {gate.observed_from}"
+    # A server in the gateway's rotation (kept in place, or verify's) shares both arms' host with
+    # the users' requests: they are in its numbers, and the load is in their latency. Said.
+    in_rotation = run.gateway is not None and not head.drained
+    if in_rotation:
+        said += "; measured with the host in the gateway's rotation: users' requests shared its server and are in its numbers"
     where = "the baseline beside the server" if base["arms"] == "beside" else "the baseline before the release"
     head.report.gates[GATE_SPEEDUP] = Gate(
         verdict.ok,
@@ -362,6 +375,7 @@ def _verdict(
             "drift": drifts,
             "seconds": round(measured_s, 1),
             **({"observed": gate.observed_from} if gate.observed else {}),
+            **({"in_rotation": True} if in_rotation else {}),
         },
         reason=verdict.reason,
     )

@@ -176,10 +176,18 @@ class Watcher:
             if change is not None:
                 transitions.append(change)
         told = self.group.after(rounds, transitions) if self.group is not None else transitions
+        failed: list[Exception] = []
         for change in told:
             # A watch that starts does not page for hosts that are fine.
             if self.on_change is not None and (change.before is not None or change.after != READY):
-                self.on_change(change)
+                try:
+                    self.on_change(change)
+                except Exception as exc:  # the caller's: the round's other changes are told all the same
+                    failed.append(exc)
+        if failed:
+            if len(failed) > 1:
+                failed[0].add_note(f"on_change raised for {len(failed)} of this round's changes; every one was told")
+            raise failed[0]
         return rounds, transitions
 
     @property

@@ -510,11 +510,20 @@ class StateDB:
         with self._tx() as cur:
             cur.execute(d.sql(d.has_table), ("schema_version",))  # again: another may have made it
             row = None
-            if _present(cur.fetchall()):
+            existed = _present(cur.fetchall())
+            if existed:
                 cur.execute("SELECT version FROM schema_version")
                 row = cur.fetchone()
             else:
                 cur.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+            if row is None and existed:
+                # the table this tool makes with its row, emptied since (by hand, by another tool):
+                # the version cannot be known, and guessing the oldest upgraded a current store
+                # ("duplicate column name"). Nothing is written.
+                raise StateUrlError(
+                    f"state database {self.where} has an empty schema_version table: its version cannot be known "
+                    "(it was emptied, or not made by orchestrate); restore its row or use another store"
+                )
             if row is None:
                 cur.execute(d.sql(d.has_table), ("runs",))
                 version = 1 if _present(cur.fetchall()) else 0  # 1: a file from before versions
@@ -1139,7 +1148,11 @@ class WatchLead:
         """Beside the database the watchers share (its file's own directory): in the state
         directory, two watchers with one ``sqlite:///`` URL and two state directories each took
         a lead of their own, and every change was paged twice."""
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.group)
+        safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in self.group)
+        if safe != self.group or len(safe) > 100:
+            # written another way (``team/a`` and ``team_a`` shared one lead, and one of the two
+            # groups never led), or too long for a file name: the exact name's digest tells them apart
+            safe = f"{safe[:100]}-{hashlib.sha256(self.group.encode()).hexdigest()[:16]}"
         assert self.db.path is not None  # SQLite: a file
         return self.db.path.resolve().parent / f"{self.db.path.name}.watch-{safe}.lead"
 

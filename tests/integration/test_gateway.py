@@ -278,3 +278,28 @@ def test_verify_finds_a_ready_host_left_out_of_rotation(fleet: Fleet, haproxy: H
     again = fleet.deploy(playbook)
     assert again.ok, failures(again)
     assert haproxy.status()["g3"] == "UP"
+
+
+def test_verify_s_speed_up_measured_in_the_gateway_s_rotation_says_so(fleet: Fleet, haproxy: Haproxy) -> None:
+    """``verify --speedup`` measures both arms on a server that stays in rotation (verify never
+    drains): the users' requests share its host and are in its numbers. The gate says so, and its
+    data carries it (it was unsaid)."""
+    from orchestrator.config.inventory import load_inventory
+    from orchestrator.deployment import Deployment
+    from tests.integration.gateway_parts import OPTIONS
+
+    gateway = haproxy_gateway(haproxy)
+    speedup = {"concurrency": [1], "max_tokens": 16, "repeats": 2, "max_pairs": 2, "min": 0.05}
+    playbook = fleet.playbook(gateway, gates=fleet_gates(speedup))
+    assert fleet.deploy(playbook).ok
+    checked = Deployment(playbook, load_inventory(fleet.inventory), OPTIONS, limit=["g1"]).verify(speedup=True)
+    gate = by_name(checked)["g1"].gates["speedup"]
+    assert gate.data.get("in_rotation") is True, gate.detail
+    assert "measured with the host in the gateway's rotation: users' requests shared its server" in gate.detail
+
+
+def fleet_gates(speedup: dict[str, object]) -> dict[str, object]:
+    return {
+        "acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 10, "max_tokens": 32},
+        "speedup": {**speedup, "on_inconclusive": "pass"},
+    }

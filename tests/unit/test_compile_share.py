@@ -11,6 +11,7 @@ deploy root each, and the drafter's path under it is in vLLM's key.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -93,6 +94,25 @@ def test_a_host_without_the_cache_is_given_the_kept_one_and_held_to_it(box: Box)
     assert "compile_cache" not in host(again, "solo").gates  # a kept server is given nothing
 
 
+def test_an_empty_hash_directory_of_the_key_is_no_cache_and_the_kept_one_is_given(box: Box) -> None:
+    """vLLM made the key's hash directories and ended before it wrote into them: the host "had its
+    own compile cache of this key" and was given nothing; empty, they are no cache, and the gift
+    takes their place."""
+    book = box.playbook(**SHARE)
+    assert deploy(box, book).ok
+    manifest = rules.Manifest.read((taken(box) / "manifest.json").read_bytes(), digest_key())
+    shutil.rmtree(box.root("solo") / "cache")
+    for d in manifest.dirs:
+        (host_cache(box) / d).mkdir(parents=True)
+    a_new_release(box, "a files-only release over empty hash directories\n")
+    second = deploy(box, box.playbook(**SHARE))
+    report = host(second, "solo")
+    assert second.ok, report.gates
+    given = report.gates["compile_cache"]
+    assert given.data.get("given_from") == "solo" and sorted(given.data["dirs"]) == sorted(manifest.dirs), given.detail
+    assert report.gates["health"].data["startup"]["compile"] == "hit"
+
+
 def resign(box: Box, change: dict[str, bytes]) -> None:
     """Change files of the kept copy and sign the manifest anew, as only this controller can."""
     kept = taken(box)
@@ -131,18 +151,39 @@ def test_a_given_cache_vllm_finds_no_artifact_in_fails_the_start_and_the_ready_c
     assert "VLLM_FORCE_AOT_LOAD" not in environ(box.pid("solo"))  # back on the READY command, unguarded
 
 
-@pytest.mark.parametrize("edit", ["a file", "the manifest"])
+KEPT_EDITS = {
+    "a file": "not what the manifest signed",
+    "the manifest": "signature is not this controller's",
+    # signed by this controller for another key, and moved under this one: never given
+    "another key's manifest": "is signed for another key",
+    # never opened so as to wait (a FIFO hung the run) or read for ever (/dev/zero filled memory)
+    "a FIFO manifest": "its manifest is not a regular file",
+    "a manifest linked to /dev/zero": "it is a symbolic link, not a manifest the controller wrote",
+}
+
+
+@pytest.mark.parametrize("edit", list(KEPT_EDITS))
 def test_a_kept_copy_not_as_this_controller_signed_it_is_never_given(box: Box, edit: str) -> None:
     book = box.playbook(**SHARE)
     assert deploy(box, book).ok
     kept = taken(box)
+    manifest = kept / "manifest.json"
     if edit == "a file":
         victim = next(p for p in (kept / "files").rglob("*") if p.is_file())
         victim.write_bytes(victim.read_bytes() + b"\nimport os; os.system('id')\n")
-    else:
-        data = json.loads((kept / "manifest.json").read_bytes())
+    elif edit == "the manifest":
+        data = json.loads(manifest.read_bytes())
         data["manifest"]["host"] = "elsewhere"
-        (kept / "manifest.json").write_text(json.dumps(data))
+        manifest.write_text(json.dumps(data))
+    elif edit == "another key's manifest":
+        signed = rules.Manifest.read(manifest.read_bytes(), digest_key())
+        manifest.write_bytes(dataclasses.replace(signed, key="0" * 64).signed(digest_key()))
+    elif edit == "a FIFO manifest":
+        manifest.unlink()
+        os.mkfifo(manifest)
+    else:
+        manifest.unlink()
+        manifest.symlink_to("/dev/zero")
     shutil.rmtree(box.root("solo") / "cache")
     a_new_release(box, f"a files-only release after {edit} was edited\n")
     second = deploy(box, box.playbook(**SHARE))
@@ -150,7 +191,7 @@ def test_a_kept_copy_not_as_this_controller_signed_it_is_never_given(box: Box, e
     assert second.ok, report.gates  # it compiles its own, unguarded
     gate = report.gates["compile_cache"]
     assert gate.detail.startswith("not given: ") and "given_from" not in gate.data
-    assert ("not what the manifest signed" if edit == "a file" else "signature is not this controller's") in gate.detail
+    assert KEPT_EDITS[edit] in gate.detail, gate.detail
     assert report.gates["health"].data["startup"]["compile"] == "miss"
     assert "VLLM_FORCE_AOT_LOAD" not in environ(box.pid("solo"))
     # What it compiled replaces the copy that was not as signed.
@@ -450,3 +491,25 @@ def test_the_controller_keeps_the_caches_of_its_last_keys_only(tmp_path: Path) -
     (store / ".taking-key8-456").mkdir()  # one under way
     assert sorted(prune(store, 3)) == ["broken", "key0", "key1"]
     assert sorted(p.name for p in store.iterdir()) == [".taking-key8-456", "key2", "key3", "key4"]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "past"),
+    [
+        ([10**15], True),  # one file of a petabyte (sparse, or a lie)
+        ([rules.MAX_BYTES // 2, rules.MAX_BYTES // 2 + 1], True),
+        ([1] * (rules.MAX_FILES + 1), True),
+        ([5, -1], True),
+        ([rules.MAX_BYTES // 2, rules.MAX_BYTES // 2], False),
+        ([100] * 783, False),  # the tiny pair's cache on an H100 (66.6 MB in 783 files)
+    ],
+)
+def test_a_hosts_listing_of_its_cache_is_held_to_the_bounds_by_the_controller_too(sizes: list[int], past: bool) -> None:
+    """The host's agent is asked to refuse a listing past the bounds, and the real one does; a
+    host that lies (its agent replaced) is held to them by the controller before it reads a byte:
+    a listing of a 10^15-byte file had the controller read 18 GB before the kernel ended it. The
+    lying host is this function's input: the real agent cannot be made to lie."""
+    said = rules.past_bounds(sizes)
+    assert (said is not None) is past
+    if past:
+        assert said is not None and said.startswith(f"its listing is past the bound: {len(sizes)} files")

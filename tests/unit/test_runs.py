@@ -13,11 +13,13 @@ import ctypes
 import fcntl
 import json
 import os
+import re
 import select
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,7 @@ from tests.unit.localbox import (
     alive,
     deploy,
     files_only_book,
+    free_port,
     host,
     immutable,
     rollback,
@@ -204,6 +207,16 @@ def test_a_server_that_does_not_start_is_stopped_and_what_was_ready_started_agai
     checked = verify(box, good_pb)
     assert alive(box.pid("solo")) and checked.ok, host(checked, "solo").gates
 
+    # The command changed its port too: the command READY was proven with is started and proven
+    # where it listened (it was looked for on the new port, not found, and nothing served).
+    moved = box.playbook("broken-moved", port=free_port(), env={"STANDIN_FAIL_START": "1"})
+    run = deploy(box, moved)
+    solo = host(run, "solo")
+    assert not run.ok and "stand-in told to fail" in solo.gates["health"].detail
+    assert solo.diagnosis[-1].startswith(back), solo.diagnosis
+    checked = verify(box, good_pb)
+    assert alive(box.pid("solo")) and checked.ok, host(checked, "solo").gates
+
     # No other command recorded (the host lost it): nothing to go back to, said, and stopped.
     store.unlink()
     run = deploy(box, box.playbook("broken-again", env={"STANDIN_FAIL_START": "1"}))
@@ -212,6 +225,42 @@ def test_a_server_that_does_not_start_is_stopped_and_what_was_ready_started_agai
         "and no other server command is recorded as READY with it: stopped"
     )
     assert not alive(box.pid("solo"))
+
+
+def test_a_kept_server_that_fails_its_proof_is_started_afresh_from_its_release(box: Box) -> None:
+    """Nothing changed, so the running server is kept and proven again in place; it fails (it
+    re-read a drafter config that was wrong for a moment, as the founding incident's server read a
+    stale one). Its release's files are right, so its own command is started afresh from them and
+    proven: it was stopped, and nothing served."""
+    book = box.playbook()
+    first = deploy(box, book)
+    assert first.ok
+    pid = box.pid("solo")
+    config = box.root("solo") / "releases" / str(first.release_id) / "drafter" / "config.json"
+    good = config.read_bytes()
+    config.write_text(json.dumps({**json.loads(good), "dflash_config": {"mask_token_id": 0, "target_layer_ids": [1]}}))
+    os.kill(pid, signal.SIGHUP)  # the server reads its drafter config again: now no draft is accepted
+
+    def reloaded() -> bool:  # its counters start again at a reload
+        with urllib.request.urlopen(f"http://127.0.0.1:{box.port}/metrics", timeout=5) as answer:
+            return "vllm:spec_decode_num_drafts_total{" in (text := answer.read().decode()) and (
+                re.search(r"vllm:spec_decode_num_drafts_total\{[^}]*\} 0\.0", text) is not None
+            )
+
+    deadline = time.monotonic() + 30
+    while not reloaded():
+        assert time.monotonic() < deadline, "the server did not re-read its drafter config"
+        time.sleep(0.05)
+    config.write_bytes(good)  # the file is right again: nothing for a deploy to change
+    run = deploy(box, book)
+    solo = host(run, "solo")
+    assert not run.ok and not solo.gates["acceptance"].ok, solo.gates  # the kept server, proven in place
+    assert solo.diagnosis[-1].startswith(
+        f"rolled back: release {first.release_id} is current again, its server (kept in place, failed its proof) "
+        "started afresh from it, healthy and READY"
+    ), solo.diagnosis
+    assert box.pid("solo") != pid and alive(box.pid("solo")) and not alive(pid)
+    assert verify(box, book, probe=True).ok
 
 
 def test_the_engine_gate_refuses_a_command_before_anything_serving_is_touched(box: Box) -> None:

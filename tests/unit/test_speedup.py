@@ -357,6 +357,7 @@ def speedup_playbook(
     targets: str = "[solo, n0]",
     canary: bool = True,
     env: dict[str, str] | None = None,
+    pinned: bool = True,
     **extra: Any,
 ) -> Playbook:
     top = {
@@ -365,6 +366,8 @@ def speedup_playbook(
             "speedup": {**GATE, **extra.pop("gate", {})},
         },
         **({"rollout": {"canary": 1}} if canary else {}),
+        # the target known by its weights' digest (the models gate's): what a kept baseline's key holds
+        **({"models": {"target": {"path": str(box.dir / "target")}}} if pinned else {}),
     }
     env = {"STANDIN_GOOD_MASK": str(GOOD_MASK), "STANDIN_TOKEN_S": "0.01", "STANDIN_STEP_S": str(step_s), **(env or {})}
     return box.playbook(name, targets=targets, top=top, env=env, host="address", **extra)
@@ -508,13 +511,16 @@ def test_a_release_vllm_refuses_is_refused_before_the_baseline_arm_stops_what_se
         store.close()
 
 
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "known by its path"])
 def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_sessions_baseline(
-    box: Box, tmp_path: Path
+    box: Box, tmp_path: Path, pinned: bool
 ) -> None:
     """The same key, two rollouts; between them the host serves the target alone five times
     faster (another tenant gone, a clock raised), the drafter's steps as before. Against the
     baseline the first session kept, the second drafter would measure 3.75x and pay; measured
-    beside today's target alone it is 0.75x: it does not pay, and the drift is said."""
+    beside today's target alone it is 0.75x: it does not pay, and the drift is said. A target
+    known by its path alone (no ``models.target``) keeps no baseline and says no drift: another
+    checkpoint at the same path had the old one's baseline."""
     store = StateDB(tmp_path / "state")
     speed = tmp_path / "speed"
     # the target alone: a token in 30 ms; the drafter: 8 tokens in 60 ms (steps far over what the
@@ -522,27 +528,35 @@ def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_
     speed.write_text("0.03 0.06")
     gate = {"concurrency": [1], "repeats": 3, "max_pairs": 4, "max_tokens": 16}
     env = {"STANDIN_SPEED_FILE": str(speed)}
-    book = speedup_playbook(box, targets="[n0]", env=env, gate=gate)
+    book = speedup_playbook(box, targets="[n0]", env=env, gate=gate, pinned=pinned)
     try:
         first = host(Deployment(book, fleet(box), OPTIONS, store=store).deploy(), "n0")
         assert first.ready and first.gates["speedup"].data["levels"][0]["outcome"] == "pays", first.gates
         key = first.gates["speedup"].data["baseline"]["key"]
-        kept = su.Arm(1, tuple(su.Run.from_json(r) for r in store.baseline(key)[1]["runs"]))
+        if pinned:
+            kept = su.Arm(1, tuple(su.Run.from_json(r) for r in store.baseline(key)[1]["runs"]))
+        else:
+            assert store.baseline(key) == {}  # nothing to tell another checkpoint at the path apart by
 
         speed.write_text("0.006 0.06")  # the host, not the command: the same key
-        other = speedup_playbook(box, targets="[n0]", env=env, gate=gate, drafter={"rope_theta": 10000.0})
+        other = speedup_playbook(
+            box, targets="[n0]", env=env, gate=gate, pinned=pinned, drafter={"rope_theta": 10000.0}
+        )
         second = host(Deployment(other, fleet(box), OPTIONS, store=store).deploy(), "n0")
         got = second.gates["speedup"]
         assert got.data["baseline"]["key"] == key and not got.ok and got.reason == su.NO_SPEEDUP, got.detail
         (level,) = got.data["levels"]
         # 0.75x by the sleeps, measured by vLLM's decode time (the stand-in's histograms)
-        assert level["measured"] == "server" and kept.by_server
+        assert level["measured"] == "server"
         assert level["outcome"] == "does not pay" and level["speedup_high"] < 1.5
+        assert not second.ready
+        if not pinned:
+            assert got.data["drift"] == {} and "no drift check: the target is not pinned (models.target)" in got.detail
+            return
         # what the kept baseline would have said of the same drafter runs: paying, by far
-        assert level["drafter_tokens_per_s"] / kept.mean > 2.5
+        assert kept.by_server and level["drafter_tokens_per_s"] / kept.mean > 2.5
         assert "at 1 the target alone ran +" in got.data["drift"]["1"] and "kept by n0" in got.data["drift"]["1"]
         assert "drift: at 1 the target alone ran +" in got.detail
-        assert not second.ready
     finally:
         Deployment(book, fleet(box), OPTIONS).stop()
         store.close()

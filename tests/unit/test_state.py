@@ -321,25 +321,51 @@ def test_a_password_under_any_spelling_libpq_reads_is_never_shown(url: str, as_j
         assert bad.returncode == EXIT_BAD_INPUT and "not a URL (postgresql://" in said, said
 
 
-@pytest.mark.parametrize("stored", ["'three'", "3.5", "-1", "99999999999", "x'00'"])
+@pytest.mark.parametrize("stored", ["'three'", "3.5", "-1", "99999999999", "x'00'", None])
 @pytest.mark.usefixtures("programs")
-def test_a_schema_version_this_tool_never_writes_is_one_line_and_nothing_written(tmp_path: Path, stored: str) -> None:
+def test_a_schema_version_this_tool_never_writes_is_one_line_and_nothing_written(
+    tmp_path: Path, stored: str | None
+) -> None:
     """A store whose version is no small integer was not made by this tool, or was damaged: said
     in one line, exit 2, and not written to (it was a traceback)."""
     path = tmp_path / "state.db"
     StateDB(tmp_path).close()
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        conn.execute(f"UPDATE schema_version SET version = {stored}")
+        if stored is None:  # emptied: it was taken for a store from before versions ("duplicate column name")
+            conn.execute("DELETE FROM schema_version")
+        else:
+            conn.execute(f"UPDATE schema_version SET version = {stored}")
         conn.commit()
     before = path.read_bytes()
     with pytest.raises(StateUrlError) as refused:
         StateDB(tmp_path)
-    assert "has schema version" in str(refused.value) and "not a version this tool writes" in str(refused.value)
+    if stored is None:
+        assert "has an empty schema_version table: its version cannot be known" in str(refused.value)
+    else:
+        assert "has schema version" in str(refused.value) and "not a version this tool writes" in str(refused.value)
     assert refused.value.exit_code == EXIT_BAD_INPUT
     shown = orchestrate("history", "--state-dir", str(tmp_path))
     assert shown.returncode == EXIT_BAD_INPUT and "Traceback" not in shown.stderr
     assert len(shown.stderr.strip().splitlines()) == 1
     assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("pair", [("team/a", "team_a"), ("a b", "a_b"), ("ü", "_"), ("x" * 300, "x" * 301)])
+def test_watch_groups_whose_names_differ_lead_apart(tmp_path: Path, pair: tuple[str, str]) -> None:
+    """Each watch group has a lead of its own: on SQLite the lead is a file named after the group,
+    and names that differ only where a file name cannot hold them (``team/a`` and ``team_a``)
+    shared one file, so one of the two groups never led (never recorded, never paged); a name too
+    long for a file name could not be led at all."""
+    db = StateDB(tmp_path)
+    try:
+        one, two = db.watch_lead(pair[0]), db.watch_lead(pair[1])
+        assert one.poll() and two.poll(), (one.unreachable, two.unreachable)
+        assert one._path() != two._path()
+        one.close()
+        two.close()
+        assert db.watch_lead("plain-name_1.0")._path().name.endswith(".watch-plain-name_1.0.lead")  # as before
+    finally:
+        db.close()
 
 
 def test_watchers_sharing_one_sqlite_store_from_two_state_directories_have_one_leader(tmp_path: Path) -> None:

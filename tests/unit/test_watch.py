@@ -674,3 +674,24 @@ def test_a_host_stopped_after_its_last_watch_is_stopped_in_the_report(
     assert cli.main(["watch", str(playbook.file), "-i", str(box.inventory_path), "--once", *state]) == 0
     capsys.readouterr()
     assert shown() == READY
+
+
+def test_an_on_change_that_raises_loses_none_of_the_rounds_other_changes(box: Box) -> None:
+    """Two hosts that nothing serves: their first round shows both (neither READY). A caller's
+    ``on_change`` that raises on the first was the end of the round's telling (the second host's
+    change never reached it); every change is told, then the first error is raised."""
+    told: list[str] = []
+
+    def on_change(change: Any) -> None:
+        told.append(change.host)
+        if len(told) == 1:
+            raise RuntimeError("the pager is down")
+
+    book = box.playbook(targets="[solo, n0]")
+    watcher = Deployment(book, box.inventory, OPTIONS).watcher(on_change=on_change)
+    try:
+        with pytest.raises(RuntimeError, match="the pager is down"):
+            watcher.round()
+    finally:
+        watcher.close()
+    assert sorted(told) == ["n0", "solo"]

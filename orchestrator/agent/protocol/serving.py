@@ -99,6 +99,8 @@ class Status:
     launched: str | None = None  # the release ``launched`` names: the one the server reads its drafter from
     # where ``launched`` points when it names no release under releases/ (out of the root, say)
     launched_elsewhere: str | None = None
+    # where the command the READY record names listened (port, address), as the host recorded it
+    ready_listened: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -331,7 +333,17 @@ def _status(v: dict[str, Any]) -> Status:
         ready,
         answer_field(v, "launched", str, optional=True),
         answer_field(v, "launched_elsewhere", str, optional=True),
+        _listened(answer_field(v, "ready_listened", dict, optional=True)),
     )
+
+
+def _listened(v: dict[str, Any] | None) -> tuple[int, str] | None:
+    if v is None:
+        return None
+    port, host = answer_field(v, "port", int), answer_field(v, "host", str)
+    if not 0 < port < 65536:
+        raise AnswerError(f"ready_listened.port: {port} is no port")
+    return port, host
 
 
 def serving_status(root: str, name: str, port: int | None, host: str = LOOPBACK) -> Op[Status]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +160,19 @@ def hash_dirs(logged: list[Any] | tuple[Any, ...], cache: str) -> list[str]:
         if 8 <= len(last) <= 64 and all(c in "0123456789abcdef" for c in last) and name not in out:
             out.append(name)
     return sorted(out)
+
+
+def past_bounds(sizes: Sequence[int]) -> str | None:
+    """Why a host's listing of its cache is past what the controller takes (None: within). The
+    host is asked to keep to the bounds; its answer is held to them here too (a lying host's
+    listing of a 10^15-byte file had the controller read 18 GB before the kernel ended it)."""
+    total = sum(sizes)
+    if len(sizes) > MAX_FILES or total > MAX_BYTES or any(size < 0 for size in sizes):
+        return (
+            f"its listing is past the bound: {len(sizes)} files, {total} bytes "
+            f"(at most {MAX_FILES} files, {MAX_BYTES} bytes)"
+        )
+    return None
 
 
 @dataclass(frozen=True)

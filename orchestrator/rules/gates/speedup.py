@@ -823,6 +823,12 @@ def beside_command(playbook: Playbook, container: Container, release: str, repor
     return replace(command, argv=tuple(argv))
 
 
+def pinned_target(report: HostReport) -> str | None:
+    """The target's weights as one digest, where the models gate found them (None: the playbook
+    names no ``models.target``, so the target is known by its path alone)."""
+    return next((m.get("sha256") for m in report.models if m.get("name") == "target" and m.get("sha256")), None)
+
+
 def speedup_key(playbook: Playbook, container: Container, report: HostReport) -> tuple[str, str] | None:
     """The baseline arm's key for a host, from what its gates found (``baseline_key``):
     None while the build or the target is not known (the checks did not run)."""
@@ -831,7 +837,7 @@ def speedup_key(playbook: Playbook, container: Container, report: HostReport) ->
     vllm = build.data.get("vllm") if build is not None else None
     if gate is None or s.target is None or not isinstance(vllm, str):
         return None
-    target = next((m.get("sha256") for m in report.models if m.get("name") == "target" and m.get("sha256")), None)
+    target = pinned_target(report)
     prompts = hashlib.sha256(json.dumps(list(speedup_prompts(playbook))).encode()).hexdigest()
     return baseline_key(
         target or s.target,
