@@ -282,4 +282,6 @@ class Deployment:
 
         run = " ".join(filter(None, (str(kind), self.playbook.name, detail)))
         names = [t.name for t in self.targets]
-        return self.store.rollout_lock(names, run, timeout, waiting, self.options.interrupt, lost)
+        return self.store.rollout_lock(
+            names, run, timeout, waiting, self.options.interrupt, lost, lambda why: self.observer.say(f"error: {why}")
+        )

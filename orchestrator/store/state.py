@@ -834,6 +834,7 @@ class StateDB:
         on_wait: Callable[[str, Holder | None], None] | None = None,
         stop: threading.Event | None = None,
         on_lost: Callable[[str], None] | None = None,
+        on_unanswered: Callable[[str], None] | None = None,
     ) -> Iterator[None]:
         """Hold the rollout lease of each target for the block: on PostgreSQL a session-scoped
         advisory lock per target (disjoint rollouts run side by side; a controller that dies
@@ -847,7 +848,10 @@ class StateDB:
         restart, a failover, an administrator) took the advisory locks with it, and another
         controller could roll out these hosts beside this one. It is taken again on a new session
         if no one took it meanwhile; otherwise ``on_lost`` is told why, once, and the caller
-        starts no new host."""
+        starts no new host. Let go within ``LET_GO_S`` at the block's end: a store that stops
+        answering (its server stopped, not down) is left holding it until this controller's session
+        ends, and ``on_unanswered`` is told (the controller waited there, before its table, for as
+        long as the server was stopped)."""
         if self.dialect is not POSTGRESQL or not names:
             yield
             return
@@ -887,16 +891,28 @@ class StateDB:
             try:
                 yield
             finally:
-                session = keeper.close()
-            with contextlib.suppress(psycopg.Error):
-                session.execute(
-                    "DELETE FROM leases WHERE name = ANY(%s) AND controller = %s AND pid = %s",
-                    ([n for _, n in keys], controller, pid),
-                )
+                held = keeper.close(LET_GO_S)
+
+                def let_go() -> None:
+                    with contextlib.suppress(psycopg.Error):
+                        held.execute(
+                            "DELETE FROM leases WHERE name = ANY(%s) AND controller = %s AND pid = %s",
+                            ([n for _, n in keys], controller, pid),
+                        )
+                    _release(held)
+
+                session = None  # let go here, or left to the session's end
+                answered = held is not None and _within(let_go, LET_GO_S)
+                if not answered and on_unanswered is not None:
+                    on_unanswered(
+                        f"the rollout lease was not let go: state database {self.where} did not answer within "
+                        f"{LET_GO_S:g} s (it holds the lease until this controller's session ends)"
+                    )
         except psycopg.Error as exc:
             raise StateError(f"state database {self.where}: {' '.join(str(exc).split())}") from exc
         finally:
-            _release(session)
+            if session is not None:
+                _release(session)
 
     @contextlib.contextmanager
     def gateway_lock(self, gateway: str, timeout: float) -> Iterator[None]:
@@ -976,6 +992,19 @@ def _name_holder(session: Any, keys: list[tuple[int, str]], row: tuple[Any, ...]
         )
 
 
+# How long a controller waits for the store to let its rollout lease go, the run done.
+LET_GO_S = 15.0
+
+
+def _within(work: Callable[[], None], seconds: float) -> bool:
+    """``work`` in a thread of its own, waited for at most ``seconds``: whether it ended. One left
+    blocked on a store that does not answer ends with the process (a daemon thread)."""
+    thread = threading.Thread(target=work, name="store-let-go", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
 def _release(session: Any) -> None:
     """A session's advisory locks released, then the session closed. Unlocked first, and waited
     for: a closed connection's locks go when the server has ended its backend, after ``close``
@@ -1007,11 +1036,12 @@ class _LeaseKeeper:
         self.thread = threading.Thread(target=self._keep, name="rollout-lease", daemon=True)
         self.thread.start()
 
-    def close(self) -> Any:
-        """Stop checking; the session that holds the lease now (the caller ends it)."""
+    def close(self, timeout: float) -> Any:
+        """Stop checking; the session that holds the lease now (the caller ends it), or None when
+        the check in flight did not end within ``timeout`` (the store does not answer)."""
         self.done.set()
-        self.thread.join()
-        return self.session
+        self.thread.join(timeout)
+        return None if self.thread.is_alive() else self.session
 
     def _keep(self) -> None:
         import psycopg

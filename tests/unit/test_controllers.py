@@ -123,7 +123,17 @@ def test_a_controller_killed_mid_run_leaves_no_lease(box: Box, postgres: Postgre
         assert pid == first.pid and re.fullmatch(r"deploy pb release \d{8}T\d{6}Z-[0-9a-f]+", run), run
         os.kill(first.pid, signal.SIGKILL)  # mid-run: its server is still loading
         first.wait(timeout=30)
-        # its session ended with it, and the lease with the session: taken at once, no waiting
+        # its session ended with it, and the lease with the session (once the server has seen the
+        # connection close: on a loaded machine a moment after the kill), with no one acting on it
+        deadline = time.monotonic() + 30
+        held = (
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+        while db._query(held)[0][0]:
+            assert time.monotonic() < deadline, "the killed controller's session kept its lease"
+            time.sleep(0.05)
+        # then taken at once, no waiting
         with db.rollout_lock(
             ["solo"], "deploy after the crash", 5.0, lambda n, h: (_ for _ in ()).throw(AssertionError(h))
         ):
@@ -365,6 +375,45 @@ def test_a_lease_another_controller_took_while_the_session_was_gone_stops_the_ro
         assert "pid 4242" in gate.detail and "run deploy by b" in gate.detail
         assert not (box.root(name) / "current").exists()
     assert not report.ok and not report.interrupted  # exit 1, not 130: nobody interrupted it
+
+
+def test_a_store_whose_server_stops_answering_costs_the_lease_let_go_and_the_record_never_the_run(
+    box: Box, postgres: Postgres, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every backend of the run's database stops (SIGSTOP: no reset, no answer), the lease's
+    included, while the first host waits: the controller waited in the lease's keeper before its
+    table for as long as the server was stopped (5 minutes in the recorded case). It lets the lease
+    go within its bound, says so, says the record was not taken, and returns what the hosts did."""
+    from orchestrator import deployment
+    from orchestrator.store import state
+
+    monkeypatch.setattr(deployment, "STORE_ANSWER_S", 2.0)
+    monkeypatch.setattr(state, "LET_GO_S", 2.0)
+    run = HeldLease(box, postgres.socket_url(postgres.new_database()))
+    backends = [
+        pid
+        for (pid,) in run.admin.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchall()
+    ]
+    assert len(backends) >= 2  # the store's, and the lease's session
+    for pid in backends:
+        os.kill(pid, signal.SIGSTOP)  # children of the cluster this test suite started
+    try:
+        run.held.close()
+        run.thread.join(60)
+        assert not run.thread.is_alive(), ("the run waited on the store", run.said.lines)
+        report = run.report
+    finally:
+        for pid in backends:
+            os.kill(pid, signal.SIGCONT)
+    run.finish()
+    assert report.ok, [h.failed_gate for h in report.hosts]
+    assert any(
+        line.startswith("error: the rollout lease was not let go: state database") and "within 2 s" in line
+        for line in run.said.lines
+    ), run.said.lines
+    assert any(line.startswith("error: the run was not recorded") for line in run.said.lines), run.said.lines
 
 
 def test_a_store_that_stops_answering_after_the_hosts_changed_costs_the_record_not_the_run(
