@@ -66,6 +66,9 @@ def _http_url(f: Field) -> str:
         parts.port  # noqa: B018 - a port that is not a number raises here
     except ValueError as exc:
         raise f.error(f"{url!r}: {exc}") from None
+    host = parts.hostname
+    if not (host.isascii() and host.isprintable()):  # as every address the tool is given (Field.address)
+        raise f.error(f"{url!r}: {host!r} is not an IP address or a host name (ASCII letters, digits, '-' and '.')")
     return url.rstrip("/")
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -260,7 +259,7 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
         _check_name(hfield, hname)
         hfield.mapping(SSH_KEYS | {"address", "vars", "containers", "lxd"})
         host_ssh = _ssh(hfield, defaults, base)
-        address = _address(hfield["address"])
+        address = hfield["address"].address(None)
         lxd = _lxd_endpoint(hfield["lxd"], base) if "lxd" in hfield else None
         containers: list[Container] = []
         for cname, cfield in hfield["containers"].items():
@@ -307,7 +306,7 @@ def parse_inventory(doc: Document, path: Path) -> Inventory:
                 Container(
                     name=cname,
                     host=hname,
-                    address=_address(cfield["address"]),
+                    address=cfield["address"].address(None),
                     ssh=_ssh(cfield, defaults, base),
                     jump=jump,
                     gpus=gpus,
@@ -360,30 +359,6 @@ def _check_distinct(top: Field, hosts: dict[str, GpuHost], group_vars: dict[str,
             what = "the same deploy root on this machine" if c.on_this_machine else "the same address and port"
             raise where.error(f"{what} as container '{places[place]}': one place cannot be two containers")
         places[place] = c.name
-
-
-# A DNS name as RFC 1123 spells it: ASCII letters, digits and '-' in dot-separated labels.
-_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
-
-
-def _address(f: Field) -> str | None:
-    """An address as written, refused unless it is an IP address or an ASCII host name: the
-    resolver folds fullwidth digits and drops invisible characters (IDNA), so fullwidth ``10.0.0.1`` or
-    ``10.0.0.1`` with a zero-width space would pass the one-place-one-container check and then
-    reach another container's machine."""
-    value = f.str(None)
-    if value is None:
-        return None
-    if value.isascii() and value.isprintable():
-        try:
-            ipaddress.ip_address(value)
-            return str(value)
-        except ValueError:
-            pass
-        name = value[:-1] if value.endswith(".") else value
-        if len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split(".")):
-            return str(value)
-    raise f.error(f"{value!r} is not an IP address or a host name (ASCII letters, digits, '-' and '.')")
 
 
 def _one_spelling(address: str) -> str:

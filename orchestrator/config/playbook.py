@@ -604,7 +604,8 @@ def _serving(f: Field) -> Serving:
         tensor_parallel_size=tp,
         pipeline_parallel_size=f["pipeline_parallel_size"].int(Serving.pipeline_parallel_size, minimum=1),
         num_speculative_tokens=f["num_speculative_tokens"].int(Serving.num_speculative_tokens, minimum=1),
-        host=f["host"].str(None),
+        # "address" (the container's own), or an address as the inventory's are held to
+        host=f["host"].str(None) if f["host"].present and f["host"].value == "address" else f["host"].address(None),
         port=f["port"].int(Serving.port, minimum=1, maximum=65535),
         extra_args=_extra_args(f["extra_args"]),
         env=_serving_env(f["env"]),
@@ -631,7 +632,7 @@ def _multi_node(f: Field) -> MultiNode:
         nodes=nodes,
         executor=executor,
         master_port=f["master_port"].int(MultiNode.master_port, minimum=1, maximum=65535),
-        master_addr=f["master_addr"].str(None),
+        master_addr=f["master_addr"].address(None),
         interface=f["interface"].str(MultiNode.interface),
         ray_port=f["ray_port"].int(MultiNode.ray_port, minimum=1, maximum=65535),
         file=f.doc.file,

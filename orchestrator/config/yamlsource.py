@@ -8,8 +8,10 @@ A ``Field`` walks the data with its path and turns each wrong type into one ``In
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import posixpath
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,10 @@ from orchestrator.errors import InputError
 MAX_SECONDS = 7 * 24 * 3600.0  # the longest wait any setting may ask for
 
 KeyPath = tuple[str | int, ...]
+
+
+# A DNS name as RFC 1123 spells it: ASCII letters, digits and '-' in dot-separated labels.
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -295,6 +301,25 @@ class Field:
         if not value.startswith("/") or posixpath.normpath(value) != value.rstrip("/") or value.rstrip("/") == "":
             raise self.error(f"expected an absolute, normalised directory other than /, got {value!r}")
         return value.rstrip("/")
+
+    def address(self, default: Any = _MISSING) -> Any:
+        """The field as an address: an IP address or an ASCII host name, refused otherwise. The
+        resolver folds fullwidth digits and drops invisible characters (IDNA), so fullwidth
+        ``10.0.0.1`` or ``10.0.0.1`` with a zero-width space would reach another machine than the
+        one written (the inventory's containers and hosts, the playbook's servers and groups)."""
+        value = self.str(default)
+        if value is None or not self.present:
+            return value
+        if value.isascii() and value.isprintable():
+            try:
+                ipaddress.ip_address(value)
+                return str(value)
+            except ValueError:
+                pass
+            name = value[:-1] if value.endswith(".") else value
+            if len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split(".")):
+                return str(value)
+        raise self.error(f"{value!r} is not an IP address or a host name (ASCII letters, digits, '-' and '.')")
 
     def bool(self, default: Any = _MISSING) -> Any:
         """The field as a boolean; the default when absent."""

@@ -284,6 +284,12 @@ def test_without_a_gateway_the_server_stays_on_loopback_and_vllms_own_stop(tmp_p
             ", extra_args: [--shutdown-timeout, '5']",
             "serving.drain_timeout",
         ),
+        # a host the resolver folds into another (fullwidth digits), as every address is held to
+        (
+            "{kind: vllm-router, runs_on: gw, url: 'http://\uff11\uff10.0.0.1:8000'}",
+            "",
+            "gateway.url: 'http://\uff11\uff10.0.0.1:8000': '\uff11\uff10.0.0.1' is not an IP address or a host name",
+        ),
     ],
 )
 def test_a_bad_gateway_block_is_one_error_naming_the_key(

@@ -176,6 +176,11 @@ def test_a_group_name_places_its_containers_in_inventory_order(tmp_path: Path) -
             "  tensor_parallel_size: 2\n  multi_node: {nodes: [a0, a1]}\nrollout: {canary: 1}\n",
             "rollout does not apply",
         ),
+        # an address as the inventory's are held to (the resolver folds fullwidth digits)
+        (
+            '  tensor_parallel_size: 2\n  multi_node: {nodes: [a0, a1], master_addr: "\uff11\uff10.0.0.2"}\n',
+            "serving.multi_node.master_addr: '\uff11\uff10.0.0.2' is not an IP address or a host name",
+        ),
     ],
 )
 def test_bad_multi_node_sections_are_refused_at_load(tmp_path: Path, serving_yaml: str, message: str) -> None:

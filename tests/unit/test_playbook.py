@@ -109,6 +109,14 @@ def test_loads_everything(tmp_path: Path) -> None:
         ),
         ("rollout:", '  speedup: {prompts: ""}\nrollout:', "gates.speedup.prompts: expected a non-empty string"),
         ("rollout:", "  speedup: {prompts: [Hi, 3]}\nrollout:", "gates.speedup.prompts[1]: expected a string, got"),
+        # addresses as the inventory's are held to: the resolver folds fullwidth digits and drops
+        # invisible characters, so each would reach another machine than the one written
+        (
+            "  port: 8100",
+            '  port: 8100\n  host: "\uff11\uff10.0.0.1"',
+            "serving.host: '\uff11\uff10.0.0.1' is not an IP address",
+        ),
+        ("  port: 8100", '  port: 8100\n  host: "10.0.0.1\u200b"', "serving.host: '10.0.0.1\\u200b' is not an IP"),
         (
             "max_failures: 1}",
             "max_failures: 1, min_in_rotation: 1}",
