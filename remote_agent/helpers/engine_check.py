@@ -8,6 +8,9 @@ last line of stdout after a marker; a refusal carries vLLM's own words. Standard
 vLLM; Python 3.8+.
 """
 
+if __name__ not in ("__main__", "__mp_main__"):  # a program the agent runs (python -c, or a spawned child)
+    raise ImportError(__name__ + " is a program the deploy agent runs, not a module to import")
+
 import argparse
 import ast
 import importlib.metadata

@@ -5,6 +5,9 @@ what the view depends on (``where``): the interpreter, the import path's directo
 transformers source file imported, which the agent stamps to know when the view may be reused.
 """
 
+if __name__ not in ("__main__", "__mp_main__"):  # a program the agent runs (python -c, or a spawned child)
+    raise ImportError(__name__ + " is a program the deploy agent runs, not a module to import")
+
 import json
 import os
 import sys

@@ -4,6 +4,9 @@ all-reduces; prints the bandwidth and whether the sum came out right as one JSON
 argv: the number of GPUs, the bytes per all-reduce, the iterations.
 """
 
+if __name__ not in ("__main__", "__mp_main__"):  # a program the agent runs (python -c, or a spawned child)
+    raise ImportError(__name__ + " is a program the deploy agent runs, not a module to import")
+
 import json
 import os
 import sys

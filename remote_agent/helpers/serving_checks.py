@@ -10,6 +10,9 @@ answer after LOADER (or why it failed), the engine helper's own output and verdi
 DONE with the engine's exit status. Python 3.8+, standard library.
 """
 
+if __name__ not in ("__main__", "__mp_main__"):  # a program the agent runs (python -c, or a spawned child)
+    raise ImportError(__name__ + " is a program the deploy agent runs, not a module to import")
+
 import contextlib
 import io
 import json

@@ -3,6 +3,9 @@
 output when there is no torch.
 """
 
+if __name__ not in ("__main__", "__mp_main__"):  # a program the agent runs (python -c, or a spawned child)
+    raise ImportError(__name__ + " is a program the deploy agent runs, not a module to import")
+
 import importlib.util
 import os
 import re

@@ -4,6 +4,9 @@ VLLM_FORCE_AOT_LOAD, from its ``envs.py`` as text (vLLM itself is not imported: 
 host; ``find_spec`` of a top-level package finds it without running it).
 """
 
+if __name__ not in ("__main__", "__mp_main__"):  # a program the agent runs (python -c, or a spawned child)
+    raise ImportError(__name__ + " is a program the deploy agent runs, not a module to import")
+
 import json
 import os
 from importlib import metadata, util

@@ -787,3 +787,26 @@ def test_a_files_only_batch_imports_no_json_or_re_on_the_host_changed_or_not(tmp
         assert proc.returncode == 0 and all(r["ok"] for r in json.loads(proc.stdout)["results"]), proc.stdout
         imported = {line.split("|")[-1].strip() for line in proc.stderr.decode().splitlines() if "|" in line}
         assert not imported & {"json", "re", "enum", "hashlib", "shutil", "subprocess"}, (release, sorted(imported))
+
+
+@pytest.mark.parametrize(
+    "helper", sorted(p.stem for p in (Path(__file__).parents[2] / "remote_agent" / "helpers").glob("*.py"))
+)
+def test_the_agents_helper_programs_do_nothing_when_imported(helper: str) -> None:
+    """The helpers are programs the agent runs (``python -c <source>``, or exec'd as ``__main__``),
+    installed with the package: importing one (a tool walking the package, a user's ``import``)
+    ran it there and then (read stdin, imported transformers, started an NCCL all-reduce). Each
+    refuses to be imported, before it does anything, or does nothing but define."""
+    code = (
+        "import importlib, sys\n"
+        "sys.stdin = None\n"  # a helper that reads its request would fail on it, not wait
+        f"try:\n    importlib.import_module('remote_agent.helpers.{helper}')\n"
+        "except ImportError as exc:\n    print('refused:', exc)\nelse:\n    print('imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout.strip().splitlines()
+    assert said in (
+        [f"refused: remote_agent.helpers.{helper} is a program the deploy agent runs, not a module to import"],
+        ["imported"],
+    ), (said, done.stderr)
