@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from orchestrator.agent.client import BOOTSTRAP, encode_request
+from tests.unit.localbox import ended
 
 VLLM = Path("/opt/dflash-orchestrator/vllm-venv")
 MODELS = Path("/opt/dflash-orchestrator/tiny-models")
@@ -307,8 +308,9 @@ def test_a_deploy_s_loader_and_engine_checks_run_in_one_background_process(tmp_p
     (answer,) = background(tmp_path, [op])
     assert answer["ok"] and answer["result"]["loader"] is None and answer["result"]["engine"] is None
     assert not list((root / "run").glob("checks-*")) and not (root / "launched").is_symlink()
-    stat = (Path("/proc") / str(pid) / "stat").read_text() if (Path("/proc") / str(pid)).exists() else "x) Z"
-    assert stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")  # killed (a zombie until its parent reaps it)
+    # killed (a zombie until its parent reaps it): a killed process takes a moment to end, longer
+    # on a loaded machine (it was read once, at once, and found running)
+    assert ended(pid), f"the cancelled checks' process {pid} did not end"
 
 
 def test_vllm_s_pass_is_kept_and_a_files_only_release_is_not_asked_again(tmp_path: Path) -> None:

@@ -215,13 +215,14 @@ def test_a_restart_behind_vllm_router_loses_no_request(fleet: RealFleet, tmp_pat
 
 @dataclass
 class Streams:
-    """Streamed completions sent straight to one server: when each got its first token and when it
-    ended, so that a test knows without polling the server which requests vLLM held at a moment."""
+    """Streamed completions sent straight to one server: which vLLM has taken (a streamed answer's
+    status comes as it is taken) and when each ended, so that a test knows without polling the
+    server which requests vLLM held at a moment."""
 
     address: str
     port: int
     answers: list[dict[str, Any]] = field(default_factory=list)
-    started: int = 0
+    admitted: int = 0  # answered with their status: vLLM took them (streamed, the status comes first)
     changed: threading.Condition = field(default_factory=threading.Condition)
 
     def complete(self) -> None:
@@ -243,15 +244,13 @@ class Streams:
         try:
             with urllib.request.urlopen(request, timeout=300) as response:
                 answer["status"] = response.status
+                with self.changed:
+                    self.admitted += 1
+                    self.changed.notify_all()
                 for line in response:
                     if not line.startswith(b"data: {"):
                         continue
                     chunk = json.loads(line[len(b"data: ") :])
-                    if chunk.get("choices") and "first" not in answer:
-                        answer["first"] = time.monotonic()
-                        with self.changed:
-                            self.started += 1
-                            self.changed.notify_all()
                     if chunk.get("usage"):
                         answer["tokens"] = chunk["usage"]["completion_tokens"]
         except OSError as exc:
@@ -261,12 +260,16 @@ class Streams:
             self.answers.append(answer)
             self.changed.notify_all()
 
-    def wait_started(self, count: int, timeout: float) -> None:
+    def wait_admitted(self, count: int, timeout: float) -> None:
+        """Until ``count`` requests have their status (vLLM took each), or ended otherwise."""
         with self.changed:
-            if not self.changed.wait_for(lambda: self.started >= count or len(self.answers) >= count, timeout):
-                raise AssertionError(f"not within {timeout} s: {count} requests streaming from vLLM")
-            if self.started < count:
-                raise AssertionError(f"requests ended before {count} streamed: {self.answers}")
+            if not self.changed.wait_for(lambda: self.admitted + self._refused() >= count, timeout):
+                raise AssertionError(f"not within {timeout} s: {count} requests taken by vLLM ({self.admitted})")
+            if self._refused():
+                raise AssertionError(f"requests refused before the stop: {self.answers}")
+
+    def _refused(self) -> int:
+        return sum("error" in a for a in self.answers)
 
 
 @pytest.mark.timeout(900)
@@ -278,8 +281,10 @@ def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFlee
     process group reached vLLM's worker process, which exited at once, and all six failed with HTTP
     500 ("Worker proc VllmWorker-0 died unexpectedly"); the same holds for the systemd unit's
     KillMode (mixed, not control-group). Runs on the servers the rollouts above left. The stop is
-    sent when the clients have seen six streams begin (not when a poll of the server's gauges sees
-    them: on a loaded machine the first poll was answered after 60 of the 64 had ended)."""
+    sent once every request has its status (vLLM took it: a request that reaches a server already
+    stopping is refused, HTTP 500, and is not this test's case), not when a poll of the server's
+    gauges sees them (on a loaded machine the first poll was answered after 60 of the 64 had
+    ended); that some were still in hand when it landed is checked after."""
     name, address = "v1", SERVERS["v1"]
     root = str(fleet.dir / "roots" / name)
     if not (fleet.dir / "roots" / name / "run" / "dflash-serve.json").exists():
@@ -290,7 +295,7 @@ def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFlee
     clients = [threading.Thread(target=streams.complete) for _ in range(64)]
     for client in clients:
         client.start()
-    streams.wait_started(6, timeout=180)
+    streams.wait_admitted(64, timeout=180)
     sent = time.monotonic()
     (stopped,) = agent([{"op": "stop", "root": root, "name": "dflash-serve", "timeout": 90}])
     for client in clients:

@@ -517,15 +517,16 @@ def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_
 ) -> None:
     """The same key, two rollouts; between them the host serves the target alone five times
     faster (another tenant gone, a clock raised), the drafter's steps as before. Against the
-    baseline the first session kept, the second drafter would measure 3.75x and pay; measured
-    beside today's target alone it is 0.75x: it does not pay, and the drift is said. A target
+    baseline the first session kept, the second drafter would measure 4x and pay; measured
+    beside today's target alone it is 0.8x: it does not pay, and the drift is said. A target
     known by its path alone (no ``models.target``) keeps no baseline and says no drift: another
     checkpoint at the same path had the old one's baseline."""
     store = StateDB(tmp_path / "state")
     speed = tmp_path / "speed"
-    # the target alone: a token in 30 ms; the drafter: 8 tokens in 60 ms (steps far over what the
-    # stand-in's own Python costs a step under the suite's load)
-    speed.write_text("0.03 0.06")
+    # the target alone: a token in 60 ms; the drafter: 8 tokens in 120 ms (steps far over what the
+    # stand-in's own Python costs a step under the suite's load: at 6 ms a token alone, that cost
+    # was most of the target's arm on a loaded machine, and the level came out inconclusive)
+    speed.write_text("0.06 0.12")
     gate = {"concurrency": [1], "repeats": 3, "max_pairs": 4, "max_tokens": 16}
     env = {"STANDIN_SPEED_FILE": str(speed)}
     book = speedup_playbook(box, targets="[n0]", env=env, gate=gate, pinned=pinned)
@@ -538,21 +539,22 @@ def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_
         else:
             assert store.baseline(key) == {}  # nothing to tell another checkpoint at the path apart by
 
-        speed.write_text("0.006 0.06")  # the host, not the command: the same key
+        speed.write_text("0.012 0.12")  # the host, not the command: the same key
         other = speedup_playbook(
             box, targets="[n0]", env=env, gate=gate, pinned=pinned, drafter={"rope_theta": 10000.0}
         )
         second = host(Deployment(other, fleet(box), OPTIONS, store=store).deploy(), "n0")
         got = second.gates["speedup"]
-        assert got.data["baseline"]["key"] == key and not got.ok and got.reason == su.NO_SPEEDUP, got.detail
+        assert got.data["baseline"]["key"] == key, got.detail
+        if not pinned:  # the verdict is the pinned case's: here, only what the kept baseline is not
+            assert got.data["drift"] == {} and "no drift check: the target is not pinned (models.target)" in got.detail
+            return
+        assert not got.ok and got.reason == su.NO_SPEEDUP, got.detail
         (level,) = got.data["levels"]
-        # 0.75x by the sleeps, measured by vLLM's decode time (the stand-in's histograms)
+        # 0.8x by the sleeps, measured by vLLM's decode time (the stand-in's histograms)
         assert level["measured"] == "server"
         assert level["outcome"] == "does not pay" and level["speedup_high"] < 1.5
         assert not second.ready
-        if not pinned:
-            assert got.data["drift"] == {} and "no drift check: the target is not pinned (models.target)" in got.detail
-            return
         # what the kept baseline would have said of the same drafter runs: paying, by far
         assert kept.by_server and level["drafter_tokens_per_s"] / kept.mean > 2.5
         assert "at 1 the target alone ran +" in got.data["drift"]["1"] and "kept by n0" in got.data["drift"]["1"]
