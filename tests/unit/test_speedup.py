@@ -914,10 +914,16 @@ def test_a_concurrency_that_is_neither_levels_nor_observed_names_the_key(box: Bo
     assert "gates.speedup.concurrency" in str(caught.value) and said in str(caught.value)
 
 
-def test_concurrency_observed_measures_at_the_load_watch_recorded_and_says_so(box: Box, tmp_path: Path) -> None:
-    """watch records the requests each server runs at every round (vLLM's running gauge); a
-    deploy with ``concurrency: observed`` takes its levels from that record, and says where from.
-    With nothing recorded the gate says so and refuses."""
+def test_concurrency_observed_measures_at_the_load_watch_recorded_and_says_so(
+    box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """watch records the requests each server runs (vLLM's running gauge, a sample a host a
+    minute: here every round, so that the test need not wait minutes); a deploy with
+    ``concurrency: observed`` takes its levels from that record, and says where from. With nothing
+    recorded the gate says so and refuses."""
+    from orchestrator.store import state
+
+    monkeypatch.setattr(state, "LOAD_SAMPLE_S", 0.0)
     store = StateDB(tmp_path / "state")
     observed = {"concurrency": "observed", "max_pairs": 3}
     try:

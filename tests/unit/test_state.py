@@ -120,6 +120,36 @@ def test_a_store_of_version_3_gains_the_watched_load_and_keeps_its_rows(tmp_path
         db.close()
 
 
+def test_the_watched_load_is_sampled_a_minute_a_host_and_kept_a_week(tmp_path: Path) -> None:
+    """watch read every server's running requests at every round and kept a row for each: 8.8
+    million rows a day at 1,024 hosts, for ever. A host's load is sampled once a minute and kept
+    for the week the speed-up gate reads (``OBSERVED_DAYS``); older rows are pruned."""
+    from orchestrator.store import state
+
+    assert state.LOAD_KEEP_S == su.OBSERVED_DAYS * 86400  # the store keeps what the gate reads
+    db = StateDB(tmp_path)
+    try:
+        now = time.time()
+        with db._tx() as cur:
+            cur.execute("INSERT INTO serving_load (at, host, running) VALUES (?, ?, ?)", (now - 8 * 86400, "a", 9.0))
+            cur.execute("INSERT INTO serving_load (at, host, running) VALUES (?, ?, ?)", (now - 6 * 86400, "a", 4.0))
+        rnd = Round("a", now, "READY", (), "r1", None, None, 10, 0, None, now, running=1.0)
+        for i, at in enumerate((now, now + 10, now + 59, now + 60, now + 125)):  # rounds of 10 s and more
+            db.record_watch([], [replace(rnd, at=at, running=float(i)), replace(rnd, host="b", at=at, running=2.0)])
+        kept = sorted(db._query("SELECT host, at, running FROM serving_load"))
+        assert [(h, round(at - now), r) for h, at, r in kept] == [
+            ("a", -6 * 86400, 4.0),  # inside the week: kept
+            ("a", 0, 0.0),
+            ("a", 60, 3.0),
+            ("a", 125, 4.0),
+            ("b", 0, 2.0),
+            ("b", 60, 2.0),
+            ("b", 125, 2.0),
+        ]
+    finally:
+        db.close()
+
+
 @pytest.mark.parametrize(
     ("url", "says"),
     [
