@@ -11,6 +11,7 @@ lead records them and tells their changes, and a follower takes the lead when th
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import subprocess
 import threading
@@ -391,25 +392,36 @@ class OnChange:
 
     def _run(self, transition: Transition) -> None:
         import json
+        import tempfile
 
         data = (json.dumps(transition.to_json()) + "\n").encode()  # one JSON line: appends make JSON Lines
-        try:
-            done = subprocess.run(
-                ["/bin/sh", "-c", self.command],
-                input=data,
-                capture_output=True,
-                timeout=ON_CHANGE_TIMEOUT_S,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            self.say(f"--on-change for {transition.host}: did not finish within {ON_CHANGE_TIMEOUT_S:.0f} s")
-            return
-        except OSError as exc:
-            self.say(f"--on-change for {transition.host}: {exc.strerror or exc}")
-            return
-        if done.returncode != 0:
-            tail = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
-            self.say(f"--on-change for {transition.host}: exit status {done.returncode} {tail[0]}".rstrip())
+        # The command's end is its exit, not the end of its output: its stderr goes to a file, its
+        # stdout nowhere. With pipes, a helper that left a child behind (a notifier sent off with
+        # `&`) held them open, and every page was "did not finish within 30 s", its worker held.
+        with tempfile.TemporaryFile() as errors:
+            try:
+                proc = subprocess.Popen(
+                    ["/bin/sh", "-c", self.command], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errors
+                )
+            except OSError as exc:
+                self.say(f"--on-change for {transition.host}: {exc.strerror or exc}")
+                return
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):  # a command that does not read its line
+                proc.stdin.write(data)
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+            try:
+                code = proc.wait(timeout=ON_CHANGE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                self.say(f"--on-change for {transition.host}: did not finish within {ON_CHANGE_TIMEOUT_S:.0f} s")
+                return
+            if code != 0:
+                errors.seek(max(0, errors.seek(0, 2) - 16384))  # its last 16 KB: the tail is what is said
+                tail = errors.read().decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+                self.say(f"--on-change for {transition.host}: exit status {code} {tail[0]}".rstrip())
 
 
 def run_rounds(

@@ -695,3 +695,33 @@ def test_an_on_change_that_raises_loses_none_of_the_rounds_other_changes(box: Bo
     finally:
         watcher.close()
     assert sorted(told) == ["n0", "solo"]
+
+
+@pytest.mark.usefixtures("programs")
+def test_an_on_change_command_that_leaves_a_child_behind_ends_with_its_own_exit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--on-change`` ends when its command exits, not when its output closes: a command that
+    sends a notifier off with ``&`` left it holding the pipes, and every page was "did not finish
+    within 30 s" (its worker held as long). A command that fails is still said, with its last
+    line of stderr."""
+    from orchestrator.engine import watcher as watching
+    from orchestrator.rules.watch import Round, Transition
+
+    monkeypatch.setattr(watching, "ON_CHANGE_TIMEOUT_S", 2.0)
+    said: list[str] = []
+    seen = Round("solo", 1.0, DOWN, ("the server is gone",), "r1", None, None, 10, 0, None, None)
+    change = Transition("solo", 1.0, READY, DOWN, seen)
+    # the child outlives the command by a second, then ends by itself
+    left_behind = watching.OnChange("sleep 3 & exit 0", said.append)
+    left_behind(change)
+    left_behind.close(wait=True)
+    assert said == []
+    failing = watching.OnChange("cat >/dev/null; echo 'the pager said no' >&2; exit 3", said.append)
+    failing(change)
+    failing.close(wait=True)
+    assert said == ["--on-change for solo: exit status 3 the pager said no"]
+    hanging = watching.OnChange("exec sleep 5", said.append)  # its own process, killed at the bound
+    hanging(change)
+    hanging.close(wait=True)
+    assert said[-1] == "--on-change for solo: did not finish within 2 s"
