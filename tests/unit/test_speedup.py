@@ -515,18 +515,21 @@ def test_a_release_vllm_refuses_is_refused_before_the_baseline_arm_stops_what_se
 def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_sessions_baseline(
     box: Box, tmp_path: Path, pinned: bool
 ) -> None:
-    """The same key, two rollouts; between them the host serves the target alone five times
+    """The same key, two rollouts; between them the host serves the target alone ten times
     faster (another tenant gone, a clock raised), the drafter's steps as before. Against the
     baseline the first session kept, the second drafter would measure 4x and pay; measured
-    beside today's target alone it is 0.8x: it does not pay, and the drift is said. A target
+    beside today's target alone it is 0.4x: it does not pay, and the drift is said. A target
     known by its path alone (no ``models.target``) keeps no baseline and says no drift: another
     checkpoint at the same path had the old one's baseline."""
     store = StateDB(tmp_path / "state")
     speed = tmp_path / "speed"
-    # the target alone: a token in 60 ms; the drafter: 8 tokens in 120 ms (steps far over what the
+    # the target alone: a token in 120 ms; the drafter: 8 tokens in 240 ms (steps far over what the
     # stand-in's own Python costs a step under the suite's load: at 6 ms a token alone, that cost
-    # was most of the target's arm on a loaded machine, and the level came out inconclusive)
-    speed.write_text("0.06 0.12")
+    # was most of the target's arm on a loaded machine, and the level came out inconclusive; the
+    # second session's 0.4x is far enough under min 1.5 that one disturbed pair does not undo it)
+    # (known by its path, only what is kept and said is asserted: the quicker speeds do)
+    slow, fast = ("0.12 0.24", "0.012 0.24") if pinned else ("0.03 0.06", "0.006 0.06")
+    speed.write_text(slow)
     gate = {"concurrency": [1], "repeats": 3, "max_pairs": 4, "max_tokens": 16}
     env = {"STANDIN_SPEED_FILE": str(speed)}
     book = speedup_playbook(box, targets="[n0]", env=env, gate=gate, pinned=pinned)
@@ -539,7 +542,7 @@ def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_
         else:
             assert store.baseline(key) == {}  # nothing to tell another checkpoint at the path apart by
 
-        speed.write_text("0.012 0.12")  # the host, not the command: the same key
+        speed.write_text(fast)  # the host, not the command: the same key
         other = speedup_playbook(
             box, targets="[n0]", env=env, gate=gate, pinned=pinned, drafter={"rope_theta": 10000.0}
         )
@@ -551,7 +554,7 @@ def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_
             return
         assert not got.ok and got.reason == su.NO_SPEEDUP, got.detail
         (level,) = got.data["levels"]
-        # 0.8x by the sleeps, measured by vLLM's decode time (the stand-in's histograms)
+        # 0.4x by the sleeps, measured by vLLM's decode time (the stand-in's histograms)
         assert level["measured"] == "server"
         assert level["outcome"] == "does not pay" and level["speedup_high"] < 1.5
         assert not second.ready
