@@ -209,7 +209,13 @@ def drafter(
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     n = len(target_layer_ids)
-    h, q, kv, mlp, dt = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate, shape.dtype
+    h, q, kv, mlp, dt = (
+        shape.hidden,
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+        shape.intermediate,
+        shape.dtype,
+    )
     w: dict[str, torch.Tensor] = {
         "fc.weight": (torch.eye(h).repeat(1, n) / n).to(dt),
         "hidden_norm.weight": torch.ones(h, dtype=dt),

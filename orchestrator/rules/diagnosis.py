@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from orchestrator.config.playbook import Playbook
 from orchestrator.errors import AgentFailure
 from orchestrator.results import (
@@ -15,6 +17,9 @@ from orchestrator.results import (
 from orchestrator.rules import dflash, probe
 from orchestrator.rules.gates import speedup
 from orchestrator.rules.gates.build import KNOWN_BUGS
+
+# The agent's probe failing on a status the server sent ("completion failed: 404 ...").
+_ANSWERED = re.compile(r"failed: ([1-5][0-9][0-9])\b")
 
 
 def diagnose(playbook: Playbook, report: HostReport, failure: AgentFailure | None = None) -> list[str]:
@@ -67,6 +72,13 @@ def diagnose(playbook: Playbook, report: HostReport, failure: AgentFailure | Non
         )
     if failure is not None and failure.gate == GATE_HEALTH:
         out.append(f"the server did not become healthy: see {failure.path or 'its log'}")
+    elif failure is not None and failure.gate == GATE_ACCEPTANCE and (answered := _ANSWERED.search(failure.message)):
+        # An HTTP status is an answer: the server runs (a 404 on /v1/completions: it serves no
+        # completions, a target vLLM took for pooling)
+        out.append(
+            f"the server answered the probe with HTTP {answered.group(1)}: it runs, but does not serve what the "
+            "probe asks (see the acceptance gate's words)"
+        )
     elif failure is not None and failure.gate == GATE_ACCEPTANCE:
         out.append("the probe failed while talking to the server (it died or stopped answering)")
     return out

