@@ -44,8 +44,19 @@ def _loader(playbook: Playbook, answer: Any, context: dict[str, Any], report: Ho
     gates.loader.read_loader(playbook, op.read(answer), report)
 
 
+def _acceptance(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    op = gates.acceptance.probe_op(playbook)
+    gates.acceptance.read_probe(playbook, op.read(answer), report, context.get("last_ready"))
+
+
 # One reader a gate that has cases; a gate's folder with no row here fails below.
-READERS: dict[str, Reader] = {"engine": _engine, "health": _health, "build": _build, "loader": _loader}
+READERS: dict[str, Reader] = {
+    "acceptance": _acceptance,
+    "engine": _engine,
+    "health": _health,
+    "build": _build,
+    "loader": _loader,
+}
 
 
 def cases() -> list[Path]:
