@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from orchestrator.agent import protocol
+from orchestrator.config.inventory import Container, SshSettings
 from orchestrator.config.playbook import Playbook, load_playbook
 from orchestrator.results import HostReport
 from orchestrator.rules import gates
@@ -49,9 +50,17 @@ def _acceptance(playbook: Playbook, answer: Any, context: dict[str, Any], report
     gates.acceptance.read_probe(playbook, op.read(answer), report, context.get("last_ready"))
 
 
+def _gpus(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    gpus = tuple(context.get("gpus", [0]))
+    container = Container("gpu", "host", "10.0.0.2", SshSettings(), gpus=gpus)
+    op = protocol.gpus(ROOT_DIR, playbook.serving.python)
+    gates.gpus.read_gpus(playbook, container, op.read(answer), None, report)
+
+
 # One reader a gate that has cases; a gate's folder with no row here fails below.
 READERS: dict[str, Reader] = {
     "acceptance": _acceptance,
+    "gpus": _gpus,
     "engine": _engine,
     "health": _health,
     "build": _build,

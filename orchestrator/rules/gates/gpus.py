@@ -91,11 +91,15 @@ def _rows(text: str, width: int) -> list[list[str]]:
     return rows
 
 
-def _mib(text: str) -> int:
-    try:
-        return int(float(text))
-    except ValueError:
-        return 0  # "[N/A]" (memory of a process it cannot see): counted as none
+def _mib(text: str, what: str) -> int:
+    """A memory figure (``nounits``: whole MiB). nvidia-smi says what it cannot read in brackets
+    ("[N/A]": a process it cannot see, "[Insufficient Permissions]"): counted as none. Anything
+    else that is not a whole number is not nvidia-smi's (``inf`` crashed the controller's ``int``)."""
+    if text.startswith("[") and text.endswith("]"):
+        return 0
+    if not text.isascii() or not text.isdigit():
+        raise FactsError(f"unexpected {what} {text!r}")
+    return int(text)
 
 
 def parse_gpus(text: str) -> list[Gpu]:
@@ -108,7 +112,17 @@ def parse_gpus(text: str) -> list[Gpu]:
         except ValueError as exc:
             raise FactsError(f"unexpected GPU index {cells[0]!r}") from exc
         out.append(
-            Gpu(index, cells[1], cells[2], cells[3], _mib(cells[4]), _mib(cells[5]), _mib(cells[6]), cells[7], cells[8])
+            Gpu(
+                index,
+                cells[1],
+                cells[2],
+                cells[3],
+                _mib(cells[4], "memory.total"),
+                _mib(cells[5], "memory.used"),
+                _mib(cells[6], "memory.free"),
+                cells[7],
+                cells[8],
+            )
         )
     return out
 
@@ -118,7 +132,7 @@ def parse_apps(text: str) -> list[App]:
     out = []
     for cells in _rows(text, 4):
         if cells[0].isdigit():
-            out.append(App(int(cells[0]), cells[1], _mib(cells[2]), cells[3]))
+            out.append(App(int(cells[0]), cells[1], _mib(cells[2], "used_memory"), cells[3]))
     return out
 
 
