@@ -584,6 +584,7 @@ def test_recipe_spacing_is_only_said_for_speculators_drafters() -> None:
         (["--max-model-len=32k"], 32000),
         (["--max-model-len", "32K"], 32768),
         (["--max-model-len", "25.6k"], 25600),
+        (["--max-model-len", "9" * 400 + ".5k"], int("9" * 400 + "500")),  # exact, never a float's inf
         (["--max-model-len", "1024", "--max-model-len", "2048"], 2048),  # argparse: the last wins
         (["--max-model-len", "auto"], None),
         (["--max-model-len", "-1"], None),

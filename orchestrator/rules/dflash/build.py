@@ -121,7 +121,9 @@ def context_length(text: str) -> int | None:
     number, suffix = match.groups()
     if suffix in _BINARY:
         return int(number) * _BINARY[suffix] if number.isdigit() else None
-    value = int(float(number) * _DECIMAL.get(suffix, 1))
+    whole, _, fraction = number.partition(".")
+    # exact integers: a float of 400 digits is inf, and int() of it raised
+    value = int(whole + fraction) * _DECIMAL.get(suffix, 1) // 10 ** len(fraction)
     return value if value > 0 and (suffix or number.isdigit()) else None
 
 
