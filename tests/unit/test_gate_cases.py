@@ -57,9 +57,15 @@ def _gpus(playbook: Playbook, answer: Any, context: dict[str, Any], report: Host
     gates.gpus.read_gpus(playbook, container, op.read(answer), None, report)
 
 
+def _files(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    op = protocol.release_verify(ROOT_DIR, gates.files.paths(playbook))
+    gates.files.read_verified(playbook, op.read(answer), report, ROOT_DIR)
+
+
 # One reader a gate that has cases; a gate's folder with no row here fails below.
 READERS: dict[str, Reader] = {
     "acceptance": _acceptance,
+    "files": _files,
     "gpus": _gpus,
     "engine": _engine,
     "health": _health,
