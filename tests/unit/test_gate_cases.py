@@ -62,9 +62,16 @@ def _files(playbook: Playbook, answer: Any, context: dict[str, Any], report: Hos
     gates.files.read_verified(playbook, op.read(answer), report, ROOT_DIR)
 
 
+def _weights(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    assert playbook.drafter is not None
+    op = protocol.model_files(ROOT_DIR, "drafter", "/models/drafter", headers=True)
+    gates.models.read_weights(playbook, op.read(answer), playbook.drafter.target, report)
+
+
 # One reader a gate that has cases; a gate's folder with no row here fails below.
 READERS: dict[str, Reader] = {
     "acceptance": _acceptance,
+    "weights": _weights,
     "files": _files,
     "gpus": _gpus,
     "engine": _engine,
