@@ -68,9 +68,16 @@ def _weights(playbook: Playbook, answer: Any, context: dict[str, Any], report: H
     gates.models.read_weights(playbook, op.read(answer), playbook.drafter.target, report)
 
 
+def _models(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    read = protocol.model_files(ROOT_DIR, "target", "/m", config=True).read
+    found = {role: read(answer[role]) if answer.get(role) is not None else None for role in ("target", "drafter")}
+    gates.models.read_models(playbook, found["target"], found["drafter"], report)
+
+
 # One reader a gate that has cases; a gate's folder with no row here fails below.
 READERS: dict[str, Reader] = {
     "acceptance": _acceptance,
+    "models": _models,
     "weights": _weights,
     "files": _files,
     "gpus": _gpus,
