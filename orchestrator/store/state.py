@@ -434,9 +434,26 @@ class StateDB:
             raise StateError(f"state database {self.where} cannot be reached: {text}") from None
 
     @contextlib.contextmanager
+    def _answering(self) -> Iterator[None]:
+        """PostgreSQL: the block's calls give up after ``STORE_CALL_S`` (``_answered``); a session
+        a call before was cut from is replaced first. SQLite has its own busy timeout."""
+        if self.dialect is not POSTGRESQL:
+            yield
+            return
+        if (self.conn.closed or self.conn.broken) and not self._abandoned:
+            self.conn = self._pg_connect()
+        with _answered(self.conn, STORE_CALL_S, self.where):
+            yield
+
+    @contextlib.contextmanager
     def _tx(self) -> Iterator[Any]:
         """One transaction, committed at the end or rolled back on any error; errors of either
         store come out as StateError naming the store."""
+        with self._answering(), self._tx_unbounded() as cur:
+            yield cur
+
+    @contextlib.contextmanager
+    def _tx_unbounded(self) -> Iterator[Any]:
         cur = None
         try:
             cur = self.conn.cursor()
@@ -460,6 +477,10 @@ class StateDB:
                     cur.close()
 
     def _query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._answering():
+            return self._query_unbounded(sql, args)
+
+    def _query_unbounded(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         try:
             cur = self.conn.cursor()
             try:
@@ -877,17 +898,18 @@ class StateDB:
         told: Holder | str | None = "nobody"
         try:
             while True:
-                rows = session.execute(
-                    "SELECT k, pg_try_advisory_lock(k) FROM unnest(%s::bigint[]) AS k", ([k for k, _ in keys],)
-                ).fetchall()
-                blocked = [k for k, got in rows if not got]
-                if not blocked:
-                    break
-                taken = [k for k, got in rows if got]
-                if taken:
-                    session.execute("SELECT pg_advisory_unlock(k) FROM unnest(%s::bigint[]) AS k", (taken,))
-                name = dict(keys)[blocked[0]]
-                holder = self._holder(session, name)
+                with _answered(session, STORE_CALL_S, self.where):  # each poll of the wait
+                    rows = session.execute(
+                        "SELECT k, pg_try_advisory_lock(k) FROM unnest(%s::bigint[]) AS k", ([k for k, _ in keys],)
+                    ).fetchall()
+                    blocked = [k for k, got in rows if not got]
+                    if not blocked:
+                        break
+                    taken = [k for k, got in rows if got]
+                    if taken:
+                        session.execute("SELECT pg_advisory_unlock(k) FROM unnest(%s::bigint[]) AS k", (taken,))
+                    name = dict(keys)[blocked[0]]
+                    holder = self._holder(session, name)
                 if time.monotonic() >= deadline:
                     raise LockHeld(name, holder, timeout)
                 if on_wait is not None and holder != told:
@@ -942,7 +964,12 @@ class StateDB:
             session = self._pg_connect(autocommit=True)
             try:
                 key = _lock_key(f"gateway {gateway}")
-                while not session.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]:
+
+                def taken() -> bool:
+                    with _answered(session, STORE_CALL_S, self.where):
+                        return bool(session.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0])
+
+                while not taken():
                     if time.monotonic() > deadline:
                         raise StateError(f"the rotation lock of gateway {gateway} was held past {timeout:g} s")
                     time.sleep(0.05)
@@ -1014,6 +1041,45 @@ LOAD_PRUNE_S = 3600.0
 
 # How long a controller waits for the store to let its rollout lease go, the run done.
 LET_GO_S = 15.0
+# How long a block of PostgreSQL calls (a transaction, a read, one poll of the lease wait) may go
+# unanswered. A server stopped (SIGSTOP, a frozen VM) has its kernel acknowledge every packet, and a
+# network that drops without a reset sends nothing back: no socket option ends either wait, and
+# ``watch`` ran no round for as long, its metrics keeping a dead host READY. Far above what any
+# statement of the tool takes (a run's record of 1,024 hosts: under a second).
+STORE_CALL_S = 60.0
+
+
+@contextlib.contextmanager
+def _answered(conn: Any, seconds: float, where: str) -> Iterator[None]:
+    """The block's calls on ``conn`` (psycopg) fail as StateError after ``seconds``: a timer shuts
+    the session's socket (the blocked read then ends with an error in this thread: nothing is left
+    waiting), and the session is not used again."""
+    fired = threading.Event()
+    fd = conn.fileno()
+
+    def cut() -> None:
+        fired.set()
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(seconds, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception as exc:
+        if fired.is_set():
+            raise StateError(
+                f"state database {where} did not answer within {seconds:g} s (its server stopped, or the network "
+                "to it dropped without a reset); the session was given up"
+            ) from exc
+        raise
+    else:
+        if fired.is_set():  # cut as the block ended: the session is not used again
+            with contextlib.suppress(Exception):
+                conn.close()
+    finally:
+        timer.cancel()
 
 
 def _within(work: Callable[[], None], seconds: float) -> bool:
@@ -1172,20 +1238,8 @@ class WatchLead:
             if self._session is None or self._session.closed:
                 self._session = self.db._pg_connect(autocommit=True)
                 self.leading = False
-            if self.leading:
-                self._session.execute("SELECT 1")  # a session lost (the database restarted) is a lead lost
-                return True
-            got = self._session.execute("SELECT pg_try_advisory_lock(%s)", (_lock_key(self.name),)).fetchone()[0]
-            if got:
-                user, controller, pid = whoami()
-                self._session.execute(
-                    "INSERT INTO leases (name, user_name, controller, pid, since, run) VALUES (%s, %s, %s, %s, %s, "
-                    "'watch') ON CONFLICT (name) DO UPDATE SET user_name = excluded.user_name, controller = "
-                    "excluded.controller, pid = excluded.pid, since = excluded.since, run = excluded.run",
-                    (self.name, user, controller, pid, time.time()),
-                )
-            self.unreachable = None
-            return bool(got)
+            with _answered(self._session, STORE_CALL_S, self.db.where):
+                return self._lead_postgresql()
         except (psycopg.Error, StateError) as exc:
             with contextlib.suppress(Exception):
                 if self._session is not None:
@@ -1193,6 +1247,23 @@ class WatchLead:
             self._session = None
             self.unreachable = " ".join(str(exc).split())
             return False
+
+    def _lead_postgresql(self) -> bool:
+        """Hold or take the lead on the watcher's session (the caller bounds its wait)."""
+        if self.leading:
+            self._session.execute("SELECT 1")  # a session lost (the database restarted) is a lead lost
+            return True
+        got = self._session.execute("SELECT pg_try_advisory_lock(%s)", (_lock_key(self.name),)).fetchone()[0]
+        if got:
+            user, controller, pid = whoami()
+            self._session.execute(
+                "INSERT INTO leases (name, user_name, controller, pid, since, run) VALUES (%s, %s, %s, %s, %s, "
+                "'watch') ON CONFLICT (name) DO UPDATE SET user_name = excluded.user_name, controller = "
+                "excluded.controller, pid = excluded.pid, since = excluded.since, run = excluded.run",
+                (self.name, user, controller, pid, time.time()),
+            )
+        self.unreachable = None
+        return bool(got)
 
     def _path(self) -> Path:
         """Beside the database the watchers share (its file's own directory): in the state

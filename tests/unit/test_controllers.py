@@ -24,6 +24,7 @@ from orchestrator.deployment import Deployment
 from orchestrator.engine.observer import Observer
 from orchestrator.engine.runner import Stop
 from orchestrator.engine.watcher import WatchGroup
+from orchestrator.errors import StateError
 from orchestrator.rules.watch import READY
 from orchestrator.store.state import LockHeld, StateDB, whoami
 from tests.postgres import Postgres
@@ -482,3 +483,59 @@ def test_watchers_that_cannot_reach_the_store_tell_their_changes_themselves(post
         second.close()
         leader.close()
         other.close()
+
+
+def _backends(store: StateDB, admin: StateDB) -> list[int]:
+    """The server processes of every session on the store's database but the admin's own."""
+    rows = admin._query(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    return [pid for (pid,) in rows]
+
+
+def test_a_store_that_stops_answering_fails_each_call_in_bounded_time_and_the_next_session_answers(
+    postgres: Postgres, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every session of the store's database stopped (SIGSTOP: the kernel still acknowledges,
+    nothing answers): a read, a transaction and a watcher's poll for its group's lead each waited
+    for as long as the server was stopped (watch ran no round; its metrics kept a dead host
+    READY). Each now fails after STORE_CALL_S naming the wait, the round ends and says so, and the
+    store's next call is served on a fresh session."""
+    from orchestrator.rules.watch import HostWatch, step
+    from orchestrator.store import state
+    from tests.unit.test_watch import GATE, counters, seen
+
+    monkeypatch.setattr(state, "STORE_CALL_S", 1.5)
+    url = postgres.socket_url(postgres.new_database())
+    store, admin = StateDB(Path("/nonexistent"), url), StateDB(Path("/nonexistent"), url)
+    lines: list[str] = []
+    group = WatchGroup(store, "g", lines.append)
+    _, rnd, change = step(HostWatch("gpu-a"), seen(0, counters(0, 0), error="refused"), GATE)
+    assert change is not None
+    try:
+        assert group.after([rnd], [change]) == [change]  # it leads: its own session holds the lock
+        ((first,),) = store._query("SELECT pg_backend_pid()")
+        stopped = _backends(store, admin)
+        assert first in stopped and len(stopped) == 2  # the store's and the lead's
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)  # children of the cluster this test suite started
+        try:
+            started = time.monotonic()
+            with pytest.raises(StateError, match=r"did not answer within 1.5 s"):
+                store.last_states()
+            assert time.monotonic() - started < 10
+            # the session given up is not used again: the next call is served on a new one (the
+            # server's other processes answer)
+            ((again,),) = store._query("SELECT pg_backend_pid()")
+            assert again not in stopped
+            started = time.monotonic()
+            group.after([rnd], [change])  # the round ends; its lead's session was the stopped one
+            assert time.monotonic() - started < 15
+            assert any("did not answer within 1.5 s" in line for line in lines), lines
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+    finally:
+        group.close()
+        store.close()
+        admin.close()
