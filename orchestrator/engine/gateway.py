@@ -80,7 +80,10 @@ def drain(run: Run, unit: Unit) -> bool:
             others = rotation.serving(besides=server.key)
             if not was_in:
                 break  # out already (a first deploy, or drained before): nothing to take out
-            alone = implied and not any(key != server.key for key in rotation.members)
+            # Alone: no other server the gateway lists, nor one of this run's (a gateway whose
+            # listing is its rotation, an endpoints file, drops a drained host: the last host of a
+            # rollout with no batches found itself alone in it, and nothing served)
+            alone = implied and not any(key != server.key for key in {*rotation.members, *(s.key for s in fleet)})
             if others >= floor or alone:
                 gateway.put(server, into=False)
                 break
