@@ -90,7 +90,7 @@ def drain(run: Run, unit: Unit) -> bool:
             # Every server the gateway knows, and this run's own that it does not yet: past that
             # count less one, no wait can keep the floor (it waited the whole start budget).
             possible = len(set(rotation.members) | {s.key for s in fleet}) - 1
-            if floor > possible:
+            if floor > possible and not gateway.adapter.drops_drained:
                 head.report.gates[GATE_GATEWAY] = Gate(
                     False,
                     f"not taken out of rotation: rollout.min_in_rotation {floor} can never be kept while this host is "

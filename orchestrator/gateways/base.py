@@ -53,6 +53,11 @@ class Adapter:
     ``kind`` is the playbook's ``gateway.kind`` (``config.gateway.KINDS`` says its keys)."""
 
     kind: ClassVar[str]
+    # Whether a server out of rotation drops out of what the gateway lists (an endpoints file, a
+    # router's workers): then the listing cannot say how many servers there are, and a capacity
+    # floor is waited for, never refused as one that can never be kept (another controller's
+    # drained hosts are in neither this run's fleet nor the listing).
+    drops_drained: ClassVar[bool] = False
 
     def __init__(self, spec: Gateway) -> None:
         self.spec = spec

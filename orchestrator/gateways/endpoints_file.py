@@ -12,6 +12,7 @@ from orchestrator.gateways.base import Adapter, Member, Rotation, Server
 
 class EndpointsFileAdapter(Adapter):
     kind = "endpoints-file"
+    drops_drained = True
 
     def state(self, servers: Sequence[Server]) -> tuple[list[Op[Any]], Callable[[protocol.Answers], Rotation]]:
         assert self.spec.path is not None

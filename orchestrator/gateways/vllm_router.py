@@ -52,6 +52,7 @@ def _router_json(status: int | None, text: str, what: str) -> Any:
 
 class RouterAdapter(Adapter):
     kind = "vllm-router"
+    drops_drained = True  # remove_worker: out of its listing
 
     def key(self, container: str, url: str) -> str:
         return url

@@ -378,3 +378,60 @@ def test_two_controllers_behind_one_gateway_keep_its_floor_together(
             store.close()
     assert all(r.ok for r in reports.values()), {n: failures(r) for n, r in reports.items()}
     assert max(out) == 1, f"{max(out)} servers out of rotation at once (min_in_rotation 2 of 3)"
+
+
+def test_two_controllers_behind_one_endpoints_file_wait_for_each_other(
+    tmp_path: Path, fleet: Fleet, haproxy: Haproxy, postgres: object
+) -> None:
+    """Disjoint targets behind one endpoints file, min_in_rotation 2 of 3: a host another
+    controller drained drops out of the file and out of this run's fleet, so the second
+    controller counted one possible server beside its own and failed "can never be kept". A
+    gateway whose listing drops the drained waits for capacity instead: both runs READY, and the
+    file never lists fewer than two."""
+    from orchestrator.config.inventory import load_inventory
+    from orchestrator.deployment import Deployment
+    from orchestrator.store.state import StateDB
+    from tests.integration.gateway_parts import OPTIONS
+    from tests.postgres import Postgres
+
+    assert isinstance(postgres, Postgres)
+    endpoints = tmp_path / "gw" / "endpoints.json"
+    endpoints.parent.mkdir()
+    gateway = {"kind": "endpoints-file", "runs_on": "gw", "url": f"http://127.0.0.1:{haproxy.port}"}
+    gateway["path"] = str(endpoints)
+    assert fleet.deploy(fleet.playbook(gateway)).ok
+    url = postgres.socket_url(postgres.new_database())
+    books = [
+        fleet.playbook(gateway, "release 2\n", name=name, targets=targets, rollout={"min_in_rotation": 2})
+        for name, targets in (("pa", ["g1"]), ("pb2", ["g2", "g3"]))
+    ]
+    listed: list[int] = []
+    done = threading.Event()
+
+    def watch_file() -> None:
+        while not done.wait(0.01):  # sampled every 10 ms: a drain takes seconds
+            listed.append(len(json.loads(endpoints.read_text())["endpoints"]))
+
+    reports: dict[str, RunReport] = {}
+    stores = [StateDB(tmp_path / "s1", url), StateDB(tmp_path / "s2", url)]
+
+    def run(book: object, store: StateDB) -> None:
+        deployment = Deployment(book, load_inventory(fleet.inventory), OPTIONS, store=store)  # type: ignore[arg-type]
+        reports[deployment.playbook.name] = deployment.deploy()
+
+    watcher = threading.Thread(target=watch_file, daemon=True)
+    watcher.start()
+    try:
+        runs = [threading.Thread(target=run, args=pair) for pair in zip(books, stores, strict=True)]
+        for t in runs:
+            t.start()
+        for t in runs:
+            t.join(300)
+    finally:
+        done.set()
+        watcher.join(10)
+        for store in stores:
+            store.close()
+    assert all(r.ok for r in reports.values()), {n: failures(r) for n, r in reports.items()}
+    assert listed and min(listed) >= 2, (min(listed, default=None), len(listed))
+    assert fleet.stop(fleet.playbook(gateway, "release 2\n")).ok
