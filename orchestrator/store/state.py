@@ -449,8 +449,28 @@ class StateDB:
     def _tx(self) -> Iterator[Any]:
         """One transaction, committed at the end or rolled back on any error; errors of either
         store come out as StateError naming the store."""
+        self._alive()
         with self._answering(), self._tx_unbounded() as cur:
             yield cur
+
+    def _alive(self) -> None:
+        """PostgreSQL: a session the server ended (a restart, a failover, an administrator) is
+        replaced before a write is sent on it (a run's record was lost on the old session after a
+        restart). One round trip; a write that fails past it is not sent again (it may have been
+        committed)."""
+        if self.dialect is not POSTGRESQL or self._abandoned:
+            return
+        try:
+            with self._answering():
+                self.conn.execute("SELECT 1")
+                self.conn.rollback()
+        except StoreUnanswered:
+            raise
+        except Exception as exc:
+            ended = isinstance(exc, (StateError, *self._errors)) and (self.conn.closed or self.conn.broken)
+            if not ended:
+                raise
+            self.conn = self._pg_connect()
 
     @contextlib.contextmanager
     def _tx_unbounded(self) -> Iterator[Any]:
@@ -477,7 +497,17 @@ class StateDB:
                     cur.close()
 
     def _query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        with self._answering():
+        try:
+            with self._answering():
+                return self._query_unbounded(sql, args)
+        except StoreUnanswered:
+            raise
+        except StateError:
+            # a read on a session the server ended (a restart): asked again on a new one
+            retry = self.dialect is POSTGRESQL and not self._abandoned and sql.lstrip().upper().startswith("SELECT")
+            if not retry or not (self.conn.closed or self.conn.broken):
+                raise
+        with self._answering():  # a new session: the one that failed is broken
             return self._query_unbounded(sql, args)
 
     def _query_unbounded(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
@@ -1049,6 +1079,10 @@ LET_GO_S = 15.0
 STORE_CALL_S = 60.0
 
 
+class StoreUnanswered(StateError):
+    """A call on a shared store that did not answer in time (its session was given up)."""
+
+
 @contextlib.contextmanager
 def _answered(conn: Any, seconds: float, where: str) -> Iterator[None]:
     """The block's calls on ``conn`` (psycopg) fail as StateError after ``seconds``: a timer shuts
@@ -1069,7 +1103,7 @@ def _answered(conn: Any, seconds: float, where: str) -> Iterator[None]:
         yield
     except Exception as exc:
         if fired.is_set():
-            raise StateError(
+            raise StoreUnanswered(
                 f"state database {where} did not answer within {seconds:g} s (its server stopped, or the network "
                 "to it dropped without a reset); the session was given up"
             ) from exc

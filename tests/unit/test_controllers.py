@@ -539,3 +539,29 @@ def test_a_store_that_stops_answering_fails_each_call_in_bounded_time_and_the_ne
         group.close()
         store.close()
         admin.close()
+
+
+def test_a_session_the_server_ended_is_replaced_and_the_runs_record_is_kept(postgres: Postgres) -> None:
+    """A PostgreSQL restart (or a failover, an administrator) ends the store's session during a
+    run: the run's record, written at its end on the old session, was lost ("terminating connection
+    due to administrator command"). A write is sent on a live session (one round trip first), a
+    read is asked again on a new one; each is recorded and read back once."""
+    from tests.unit.test_state import a_run
+
+    url = postgres.socket_url(postgres.new_database())
+    store, admin = StateDB(Path("/nonexistent"), url), StateDB(Path("/nonexistent"), url)
+    try:
+        for step in ("write", "read"):
+            ((backend,),) = store._query("SELECT pg_backend_pid()")
+            admin._query("SELECT pg_terminate_backend(?)", (backend,))
+            if step == "write":
+                store.record(a_run(tau=5.5))
+            else:
+                (run,) = store.history()
+                assert run["hosts_ready"] == 1
+            ((again,),) = store._query("SELECT pg_backend_pid()")
+            assert again != backend
+        assert len(admin.history()) == 1  # recorded once
+    finally:
+        store.close()
+        admin.close()
