@@ -14,7 +14,7 @@ import yaml
 from orchestrator.agent import protocol
 from orchestrator.config.inventory import Container, SshSettings
 from orchestrator.config.playbook import Playbook, load_playbook
-from orchestrator.results import HostReport
+from orchestrator.results import GATE_READY, FileState, HostReport
 from orchestrator.rules import gates
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,9 +74,19 @@ def _models(playbook: Playbook, answer: Any, context: dict[str, Any], report: Ho
     gates.models.read_models(playbook, found["target"], found["drafter"], report)
 
 
+def _ready(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    op = protocol.serving_status(ROOT_DIR, SERVER, playbook.serving.port)
+    report.release_id = context.get("release_id")
+    report.files = [
+        FileState(f.dest, f"{ROOT_DIR}/current/{f.dest}", f.sha256, f.sha256, False) for f in playbook.release_files
+    ]
+    report.gates[GATE_READY] = gates.ready.ready_gate(op.read(answer), report)
+
+
 # One reader a gate that has cases; a gate's folder with no row here fails below.
 READERS: dict[str, Reader] = {
     "acceptance": _acceptance,
+    "ready": _ready,
     "models": _models,
     "weights": _weights,
     "files": _files,
