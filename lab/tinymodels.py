@@ -158,23 +158,29 @@ def embeddings() -> torch.Tensor:
     return emb
 
 
-def target(out: Path) -> Qwen3Config:
-    config = Qwen3Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=2,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        head_dim=HEAD_DIM,
+def qwen3_config(shape: Shape, **extra: object) -> Qwen3Config:
+    """The target's config at ``shape``: every ordinary token to token C, EOS and PAD the tokenizer's."""
+    return Qwen3Config(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=EOS,
         pad_token_id=VOCAB["[PAD]"],
-        torch_dtype="float32",
+        torch_dtype=str(shape.dtype).removeprefix("torch."),
+        **extra,
     )
+
+
+def target(out: Path) -> Qwen3Config:
+    config = qwen3_config(TINY)
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -271,24 +277,8 @@ def shaped_target(out: Path, shape: Shape) -> None:
     """The tiny target's construction at ``shape``'s size, written tensor by tensor (an 8B model
     made through transformers would be initialised at random first, in float32: minutes and 33 GB)."""
     out.mkdir(parents=True, exist_ok=True)
-    Qwen3Config(
-        # as save_pretrained of a model writes it: without it vLLM serves Qwen3Model, for pooling
-        architectures=["Qwen3ForCausalLM"],
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=EOS,
-        pad_token_id=VOCAB["[PAD]"],
-        torch_dtype=str(shape.dtype).removeprefix("torch."),
-    ).save_pretrained(out)
+    # architectures as save_pretrained of a model writes it: without it vLLM serves Qwen3Model, for pooling
+    qwen3_config(shape, architectures=["Qwen3ForCausalLM"]).save_pretrained(out)
     h, dt = shape.hidden, shape.dtype
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
 

@@ -14,6 +14,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -325,12 +326,11 @@ class MeetingSocket:
         self.server.close()
 
 
-def test_two_controllers_behind_one_gateway_keep_its_floor_together(
-    tmp_path: Path, fleet: Fleet, haproxy: Haproxy, postgres: object
-) -> None:
-    """Disjoint targets behind one HAProxy, one shared store, min_in_rotation 2 of 3: each
-    controller read the rotation, counted the other's host as serving, and both took one out (one
-    server left). They decide under the store's rotation lock, so at most one is out at a time."""
+def _two_controllers(
+    tmp_path: Path, fleet: Fleet, gateway: dict[str, object], postgres: object, sample: Callable[[], int]
+) -> tuple[dict[str, RunReport], list[int]]:
+    """Disjoint targets behind one gateway (g1; g2 and g3), min_in_rotation 2 of 3, deployed by two
+    controllers at once on one shared store; ``sample`` read every 10 ms meanwhile."""
     from orchestrator.config.inventory import load_inventory
     from orchestrator.deployment import Deployment
     from orchestrator.store.state import StateDB
@@ -338,22 +338,17 @@ def test_two_controllers_behind_one_gateway_keep_its_floor_together(
     from tests.postgres import Postgres
 
     assert isinstance(postgres, Postgres)
-    gateway = haproxy_gateway(haproxy)
-    assert fleet.deploy(fleet.playbook(gateway)).ok
-    wait_for("HAProxy's checks", lambda: haproxy.status() == {name: "UP" for name in HOSTS})
-    meeting = MeetingSocket(haproxy.socket, tmp_path / "meeting.sock")
-    shared = {**gateway, "socket": str(meeting.path)}
     url = postgres.socket_url(postgres.new_database())
     books = [
-        fleet.playbook(shared, "release 2\n", name=name, targets=targets, rollout={"min_in_rotation": 2})
+        fleet.playbook(gateway, "release 2\n", name=name, targets=targets, rollout={"min_in_rotation": 2})
         for name, targets in (("pa", ["g1"]), ("pb2", ["g2", "g3"]))
     ]
-    out: list[int] = []
-    watching = threading.Event()
+    samples: list[int] = []
+    done = threading.Event()
 
     def watch() -> None:
-        while not watching.is_set():
-            out.append(sum(st != "UP" for st in haproxy.status().values()))
+        while not done.wait(0.01):  # a drain takes seconds
+            samples.append(sample())
 
     reports: dict[str, RunReport] = {}
     stores = [StateDB(tmp_path / "s1", url), StateDB(tmp_path / "s2", url)]
@@ -362,7 +357,7 @@ def test_two_controllers_behind_one_gateway_keep_its_floor_together(
         deployment = Deployment(book, load_inventory(fleet.inventory), OPTIONS, store=store)  # type: ignore[arg-type]
         reports[deployment.playbook.name] = deployment.deploy()
 
-    watcher = threading.Thread(target=watch)
+    watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
         runs = [threading.Thread(target=run, args=pair) for pair in zip(books, stores, strict=True)]
@@ -371,11 +366,29 @@ def test_two_controllers_behind_one_gateway_keep_its_floor_together(
         for t in runs:
             t.join(300)
     finally:
-        watching.set()
+        done.set()
         watcher.join(30)
-        meeting.close()
         for store in stores:
             store.close()
+    return reports, samples
+
+
+def test_two_controllers_behind_one_gateway_keep_its_floor_together(
+    tmp_path: Path, fleet: Fleet, haproxy: Haproxy, postgres: object
+) -> None:
+    """Disjoint targets behind one HAProxy, one shared store, min_in_rotation 2 of 3: each
+    controller read the rotation, counted the other's host as serving, and both took one out (one
+    server left). They decide under the store's rotation lock, so at most one is out at a time."""
+    gateway = haproxy_gateway(haproxy)
+    assert fleet.deploy(fleet.playbook(gateway)).ok
+    wait_for("HAProxy's checks", lambda: haproxy.status() == {name: "UP" for name in HOSTS})
+    meeting = MeetingSocket(haproxy.socket, tmp_path / "meeting.sock")
+    try:
+        shared = {**gateway, "socket": str(meeting.path)}
+        out_of_rotation = lambda: sum(st != "UP" for st in haproxy.status().values())  # noqa: E731
+        reports, out = _two_controllers(tmp_path, fleet, shared, postgres, out_of_rotation)
+    finally:
+        meeting.close()
     assert all(r.ok for r in reports.values()), {n: failures(r) for n, r in reports.items()}
     assert max(out) == 1, f"{max(out)} servers out of rotation at once (min_in_rotation 2 of 3)"
 
@@ -388,50 +401,13 @@ def test_two_controllers_behind_one_endpoints_file_wait_for_each_other(
     controller counted one possible server beside its own and failed "can never be kept". A
     gateway whose listing drops the drained waits for capacity instead: both runs READY, and the
     file never lists fewer than two."""
-    from orchestrator.config.inventory import load_inventory
-    from orchestrator.deployment import Deployment
-    from orchestrator.store.state import StateDB
-    from tests.integration.gateway_parts import OPTIONS
-    from tests.postgres import Postgres
-
-    assert isinstance(postgres, Postgres)
     endpoints = tmp_path / "gw" / "endpoints.json"
     endpoints.parent.mkdir()
     gateway = {"kind": "endpoints-file", "runs_on": "gw", "url": f"http://127.0.0.1:{haproxy.port}"}
     gateway["path"] = str(endpoints)
     assert fleet.deploy(fleet.playbook(gateway)).ok
-    url = postgres.socket_url(postgres.new_database())
-    books = [
-        fleet.playbook(gateway, "release 2\n", name=name, targets=targets, rollout={"min_in_rotation": 2})
-        for name, targets in (("pa", ["g1"]), ("pb2", ["g2", "g3"]))
-    ]
-    listed: list[int] = []
-    done = threading.Event()
-
-    def watch_file() -> None:
-        while not done.wait(0.01):  # sampled every 10 ms: a drain takes seconds
-            listed.append(len(json.loads(endpoints.read_text())["endpoints"]))
-
-    reports: dict[str, RunReport] = {}
-    stores = [StateDB(tmp_path / "s1", url), StateDB(tmp_path / "s2", url)]
-
-    def run(book: object, store: StateDB) -> None:
-        deployment = Deployment(book, load_inventory(fleet.inventory), OPTIONS, store=store)  # type: ignore[arg-type]
-        reports[deployment.playbook.name] = deployment.deploy()
-
-    watcher = threading.Thread(target=watch_file, daemon=True)
-    watcher.start()
-    try:
-        runs = [threading.Thread(target=run, args=pair) for pair in zip(books, stores, strict=True)]
-        for t in runs:
-            t.start()
-        for t in runs:
-            t.join(300)
-    finally:
-        done.set()
-        watcher.join(10)
-        for store in stores:
-            store.close()
+    listed_now = lambda: len(json.loads(endpoints.read_text())["endpoints"])  # noqa: E731
+    reports, listed = _two_controllers(tmp_path, fleet, gateway, postgres, listed_now)
     assert all(r.ok for r in reports.values()), {n: failures(r) for n, r in reports.items()}
     assert listed and min(listed) >= 2, (min(listed, default=None), len(listed))
     assert fleet.stop(fleet.playbook(gateway, "release 2\n")).ok
