@@ -12,6 +12,7 @@ stand-in honours as vLLM does (``--shutdown-timeout``: finish what it holds, els
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -157,6 +158,38 @@ backend vllm
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
             self.proc.wait(10)
+
+    @contextlib.contextmanager
+    def following(self, endpoints: Path) -> Iterator[None]:
+        """HAProxy as a router that watches an endpoints file: every 10 ms the file's names are
+        put in rotation (``ready``) and the rest drained (their requests finish, no new ones), as
+        a file-discovery router does. Without it the endpoints-file tests sent their admission
+        requests round robin to a host another run had just stopped (HTTP 502: the file said it
+        was out, HAProxy did not know the file)."""
+        done = threading.Event()
+        states: dict[str, str] = {}
+
+        def follow() -> None:
+            while not done.wait(0.01):
+                try:
+                    listed = {e["name"] for e in json.loads(endpoints.read_text())["endpoints"]}
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # not written yet: the file is renamed into place whole
+                for name in self.hosts:
+                    state = "ready" if name in listed else "drain"
+                    if states.get(name) != state:
+                        self.command(f"set server vllm/{name} state {state}")
+                        states[name] = state
+
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join(10)
+            for name in self.hosts:  # as the fixture made it, for what the test does next
+                self.command(f"set server vllm/{name} state ready")
 
 
 @dataclass

@@ -140,7 +140,8 @@ print(json.dumps({{"in_rotation": row["status"].startswith("UP"), "in_flight": i
     watcher = threading.Thread(target=watch_file, daemon=True)
     watcher.start()
     try:
-        report = fleet.deploy(fleet.playbook(gateway, "release 4\n", rollout={}))
+        with haproxy.following(endpoints):
+            report = fleet.deploy(fleet.playbook(gateway, "release 4\n", rollout={}))
     finally:
         done.set()
         watcher.join(10)
@@ -407,7 +408,8 @@ def test_two_controllers_behind_one_endpoints_file_wait_for_each_other(
     gateway["path"] = str(endpoints)
     assert fleet.deploy(fleet.playbook(gateway)).ok
     listed_now = lambda: len(json.loads(endpoints.read_text())["endpoints"])  # noqa: E731
-    reports, listed = _two_controllers(tmp_path, fleet, gateway, postgres, listed_now)
+    with haproxy.following(endpoints):
+        reports, listed = _two_controllers(tmp_path, fleet, gateway, postgres, listed_now)
     assert all(r.ok for r in reports.values()), {n: failures(r) for n, r in reports.items()}
     assert listed and min(listed) >= 2, (min(listed, default=None), len(listed))
     assert fleet.stop(fleet.playbook(gateway, "release 2\n")).ok
