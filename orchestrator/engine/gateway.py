@@ -244,30 +244,11 @@ def judge(run: Run, unit: Unit) -> None:
         server = gateway.server(head.target.container)
         member = gateway.rotation([server]).of(server)
     except (GatewayError, InputError) as exc:
-        head.report.gates[GATE_GATEWAY] = Gate(False, f"the gateway: {exc}", reason=gateway_gate.UNREACHABLE)
+        head.report.gates[GATE_GATEWAY] = gateway_gate.unreachable(str(exc))
         return
-    data = {"in_rotation": member.in_rotation, "status": member.status, "in_flight": member.in_flight}
-    if member.in_rotation and not ready:
-        gate = Gate(
-            False,
-            f"in the gateway's rotation ({member.status}) but not READY: users' requests reach it",
-            data,
-            "in_rotation_not_ready",
-        )
-    elif not member.in_rotation and ready:
-        gate = Gate(
-            False,
-            f"READY but out of the gateway's rotation ({member.status}): taken out and never put back",
-            data,
-            "out_of_rotation",
-        )
-    elif member.in_rotation:
-        gate = Gate(True, f"in the gateway's rotation ({member.status})", data)
-    else:
-        gate = Gate(
-            True, f"out of the gateway's rotation ({member.status}), as a host that is not READY should be", data
-        )
-    head.report.gates[GATE_GATEWAY] = gate
+    head.report.gates[GATE_GATEWAY] = gateway_gate.read_rotation(
+        member.in_rotation, member.status, member.in_flight, ready
+    )
 
 
 def take_out(run: Run, unit: Unit) -> None:

@@ -14,7 +14,7 @@ import yaml
 from orchestrator.agent import protocol
 from orchestrator.config.inventory import Container, SshSettings
 from orchestrator.config.playbook import Playbook, load_playbook
-from orchestrator.results import GATE_READY, FileState, HostReport
+from orchestrator.results import GATE_READY, FileState, Gate, HostReport
 from orchestrator.rules import gates
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +83,59 @@ def _ready(playbook: Playbook, answer: Any, context: dict[str, Any], report: Hos
     report.gates[GATE_READY] = gates.ready.ready_gate(op.read(answer), report)
 
 
+def _gate(recorded: dict[str, Any]) -> Gate:
+    """A gate as a report's JSON writes it (``Gate.to_json``)."""
+    data = {k: v for k, v in recorded.items() if k not in ("ok", "detail", "reason")}
+    return Gate(recorded["ok"], recorded["detail"], data, recorded.get("reason", ""))
+
+
+def _compile_cache(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    # In: the gate the gift wrote before the start, and the start's health gate (its ledger).
+    report.gates["compile_cache"] = gates.compile_cache.read_use(_gate(context["given"]), _gate(answer["health"]))
+
+
+def _speedup(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    # In: each level's pairs (a baseline run, the drafter run beside it) as the store keeps runs.
+    su = gates.speedup
+    levels = [
+        su.paired_level(int(c), [(su.Run.from_json(b), su.Run.from_json(d)) for b, d in pairs])
+        for c, pairs in answer["levels"].items()
+    ]
+    minimum = context["min"]
+    verdict = su.judge(
+        levels,
+        minimum,
+        context.get("tau"),
+        context.get("min_tau"),
+        context.get("k", 0),
+        context.get("on_inconclusive", "refuse"),
+    )
+    outcomes = [lv.outcome(minimum) for lv in levels]
+    report.gates["speedup"] = Gate(verdict.ok, verdict.detail, {"outcomes": outcomes}, verdict.reason)
+
+
+def _gateway(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    # In: the gateway's own answer (HAProxy's `show stat`, vllm-router's /workers) read by its
+    # adapter, and whether the host is READY (verify's other gates).
+    from orchestrator.errors import GatewayError
+    from orchestrator.gateways.base import Server
+    from orchestrator.gateways.haproxy import read_haproxy_stat
+    from orchestrator.gateways.vllm_router import read_router_workers
+
+    try:
+        if "haproxy" in answer:
+            rotation = read_haproxy_stat(answer["haproxy"], "vllm")
+        else:
+            rotation = read_router_workers(200, answer["router_workers"])
+    except GatewayError as exc:
+        report.gates["gateway"] = gates.gateway.unreachable(str(exc))
+        return
+    member = rotation.of(Server("host", answer["server"], answer["server"]))
+    report.gates["gateway"] = gates.gateway.read_rotation(
+        member.in_rotation, member.status, member.in_flight, context["ready"]
+    )
+
+
 # One reader a gate that has cases; a gate's folder with no row here fails below.
 READERS: dict[str, Reader] = {
     "acceptance": _acceptance,
@@ -95,6 +148,9 @@ READERS: dict[str, Reader] = {
     "health": _health,
     "build": _build,
     "loader": _loader,
+    "compile_cache": _compile_cache,
+    "speedup": _speedup,
+    "gateway": _gateway,
 }
 
 

@@ -106,7 +106,13 @@ GATES: tuple[GateRow, ...] = (
         "serving",
         gateway,
         "always",
-        (gateway.MIN_IN_ROTATION, gateway.UNREACHABLE, gateway.NOT_SERVED),
+        (
+            gateway.MIN_IN_ROTATION,
+            gateway.UNREACHABLE,
+            gateway.NOT_SERVED,
+            gateway.IN_ROTATION_NOT_READY,
+            gateway.OUT_OF_ROTATION,
+        ),
     ),
     GateRow(GATE_READY, "record", ready, "always"),
 )

