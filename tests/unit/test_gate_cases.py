@@ -136,6 +136,34 @@ def _gateway(playbook: Playbook, answer: Any, context: dict[str, Any], report: H
     )
 
 
+def _lint(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    # In: the drafter config (whole, or the playbook's with dotted ``set`` changes) and whether a
+    # reference is pinned; out: the gate and the rules that found errors and warnings.
+    import copy
+    from dataclasses import replace
+
+    assert playbook.drafter is not None
+    values = copy.deepcopy(answer.get("drafter", playbook.drafter.values))
+    for dotted, value in (answer.get("set") or {}).items():
+        *parents, last = dotted.split(".")
+        node = values
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    drafter = replace(playbook.drafter, values=values)
+    if "reference" in answer:
+        drafter = replace(drafter, reference=answer["reference"])
+    changed = replace(playbook, drafter=drafter)
+    problems = gates.lint.lint_playbook(changed)
+    gate = gates.lint.lint_gate(changed, problems)
+    assert gate is not None
+    found = {
+        kind: sorted({p.rule for p in problems if p.severity == severity})
+        for kind, severity in (("errors", "error"), ("warnings", "warning"))
+    }
+    report.gates["lint"] = Gate(gate.ok, gate.detail, found, gate.reason)
+
+
 # One reader a gate that has cases; a gate's folder with no row here fails below.
 READERS: dict[str, Reader] = {
     "acceptance": _acceptance,
@@ -151,6 +179,7 @@ READERS: dict[str, Reader] = {
     "compile_cache": _compile_cache,
     "speedup": _speedup,
     "gateway": _gateway,
+    "lint": _lint,
 }
 
 

@@ -44,11 +44,12 @@ def lint_gate(playbook: Playbook, problems: list[Problem]) -> Gate | None:
     if errors:
         return Gate(
             False,
-            f"not attempted: the drafter config has {errors} lint errors (deploy stopped before touching any host)",
+            f"not attempted: the drafter config has {errors} lint error{'s' if errors != 1 else ''} (deploy stopped "
+            "before touching any host)",
         )
     drafter = playbook.drafter
     checked = " and ".join(
         what for what, present in (("target config", drafter.target), ("reference", drafter.reference)) if present
     )
-    warnings = f" ({len(problems)} warnings)" if problems else ""
+    warnings = f" ({len(problems)} warning{'s' if len(problems) != 1 else ''})" if problems else ""
     return Gate(True, f"drafter config passes against {checked or 'its own rules'}{warnings}")
