@@ -6,7 +6,9 @@ user added by hand are left alone and never reported as drift.
 
 from __future__ import annotations
 
+import ipaddress
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,3 +90,42 @@ def diff(spec: ContainerSpec, devices: dict[str, Any], config: dict[str, Any]) -
         if current != value:
             out.append(Drift(f"config.{key}", value, current))
     return out
+
+
+@dataclass(frozen=True)
+class Found:
+    """The containers gate's reading of one container: whether it is as its spec says and runs,
+    in words, its LXD status, its address and the drift."""
+
+    ok: bool
+    detail: str
+    status: str
+    address: str | None
+    drift: list[Drift]
+
+
+def ipv4(network: Mapping[str, Any] | None) -> str | None:
+    """The container's global IPv4 address on eth0 from LXD's state (``state.network``); only a
+    well-formed one is taken (it becomes where SSH connects, as an inventory address would)."""
+    for address in ((network or {}).get("eth0") or {}).get("addresses") or []:
+        if address.get("family") == "inet" and address.get("scope") == "global":
+            try:
+                return str(ipaddress.IPv4Address(str(address.get("address"))))
+            except ValueError:
+                continue
+    return None
+
+
+def read_instance(spec: ContainerSpec, host: str, instance: Mapping[str, Any] | None) -> Found:
+    """LXD's instance (``status``, ``devices``, ``config`` and ``state.network``, as its API
+    answers ``GET /1.0/instances/NAME``; None: there is none) against the spec: read only."""
+    if instance is None:
+        return Found(False, f"container {spec.name} does not exist on {host}", "missing", None, [])
+    drift = diff(spec, dict(instance.get("devices") or {}), dict(instance.get("config") or {}))
+    status = str(instance.get("status"))
+    address = ipv4((instance.get("state") or {}).get("network")) if status == "Running" else None
+    problems = [d.describe() for d in drift]
+    if status != "Running":
+        problems.insert(0, f"container is {status.lower()}")
+    detail = f"running, {address or 'no IPv4 yet'}" if not problems else "; ".join(problems)
+    return Found(not problems, detail, status, address, drift)

@@ -13,7 +13,6 @@ with LXD's own message. A container we fail to change is put back as it was.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from requests.adapters import HTTPAdapter
 
 from orchestrator.config.inventory import LxdEndpoint
 from orchestrator.errors import LxdError
-from orchestrator.lxd.containers import ContainerSpec, Drift, diff
+from orchestrator.lxd.containers import ContainerSpec, Drift, diff, ipv4, read_instance
 
 
 class _PinnedAdapter(HTTPAdapter):
@@ -109,17 +108,13 @@ class LxdHost:
         """Read-only: state, address and drift from the spec. Never changes anything."""
         with self._lock, _mapped(self.host, spec.name):
             inst = self._get(spec.name)
-            if inst is None:
-                return ContainerReport(spec.name, False, f"container {spec.name} does not exist on {self.host}")
-            drift = diff(spec, dict(inst.devices), dict(inst.config))
-            status = inst.status
-            address = _ipv4(inst) if status == "Running" else None
-        problems = [d.describe() for d in drift]
-        if status != "Running":
-            problems.insert(0, f"container is {status.lower()}")
-        ok = not problems
-        detail = f"running, {address or 'no IPv4 yet'}" if ok else "; ".join(problems)
-        return ContainerReport(spec.name, ok, detail, status, address, [], drift)
+            instance = None
+            if inst is not None:
+                instance = {"status": inst.status, "devices": dict(inst.devices), "config": dict(inst.config)}
+                if inst.status == "Running":
+                    instance["state"] = {"network": inst.state().network}
+        found = read_instance(spec, self.host, instance)
+        return ContainerReport(spec.name, found.ok, found.detail, found.status, found.address, [], found.drift)
 
     def read_file(self, name: str, path: str) -> bytes | None:
         """A file of a container, through LXD's file API."""
@@ -253,16 +248,7 @@ class _mapped:
 
 
 def _ipv4(inst: Any) -> str | None:
-    """The container's global IPv4 address on eth0, as LXD reports it; only a well-formed one is
-    taken (it becomes where SSH connects, as an inventory address would)."""
-    network = inst.state().network or {}
-    for address in network.get("eth0", {}).get("addresses", []):
-        if address.get("family") == "inet" and address.get("scope") == "global":
-            try:
-                return str(ipaddress.IPv4Address(str(address.get("address"))))
-            except ValueError:
-                continue
-    return None
+    return ipv4(inst.state().network)
 
 
 def _api_message(exc: BaseException) -> str:

@@ -164,6 +164,23 @@ def _lint(playbook: Playbook, answer: Any, context: dict[str, Any], report: Host
     report.gates["lint"] = Gate(gate.ok, gate.detail, found, gate.reason)
 
 
+def _containers(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    # In: LXD's instance (None: LXD answered 404) and the container's inventory entry (on GPU host
+    # gpu-a, LXD on its socket); out: the gate, its status, address and the drifted keys.
+    import tempfile
+
+    from orchestrator.config.inventory import load_inventory
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "inventory.yaml"
+        host = {"address": "192.0.2.10", "lxd": {"endpoint": "local"}, "containers": {"serve-0": context["container"]}}
+        path.write_text(yaml.safe_dump({"hosts": {"gpu-a": host}}))
+        container = load_inventory(path).containers[0]
+    found = gates.containers.read_instance(gates.containers.spec_for(container, playbook.disks), "gpu-a", answer)
+    data = {"status": found.status, "address": found.address, "drift": [d.key for d in found.drift]}
+    report.gates["containers"] = Gate(found.ok, found.detail, data)
+
+
 # One reader a gate that has cases; a gate's folder with no row here fails below.
 READERS: dict[str, Reader] = {
     "acceptance": _acceptance,
@@ -180,6 +197,7 @@ READERS: dict[str, Reader] = {
     "speedup": _speedup,
     "gateway": _gateway,
     "lint": _lint,
+    "containers": _containers,
 }
 
 
