@@ -10,6 +10,24 @@ and `stop` only read.
 
 from __future__ import annotations
 
-from orchestrator.lxd.containers import Found, read_instance, spec_for
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Found", "read_instance", "spec_for"]
+if TYPE_CHECKING:  # a run over SSH alone never loads the LXD floor
+    from orchestrator.config.inventory import Container
+    from orchestrator.config.playbook import Disk
+    from orchestrator.lxd.containers import ContainerSpec, Found
+
+
+def spec_for(container: Container, disks: tuple[Disk, ...] = ()) -> ContainerSpec:
+    """The LXD shape the container must have (``lxd.containers.spec_for``)."""
+    from orchestrator.lxd import containers
+
+    return containers.spec_for(container, disks)
+
+
+def read_instance(spec: ContainerSpec, host: str, instance: Mapping[str, Any] | None) -> Found:
+    """LXD's instance against the spec (``lxd.containers.read_instance``): the gate's reading."""
+    from orchestrator.lxd import containers
+
+    return containers.read_instance(spec, host, instance)
