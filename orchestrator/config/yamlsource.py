@@ -19,9 +19,8 @@ from typing import Any
 
 import yaml
 
+from orchestrator.config.limits import MAX_SECONDS as MAX_SECONDS
 from orchestrator.errors import InputError
-
-MAX_SECONDS = 7 * 24 * 3600.0  # the longest wait any setting may ask for
 
 KeyPath = tuple[str | int, ...]
 

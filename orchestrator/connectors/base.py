@@ -14,9 +14,10 @@ import shlex
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from orchestrator.config.inventory import Target
+if TYPE_CHECKING:
+    from orchestrator.config.inventory import Target
 
 
 @dataclass(frozen=True)

@@ -12,25 +12,27 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-import math
-import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from orchestrator.agent import protocol
 from orchestrator.agent.client import AgentClient
 from orchestrator.config.inventory import Inventory, Target
 from orchestrator.config.playbook import Playbook, Rollout
-from orchestrator.config.yamlsource import MAX_SECONDS
-from orchestrator.connectors.base import Connector, RetryPolicy
+from orchestrator.connectors.base import Connector
 from orchestrator.connectors.router import Connections
 from orchestrator.engine.observer import Observer, Step, step_of
+from orchestrator.engine.options import MAX_COUNT as MAX_COUNT
+from orchestrator.engine.options import RELEASE_ID as RELEASE_ID
+from orchestrator.engine.options import RELEASE_ID_RULE as RELEASE_ID_RULE
+from orchestrator.engine.options import RunOptions as RunOptions
+from orchestrator.engine.options import Stop as Stop
+from orchestrator.engine.options import stop_reason as stop_reason
 from orchestrator.errors import (
     AgentError,
     AgentProtocolError,
@@ -56,98 +58,7 @@ from orchestrator.results import (
 from orchestrator.rules import plan, serving, startup
 from orchestrator.rules.gates import gateway as gateway_gate
 from orchestrator.rules.placement import Placement, place
-from orchestrator.store.state import StateDB, digest_key
-
-
-class Stop(threading.Event):
-    """A run's stop: set by a first Ctrl-C or SIGTERM (no reason: the run was interrupted), or by
-    the run itself, with its reason (its rollout lease was lost): no new host starts."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reason: str | None = None
-
-    def halt(self, reason: str) -> None:
-        self.reason = reason
-        self.set()
-
-
-def stop_reason(event: threading.Event) -> str | None:
-    """Why the run stopped itself (None: nothing did, or an interrupt)."""
-    return getattr(event, "reason", None)
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How a run goes about its hosts (what it does is the playbook's): the defaults are the CLI's."""
-
-    # Hosts worked on at once. A host holds its fork for its whole chain, a server's load and
-    # health wait included (minutes on a GPU): 256 deploys 1024 servers in 4 loads, not 64 at
-    # Ansible-like 16. The controller's cost barely moves with it (1024 hosts, files changed:
-    # 4.7 ms of CPU a host at 16, 5.2 at 256, 5.8 at 1024; 115-146 MiB); a rollout's canary and
-    # batches, not forks, are what limit how many hosts change at once.
-    forks: int = 256
-    skip_containers: bool = False
-    accept_new_host_keys: bool = False
-    lock_timeout: float = 60.0
-    release_id: str | None = None
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    # Where the controller keeps its state, its digest key among it (None: the default place).
-    state_dir: Path | None = None
-    # Set (by a first Ctrl-C): start nothing new; what is in flight finishes, bounded by its own
-    # deadlines, and the run reports what happened.
-    interrupt: threading.Event = field(default_factory=lambda: Stop(), compare=False)
-
-    def __post_init__(self) -> None:
-        # The library takes what the CLI takes, checked the same way: a caller from Python gets
-        # the message the CLI's user does (forks=0 waited for ever; a release id is a directory
-        # on every host).
-        problems = _run_option_problems(self)
-        if problems:
-            raise InputError("; ".join(problems), key="RunOptions")
-
-    def key(self) -> str:
-        """The digest key the hosts' caches are signed with (``state.digest_key``)."""
-        return digest_key(self.state_dir)
-
-
-MAX_COUNT = 1_000_000  # hosts, forks, rows: past this a number is a typo (and SQLite's limit is 2**63)
-# A release's name: a directory under releases/ on every host.
-RELEASE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
-RELEASE_ID_RULE = "a release id is 1 to 128 of letters, digits, '.', '_' and '-', not starting with '.'"
-
-
-def _whole(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _seconds(value: object) -> bool:
-    return (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        and 0 <= value <= MAX_SECONDS
-    )  # fmt: skip
-
-
-def _run_option_problems(o: RunOptions) -> list[str]:
-    problems = []
-    if not _whole(o.forks) or not 1 <= o.forks <= MAX_COUNT:
-        problems.append(f"forks: expected a whole number from 1 to {MAX_COUNT}, got {o.forks!r}")
-    if not _seconds(o.lock_timeout):
-        problems.append(f"lock_timeout: expected seconds from 0 to {MAX_SECONDS:.0f}, got {o.lock_timeout!r}")
-    if o.release_id is not None and not (isinstance(o.release_id, str) and RELEASE_ID.fullmatch(o.release_id)):
-        problems.append(f"release_id: {o.release_id!r}: {RELEASE_ID_RULE}")
-    r = o.retry
-    if not _whole(r.attempts) or not 1 <= r.attempts <= 100:
-        problems.append(f"retry.attempts: expected a whole number from 1 to 100, got {r.attempts!r}")
-    for name in ("initial_wait", "max_wait"):
-        if not _seconds(getattr(r, name)):
-            problems.append(f"retry.{name}: expected seconds from 0 to {MAX_SECONDS:.0f}, got {getattr(r, name)!r}")
-    for name in ("skip_containers", "accept_new_host_keys"):
-        if not isinstance(getattr(o, name), bool):
-            problems.append(f"{name}: expected true or false, got {getattr(o, name)!r}")
-    if o.state_dir is not None and not isinstance(o.state_dir, Path):
-        problems.append(f"state_dir: expected a Path, got {o.state_dir!r}")
-    return problems
+from orchestrator.store.state import StateDB
 
 
 @dataclass(frozen=True)

@@ -170,13 +170,14 @@ def _containers(playbook: Playbook, answer: Any, context: dict[str, Any], report
     import tempfile
 
     from orchestrator.config.inventory import load_inventory
+    from orchestrator.lxd import containers
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "inventory.yaml"
         host = {"address": "192.0.2.10", "lxd": {"endpoint": "local"}, "containers": {"serve-0": context["container"]}}
         path.write_text(yaml.safe_dump({"hosts": {"gpu-a": host}}))
         container = load_inventory(path).containers[0]
-    found = gates.containers.read_instance(gates.containers.spec_for(container, playbook.disks), "gpu-a", answer)
+    found = containers.read_instance(containers.spec_for(container, playbook.disks), "gpu-a", answer)
     data = {"status": found.status, "address": found.address, "drift": [d.key for d in found.drift]}
     report.gates["containers"] = Gate(found.ok, found.detail, data)
 
