@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -557,11 +558,33 @@ def _extra_args(f: Field) -> tuple[str, ...]:
     return args
 
 
+# Variables that open vLLM's control routes on the port users reach, the gateway's too (vLLM 0.34.0
+# entrypoints/launchers/api_server/routers.py, serve/lora/api_router.py; vLLM logs each as not
+# for production): how vLLM reads the value (envs.py), and what a client could then do.
+CONTROL_ENV: dict[str, tuple[Callable[[str], bool], str]] = {
+    "VLLM_SERVER_DEV_MODE": (
+        lambda v: v.strip().lstrip("+-").isdigit() and int(v) == 0,
+        "vLLM's development routes: /collective_rpc (any method of every worker), /sleep (the server stops "
+        "serving while /health stays 200), /reset_prefix_cache and the weight-update routes",
+    ),
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": (
+        lambda v: v.strip().lower() not in ("1", "true"),
+        "/v1/load_lora_adapter: any client loads an adapter, from a path of the host or a repository, into the "
+        "served model",
+    ),
+}
+
+
 def _serving_env(f: Field) -> dict[str, str]:
     env: dict[str, str] = f.str_map({})
-    for name in env:
+    for name, value in env.items():
         if name in TOOL_ENV:
             raise f[name].error(f"{name} is the tool's to set, from {TOOL_ENV[name]}")
+        if name in CONTROL_ENV and not CONTROL_ENV[name][0](value):
+            raise f[name].error(
+                f"{name}={value} opens {CONTROL_ENV[name][1]}, on the port users reach (through the gateway too); "
+                "vLLM itself says it is not for production: leave it out (0 is off)"
+            )
     return env
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main as cli
+from orchestrator.config.playbook import load_playbook
 
 DRAFTER = {
     "architectures": ["DFlashDraftModel"],
@@ -153,6 +154,24 @@ PLAYBOOK_CASES["serving.env: CUDA's own GPU order"] = (
     ),
     "serving.env.CUDA_DEVICE_ORDER: CUDA_DEVICE_ORDER is the tool's to set",
 )
+# vLLM's control routes on the port users reach: every value vLLM reads as on (or cannot read,
+# and fails its start on) is refused; what it reads as off is taken.
+for name, value, expected in (
+    ("VLLM_SERVER_DEV_MODE", "'1'", "VLLM_SERVER_DEV_MODE=1 opens vLLM's development routes: /collective_rpc"),
+    ("VLLM_SERVER_DEV_MODE", "'2'", "VLLM_SERVER_DEV_MODE=2 opens"),
+    ("VLLM_SERVER_DEV_MODE", "'yes'", "VLLM_SERVER_DEV_MODE=yes opens"),
+    (
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        "' True'",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING= True opens /v1/load_lora_adapter",
+    ),
+):
+    PLAYBOOK_CASES[f"serving.env: {name}={value}"] = (
+        PLAYBOOK.replace(
+            "{num_speculative_tokens: 7}", "{num_speculative_tokens: 7, env: {" + name + ": " + value + "}}"
+        ),
+        f"pb.yaml:7 serving.env.{name}: {expected}",
+    )
 # Thresholds that cannot fail: tau = 1 + accepted/drafts is never below 1, a rate never below 0.
 for key, value, expected in (
     ("acceptance: {min_mean_acceptance_length: 1}", "acceptance.min_mean_acceptance_length", "must be above 1, got 1"),
@@ -201,6 +220,15 @@ def test_a_hostile_playbook_is_refused_before_any_host(
     text, expected = PLAYBOOK_CASES[case]
     err = refused(tmp_path, capsys, ["deploy", *setup(tmp_path, text)])
     assert expected in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_vllm_s_control_routes_switched_off_are_taken(tmp_path: Path) -> None:
+    """What vLLM reads as off (envs.py: int() for the development routes, "1"/"true" for LoRA
+    updating) loads, and reaches the server as written."""
+    off = "{VLLM_SERVER_DEV_MODE: '0', VLLM_ALLOW_RUNTIME_LORA_UPDATING: 'false'}"
+    text = PLAYBOOK.replace("{num_speculative_tokens: 7}", "{num_speculative_tokens: 7, env: " + off + "}")
+    playbook = load_playbook(setup(tmp_path, text)[0])
+    assert playbook.serving.env == {"VLLM_SERVER_DEV_MODE": "0", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "false"}
 
 
 ARGUMENT_CASES = {
