@@ -34,7 +34,7 @@ from orchestrator.rules import probe
 from orchestrator.rules.watch import DEGRADED, DOWN, DRIFT, READY, HostWatch, Seen, changed_fields, step
 from orchestrator.store import metrics
 from orchestrator.store.state import StateDB
-from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, K, alive, deploy, free_port, immutable, stop
+from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, K, alive, deploy, ended, free_port, immutable, stop
 
 GATE = AcceptanceGate(min_mean_acceptance_length=3.0, min_drafts=50)
 
@@ -250,13 +250,6 @@ def restart_by_hand(box: Box) -> None:
         time.sleep(0.02)
 
 
-def gone(pid: int, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while alive(pid):
-        assert time.monotonic() < deadline, f"pid {pid} still alive after {within} s"
-        time.sleep(0.02)
-
-
 def watcher(box: Box, playbook: Playbook) -> Watcher:
     inv = box.inventory
     return Deployment(playbook, inv, OPTIONS).watcher()
@@ -294,7 +287,7 @@ def test_the_founding_incident_replayed_under_watch(box: Box) -> None:
         assert w.connections.counters(w.watched[0].node.name).execs == 1
         server = box.pid("solo")
         os.killpg(server, signal.SIGKILL)
-        gone(server)
+        assert ended(server)
         (r,), (t,) = w.round()
         assert (t.before, t.after) == (DEGRADED, DOWN) and r.reasons[0] == "the server is not running"
     finally:
@@ -431,7 +424,7 @@ def test_a_group_is_watched_node_by_node_and_a_dead_rank_takes_the_group_down(bo
         assert [(r.host, r.state) for r in rounds] == [("n0", READY), ("n1", READY)]
         assert rounds[0].window_drafts == 0 and rounds[1].window_drafts is None  # counters: the head's
         os.kill(box.pid("n1"), signal.SIGKILL)
-        gone(box.pid("n1"))
+        assert ended(box.pid("n1"))
         rounds, changes = w.round()
         assert [(r.host, r.state) for r in rounds] == [("n0", DOWN), ("n1", DOWN)]
         assert rounds[1].reasons[0] == "headless rank is not running"
@@ -458,7 +451,7 @@ def test_a_running_watch_prints_rounds_ends_on_sigterm_and_leaves_no_agent(box: 
         assert len(agents) == 1  # one agent for the whole watch, not one a round
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        gone(agents[0])
+        assert ended(agents[0])
     finally:
         if proc.poll() is None:
             proc.kill()
