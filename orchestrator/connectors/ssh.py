@@ -368,9 +368,12 @@ class SshConnector:
 
     def close(self) -> None:
         with self._guard:
-            connections = list(self._connections.values())
+            # Those through a jump host first: each one's socket is a channel of its jump host's
+            # connection, and closing it sends on that connection. Closed after it, the send
+            # failed in its reader thread (EOFError, an unhandled thread exception).
+            connections = sorted(self._connections.items(), key=lambda kv: kv[0].startswith("jump:"))
             self._connections.clear()
-        for t in connections:
+        for _, t in connections:
             _close(t)
 
     def __enter__(self) -> SshConnector:
