@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, NoReturn
 # imports orchestrator as a library is not affected.
 # For the same reason the cyclic garbage collector is paused while the modules load (~10 ms of
 # passes over objects that all live to the end) and what they made is then frozen out of later
-# passes: see entry().
+# passes, once the command has loaded its own: see _loaded().
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "orchestrate":
     sys.modules.setdefault("invoke", None)  # type: ignore[arg-type]
     gc.disable()
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from orchestrator.sandbox.sshhosts import SshSandbox
     from orchestrator.store.state import StateDB
 
+_GC_PAUSED = not gc.isenabled() and (__name__ == "__main__" or os.path.basename(sys.argv[0]) == "orchestrate")
 DEFAULT_INVENTORY = "inventory/inventory.yaml"
 _RUN_DEFAULTS = RunOptions()  # the library's defaults are the CLI's: said once, there
 
@@ -422,12 +423,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _loaded() -> None:
+    """The command's modules are loaded: the collector paused above is back on, and what they made
+    frozen out of its passes (in our own process only)."""
+    global _GC_PAUSED
+    if _GC_PAUSED:
+        _GC_PAUSED = False
+        gc.freeze()
+        gc.enable()
+
+
 def _deployment(args: argparse.Namespace, options: RunOptions, observer: Observer | None = None) -> Deployment:
+    from orchestrator.cli import render  # noqa: F401 - loaded with the rest, before the collector is back
     from orchestrator.config.inventory import load_inventory
     from orchestrator.config.playbook import load_playbook
     from orchestrator.deployment import Deployment
     from orchestrator.engine.observer import Observer
 
+    _loaded()
     playbook = load_playbook(args.playbook)
     inventory = load_inventory(args.inventory)
     return Deployment(playbook, inventory, options, observer or Observer(), limit=args.limit)
@@ -795,6 +808,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _json_stderr = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
     args = build_parser().parse_args(argv)
     more_files()
+    if args.func not in (_cmd_run, _cmd_watch):
+        _loaded()  # the others load little, and some run long (sandbox up)
     try:
         return int(args.func(args))
     except OrchestratorError as exc:
@@ -818,9 +833,6 @@ _aborted = False
 def entry() -> None:
     """The console script: run the command, then exit with its code (at once after an aborting
     second Ctrl-C)."""
-    if not gc.isenabled():  # paused above, in our own process only
-        gc.freeze()
-        gc.enable()
     code = main()
     if _aborted:
         sys.stdout.flush()

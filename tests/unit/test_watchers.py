@@ -23,8 +23,8 @@ import pytest
 from orchestrator.rules.watch import DEGRADED, READY
 from orchestrator.store.state import StateDB
 from tests.postgres import Postgres
-from tests.unit.localbox import GOOD_MASK, Box, deploy, free_port
-from tests.unit.test_watch import complete, gone, restart_by_hand
+from tests.unit.localbox import GOOD_MASK, Box, deploy, ended, free_port
+from tests.unit.test_watch import complete, restart_by_hand
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,7 +134,7 @@ def test_the_follower_takes_the_lead_when_the_leader_is_killed_and_reports_once(
     assert recorded[0] == (None, READY) and recorded[-1][1] == DEGRADED
     assert len(recorded) == len(set(recorded))  # each change recorded once, by one watcher
     print(f"takeover after the kill: {takeover_s:.2f} s at --interval 1")
-    gone(first.proc.pid)
+    assert ended(first.proc.pid)
 
 
 def _lines(path: Path) -> list[str]:
