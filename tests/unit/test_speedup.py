@@ -530,7 +530,10 @@ def test_a_host_that_got_faster_alone_is_never_called_paying_against_an_earlier_
     # (known by its path, only what is kept and said is asserted: the quicker speeds do)
     slow, fast = ("0.12 0.24", "0.012 0.24") if pinned else ("0.03 0.06", "0.006 0.06")
     speed.write_text(slow)
-    gate = {"concurrency": [1], "repeats": 3, "max_pairs": 4, "max_tokens": 16}
+    # Up to 10 pairs: the stopping rule ends at the third where the level decides, as it does on a
+    # quiet machine; on a loaded one a disturbed pair widened 4 pairs' interval to 0.20-1.92 around
+    # the 0.43x measured, and the level came out inconclusive (CI, 2026-12-07).
+    gate = {"concurrency": [1], "repeats": 3, "max_pairs": 10, "max_tokens": 16}
     env = {"STANDIN_SPEED_FILE": str(speed)}
     book = speedup_playbook(box, targets="[n0]", env=env, gate=gate, pinned=pinned)
     try:
