@@ -117,6 +117,8 @@ def _close(t: paramiko.Transport) -> None:
     t.close()
 
 
+_JUMP = "jump:"  # the prefix of a jump host's own connection among a run's
+
 KEY_FILE_LIMIT = 1 << 20  # OpenSSH's MAX_KEY_FILE_SIZE (authfile.c)
 
 
@@ -371,7 +373,7 @@ class SshConnector:
             # Those through a jump host first: each one's socket is a channel of its jump host's
             # connection, and closing it sends on that connection. Closed after it, the send
             # failed in its reader thread (EOFError, an unhandled thread exception).
-            connections = sorted(self._connections.items(), key=lambda kv: kv[0].startswith("jump:"))
+            connections = sorted(self._connections.items(), key=lambda kv: kv[0].startswith(_JUMP))
             self._connections.clear()
         for _, t in connections:
             _close(t)
@@ -429,7 +431,7 @@ class SshConnector:
             return t
 
     def _jump_connection(self, endpoint: Endpoint) -> paramiko.Transport:
-        key = f"jump:{endpoint.name}"
+        key = f"{_JUMP}{endpoint.name}"
         with self._lock_for(key):
             t = self._connections.get(key)
             if t is not None and t.is_active():
@@ -475,7 +477,7 @@ class SshConnector:
                 f"jump host {jump_name} could not reach {endpoint.address}:{endpoint.ssh.port}: {exc.text}",
             ) from exc
         except (paramiko.SSHException, EOFError, OSError) as exc:
-            self._drop(f"jump:{jump_name}")
+            self._drop(f"{_JUMP}{jump_name}")
             raise ConnectFailed(endpoint.name, f"tunnel through {jump_name} failed: {exc}") from exc
 
     def _handshake(self, endpoint: Endpoint, sock: socket.socket | paramiko.Channel) -> paramiko.Transport:

@@ -202,7 +202,7 @@ class LxdHost:
         while True:
             with self._lock, _mapped(self.host, name):
                 inst = self._get(name)
-                address = _ipv4(inst) if inst is not None else None
+                address = ipv4(inst.state().network) if inst is not None else None
             if address:
                 return address
             if time.monotonic() > deadline:
@@ -245,10 +245,6 @@ class _mapped:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, (lxd_exceptions.LXDAPIException, requests.RequestException)):
             raise LxdError(self.host, f"container {self.name}: {_api_message(exc)}") from exc
-
-
-def _ipv4(inst: Any) -> str | None:
-    return ipv4(inst.state().network)
 
 
 def _api_message(exc: BaseException) -> str:
