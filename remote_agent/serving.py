@@ -649,7 +649,12 @@ def op_launch(req):
                 % (req["release_id"], req["port"]),
             )
     spec = _command_digest(argv, env)
-    if req["keep_if_running"] and server_runs(current, argv, env, req["release_id"]):
+    # One that vLLM says sleeps serves nothing (its requests wait in its queue): started again.
+    if (
+        req["keep_if_running"]
+        and server_runs(current, argv, env, req["release_id"])
+        and (req["port"] is None or not _asleep(int(req["port"]), req["host"]))
+    ):
         return {"pid": current["pid"], "log": current["log"], "kept": True, "stopped": None}
     stopped = _stop(root, name, float(req["stop_timeout"]))
     # Stopped first: the server that ran read its drafter through ``launched`` at its start.
@@ -1042,9 +1047,12 @@ def op_serving_status(req):
 
     root = deploy_root(req, create=False)
     record = server_record(root, req["name"])
-    health = None
+    health = sleeping = None
     if record and record["alive"] and req["port"] is not None:
-        health, _ = http_request(int(record.get("port") or req["port"]), "GET", "/health", timeout=5, host=req["host"])
+        port = int(record.get("port") or req["port"])
+        health, _ = http_request(port, "GET", "/health", timeout=5, host=req["host"])
+        if health == 200:
+            sleeping = _asleep(port, req["host"])
     ready = None
     try:
         ready = json.loads(read_own(os.path.join(root, "ready.json")) or b"null")  # a link: no record
@@ -1056,6 +1064,8 @@ def op_serving_status(req):
         record.pop("argv", None)
     launched = link_target(root, LAUNCHED, strict=False)
     answer = {"server": record, "health": health, "ready": ready, "launched": launched}
+    if sleeping:
+        answer["sleeping"] = True
     listened = _ready_listened(root, req["name"], ready)
     if listened is not None:
         answer["ready_listened"] = listened
@@ -1064,6 +1074,22 @@ def op_serving_status(req):
         # in place would read its drafter from, said as it is so that verify can refuse it
         answer["launched_elsewhere"] = os.readlink(os.path.join(root, LAUNCHED))[:4096]
     return answer
+
+
+def _asleep(port, host):
+    """Whether vLLM says it sleeps (``POST /sleep``): it still answers /health 200, and requests
+    wait in its queue until ``/wake_up``. Its sleep routes exist only under VLLM_SERVER_DEV_MODE=1;
+    without them (404) nothing can have put it to sleep over HTTP."""
+    import json
+
+    status, text = http_request(port, "GET", "/is_sleeping", timeout=5, host=host)
+    if status != 200:
+        return False
+    try:
+        said = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(said, dict) and said.get("is_sleeping") is True
 
 
 @op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER, warm=int)

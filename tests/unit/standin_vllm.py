@@ -45,7 +45,12 @@ a token per ``$STANDIN_TOKEN_S``; ``$STANDIN_SPEED_FILE`` holds both, read at ea
 speed moves while its command stays); the first step is the prefill's one token, as in vLLM, and
 each finished request goes into vLLM V1's decode-time, output-token and inter-token histograms.
 ``"stream": true`` answers as server-sent events, a chunk a step. SIGTERM stops it as vLLM stops: with ``--shutdown-timeout N`` it takes no
-new request and finishes those in flight for up to N s, else it cuts them. SIGHUP
+new request and finishes those in flight for up to N s, else it cuts them. With
+``VLLM_SERVER_DEV_MODE=1`` it has vLLM's sleep routes (vLLM 0.32's ``serve/dev/sleep``): ``POST
+/sleep?level=L&mode=M`` pauses it (requests then wait in its queue, ``/health`` still 200; ``abort``,
+the default, ends those in flight, ``wait`` lets them finish first), ``POST /wake_up`` resumes it
+(after level 2, whose weights vLLM discards, every draft is rejected), ``GET /is_sleeping``; and
+``/metrics`` always carries vLLM's ``vllm:engine_sleep_state`` gauge. SIGHUP
 stands in for a restart behind our back where the server runs as a plain process: the drafter
 config is read again and the counters start again at zero (the pid stays, so the pidfile still
 names it).
@@ -123,9 +128,12 @@ class Counters:
                 self.accepted += drafts * self.a
                 self.per_pos = [p + (drafts if i < self.a else 0) for i, p in enumerate(self.per_pos)]
 
-    def text(self, model: str, running: int = 0) -> str:
+    def text(self, model: str, running: int = 0, waiting: int = 0, sleeping: int | None = None) -> str:
         labels = f'engine="0",model_name="{model}"'
-        lines = []
+        # vLLM's sleep gauge (v1/metrics/loggers.py): one series a state, 1 on the one it is in
+        states = {"awake": sleeping is None, "weights_offloaded": sleeping == 1, "discard_all": sleeping == 2}
+        lines = ["# TYPE vllm:engine_sleep_state gauge"]
+        lines += [f'vllm:engine_sleep_state{{{labels},sleep_state="{k}"}} {float(v)}' for k, v in states.items()]
         for name, value in (
             ("drafts", self.drafts),
             ("draft_tokens", self.draft_tokens),
@@ -141,7 +149,7 @@ class Counters:
             "# TYPE vllm:num_requests_running gauge",
             f"vllm:num_requests_running{{{labels}}} {running}.0",
             "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{labels}}} 0.0",
+            f"vllm:num_requests_waiting{{{labels}}} {waiting}.0",
             "# TYPE vllm:request_success counter",
             f'vllm:request_success_total{{{labels},finished_reason="length"}} {self.finished}.0',
         ]
@@ -245,6 +253,12 @@ def serve(args: list[str]) -> None:
     aborting = threading.Event()  # SIGTERM past --shutdown-timeout: requests in flight are cut
     inflight, inflight_lock = [0], threading.Lock()  # requests in flight, whatever SIGHUP resets
     served = [0]  # completions asked for, ever
+    # Sleep mode (VLLM_SERVER_DEV_MODE's routes): the level slept at (None: awake); requests held
+    # while asleep; each sleep in "abort" mode ends the requests in flight (their era is over).
+    dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "").lower() in ("1", "true")
+    slept: list[int | None] = [None]
+    era, waiting = [0], [0]
+    woken = threading.Condition()
 
     def reload(*_: object) -> None:
         nonlocal counters
@@ -265,13 +279,39 @@ def serve(args: list[str]) -> None:
             elif self.path == "/v1/models":
                 self._send(200, {"data": [{"id": model}]})
             elif self.path == "/metrics":
-                self._send(200, counters.text(model, inflight[0]), "text/plain; version=0.0.4")
+                text = counters.text(model, inflight[0], waiting[0], slept[0])
+                self._send(200, text, "text/plain; version=0.0.4")
+            elif self.path == "/is_sleeping" and dev_mode:
+                self._send(200, {"is_sleeping": slept[0] is not None})
             else:
                 self._send(404, {"error": "not found"})
 
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
+            nonlocal counters
+            path, _, query = self.path.partition("?")
+            raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            if path in ("/sleep", "/wake_up"):
+                if not dev_mode:
+                    self._send(404, {"detail": "Not Found"})
+                elif path == "/sleep":
+                    self._sleep(dict(p.partition("=")[::2] for p in query.split("&") if p))
+                else:
+                    with woken:
+                        if slept[0] == 2:  # level 2 discarded the weights: what wakes serves garbage
+                            counters = Counters(counters.k, False)
+                        slept[0] = None
+                        woken.notify_all()
+                    log("wake up the engine with tags: None (stand-in)")
+                    self._send(200, {"status": "awake", "tags": None})
+                return
+            body = json.loads(raw)
             tokens = int(body.get("max_tokens", 16))
+            with woken:  # asleep: the request waits in the queue until woken (or the server stops)
+                waiting[0] += 1
+                while slept[0] is not None and not aborting.is_set():
+                    woken.wait(0.05)
+                waiting[0] -= 1
+                mine = era[0]
             with inflight_lock:
                 served[0] += 1
                 if served[0] > int(os.environ.get("STANDIN_DIE_AFTER") or 1 << 60):
@@ -300,7 +340,8 @@ def serve(args: list[str]) -> None:
             try:
                 done = 0
                 emitted: list[float] = []
-                while done < tokens and not aborting.is_set():  # the prefill's token, then step by step
+                # the prefill's token, then step by step (cut by a stop or by a sleep in abort mode)
+                while done < tokens and not aborting.is_set() and era[0] == mine:
                     time.sleep(step_s)
                     n = min(per_step if done else 1, tokens - done)
                     done += n
@@ -323,6 +364,21 @@ def serve(args: list[str]) -> None:
                     c.finished += 1
                 with inflight_lock:
                     inflight[0] -= 1
+
+        def _sleep(self, params: dict[str, str]) -> None:
+            """vLLM's ``POST /sleep?level=L&mode=M`` (0 <= L <= 2; abort, wait or keep)."""
+            level, mode = params.get("level", "1"), params.get("mode", "abort")
+            if not (level.isdigit() and int(level) <= 2) or mode not in ("abort", "wait", "keep"):
+                self._send(422, {"detail": [{"loc": ["query"], "msg": "level 0-2, mode abort|wait|keep"}]})
+                return
+            with woken:
+                slept[0] = int(level)
+                if mode == "abort":
+                    era[0] += 1
+            while mode == "wait" and inflight[0] and not aborting.is_set():
+                time.sleep(0.01)  # "wait": the requests in flight finish before it sleeps
+            log(f"It took 0.01 seconds to fall asleep (level {level}, stand-in)")
+            self._send(200, {"status": "sleeping", "level": int(level)})
 
         def log_message(self, *args: Any) -> None:
             pass

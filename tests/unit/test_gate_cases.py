@@ -30,6 +30,10 @@ def _engine(playbook: Playbook, answer: Any, context: dict[str, Any], report: Ho
 
 
 def _health(playbook: Playbook, answer: Any, context: dict[str, Any], report: HostReport) -> None:
+    if context.get("verify"):  # verify's reading: the server's status, not a start's health wait
+        status = protocol.serving_status(ROOT_DIR, SERVER, playbook.serving.port)
+        gates.health.read_serving_status(status.read(answer), report)
+        return
     op = gates.health.health_op(playbook, ROOT_DIR, SERVER)
     report.release_id = context.get("release_id")
     gates.health.read_health(op.read(answer), bool(context.get("kept")), report, context.get("last_ready"))

@@ -990,3 +990,32 @@ def test_rollback_to_the_release_that_runs_keeps_it_and_verify_passes_after(box:
         assert os.readlink(box.root(name) / "previous") == f"releases/{first.release_id}"  # untouched
     after = verify(box, playbook())
     assert after.ok, [{g: v.detail for g, v in h.gates.items()} for h in after.hosts]
+
+
+def test_a_server_put_to_sleep_behind_our_back_is_not_healthy_and_a_deploy_starts_it_again(box: Box) -> None:
+    """vLLM's sleep mode, asked for by anyone who reaches its dev routes (``VLLM_SERVER_DEV_MODE=1``
+    set in the container, outside the playbook, which refuses it): the server still answers
+    /health 200 while every request waits in its queue. verify names it asleep; a deploy of the
+    same release does not keep it in place (its probe would wait in the queue) but starts it again,
+    READY."""
+    python = box.dir / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nVLLM_SERVER_DEV_MODE=1 exec {python.read_text().split('exec ', 1)[1]}")
+    book = box.playbook()
+    assert deploy(box, book).ok
+    pid = box.pid("solo")
+    asleep = urllib.request.Request(f"http://127.0.0.1:{box.port}/sleep?level=1", data=b"", method="POST")
+    with urllib.request.urlopen(asleep, timeout=10) as answer:
+        assert json.loads(answer.read()) == {"status": "sleeping", "level": 1}
+    with urllib.request.urlopen(f"http://127.0.0.1:{box.port}/health", timeout=10) as answer:
+        assert answer.status == 200  # healthy, and serving nothing
+
+    checked = verify(box, book)
+    health = host(checked, "solo").gates["health"]
+    assert not checked.ok and not health.ok and health.reason == "asleep", health
+    assert f"pid {pid} alive and /health 200, but vLLM is asleep" in health.detail
+
+    again = deploy(box, book)
+    solo = host(again, "solo")
+    assert again.ok, solo.gates
+    assert box.pid("solo") != pid and not alive(pid)  # started again, not kept asleep
+    assert verify(box, book, probe=True).ok

@@ -101,6 +101,8 @@ class Status:
     launched_elsewhere: str | None = None
     # where the command the READY record names listened (port, address), as the host recorded it
     ready_listened: tuple[int, str] | None = None
+    # vLLM says it sleeps (``POST /sleep``): /health 200, and every request waits in its queue
+    sleeping: bool = False
 
 
 @dataclass(frozen=True)
@@ -338,6 +340,7 @@ def _status(v: dict[str, Any]) -> Status:
         answer_field(v, "launched", str, optional=True),
         answer_field(v, "launched_elsewhere", str, optional=True),
         _listened(answer_field(v, "ready_listened", dict, optional=True)),
+        bool(answer_field(v, "sleeping", bool, optional=True)),
     )
 
 

@@ -80,7 +80,7 @@ GATES: tuple[GateRow, ...] = (
     GateRow(GATE_BUILD, "staging", build, "always", (build.KNOWN_BUGS,)),
     GateRow(GATE_ENGINE, "staging", engine, "--engine", (engine.NOT_GENERATIVE,)),
     GateRow(GATE_COMPILE_CACHE, "serving", compile_cache, "never", (compile_cache.KEY_DIFFERS,)),
-    GateRow(GATE_HEALTH, "serving", health, "always"),
+    GateRow(GATE_HEALTH, "serving", health, "always", (health.ASLEEP,)),
     GateRow(
         GATE_ACCEPTANCE,
         "serving",

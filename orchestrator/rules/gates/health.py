@@ -6,7 +6,9 @@ the drafter read through `launched` (moved by the launch alone); `/health` 200 a
 lists the model within `serving.startup_timeout`; a dead process fails at once with the last 30
 lines of its log; the start's ledger (phases from vLLM's own lines, compile hit or miss, KV cache)
 is the gate's `startup`, a KV cache smaller than the same release's last start a warning, and so
-a start that waited on a lookup of the host's own name (Gloo's, on every start of vLLM).
+a start that waited on a lookup of the host's own name (Gloo's, on every start of vLLM). `verify`
+holds a server vLLM says is asleep (`/is_sleeping`, its sleep mode's route) as not healthy: it
+answers `/health` 200 while every request waits in its queue.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from orchestrator.results import (
 )
 from orchestrator.rules import startup
 from orchestrator.rules.gates.ready import ready_gate
+
+# A reason code of the gate (``GATES``): the server answers /health but vLLM sleeps.
+ASLEEP = "asleep"
 
 
 def health_op(playbook: Playbook, root: str, name: str, host: str = protocol.LOOPBACK) -> protocol.Op[protocol.Healthy]:
@@ -83,6 +88,14 @@ def read_serving_status(status: protocol.Status, report: HostReport, role: str |
     elif status.health != 200:
         said = f"answers {status.health}" if status.health is not None else "does not answer"
         report.gates[GATE_HEALTH] = Gate(False, f"pid {server.pid} alive, but /health {said}")
+    elif status.sleeping:
+        # vLLM's sleep mode, asked for by whoever reached its dev routes: healthy, serving nothing
+        report.gates[GATE_HEALTH] = Gate(
+            False,
+            f"pid {server.pid} alive and /health 200, but vLLM is asleep (POST /sleep): every request "
+            "waits in its queue until POST /wake_up",
+            reason=ASLEEP,
+        )
     else:
         report.gates[GATE_HEALTH] = Gate(True, f"pid {server.pid} alive, /health 200")
     report.gates[GATE_READY] = ready_gate(status, report)
