@@ -295,6 +295,37 @@ def test_the_founding_incident_replayed_under_watch(box: Box) -> None:
     assert session_pid is not None and not alive(session_pid)  # the agent ends with the watch
 
 
+def test_a_server_put_to_sleep_is_down_under_watch_and_ready_again_once_woken(box: Box) -> None:
+    """vLLM asleep (its sleep routes opened in the container's own environment, outside the
+    playbook) answers /health 200 and serves nothing: watch says DOWN with vLLM's words, and READY
+    once it is woken."""
+    python = box.dir / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nVLLM_SERVER_DEV_MODE=1 exec {python.read_text().split('exec ', 1)[1]}")
+    playbook = box.playbook()
+    assert deploy(box, playbook).ok
+    w = watcher(box, playbook)
+
+    def post(path: str) -> None:
+        asked = urllib.request.Request(f"http://127.0.0.1:{box.port}{path}", data=b"", method="POST")
+        with urllib.request.urlopen(asked, timeout=10) as answer:
+            assert answer.status == 200
+
+    try:
+        (r,), _ = w.round()
+        assert r.state == READY
+        post("/sleep?level=1")
+        (r,), (t,) = w.round()
+        assert (t.before, t.after) == (READY, DOWN)
+        assert r.reasons[0].endswith(
+            "but vLLM is asleep (POST /sleep): every request waits in its queue until POST /wake_up"
+        )
+        post("/wake_up")
+        (r,), (t,) = w.round()
+        assert (t.before, t.after) == (DOWN, READY)
+    finally:
+        w.close()
+
+
 def test_traffic_that_speculation_does_not_run_for_is_said_through_the_real_agent(box: Box) -> None:
     """One-token completions (the prefill makes the token, no draft follows): the window never fills,
     and the host left READY was watched blind. Said once the tokens pass a window's drafts, then READY
