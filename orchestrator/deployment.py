@@ -157,11 +157,11 @@ class Deployment:
     def _observed_levels(self, playbook: Playbook) -> Playbook:
         """``gates.speedup.concurrency: observed``: the levels taken now from the load watch
         recorded of every target's server (not only those this run limits itself to)."""
-        from orchestrator.rules.gates import speedup
-
         gate = playbook.gates.speedup
         if gate is None or not gate.observed:
             return playbook
+        from orchestrator.rules.gates import speedup
+
         levels: tuple[int, ...] = ()
         if self.store is None:
             why = (

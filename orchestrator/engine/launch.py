@@ -21,7 +21,6 @@ from orchestrator.agent import protocol
 from orchestrator.agent.client import AgentClient
 from orchestrator.config.inventory import Target
 from orchestrator.config.playbook import Playbook
-from orchestrator.engine import compile_cache
 from orchestrator.engine.runner import Node, Run, Unit
 from orchestrator.errors import AgentError, AgentFailure, AgentProtocolError, OrchestratorError
 from orchestrator.results import (
@@ -46,6 +45,7 @@ def serve(run: Run, unit: Unit) -> None:
     With a gateway, a server that will be restarted leaves its rotation first (drained), and READY
     needs the gateway to send the host traffic again (``rotation``)."""
     from orchestrator.engine import (
+        compile_cache,  # a served host's cache, taken or given: loaded where a unit serves
         gateway,  # the gateway's steps, only for a playbook with one
         speedup,  # the speed-up gate's arms, only for a playbook with one
     )
@@ -111,6 +111,8 @@ def start_and_prove(
     that command listened on, where the host recorded another than the playbook's (the playbook
     changed them, and its start failed): it is started and proven there.
     """
+    from orchestrator.engine import compile_cache  # loaded where a unit serves (a files-only run never does)
+
     playbook, head = run.playbook, unit.head
     host = serving.probe_host(playbook, head.target.container)
     if at is not None:

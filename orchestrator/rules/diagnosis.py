@@ -14,9 +14,7 @@ from orchestrator.results import (
     GATE_SPEEDUP,
     HostReport,
 )
-from orchestrator.rules import dflash, probe
-from orchestrator.rules.gates import speedup
-from orchestrator.rules.gates.build import KNOWN_BUGS
+from orchestrator.rules import dflash
 
 # The agent's probe failing on a status the server sent ("completion failed: 404 ...").
 _ANSWERED = re.compile(r"failed: ([1-5][0-9][0-9])\b")
@@ -24,6 +22,11 @@ _ANSWERED = re.compile(r"failed: ([1-5][0-9][0-9])\b")
 
 def diagnose(playbook: Playbook, report: HostReport, failure: AgentFailure | None = None) -> list[str]:
     """The likely causes, most specific first, from everything this run knows."""
+    # The gates' reason codes, loaded here: a diagnosis runs only where a host failed.
+    from orchestrator.rules import probe
+    from orchestrator.rules.gates import speedup
+    from orchestrator.rules.gates.build import KNOWN_BUGS
+
     out: list[str] = []
     drafter = playbook.drafter
     acceptance = report.gates.get(GATE_ACCEPTANCE)

@@ -28,9 +28,10 @@ import calendar
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from orchestrator.agent.protocol import Startup
+if TYPE_CHECKING:
+    from orchestrator.agent.protocol import Startup
 
 # "(EngineCore pid=1790) INFO 12-02 15:29:24 [model_runner.py:305] Model loading took ...", also
 # behind what a log pipeline puts before it (journald's "Dec 02 15:29:24 host vllm[9]: ", a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,17 @@ def test_each_op_is_built_in_the_protocol_module_named_for_its_agent_module() ->
         assert spec.build.__module__ == f"orchestrator.agent.protocol.{spec.module}", (spec.name, spec.module)
     modules = {p.stem for p in Path(protocol.__file__).parent.glob("*.py")} - {"__init__"}
     assert modules == {spec.module for spec in protocol.OPS}
+
+
+def test_every_name_the_package_exports_resolves_and_those_loaded_late_from_their_own_module() -> None:
+    """``protocol`` loads the serving hosts' modules when one of their names is first used: each
+    name it promises is found, and where it says."""
+    for name in protocol.__all__:
+        assert getattr(protocol, name) is not None, name
+    for name, module in protocol._LAZY.items():
+        found = getattr(protocol, name)
+        home = getattr(found, "__module__", None)
+        assert home in (None, f"orchestrator.agent.protocol.{module}", "builtins"), (name, home)
+        assert getattr(importlib.import_module(f"orchestrator.agent.protocol.{module}"), name) is found
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        protocol.nothing  # noqa: B018

@@ -22,35 +22,10 @@ and order.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-from orchestrator.agent.protocol.background import (
-    ChecksDone,
-    ChecksStarted,
-    checks_start,
-    checks_wait,
-)
-from orchestrator.agent.protocol.checks import (
-    NCCL_BYTES,
-    NCCL_ITERATIONS,
-    SERVING_PYTHON_TIMEOUT,
-    AllReduce,
-    Build,
-    GpuFacts,
-    LoaderView,
-    gpus,
-    loader_view,
-    nccl,
-    vllm_build,
-)
-from orchestrator.agent.protocol.compile_cache import (
-    GIVEN,
-    CacheFile,
-    Placed,
-    compile_cache_files,
-    compile_cache_place,
-    compile_cache_read,
-)
 from orchestrator.agent.protocol.core import (
     LOOPBACK,
     SPECS,
@@ -65,13 +40,6 @@ from orchestrator.agent.protocol.core import (
     lock,
     put,
     ref,
-)
-from orchestrator.agent.protocol.gateway import (
-    Endpoint,
-    HttpAnswer,
-    gateway_endpoints,
-    gateway_http,
-    gateway_socket,
 )
 from orchestrator.agent.protocol.models import (
     MODEL_HASH_TIMEOUT,
@@ -99,31 +67,6 @@ from orchestrator.agent.protocol.releases import (
     release_switch,
     release_verify,
 )
-from orchestrator.agent.protocol.serving import (
-    ENGINE_CHECK_TIMEOUT,
-    Engine,
-    Healthy,
-    Launched,
-    Loaded,
-    Output,
-    Process,
-    Refused,
-    Scrapes,
-    Sent,
-    Startup,
-    Status,
-    Stopped,
-    command,
-    engine_check,
-    launch,
-    load,
-    metrics,
-    probe,
-    serving_runs,
-    serving_status,
-    stop,
-    wait_health,
-)
 from orchestrator.results import (
     GATE_ACCEPTANCE,
     GATE_BUILD,
@@ -139,6 +82,121 @@ from orchestrator.results import (
     GATE_SPEEDUP,
     GATE_STOPPED,
 )
+
+if TYPE_CHECKING:  # the modules of serving hosts, loaded when first named (``__getattr__``)
+    from orchestrator.agent.protocol.background import (
+        ChecksDone,
+        ChecksStarted,
+        checks_start,
+        checks_wait,
+    )
+    from orchestrator.agent.protocol.checks import (
+        NCCL_BYTES,
+        NCCL_ITERATIONS,
+        SERVING_PYTHON_TIMEOUT,
+        AllReduce,
+        Build,
+        GpuFacts,
+        LoaderView,
+        gpus,
+        loader_view,
+        nccl,
+        vllm_build,
+    )
+    from orchestrator.agent.protocol.compile_cache import (
+        GIVEN,
+        CacheFile,
+        Placed,
+        compile_cache_files,
+        compile_cache_place,
+        compile_cache_read,
+    )
+    from orchestrator.agent.protocol.gateway import (
+        Endpoint,
+        HttpAnswer,
+        gateway_endpoints,
+        gateway_http,
+        gateway_socket,
+    )
+    from orchestrator.agent.protocol.serving import (
+        ENGINE_CHECK_TIMEOUT,
+        Engine,
+        Healthy,
+        Launched,
+        Loaded,
+        Output,
+        Process,
+        Refused,
+        Scrapes,
+        Sent,
+        Startup,
+        Status,
+        Stopped,
+        command,
+        engine_check,
+        launch,
+        load,
+        metrics,
+        probe,
+        serving_runs,
+        serving_status,
+        stop,
+        wait_health,
+    )
+
+# Where each name of the modules loaded when first named lives: a files-only deploy never loads
+# the serving ops (their answer classes cost a controller start milliseconds on Python 3.11).
+_LAZY = {
+    "ChecksDone": "background",
+    "ChecksStarted": "background",
+    "checks_start": "background",
+    "checks_wait": "background",
+    "NCCL_BYTES": "checks",
+    "NCCL_ITERATIONS": "checks",
+    "SERVING_PYTHON_TIMEOUT": "checks",
+    "AllReduce": "checks",
+    "Build": "checks",
+    "GpuFacts": "checks",
+    "LoaderView": "checks",
+    "gpus": "checks",
+    "loader_view": "checks",
+    "nccl": "checks",
+    "vllm_build": "checks",
+    "GIVEN": "compile_cache",
+    "CacheFile": "compile_cache",
+    "Placed": "compile_cache",
+    "compile_cache_files": "compile_cache",
+    "compile_cache_place": "compile_cache",
+    "compile_cache_read": "compile_cache",
+    "Endpoint": "gateway",
+    "HttpAnswer": "gateway",
+    "gateway_endpoints": "gateway",
+    "gateway_http": "gateway",
+    "gateway_socket": "gateway",
+    "ENGINE_CHECK_TIMEOUT": "serving",
+    "Engine": "serving",
+    "Healthy": "serving",
+    "Launched": "serving",
+    "Loaded": "serving",
+    "Output": "serving",
+    "Process": "serving",
+    "Refused": "serving",
+    "Scrapes": "serving",
+    "Sent": "serving",
+    "Startup": "serving",
+    "Status": "serving",
+    "Stopped": "serving",
+    "command": "serving",
+    "engine_check": "serving",
+    "launch": "serving",
+    "load": "serving",
+    "metrics": "serving",
+    "probe": "serving",
+    "serving_runs": "serving",
+    "serving_status": "serving",
+    "stop": "serving",
+    "wait_health": "serving",
+}
 
 __all__ = [
     "ENGINE_CHECK_TIMEOUT",
@@ -232,42 +290,48 @@ __all__ = [
 
 
 OPS = (
-    OpSpec("put", "core", GATE_READY, "writing", put),
-    OpSpec("lock", "core", GATE_FILES, "waiting for the deploy root's lock", lock),
-    OpSpec("release_apply", "releases", GATE_FILES, "staging the release", release_apply),
-    OpSpec("release_verify", "releases", GATE_FILES, "reading the served files back", release_verify),
-    OpSpec("release_inspect", "releases", GATE_FILES, "reading the served files", release_inspect),
-    OpSpec("release_list", "releases", GATE_FILES, "listing its releases", release_list),
-    OpSpec("release_switch", "releases", GATE_FILES, "switching current", release_switch),
-    OpSpec("model_files", "models", GATE_MODELS, "hashing the model files", model_files),
-    OpSpec("upload_status", "models", GATE_MODELS, "checking what is already uploaded", upload_status),
-    OpSpec("upload", "models", GATE_MODELS, "uploading", upload),
-    OpSpec("compile_cache_files", "compile_cache", GATE_HEALTH, "listing its compile cache", compile_cache_files),
-    OpSpec("compile_cache_read", "compile_cache", GATE_HEALTH, "reading its compile cache", compile_cache_read),
-    OpSpec("compile_cache_place", "compile_cache", GATE_HEALTH, "placing the compile cache given", compile_cache_place),
-    OpSpec("stop", "serving", GATE_STOPPED, "stopping the server", stop),
-    OpSpec("command", "serving", GATE_RAY, "running a command", command),
-    OpSpec("engine_check", "serving", GATE_ENGINE, "letting vLLM check the command", engine_check),
-    OpSpec("serving_runs", "serving", GATE_FILES, "reading what the server runs", serving_runs),
-    OpSpec("launch", "serving", GATE_HEALTH, "launching the server", launch),
-    OpSpec("wait_health", "serving", GATE_HEALTH, "waiting for health", wait_health),
-    OpSpec("serving_status", "serving", GATE_HEALTH, "reading the server's status", serving_status),
-    OpSpec("probe", "serving", GATE_ACCEPTANCE, "probing acceptance", probe),
-    OpSpec("load", "serving", GATE_SPEEDUP, "sending the speed-up load", load),
-    OpSpec("metrics", "serving", GATE_ACCEPTANCE, "reading the server's metrics", metrics),
-    OpSpec("loader_view", "checks", GATE_LOADER, "loading the drafter config with transformers", loader_view),
-    OpSpec("vllm_build", "checks", GATE_BUILD, "reading the vLLM build", vllm_build),
-    OpSpec("gpus", "checks", GATE_GPUS, "checking its GPUs", gpus),
-    OpSpec("nccl", "checks", GATE_GPUS, "all-reducing over its GPUs (NCCL)", nccl),
-    OpSpec("checks_start", "background", GATE_ENGINE, "starting the loader and engine checks", checks_start),
-    OpSpec("checks_wait", "background", GATE_ENGINE, "waiting for the loader and engine checks", checks_wait),
-    OpSpec("gateway_socket", "gateway", GATE_GATEWAY, "asking the gateway", gateway_socket),
-    OpSpec("gateway_http", "gateway", GATE_GATEWAY, "asking the gateway", gateway_http),
-    OpSpec("gateway_endpoints", "gateway", GATE_GATEWAY, "changing the endpoints file", gateway_endpoints),
+    OpSpec("put", "core", GATE_READY, "writing"),
+    OpSpec("lock", "core", GATE_FILES, "waiting for the deploy root's lock"),
+    OpSpec("release_apply", "releases", GATE_FILES, "staging the release"),
+    OpSpec("release_verify", "releases", GATE_FILES, "reading the served files back"),
+    OpSpec("release_inspect", "releases", GATE_FILES, "reading the served files"),
+    OpSpec("release_list", "releases", GATE_FILES, "listing its releases"),
+    OpSpec("release_switch", "releases", GATE_FILES, "switching current"),
+    OpSpec("model_files", "models", GATE_MODELS, "hashing the model files"),
+    OpSpec("upload_status", "models", GATE_MODELS, "checking what is already uploaded"),
+    OpSpec("upload", "models", GATE_MODELS, "uploading"),
+    OpSpec("compile_cache_files", "compile_cache", GATE_HEALTH, "listing its compile cache"),
+    OpSpec("compile_cache_read", "compile_cache", GATE_HEALTH, "reading its compile cache"),
+    OpSpec("compile_cache_place", "compile_cache", GATE_HEALTH, "placing the compile cache given"),
+    OpSpec("stop", "serving", GATE_STOPPED, "stopping the server"),
+    OpSpec("command", "serving", GATE_RAY, "running a command"),
+    OpSpec("engine_check", "serving", GATE_ENGINE, "letting vLLM check the command"),
+    OpSpec("serving_runs", "serving", GATE_FILES, "reading what the server runs"),
+    OpSpec("launch", "serving", GATE_HEALTH, "launching the server"),
+    OpSpec("wait_health", "serving", GATE_HEALTH, "waiting for health"),
+    OpSpec("serving_status", "serving", GATE_HEALTH, "reading the server's status"),
+    OpSpec("probe", "serving", GATE_ACCEPTANCE, "probing acceptance"),
+    OpSpec("load", "serving", GATE_SPEEDUP, "sending the speed-up load"),
+    OpSpec("metrics", "serving", GATE_ACCEPTANCE, "reading the server's metrics"),
+    OpSpec("loader_view", "checks", GATE_LOADER, "loading the drafter config with transformers"),
+    OpSpec("vllm_build", "checks", GATE_BUILD, "reading the vLLM build"),
+    OpSpec("gpus", "checks", GATE_GPUS, "checking its GPUs"),
+    OpSpec("nccl", "checks", GATE_GPUS, "all-reducing over its GPUs (NCCL)"),
+    OpSpec("checks_start", "background", GATE_ENGINE, "starting the loader and engine checks"),
+    OpSpec("checks_wait", "background", GATE_ENGINE, "waiting for the loader and engine checks"),
+    OpSpec("gateway_socket", "gateway", GATE_GATEWAY, "asking the gateway"),
+    OpSpec("gateway_http", "gateway", GATE_GATEWAY, "asking the gateway"),
+    OpSpec("gateway_endpoints", "gateway", GATE_GATEWAY, "changing the endpoints file"),
 )
 
 
 SPECS.update({spec.name: spec for spec in OPS})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def modules(names: Iterable[str]) -> tuple[str, ...]:

@@ -228,13 +228,22 @@ def put(root: str, path: str, content: bytes, mode: str = "0644") -> Op[Written]
 class OpSpec:
     """One operation's contract: what the agent knows it by, the agent module a batch must carry
     for it, the gate its failure is reported under, its words for progress ("gpu-a: waiting for
-    health, 41 s"), and its builder."""
+    health, 41 s"); its builder is the function of its name in ``protocol/<module>.py``."""
 
     name: str
     module: str
     gate: str
     words: str
-    build: Callable[..., Op[Any]] = field(repr=False)
+
+    @property
+    def build(self) -> Callable[..., Op[Any]]:
+        """The op's builder: the function of its name in the protocol module named as its agent module."""
+        import importlib
+
+        built: Callable[..., Op[Any]] = getattr(
+            importlib.import_module(f"orchestrator.agent.protocol.{self.module}"), self.name
+        )
+        return built
 
 
 # Every op's row by name, filled by the package (``OPS`` in ``__init__``).

@@ -67,10 +67,13 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.agent import protocol
-from orchestrator.agent.protocol import Loaded, Sent, ServerCommand
+from orchestrator.agent.protocol import ServerCommand
+
+if TYPE_CHECKING:
+    from orchestrator.agent.protocol import Loaded, Sent
 from orchestrator.config.inventory import Container
 from orchestrator.config.playbook import Playbook
 from orchestrator.results import (
