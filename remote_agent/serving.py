@@ -1092,6 +1092,16 @@ def _asleep(port, host):
     return isinstance(said, dict) and said.get("is_sleeping") is True
 
 
+def _awake(port, host, what):
+    """A server vLLM says sleeps holds every request in its queue: asked at once, never waited on
+    until a deadline (a probe of a sleeping server took its whole 220 s, "no whole answer")."""
+    if _asleep(port, host):
+        raise OpError(
+            "asleep",
+            "not %s: vLLM is asleep (POST /sleep): every request waits in its queue until POST /wake_up" % what,
+        )
+
+
 @op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER, warm=int)
 def op_probe(req):
     """Scrape /metrics, run the probe prompts (greedy, fixed budget) one at a time, the spec-decode
@@ -1101,6 +1111,7 @@ def op_probe(req):
     import json
 
     port, timeout, host = req["port"], float(req["timeout"]), req["host"]
+    _awake(port, host, "probed")
     before_status, before = http_request(port, "GET", "/metrics", timeout=30, host=host)
     if before_status != 200:
         raise OpError("probe", "GET /metrics failed: %s %s" % (before_status, before[:200]))
@@ -1162,6 +1173,7 @@ def op_load(req):
     port, host, prompts = req["port"], req["host"], req["prompts"]
     if not prompts or req["concurrency"] < 1 or req["requests"] < 1:
         raise OpError("load", "nothing to send: prompts, concurrency and requests must not be empty")
+    _awake(port, host, "loaded")
     deadline = time.monotonic() + float(req["timeout"])
     results = [None] * req["requests"]
     lock = threading.Lock()

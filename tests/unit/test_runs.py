@@ -26,9 +26,13 @@ import pytest
 import yaml
 
 import orchestrator
+from orchestrator.agent import protocol
+from orchestrator.agent.client import AgentClient
 from orchestrator.cli import main as cli
 from orchestrator.config.playbook import load_playbook
+from orchestrator.connectors.local import LocalConnector
 from orchestrator.deployment import Deployment
+from orchestrator.errors import AgentError
 from tests.unit.localbox import (
     GOOD_MASK,
     OPTIONS,
@@ -1013,6 +1017,13 @@ def test_a_server_put_to_sleep_behind_our_back_is_not_healthy_and_a_deploy_start
     health = host(checked, "solo").gates["health"]
     assert not checked.ok and not health.ok and health.reason == "asleep", health
     assert f"pid {pid} alive and /health 200, but vLLM is asleep" in health.detail
+    probed = host(verify(box, book, probe=True), "solo").gates["acceptance"]
+    # said at once, not after the probe's deadline ("no whole answer ... within 220 s")
+    assert not probed.ok and "not probed: vLLM is asleep (POST /sleep)" in probed.detail, probed
+    load = protocol.load(box.port, "tiny", ["x"], 8, 1, 1, 120.0)  # the speed-up gate's arm, likewise
+    with pytest.raises(AgentError) as refused:
+        AgentClient(LocalConnector()).batch(box.inventory.resolve(["solo"])[0], [load])
+    assert refused.value.failure.code == "asleep" and "not loaded: vLLM is asleep" in refused.value.failure.message
 
     again = deploy(box, book)
     solo = host(again, "solo")
