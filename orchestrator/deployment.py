@@ -39,7 +39,7 @@ from orchestrator.results import GATE_INTERRUPTED, Gate, HostReport, RunKind, Ru
 from orchestrator.rules.plan import new_release_id
 
 if TYPE_CHECKING:
-    from orchestrator.engine.watcher import Watcher
+    from orchestrator.engine.watcher import RollBack, Watcher
     from orchestrator.rules.watch import Transition
     from orchestrator.store.state import Holder, StateDB
 
@@ -232,6 +232,21 @@ class Deployment:
         if self.store is not None:
             joined = WatchGroup(self.store, group or self.watch_group, self.observer.say)
         return Watcher(self.scope, joined, on_change)
+
+    def rollbacks(self, after: int) -> RollBack:
+        """For a watch that rolls back (``RollBack``): each host DEGRADED for ``after`` rounds in
+        a row rolled back on its own, as ``rollback`` with ``limit`` that host would."""
+        from orchestrator.engine.watcher import RollBack
+
+        if self.playbook.serving.multi_node is not None:
+            raise InputError("--rollback-on rolls back one host at a time: a multi_node group is rolled back whole")
+        if self.playbook.serving.target is None:
+            raise InputError("--rollback-on rolls back a server: the playbook serves none (serving.target)")
+
+        def roll_back(host: str) -> RunReport:
+            return replace(self, limit=(host,)).rollback()
+
+        return RollBack(roll_back, after, self.observer.say)
 
     def _run(self, kind: RunKind, work: Callable[[], RunReport], detail: str = "") -> RunReport:
         store = self.store

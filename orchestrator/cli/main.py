@@ -301,6 +301,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="run CMD (with /bin/sh -c) for each state change, the change as JSON on its stdin",
     )
     w.add_argument(
+        "--rollback-on",
+        choices=("degraded",),
+        default=None,
+        help="roll a host back by itself (its previous release started and proven, as `rollback --limit HOST`) "
+        "when it stays DEGRADED for --rollback-after rounds; once a watch for each host",
+    )
+    w.add_argument(
+        "--rollback-after",
+        type=_positive_int,
+        default=2,
+        metavar="N",
+        help="rounds in a row a host is DEGRADED before --rollback-on rolls it back (default 2)",
+    )
+    w.add_argument(
         "--watch-group",
         default=None,
         metavar="NAME",
@@ -590,6 +604,7 @@ def _watch(args: argparse.Namespace, deployment: Deployment) -> int:
             ) from None
         _say(f"metrics on http://{args.metrics_address}:{args.metrics_port}/metrics")
     on_change = watcher.OnChange(args.on_change, _say) if args.on_change else None
+    rollbacks = deployment.rollbacks(args.rollback_after) if args.rollback_on else None
     what = "one round" if args.once else f"every {args.interval:g} s"
     _say(f"watch {deployment.playbook.name}: {len(deployment.targets)} hosts, {what}")
     w = deployment.watcher(group, on_change)
@@ -600,6 +615,8 @@ def _watch(args: argparse.Namespace, deployment: Deployment) -> int:
         _say(round_summary(number, rounds))
         if not args.once:
             render_round(number, rounds, transitions, args.json)
+        if rollbacks is not None and w.leading and not stop.is_set():
+            rollbacks(rounds)  # between rounds: the next one sees the host on its release again
 
     def first(signum: int) -> None:
         interrupted.set()

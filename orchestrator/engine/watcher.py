@@ -28,9 +28,9 @@ from orchestrator.config.inventory import Target
 from orchestrator.connectors.router import Connections
 from orchestrator.engine.runner import ContainerGate, Node, Scope, Unit, finish, units_for
 from orchestrator.errors import AgentError, AgentProtocolError, OrchestratorError, StateError, TransportError
-from orchestrator.results import GATE_FILES, HostReport
+from orchestrator.results import GATE_FILES, HostReport, RunReport
 from orchestrator.rules import plan, probe, serving
-from orchestrator.rules.watch import READY, HostWatch, Round, Seen, Transition, changed_fields, step
+from orchestrator.rules.watch import READY, HostWatch, Round, Seen, Transition, changed_fields, step, to_roll_back
 
 if TYPE_CHECKING:
     from orchestrator.store.state import StateDB
@@ -356,6 +356,34 @@ def _message(exc: OrchestratorError) -> str:
     if isinstance(exc, AgentProtocolError):
         return str(exc).split(": ", 1)[-1]
     return getattr(exc, "message", None) or str(exc)
+
+
+class RollBack:
+    """``watch --rollback-on degraded``: a host DEGRADED for ``after`` rounds in a row is rolled
+    back by ``roll_back`` (the library's rollback limited to that host: the fleet's rollout lease,
+    the gateway's drain and capacity floor, the previous release started and proven, the run
+    recorded as any rollback), once a watch. Between rounds, by the group's lead only: one
+    watcher of a group acts, as one pages."""
+
+    def __init__(self, roll_back: Callable[[str], RunReport], after: int, say: Callable[[str], None]) -> None:
+        self.roll_back, self.after, self.say = roll_back, after, say
+        self.done: set[str] = set()
+
+    def __call__(self, rounds: list[Round]) -> list[RunReport]:
+        reports = []
+        for host in to_roll_back(rounds, self.after, self.done):
+            self.done.add(host)
+            self.say(f"{host}: DEGRADED for {self.after} round{'s' * (self.after != 1)}: rolling it back")
+            try:
+                report = self.roll_back(host)
+            except OrchestratorError as exc:  # bad input found at the run's start: said, and the watch goes on
+                self.say(f"{host}: rollback not run: {_message(exc)}")
+                continue
+            ok = report.ok
+            said = "; ".join(h.diagnosis[-1] for h in report.hosts if h.diagnosis) or ("READY" if ok else "failed")
+            self.say(f"{host}: rollback {'READY' if ok else 'failed'}: {said}")
+            reports.append(report)
+        return reports
 
 
 class OnChange:

@@ -371,3 +371,11 @@ def _diff(want: Any, got: Any, path: str, out: list[str]) -> None:
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def to_roll_back(rounds: list[Round], after: int, done: set[str]) -> list[str]:
+    """The hosts a watch that rolls back takes back now (``watch --rollback-on degraded``): each
+    DEGRADED for ``after`` rounds in a row, and not already taken back by this watch (a host
+    DEGRADED again on the release it went back to is left to people: a rollback that did not help
+    is not tried again, and two would only swap the bad release back in)."""
+    return [r.host for r in rounds if r.state == DEGRADED and r.state_rounds >= after and r.host not in done]

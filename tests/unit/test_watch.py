@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +27,29 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.cli import main as cli
-from orchestrator.config.playbook import AcceptanceGate, Playbook
+from orchestrator.config.playbook import AcceptanceGate, Playbook, load_playbook
 from orchestrator.deployment import Deployment
+from orchestrator.engine.observer import Observer
 from orchestrator.engine.watcher import Watcher
+from orchestrator.errors import InputError
 from orchestrator.results import GATE_FILES, GATE_HEALTH, GATE_READY, FileState, Gate, HostReport
 from orchestrator.rules import probe
 from orchestrator.rules.watch import DEGRADED, DOWN, DRIFT, READY, HostWatch, Seen, changed_fields, step
 from orchestrator.store import metrics
 from orchestrator.store.state import StateDB
-from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, K, alive, deploy, ended, free_port, immutable, stop
+from tests.unit.localbox import (
+    GOOD_MASK,
+    OPTIONS,
+    Box,
+    K,
+    alive,
+    deploy,
+    ended,
+    files_only_book,
+    free_port,
+    immutable,
+    stop,
+)
 
 GATE = AcceptanceGate(min_mean_acceptance_length=3.0, min_drafts=50)
 
@@ -324,6 +339,99 @@ def test_a_server_put_to_sleep_is_down_under_watch_and_ready_again_once_woken(bo
         assert (t.before, t.after) == (DOWN, READY)
     finally:
         w.close()
+
+
+def test_a_watch_that_rolls_back_takes_a_degraded_host_back_once_and_it_is_ready_again(box: Box) -> None:
+    """The founding incident under ``watch --rollback-on degraded``: a stale drafter config lands
+    behind the tool's back and the server reads it; once the host has been DEGRADED for the rounds
+    asked, it is rolled back on its own (the previous release started and proven, READY), and live
+    traffic is accepted again; the host is then said to serve another release than the playbook's
+    (DRIFT) until people deploy again. A host DEGRADED again is not rolled back a second time."""
+    first = deploy(box, box.playbook())
+    (box.dir / "notes.txt").write_text("the second release\n")
+    playbook = box.playbook()
+    second = deploy(box, playbook)
+    assert first.ok and second.ok and first.release_id != second.release_id
+    said: list[str] = []
+
+    class Said(Observer):
+        def say(self, message: str) -> None:
+            said.append(message)
+
+    rollbacks = Deployment(playbook, box.inventory, OPTIONS, observer=Said()).rollbacks(after=2)
+    w = watcher(box, playbook)
+    try:
+        served = box.root("solo") / "current" / "drafter" / "config.json"
+        served.write_text(served.read_text().replace(f'"mask_token_id": {GOOD_MASK}', '"mask_token_id": 9'))
+        restart_by_hand(box)
+        (r,), _ = w.round()  # the window opens: drift seen, acceptance not yet judged
+        assert r.state == DRIFT and rollbacks([r]) == []
+        complete(box)
+        (r,), _ = w.round()
+        assert r.state == DEGRADED and r.state_rounds == 1
+        assert rollbacks([r]) == []  # one round: not yet
+        complete(box)
+        (r,), _ = w.round()
+        assert r.state == DEGRADED and r.state_rounds == 2
+        (report,) = rollbacks([r])
+        assert report.kind == "rollback" and report.ok, report.hosts[0].gates
+        assert box.current("solo").endswith(str(first.release_id))
+        assert "solo: DEGRADED for 2 rounds: rolling it back" in said
+        assert any(line.startswith("solo: rollback READY") for line in said), said
+        (r,), _ = w.round()  # the new server seen: its window opens
+        assert r.restarted is not None and r.state != DEGRADED
+        complete(box)
+        (r,), _ = w.round()
+        # Back on the previous release: its drafter's tokens accepted again, and the host said to
+        # serve another release than the playbook's (its notes.txt is the first release's) until
+        # people deploy again.
+        assert r.state == DRIFT and r.release_id == first.release_id, r.reasons
+        assert r.live is not None and r.live.mean_acceptance_length == pytest.approx(K + 1)
+        assert any("notes.txt has sha256" in reason for reason in r.reasons), r.reasons
+        again = replace(r, state=DEGRADED, state_rounds=5)
+        assert rollbacks([again]) == []  # once a watch: a rollback that did not help is left to people
+    finally:
+        w.close()
+
+
+def test_a_rollback_that_cannot_start_is_said_and_the_watch_goes_on() -> None:
+    from orchestrator.engine.watcher import RollBack
+    from orchestrator.rules.watch import Round
+
+    said: list[str] = []
+    asked: list[str] = []
+
+    def refuse(host: str) -> Any:
+        asked.append(host)
+        raise InputError("no release before 20261207T000000Z-000000 to go back to")
+
+    rollbacks = RollBack(refuse, 2, said.append)
+    degraded = [Round(h, 0.0, DEGRADED, ("live traffic",), "r2", None, 0, 50, 0, None, None) for h in ("a", "b")]
+    assert rollbacks([replace(degraded[0], state_rounds=2), degraded[1]]) == []
+    assert asked == ["a"]  # b: one round only
+    assert said[-1] == "a: rollback not run: no release before 20261207T000000Z-000000 to go back to"
+    assert rollbacks([replace(degraded[0], state_rounds=3)]) == [] and asked == ["a"]  # once a watch
+
+
+def test_a_watch_that_rolls_back_is_refused_where_it_cannot_through_the_cli(
+    box: Box, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = files_only_book(box, "files", ["solo"])
+    argv = ["watch", str(files), "-i", str(box.inventory_path), "--once", "--rollback-on", "degraded"]
+    assert cli.main(argv) == 2
+    assert "--rollback-on rolls back a server: the playbook serves none" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        cli.main([*argv, "--rollback-after", "0"])
+    assert refused.value.code == 2
+    assert "--rollback-after: must be at least 1" in capsys.readouterr().err
+
+
+def test_a_watch_that_rolls_back_needs_a_single_host_server(box: Box) -> None:
+    with pytest.raises(InputError, match="a multi_node group is rolled back whole"):
+        Deployment(box.group(), box.inventory, OPTIONS).rollbacks(after=2)
+    files = load_playbook(files_only_book(box, "files", ["solo"]))
+    with pytest.raises(InputError, match="the playbook serves none"):
+        Deployment(files, box.inventory, OPTIONS).rollbacks(after=2)
 
 
 def test_traffic_that_speculation_does_not_run_for_is_said_through_the_real_agent(box: Box) -> None:
