@@ -37,19 +37,8 @@ from orchestrator.rules import probe
 from orchestrator.rules.watch import DEGRADED, DOWN, DRIFT, READY, HostWatch, Seen, changed_fields, step
 from orchestrator.store import metrics
 from orchestrator.store.state import StateDB
-from tests.unit.localbox import (
-    GOOD_MASK,
-    OPTIONS,
-    Box,
-    K,
-    alive,
-    deploy,
-    ended,
-    files_only_book,
-    free_port,
-    immutable,
-    stop,
-)
+from tests.unit import localbox
+from tests.unit.localbox import GOOD_MASK, OPTIONS, Box, K, alive, deploy, ended, free_port, immutable, stop
 
 GATE = AcceptanceGate(min_mean_acceptance_length=3.0, min_drafts=50)
 
@@ -416,7 +405,7 @@ def test_a_rollback_that_cannot_start_is_said_and_the_watch_goes_on() -> None:
 def test_a_watch_that_rolls_back_is_refused_where_it_cannot_through_the_cli(
     box: Box, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    files = files_only_book(box, "files", ["solo"])
+    files = localbox.files_only_book(box, "files", ["solo"])
     argv = ["watch", str(files), "-i", str(box.inventory_path), "--once", "--rollback-on", "degraded"]
     assert cli.main(argv) == 2
     assert "--rollback-on rolls back a server: the playbook serves none" in capsys.readouterr().err
@@ -429,7 +418,7 @@ def test_a_watch_that_rolls_back_is_refused_where_it_cannot_through_the_cli(
 def test_a_watch_that_rolls_back_needs_a_single_host_server(box: Box) -> None:
     with pytest.raises(InputError, match="a multi_node group is rolled back whole"):
         Deployment(box.group(), box.inventory, OPTIONS).rollbacks(after=2)
-    files = load_playbook(files_only_book(box, "files", ["solo"]))
+    files = load_playbook(localbox.files_only_book(box, "files", ["solo"]))
     with pytest.raises(InputError, match="the playbook serves none"):
         Deployment(files, box.inventory, OPTIONS).rollbacks(after=2)
 
