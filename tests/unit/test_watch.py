@@ -8,6 +8,7 @@ over SSH against real vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -584,6 +585,44 @@ def test_a_running_watch_prints_rounds_ends_on_sigterm_and_leaves_no_agent(box: 
         if proc.poll() is None:
             proc.kill()
     assert b"Traceback" not in proc.stderr.read() if proc.stderr else True
+
+
+def test_a_running_watch_rolls_a_degraded_host_back_between_its_rounds(box: Box, tmp_path: Path) -> None:
+    """``orchestrate watch --rollback-on degraded`` as a process: the founding incident on its
+    host, and the watch itself takes it back to the previous release between two rounds."""
+    first = deploy(box, box.playbook())
+    (box.dir / "notes.txt").write_text("the second release\n")
+    playbook = box.playbook()
+    assert first.ok and deploy(box, playbook).ok
+    env = dict(os.environ, ORCHESTRATE_STATE_DIR=str(tmp_path / "state"))
+    argv = [sys.executable, "-m", "orchestrator", "watch", str(playbook.file), "-i", str(box.inventory_path)]
+    argv += ["--interval", "1", "--json", "--rollback-on", "degraded", "--rollback-after", "1"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        assert json.loads(proc.stdout.readline())["hosts"][0]["state"] == READY
+        served = box.root("solo") / "current" / "drafter" / "config.json"
+        served.write_text(served.read_text().replace(f'"mask_token_id": {GOOD_MASK}', '"mask_token_id": 9'))
+        restart_by_hand(box)
+        deadline = time.monotonic() + 90
+        seen = []
+        while True:
+            with contextlib.suppress(OSError):  # the server restarts under the rollback
+                complete(box)
+            (host,) = json.loads(proc.stdout.readline())["hosts"]
+            seen.append(host["state"])
+            if host["release_id"] == first.release_id:
+                break
+            assert time.monotonic() < deadline, f"not rolled back within 90 s: {seen}"
+        assert DEGRADED in seen and box.current("solo").endswith(str(first.release_id))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 1  # ended on SIGTERM, its host DRIFT (another release than the playbook's)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    said = proc.stderr.read().decode()
+    assert "solo: DEGRADED for 1 round: rolling it back" in said and "solo: rollback READY" in said, said[-2000:]
+    assert "Traceback" not in said
 
 
 def test_a_metrics_port_in_use_is_bad_input_before_any_round(box: Box, capsys: pytest.CaptureFixture[str]) -> None:
