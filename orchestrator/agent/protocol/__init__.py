@@ -144,59 +144,9 @@ if TYPE_CHECKING:  # the modules of serving hosts, loaded when first named (``__
         wait_health,
     )
 
-# Where each name of the modules loaded when first named lives: a files-only deploy never loads
-# the serving ops (their answer classes cost a controller start milliseconds on Python 3.11).
-_LAZY = {
-    "ChecksDone": "background",
-    "ChecksStarted": "background",
-    "checks_start": "background",
-    "checks_wait": "background",
-    "NCCL_BYTES": "checks",
-    "NCCL_ITERATIONS": "checks",
-    "SERVING_PYTHON_TIMEOUT": "checks",
-    "AllReduce": "checks",
-    "Build": "checks",
-    "GpuFacts": "checks",
-    "LoaderView": "checks",
-    "gpus": "checks",
-    "loader_view": "checks",
-    "nccl": "checks",
-    "vllm_build": "checks",
-    "GIVEN": "compile_cache",
-    "CacheFile": "compile_cache",
-    "Placed": "compile_cache",
-    "compile_cache_files": "compile_cache",
-    "compile_cache_place": "compile_cache",
-    "compile_cache_read": "compile_cache",
-    "Endpoint": "gateway",
-    "HttpAnswer": "gateway",
-    "gateway_endpoints": "gateway",
-    "gateway_http": "gateway",
-    "gateway_socket": "gateway",
-    "ENGINE_CHECK_TIMEOUT": "serving",
-    "Engine": "serving",
-    "Healthy": "serving",
-    "Launched": "serving",
-    "Loaded": "serving",
-    "Output": "serving",
-    "Process": "serving",
-    "Refused": "serving",
-    "Scrapes": "serving",
-    "Sent": "serving",
-    "Startup": "serving",
-    "Status": "serving",
-    "Stopped": "serving",
-    "command": "serving",
-    "engine_check": "serving",
-    "launch": "serving",
-    "load": "serving",
-    "metrics": "serving",
-    "probe": "serving",
-    "serving_runs": "serving",
-    "serving_status": "serving",
-    "stop": "serving",
-    "wait_health": "serving",
-}
+# The modules loaded when first named (what ``TYPE_CHECKING`` imports above): a files-only deploy
+# never loads the serving ops (their answer classes cost a controller start milliseconds on 3.11).
+_LATER = ("serving", "checks", "background", "compile_cache", "gateway")
 
 __all__ = [
     "ENGINE_CHECK_TIMEOUT",
@@ -329,8 +279,12 @@ SPECS.update({spec.name: spec for spec in OPS})
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    """A name of ``__all__`` from the module of ``_LATER`` that has it, loaded on its first use."""
+    if name in __all__:
+        for module in _LATER:
+            found = importlib.import_module(f"{__name__}.{module}")
+            if hasattr(found, name):
+                return getattr(found, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

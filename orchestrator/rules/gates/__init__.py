@@ -9,6 +9,7 @@ from these rows and the modules' docstrings (``scripts/docs``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -134,7 +135,6 @@ if TYPE_CHECKING:
     GATES: tuple[GateRow, ...]
 
 
-_LOADED: dict[str, Any] = {}
 # The gate modules (each loaded when first named) and the table's own names.
 __all__ = [
     "GATES",
@@ -161,11 +161,9 @@ __all__ = [
 _MODULES = frozenset(__all__) - {"GATES", "PHASES", "GateRow", "row"}
 
 
+@functools.cache
 def _gates() -> tuple[GateRow, ...]:
-    if "GATES" not in _LOADED:
-        _LOADED["GATES"] = _table()
-    table: tuple[GateRow, ...] = _LOADED["GATES"]
-    return table
+    return _table()
 
 
 def __getattr__(name: str) -> Any:
