@@ -127,7 +127,11 @@ def server_record(root, name):
         return None
     if not isinstance(record, dict):
         return None
-    if process_start_time(record.get("pid", 0)) != record.get("start"):
+    # A record written after its process had already ended holds no start (None): it names no
+    # process, whatever now has its pid (compared as None == None, a server that died before its
+    # record was written was "alive" until the health wait's deadline).
+    start = record.get("start")
+    if start is None or process_start_time(record.get("pid", 0)) != start:
         record["alive"] = False
         unit = record.get("unit")
         if isinstance(unit, str) and unit and _systemd_is_init():

@@ -52,3 +52,20 @@ def test_stop_with_nothing_left_kills_nothing(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "dflash-serve.json").write_text(json.dumps({"pid": main.pid, "start": start, "unit": None}))
     assert _stop(str(tmp_path), "dflash-serve", 1.0) is None and _gone(str(tmp_path), "dflash-serve")
+
+
+def test_a_server_that_ended_before_its_record_was_written_is_not_alive(tmp_path: Path) -> None:
+    """A start that fails at once (vLLM refusing its config) can end before the launch records it:
+    the record then holds no start time. It names no process: the health wait says the server
+    exited, where it waited out its whole deadline (30 s in CI, "not healthy ... connection
+    refused")."""
+    from remote_agent.serving import server_record
+
+    main = subprocess.Popen(["true"], start_new_session=True)
+    main.wait()
+    assert process_start_time(main.pid) is None
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "dflash-serve.json").write_text(json.dumps({"pid": main.pid, "start": None, "unit": None}))
+    record = server_record(str(tmp_path), "dflash-serve")
+    assert record is not None and record["alive"] is False
+    assert _gone(str(tmp_path), "dflash-serve") and _stop(str(tmp_path), "dflash-serve", 1.0) is None
