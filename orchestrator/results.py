@@ -145,6 +145,9 @@ class HostReport:
     # The gates of the start that went back to the previous release after a failure (its own
     # vLLM start and probe: vLLM's time, not the tool's); kept for the time split only.
     rollback_gates: dict[str, Any] | None = None
+    # The READY release kept asleep on the host (``serving.standby``): its release, port, process,
+    # sleep state and memory; None: no standby.
+    standby: dict[str, Any] | None = None
 
     @property
     def ready(self) -> bool:
@@ -180,6 +183,8 @@ class HostReport:
         }
         if kind == "verify":
             out["in_sync"] = self.ready
+        if self.standby is not None:
+            out["standby"] = self.standby
         if self.models:
             out["models"] = self.models
         if self.gpus:

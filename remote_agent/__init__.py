@@ -10,6 +10,7 @@ the project, and imported from here by the tests:
     models     model directories: digests, safetensors headers, tokens, uploads
     compile_cache  vLLM's compile cache, listed and read for the controller to give to other hosts
     serving    the server process: launch, stop, health, status, probe, metrics
+    standby    vLLM's sleep mode on that server: put to sleep, woken, read back
     checks     what the serving Python answers (loader, build), the GPUs, the NCCL preflight
     background a deploy's loader and engine checks in one serving-Python process, run on in the
                background between execs
@@ -44,6 +45,7 @@ MODULES = (
     "models",
     "compile_cache",
     "serving",
+    "standby",
     "checks",
     "background",
     "gateway",

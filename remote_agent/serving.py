@@ -114,7 +114,7 @@ class _LaunchedAt:
 # signalled. Its log is <root>/logs/<name>.log.
 
 
-def _pidfile(root, name):
+def pidfile(root, name):
     return os.path.join(root, "run", "%s.json" % name)
 
 
@@ -122,7 +122,7 @@ def server_record(root, name):
     import json
 
     try:
-        record = json.loads(read_own(_pidfile(root, name)) or b"null")
+        record = json.loads(read_own(pidfile(root, name)) or b"null")
     except ValueError:
         return None
     if not isinstance(record, dict):
@@ -452,9 +452,9 @@ def engine_may_run(root, name, argv):
         raise OpError("bad_request", "argv is not a `vllm serve` command of the serving Python")
     if _systemd_is_init():
         # The unit the launch would write, checked before anything serving is switched or stopped.
-        refused = _unit_not_ours(_unit_name(root, name))
+        refused = _unit_not_ours(_unit_for(root, name))
         if refused is not None:
-            raise OpError("unit_not_ours", refused, _unit_name(root, name))
+            raise OpError("unit_not_ours", refused, _unit_for(root, name))
 
 
 def engine_verdict(code, out, err, expect):
@@ -710,7 +710,7 @@ def op_launch(req):
         "command_sha256": spec,
     }
     body = json_text(record).encode("utf-8")
-    atomic_write(_pidfile(root, name), body, sha256_hex(body), 0o644)
+    atomic_write(pidfile(root, name), body, sha256_hex(body), 0o644)
     _remember_command(root, name, record, env, req)
     return {
         "pid": pid,
@@ -894,6 +894,22 @@ def _unit_name(root, name):
     return "%s-%s.service" % (name, sha256_hex(root.encode())[:8])
 
 
+def _unit_for(root, name):
+    """The unit a server started under ``name`` runs in: the name's own, unless a live server of
+    ours under another name still runs in it (the standby, put to sleep under its own name: a
+    systemd unit cannot be renamed), then the name's second. A standby and the server alternate."""
+    import glob
+
+    units = [_unit_name(root, name), _unit_name(root, name + "-2")]
+    held = set()
+    for path in glob.glob(os.path.join(root, "run", "*.json")):
+        other = os.path.basename(path)[: -len(".json")]
+        record = server_record(root, other) if other != name else None
+        if record and record["alive"] and isinstance(record.get("unit"), str):
+            held.add(record["unit"])
+    return next((u for u in units if u not in held), units[0])
+
+
 def _unit_not_ours(unit):
     """Why the unit the tool writes would not be the tool's own (None: it would be). A file of
     that name the tool did not write is never replaced; one that systemd would load before ours,
@@ -934,7 +950,7 @@ def _launch_unit(root, name, argv, extra_env, log_path, release_id, stop_timeout
     """A systemd service written with the atomic protocol (0600: its environment may hold secrets)."""
     import subprocess
 
-    unit = _unit_name(root, name)
+    unit = _unit_for(root, name)
     refused = _unit_not_ours(unit)
     if refused is not None:
         raise OpError("unit_not_ours", refused, unit)
@@ -1080,6 +1096,20 @@ def op_serving_status(req):
     return answer
 
 
+def served_port(req):
+    """The port to ask: where the server started under ``server``'s name in its root listens, as
+    its record says (a host with a standby serves on either of two ports), else ``port``."""
+    server = req["server"]
+    if server is None:
+        return req["port"]
+    name = server.get("name")
+    if not isinstance(name, str) or not name or "/" in name:
+        raise OpError("bad_request", "server.name must be a server's name", name)
+    record = server_record(deploy_root({"root": server.get("root")}, create=False), name)
+    port = record.get("port") if record and record["alive"] else None
+    return port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else req["port"]
+
+
 def _asleep(port, host):
     """Whether vLLM says it sleeps (``POST /sleep``): it still answers /health 200, and requests
     wait in its queue until ``/wake_up``. Its sleep routes exist only under VLLM_SERVER_DEV_MODE=1;
@@ -1106,7 +1136,7 @@ def _awake(port, host, what):
         )
 
 
-@op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER, warm=int)
+@op("probe", host=str, port=int, model=str, prompts=list, max_tokens=int, timeout=NUMBER, warm=int, server=(dict, NONE))
 def op_probe(req):
     """Scrape /metrics, run the probe prompts (greedy, fixed budget) one at a time, the spec-decode
     counters read after each (each prompt's acceptance: the bound is over prompts), scrape again.
@@ -1114,7 +1144,7 @@ def op_probe(req):
     second pass finds their prefixes in vLLM's prefix cache, and its acceptance is told apart."""
     import json
 
-    port, timeout, host = req["port"], float(req["timeout"]), req["host"]
+    port, timeout, host = served_port(req), float(req["timeout"]), req["host"]
     _awake(port, host, "probed")
     before_status, before = http_request(port, "GET", "/metrics", timeout=30, host=host)
     if before_status != 200:
@@ -1350,11 +1380,11 @@ def _pieces(answer, chunked, sock, left):
         yield piece
 
 
-@op("metrics", host=str, port=int, prefixes=list, timeout=NUMBER)
+@op("metrics", host=str, port=int, prefixes=list, timeout=NUMBER, server=(dict, NONE))
 def op_metrics(req):
     """Read-only: the server's spec-decode counters as /metrics shows them now (only the lines of
     the families asked for: a vLLM scrape is mostly histograms nobody here reads)."""
-    status, text = http_request(req["port"], "GET", "/metrics", timeout=float(req["timeout"]), host=req["host"])
+    status, text = http_request(served_port(req), "GET", "/metrics", timeout=float(req["timeout"]), host=req["host"])
     if status != 200:
         raise OpError("metrics", "GET /metrics failed: %s %s" % (status, text[:200]))
     return {"text": _families(text, tuple(req["prefixes"]) or ("",))}

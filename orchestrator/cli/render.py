@@ -314,9 +314,30 @@ def render_table(run: RunReport, stream: TextIO | None = None) -> None:
             out.write(f"\n# {h.name}\n{diff}")
         for line in h.diagnosis:
             out.write(f"{h.name}: diagnosis: {line}\n")
+        if h.standby:
+            out.write(f"{h.name}: standby: {standby_line(h.standby)}\n")
         for gate_name, found in h.gates.items():
             for warning in found.data.get("warnings") or []:
                 out.write(f"{h.name}: warning ({gate_name}): {warning}\n")
+
+
+def standby_line(standby: dict[str, Any]) -> str:
+    """A host's standby in one line: kept asleep (and what it holds), woken, or why not kept."""
+    release = standby.get("release_id")
+    if standby.get("why"):
+        return f"not kept: {standby['why']}"
+    if standby.get("woken"):
+        return f"release {release} woken in {standby.get('wake_s')} s (no server started)"
+    memory = ", ".join(
+        f"{what} {standby[key]} MiB"
+        for key, what in (("host_mib", "host memory"), ("gpu_mib", "GPU memory"))
+        if isinstance(standby.get(key), int)
+    )
+    asleep = standby.get("asleep", standby.get("kept"))
+    state = "asleep" if asleep else "AWAKE"
+    return f"release {release} {state} on port {standby.get('port')}, pid {standby.get('pid')}" + (
+        f" ({memory})" if memory else ""
+    )
 
 
 def render_json(data: Any, stream: TextIO | None = None) -> None:

@@ -127,6 +127,23 @@ class MultiNode:
 
 
 @dataclass(frozen=True)
+class Standby:
+    """``serving.standby``: the READY release kept asleep (vLLM's sleep mode, level 1: its weights
+    in host memory, the GPU's freed) when the next one starts, to go back to in seconds. The
+    sleeping server keeps its port, so releases alternate between ``serving.port`` and ``port``:
+    only a gateway can follow. Sleep needs vLLM's dev routes (``VLLM_SERVER_DEV_MODE=1``), which
+    also serve ``/collective_rpc`` with no API key: ``dev_routes: gateway-only`` says that only the
+    gateway reaches these ports."""
+
+    port: int
+    dev_routes: str = "gateway-only"
+
+
+# What a playbook must say of the dev routes a standby opens (see ``Standby``).
+DEV_ROUTES = ("gateway-only",)
+
+
+@dataclass(frozen=True)
 class Serving:
     """How vLLM is started: the serving Python, the target, speculation, parallel sizes, port, extra
     arguments, environment and start budget."""
@@ -154,6 +171,7 @@ class Serving:
     # be READY (a rollout's canary) gives the hosts of its key its cache, which the controller
     # takes, signs and keeps (compiled code the other hosts then run: an opt-in).
     compile_cache: str = "own"
+    standby: Standby | None = None
 
     @property
     def stop_timeout(self) -> int:
@@ -361,12 +379,29 @@ def load_playbook(path: Path | str) -> Playbook:
     if gateway is not None and "drain_timeout" not in top["serving"]:
         # Behind a gateway a restart must not cost requests: drain by default.
         serving = replace(serving, drain_timeout=DRAIN_TIMEOUT_S)
+    if serving.standby is not None and gateway is None:
+        raise top["serving"]["standby"].error(
+            "a standby needs a gateway (gateway:): the sleeping server keeps its port, so releases alternate between "
+            "serving.port and standby.port, and only a gateway can send users to whichever serves"
+        )
+    if serving.standby is not None and gateway is not None and gateway.kind != "haproxy":
+        raise top["serving"]["standby"].error(
+            f"a standby needs a gateway that can follow a server to another port: HAProxy (set server addr/port); "
+            f"a {gateway.kind} gateway knows a server by its URL, which the standby's port changes"
+        )
     if serving.multi_node is not None and "rollout" in top:
         raise top["rollout"].error("a multi-node deployment is one group, deployed whole: rollout does not apply")
     if not files and drafter is None:
         raise top.error("the playbook pushes no files: add files: or drafter:")
     gates = _gates(top["gates"])
     _speedup_fits(gates.speedup, serving, top["gates"]["speedup"])
+    if serving.standby is not None and gates.speedup is not None:
+        # The baseline arm stops what serves, and both arms are measured on serving.port: a host
+        # with a standby serves on either of two ports.
+        raise top["serving"]["standby"].error(
+            "a standby and the speed-up gate do not go together yet: the gate's arms are measured on serving.port, "
+            "and a host with a standby serves on either of serving.port and standby.port"
+        )
     return Playbook(
         file=path,
         name=top["name"].str(),
@@ -606,9 +641,12 @@ def _serving(f: Field) -> Serving:
             "multi_node",
             "drain_timeout",
             "compile_cache",
+            "standby",
         }
     )
     multi_node = _multi_node(f["multi_node"]) if "multi_node" in f else None
+    port = f["port"].int(Serving.port, minimum=1, maximum=65535)
+    standby = _standby(f["standby"], port, multi_node) if "standby" in f else None
     compile_cache = f["compile_cache"].str(Serving.compile_cache)
     if compile_cache not in COMPILE_CACHE:
         raise f["compile_cache"].error(f"expected one of {', '.join(COMPILE_CACHE)}")
@@ -629,14 +667,35 @@ def _serving(f: Field) -> Serving:
         num_speculative_tokens=f["num_speculative_tokens"].int(Serving.num_speculative_tokens, minimum=1),
         # "address" (the container's own), or an address as the inventory's are held to
         host=f["host"].str(None) if f["host"].present and f["host"].value == "address" else f["host"].address(None),
-        port=f["port"].int(Serving.port, minimum=1, maximum=65535),
+        port=port,
         extra_args=_extra_args(f["extra_args"]),
         env=_serving_env(f["env"]),
         startup_timeout=f["startup_timeout"].seconds(Serving.startup_timeout, minimum=1),
         multi_node=multi_node,
         drain_timeout=f["drain_timeout"].seconds(Serving.drain_timeout, minimum=0),
         compile_cache=compile_cache,
+        standby=standby,
     )
+
+
+def _standby(f: Field, port: int, multi_node: MultiNode | None) -> Standby:
+    f.mapping({"port", "dev_routes"}, required=frozenset({"port", "dev_routes"}))
+    if multi_node is not None:
+        raise f.error("a multi_node group has no standby: its sleep across nodes is not proven")
+    other = f["port"].int(None, minimum=1, maximum=65535)
+    assert other is not None
+    if other == port:
+        raise f["port"].error(
+            f"the standby's port must differ from serving.port ({port}): the sleeping server keeps its own"
+        )
+    routes = f["dev_routes"].str()
+    if routes not in DEV_ROUTES:
+        raise f["dev_routes"].error(
+            "a standby needs vLLM's dev routes (VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, and /collective_rpc, which "
+            "calls any method of every worker, with no API key): write gateway-only where only the gateway and this "
+            "host reach serving.port and standby.port"
+        )
+    return Standby(other, routes)
 
 
 def _multi_node(f: Field) -> MultiNode:

@@ -42,7 +42,9 @@ def _client(run: Run) -> GatewayClient:
 
 def _host_metrics(run: Run, node: Node, prefixes: tuple[str, ...]) -> str:
     host = serving.probe_host(run.playbook, node.target.container)
-    op = protocol.metrics(run.playbook.serving.port, prefixes, host=host)
+    # with a standby the server listens on either of two ports: its record says which
+    follow = (node.root, serving.SERVER) if run.playbook.serving.standby is not None else None
+    op = protocol.metrics(run.playbook.serving.port, prefixes, host=host, server=follow)
     return run.batch(node, [op])[op]
 
 
@@ -161,11 +163,14 @@ def admit(run: Run, unit: Unit) -> bool:
     gateway is served by this host. False: the host is out of rotation again, and the gateway
     gate says why."""
     gateway, head = _client(run), unit.head
-    server = gateway.server(head.target.container)
+    server = gateway.server(head.target.container, head.port)
     drained = head.report.gates.get(GATE_GATEWAY)
     before: dict[str, Any] = dict(drained.data) if drained is not None and drained.ok else {}
     started = time.monotonic()
     try:
+        if run.playbook.serving.standby is not None:
+            run.step(head, "moving the gateway to where it serves", server.url)
+            gateway.move(server)  # the standby sleeps on the other port: the gateway follows
         run.step(head, "putting it back in rotation", server.key)
         with gateway.changing:
             gateway.put(server, into=True)

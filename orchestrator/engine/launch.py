@@ -71,7 +71,17 @@ def serve(run: Run, unit: Unit) -> None:
         unit.head.report.diagnosis = diagnosis.diagnose(run.playbook, unit.head.report)
         roll_back(run, unit)
         return
-    proven = start_and_prove(run, unit, release, switch=changed, keep=not changed and baseline is None)
+    at = None
+    if run.playbook.serving.standby is not None and unit.single and restarts and baseline is None:
+        from orchestrator.engine import standby  # a playbook with a standby only
+
+        if head.checks is not None and head.checks.serving and not collect_checks(run, head, head.checks):
+            # heard before the server is put to sleep: a refusal leaves what serves serving
+            if run.gateway is not None:
+                gateway.put_back(run, unit)
+            return
+        at = standby.prepare(run, unit, release)
+    proven = start_and_prove(run, unit, release, switch=changed, keep=not changed and baseline is None, at=at)
     if proven and not speedup.after_proof(run, unit):
         unit.head.report.diagnosis = diagnosis.diagnose(run.playbook, unit.head.report)
         unit.fail_others([unit.head.name], "group not ready")
@@ -114,6 +124,16 @@ def start_and_prove(
     from orchestrator.engine import compile_cache  # loaded where a unit serves (a files-only run never does)
 
     playbook, head = run.playbook, unit.head
+    if unit.single and playbook.serving.standby is not None and (ready_command is not None or head.going_back):
+        from orchestrator.engine import standby  # a playbook with a standby only
+
+        # Going back: the standby that holds the release is woken rather than a server started.
+        woken, elsewhere = standby.wake(run, unit, release, switch=head.name in switch)
+        if woken is not None:
+            return woken
+        at = at or elsewhere
+    if at is not None:
+        head.port = at[0]
     host = serving.probe_host(playbook, head.target.container)
     if at is not None:
         playbook = replace(playbook, serving=replace(playbook.serving, port=at[0]))
@@ -302,6 +322,7 @@ def _launch_op(
     host = serving.probe_host(playbook, unit.head.target.container)
     if at is not None:
         port, host = at
+        playbook = replace(playbook, serving=replace(playbook.serving, port=port))  # its command's --port
     if unit.single:
         command = serving.command(playbook, node.target.container, release)
         return protocol.launch(
@@ -386,15 +407,14 @@ def _ranks_alive(run: Run, unit: Unit) -> bool:
     return not unit.failed()
 
 
-def stop_all(run: Run, unit: Unit) -> None:
-    """Stop vLLM and Ray on every node; a node where anything is left fails its ``stopped`` gate."""
+def stop_all(run: Run, unit: Unit, standby: bool = False) -> None:
+    """Stop vLLM and Ray on every node; a node where anything is left fails its ``stopped`` gate.
+    ``standby``: the sleeping standby too (``stop``; a rollback wakes it instead)."""
 
     def stop(node: Node) -> None:
         wait = run.playbook.serving.stop_timeout
-        ops = [
-            protocol.stop(node.root, name, wait if name == serving.SERVER else 30.0)
-            for name in (serving.SERVER, serving.RAY)
-        ]
+        names = (serving.SERVER, serving.RAY, *((serving.STANDBY,) if standby and node.rank == 0 else ()))
+        ops = [protocol.stop(node.root, name, 30.0 if name == serving.RAY else wait) for name in names]
         node.disturbed = True
         answers = run.batch(node, [run.lock(node), *ops])
         left = [op.request["name"] for op in ops if not answers[op].gone]
@@ -440,7 +460,9 @@ def write_ready(run: Run, unit: Unit, release: str) -> None:
                 "nodes": [n.name for n in unit.nodes],
                 "executor": placement.multi.executor,
             }
-        record = serving.ready_record(release, gates, [f.record() for f in report.files], node.pid)
+        kept = report.standby if report.standby and report.standby.get("kept") else None
+        standby = {k: v for k, v in kept.items() if k != "kept"} if kept else None
+        record = serving.ready_record(release, gates, [f.record() for f in report.files], node.pid, standby)
         # Under the deploy-root lock, as every write: another run cannot switch or restart
         # between this run's proof and its record of it without holding the lock itself.
         run.batch(node, [run.lock(node), protocol.put(node.root, "ready.json", record)])

@@ -97,6 +97,9 @@ class Node:
         self.drained = False  # taken out of the gateway's rotation by this run, not yet put back
         self.from_ready = False  # going back: started with the command its READY record was proven with
         self.kept = False  # the launch kept the server that ran (proven again in place, not restarted)
+        # Where its server listens when not serving.port (a host with a standby alternates ports).
+        self.port: int | None = None
+        self.going_back = False  # a rollback: the standby of the release it goes back to is woken
 
     @property
     def name(self) -> str:

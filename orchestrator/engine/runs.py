@@ -264,7 +264,8 @@ def verify(
         ops: list[protocol.Op[Any]] = [*served.ops, *(checks.ops if checks else []), *gpu.ops]
         probe = None
         if probe_acceptance and served.status is not None and head:
-            probe = gates.acceptance.probe_op(playbook, host).finding()
+            follow = (node.root, unit.process(node)) if playbook.serving.standby is not None else None
+            probe = gates.acceptance.probe_op(playbook, host, server=follow).finding()
             ops.append(probe)
         answers = run.batch(node, ops)
         report = node.report
@@ -370,7 +371,8 @@ def stop(scope: Scope) -> RunReport:
 
             gateway.take_out(run, unit)
         if not unit.failed():
-            launch.stop_all(run, unit)
+            # the standby too, whether or not the playbook still keeps one: asleep, it holds host memory
+            launch.stop_all(run, unit, standby=True)
         unit.fail_others(unit.failed(), "group stop incomplete")
 
     units = units_for(scope.playbook, scope.inventory, list(scope.targets))
@@ -420,6 +422,8 @@ def rollback(scope: Scope, *, to_release: str | None = None) -> RunReport:
             unit.each(lambda node: None if node.report.changed else switch_only(run, node, back), GATE_FILES)
             if not unit.failed():
                 run.note(unit, f"rolling back to release {back} on {', '.join(n.name for n in unit.nodes)}")
+                for node in unit.nodes:
+                    node.going_back = True  # a standby of that release is woken, not started again
                 launch.serve(run, unit)
         unit.fail_others(unit.failed(), "group not rolled back")
 

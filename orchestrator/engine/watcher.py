@@ -293,7 +293,10 @@ class Watcher:
             ops: list[protocol.Op[Any]] = list(served.ops)
             metrics = None
             if served.status is not None and head:
-                metrics = protocol.metrics(playbook.serving.port, (*probe.FAMILIES, probe.RUNNING), host=host).finding()
+                # with a standby the server listens on either of two ports: its record says which
+                follow = (node.root, unit.process(node)) if playbook.serving.standby is not None else None
+                families = (*probe.FAMILIES, probe.RUNNING)
+                metrics = protocol.metrics(playbook.serving.port, families, host=host, server=follow).finding()
                 ops.append(metrics)
             w.checks = (built_from, served, metrics, ops)
         _, served, metrics, ops = w.checks

@@ -72,6 +72,13 @@ class Adapter:
         """The op that puts ``server`` into rotation (``into``) or takes it out, and its check."""
         raise NotImplementedError
 
+    def move(self, server: Server) -> list[tuple[Op[Any], Callable[[Any], None]]]:
+        """The ops (each with its check) that make the gateway send ``server``'s traffic to its URL
+        where that URL moved (a host whose releases alternate between two ports: the standby keeps
+        its port asleep). None for a gateway that knows a server by its URL (vllm-router's worker,
+        an endpoints file's entry, the command hook's request): putting it back there is enough."""
+        return []
+
     def rotation(self, servers: Sequence[Server], batch: Callable[[list[Op[Any]]], protocol.Answers]) -> Rotation:
         """Every server the gateway knows now (the command hook: those named), read through ``batch``."""
         ops, read = self.state(servers)

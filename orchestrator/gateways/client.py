@@ -89,8 +89,10 @@ class GatewayClient:
         """The gateway as every controller behind it names it: its kind, host and URL."""
         return f"{self.spec.kind} {self.spec.runs_on} {self.spec.url}"
 
-    def server(self, container: Container) -> Server:
-        url = serving.url(self.playbook, container)
+    def server(self, container: Container, port: int | None = None) -> Server:
+        """``container``'s server as the gateway knows it (``port``: where it listens when not
+        serving.port, a host with a standby)."""
+        url = serving.url(self.playbook, container, port)
         return Server(container.name, self.adapter.key(container.name, url), url)
 
     def _batch(self, ops: list[Op[Any]]) -> protocol.Answers:
@@ -126,6 +128,14 @@ class GatewayClient:
                 f"the {self.spec.kind} gateway still sends traffic to {server.name} ({member.status}) after it was taken out"
             )
         return member
+
+    def move(self, server: Server) -> None:
+        """Make the gateway send ``server``'s traffic to its URL (a release that listens on the other
+        port of a host with a standby), each step read back; nothing for a gateway that knows a
+        server by its URL."""
+        with self.changing:
+            for op, check in self.adapter.move(server):
+                check(self._batch([op])[op])
 
     def wait_in_rotation(self, server: Server, deadline: float) -> Member:
         """Until the gateway sends ``server`` traffic (HAProxy's health checks pass, a router marks it

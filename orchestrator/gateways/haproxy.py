@@ -51,6 +51,36 @@ def read_haproxy_stat(text: str, backend: str) -> Rotation:
     return Rotation(members)
 
 
+def read_server_address(text: str, backend: str, server: str) -> tuple[str, int]:
+    """``show servers state BACKEND``: where HAProxy sends ``server``'s traffic now (its address
+    and port). Its answer: a version line, a ``# ``-header naming the columns, a row a server."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    if len(lines) < 2 or not lines[1].startswith("# "):
+        raise GatewayError(f"HAProxy's `show servers state {backend}` did not answer with its table: {text[:200]!r}")
+    columns = {name: i for i, name in enumerate(lines[1][2:].split())}
+    if not {"be_name", "srv_name", "srv_addr", "srv_port"} <= set(columns):
+        raise GatewayError(f"HAProxy's `show servers state` has no srv_addr and srv_port: {lines[1][:200]!r}")
+    for line in lines[2:]:
+        row = line.split()
+        if len(row) < len(columns) or row[columns["be_name"]] != backend or row[columns["srv_name"]] != server:
+            continue
+        port = row[columns["srv_port"]]
+        if not port.isdigit():
+            raise GatewayError(f"HAProxy's `show servers state` gives {backend}/{server} port {port!r}")
+        return row[columns["srv_addr"]], int(port)
+    raise GatewayError(f"HAProxy's backend {backend!r} has no server {server!r} (`show servers state`)")
+
+
+def haproxy_moved(answer: str, command: str) -> None:
+    """``set server B/S addr A port P`` answers what it did ("port changed from '18001' to '18002'",
+    "no need to change the port"), each part in turn; anything else is its refusal."""
+    said = answer.strip()
+    parts = [p.strip() for p in said.split(" by '")[0].split(",")] if said else []
+    fine = ("no need to change the addr", "no need to change the port", "IP changed from", "port changed from")
+    if not parts or not all(p.startswith(fine) for p in parts):
+        raise GatewayError(f"HAProxy refused `{command}`: {said[:300] or 'no answer'}")
+
+
 def haproxy_changed(answer: str, command: str) -> None:
     """A runtime API command that changes something answers nothing when it worked, else its words."""
     if answer.strip():
@@ -82,6 +112,28 @@ class HaproxyAdapter(Adapter):
             )
         return found
 
+    def move(self, server: Server) -> list[tuple[Op[Any], Callable[[Any], None]]]:
+        """Send the server's traffic to the address and port of its URL (a release that listens on
+        the other port of a host with a standby), then read back where HAProxy sends it. A port
+        past 65535 is refused here: HAProxy 2.6 takes it modulo 65536 and says it changed."""
+        assert self.spec.socket is not None and self.spec.backend is not None
+        address, port = _address(server.url)
+        command = f"set server {self.spec.backend}/{server.key} addr {address} port {port}"
+        moved = protocol.gateway_socket(self.spec.socket, command, self.spec.timeout_s)
+        shown = protocol.gateway_socket(
+            self.spec.socket, f"show servers state {self.spec.backend}", self.spec.timeout_s
+        )
+        backend = self.spec.backend
+
+        def landed(answer: str) -> None:
+            found = read_server_address(answer, backend, server.key)
+            if found != (address, port):
+                raise GatewayError(
+                    f"HAProxy sends {backend}/{server.key} to {found[0]}:{found[1]}, not {address}:{port}, after `{command}`"
+                )
+
+        return [(moved, lambda a: haproxy_moved(a, command)), (shown, landed)]
+
     def change(self, server: Server, into: bool) -> tuple[Op[Any], Callable[[Any], None]]:
         assert self.spec.socket is not None
         # drain: weight 0, so no new request goes to it while those it holds finish (maint would
@@ -90,3 +142,17 @@ class HaproxyAdapter(Adapter):
         return protocol.gateway_socket(self.spec.socket, command, self.spec.timeout_s), lambda a: haproxy_changed(
             a, command
         )
+
+
+def _address(url: str) -> tuple[str, int]:
+    """A server URL's address and port, as HAProxy's runtime API takes them."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or not 0 < port < 65536:
+        raise GatewayError(f"a server URL HAProxy can be moved to needs an address and a port of 1-65535: {url!r}")
+    return parts.hostname, port

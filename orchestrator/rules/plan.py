@@ -24,7 +24,7 @@ from orchestrator.rules.gates import models
 from orchestrator.rules.gates.build import read_build
 from orchestrator.rules.gates.engine import read_engine
 from orchestrator.rules.gates.files import paths, read_verified
-from orchestrator.rules.gates.health import read_serving_status
+from orchestrator.rules.gates.health import read_serving_status, read_standby
 from orchestrator.rules.gates.loader import read_loader
 from orchestrator.rules.gates.models import ModelChecks, Pins, manifests, names
 
@@ -246,10 +246,14 @@ class ServedChecks:
             playbook, root, record=False, rehash=rehash, drafter=False, tokens=tokens, findings=True
         )
         self.status: protocol.Op[protocol.Status] | None = None
+        self.standby: protocol.Op[protocol.Status] | None = None
         if playbook.serving.target is not None:
             port = playbook.serving.port if head else None
             self.status = protocol.serving_status(root, process, port, host=host).finding()
-        self.ops: list[protocol.Op[Any]] = [self.served, *self.models.ops, *([self.status] if self.status else [])]
+            if playbook.serving.standby is not None and head:
+                self.standby = protocol.serving_status(root, serving.STANDBY, port, host=host).finding()
+        status = [op for op in (self.status, self.standby) if op is not None]
+        self.ops: list[protocol.Op[Any]] = [self.served, *self.models.ops, *status]
 
     def read(self, answers: protocol.Answers, report: HostReport, role: str | None) -> None:
         """The files, models, health and ready gates (``role``: a rank that serves no HTTP)."""
@@ -260,3 +264,5 @@ class ServedChecks:
             models.read_models(self.playbook, answers.get(target), None, report, found.links, found.manifest)
         if self.status is not None and self.status in answers and report.release_id is not None:
             read_serving_status(answers[self.status], report, role)
+            if self.standby is not None and self.standby in answers:
+                read_standby(answers[self.standby], report)

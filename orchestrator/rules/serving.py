@@ -26,6 +26,9 @@ from orchestrator.rules.placement import Placement
 # Supervised process names on a node (the agent's launch/stop ``name``).
 SERVER = "dflash-serve"
 RAY = "dflash-ray"
+# The READY release kept asleep beside the next one (``serving.standby``): the server it was,
+# known by this name while it sleeps, and by ``SERVER`` again once woken.
+STANDBY = "dflash-standby"
 
 # `vllm serve`, run through its module on every build: the headless ranks of a multi-node
 # deployment need this CLI (the API server module has no --headless, and 0.33 deprecates that
@@ -87,10 +90,11 @@ def probe_host(playbook: Playbook, container: Container) -> str:
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
-def url(playbook: Playbook, container: Container) -> str:
+def url(playbook: Playbook, container: Container, port: int | None = None) -> str:
     """The server's base URL as a gateway reaches it: where vLLM listens, and where it listens on
     every address, the container's own address (loopback would send the gateway to its own
-    machine); loopback only for a container on the controller's machine with no address."""
+    machine); loopback only for a container on the controller's machine with no address.
+    ``port``: where it listens when not ``serving.port`` (a host with a standby)."""
     host = listen_host(playbook, container)
     if host in WILDCARDS:
         if container.address is not None:
@@ -101,7 +105,7 @@ def url(playbook: Playbook, container: Container) -> str:
             raise InputError(
                 f"{container.name} listens on {host or 'every address'} but has no address a gateway reaches"
             )
-    return f"http://{'[' + host + ']' if ':' in host else host}:{playbook.serving.port}"
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port or playbook.serving.port}"
 
 
 def tensor_parallel_size(playbook: Playbook, container: Container) -> int:
@@ -136,6 +140,10 @@ def command(playbook: Playbook, container: Container, release_id: str, speculati
     ]
     argv += graceful_args(playbook)
     argv += (_speculative_args(playbook, container, release_id) if speculative else []) + list(s.extra_args)
+    if s.standby is not None:
+        # vLLM's sleep mode: its CuMem allocator, so that level 1 can free the GPU's memory (the
+        # routes that reach it are in ``environment``)
+        argv.append("--enable-sleep-mode")
     return ServerCommand(tuple(argv), environment(playbook, container), stop_timeout=s.stop_timeout)
 
 
@@ -145,6 +153,10 @@ def environment(playbook: Playbook, container: Container) -> dict[str, str]:
     what the server will (a ``PYTHONPATH`` of serving.env puts another vLLM or transformers first)."""
     env = {"HF_HUB_OFFLINE": "1", **start_budget(playbook), **cache_env(playbook, container), **gpu_env(container)}
     env.update(playbook.serving.env)
+    if playbook.serving.standby is not None:
+        # /sleep, /wake_up and /is_sleeping exist only under vLLM's dev mode (the playbook's
+        # ``standby.dev_routes`` says who reaches them; serving.env may not set it)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     return env
 
 
@@ -320,7 +332,16 @@ def ray_status_argv(playbook: Playbook, placement: Placement) -> list[str]:
     return [playbook.serving.python, "-m", "ray.scripts.scripts", "status", "--address", address]
 
 
-def ready_record(release_id: str, report_gates: dict[str, Any], files: list[dict[str, Any]], pid: int | None) -> bytes:
-    """``ready.json``: which release is READY, on what evidence, serving from which process."""
-    body = {"release_id": release_id, "pid": pid, "gates": report_gates, "files": files}
+def ready_record(
+    release_id: str,
+    report_gates: dict[str, Any],
+    files: list[dict[str, Any]],
+    pid: int | None,
+    standby: dict[str, Any] | None = None,
+) -> bytes:
+    """``ready.json``: which release is READY, on what evidence, serving from which process (and
+    the standby kept asleep beside it: its release, port, process and memory)."""
+    body: dict[str, Any] = {"release_id": release_id, "pid": pid, "gates": report_gates, "files": files}
+    if standby is not None:
+        body["standby"] = standby
     return (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()

@@ -303,3 +303,39 @@ def fleet_gates(speedup: dict[str, object]) -> dict[str, object]:
         "acceptance": {"min_mean_acceptance_length": 4.0, "min_drafts": 10, "max_tokens": 32},
         "speedup": {**speedup, "on_inconclusive": "pass"},
     }
+
+
+def test_haproxy_follows_a_server_to_another_port_through_the_agent(fleet: Fleet, haproxy: Haproxy) -> None:
+    """The standby's move on a real HAProxy (Debian's 2.6): the backend's server sent to the other
+    port of its host by the runtime API through the gateway host's agent, read back from `show
+    servers state`; again, it is already there; a port HAProxy would wrap is refused before it is
+    sent, and HAProxy keeps the port it had."""
+    from orchestrator.agent.client import AgentClient
+    from orchestrator.config.inventory import load_inventory
+    from orchestrator.connectors.local import LocalConnector
+    from orchestrator.errors import GatewayError
+    from orchestrator.gateways.base import Server
+    from orchestrator.gateways.client import GatewayClient, gateway_target
+
+    playbook = fleet.playbook(haproxy_gateway(haproxy))
+    client = GatewayClient(
+        playbook, gateway_target(playbook, load_inventory(fleet.inventory)), AgentClient(LocalConnector())
+    )
+    other = fleet.port + 1 if fleet.port < 65535 else fleet.port - 1
+
+    def port_of(name: str) -> int:
+        for line in haproxy.command("show servers state vllm").splitlines()[2:]:
+            fields = line.split()
+            if len(fields) > 18 and fields[3] == name:
+                return int(fields[18])  # srv_port
+        raise AssertionError(f"no server {name} in show servers state")
+
+    assert port_of("g1") == fleet.port
+    moved = Server("g1", "g1", f"http://{HOSTS['g1']}:{other}")
+    client.move(moved)
+    assert port_of("g1") == other and port_of("g2") == fleet.port
+    client.move(moved)  # already there
+    assert port_of("g1") == other
+    with pytest.raises(GatewayError, match="a port of 1-65535"):
+        client.move(Server("g1", "g1", f"http://{HOSTS['g1']}:99999"))
+    assert port_of("g1") == other

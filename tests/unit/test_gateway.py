@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -564,3 +565,45 @@ def test_every_gateway_kind_the_playbook_takes_has_one_adapter_module_and_no_oth
     modules = {m.name for m in pkgutil.iter_modules(gateways.__path__)} - {"base", "client"}
     assert {ADAPTERS[k].__module__.rsplit(".", 1)[1] for k in KINDS} == modules
     assert len(modules) == len(KINDS)  # one module a kind
+
+
+MOVE = json.loads((Path(__file__).resolve().parents[1] / "data" / "gateways" / "haproxy-2.6.12-move.json").read_text())
+
+
+def test_haproxy_moves_a_server_to_its_new_port_and_reads_back_where_it_sends_it() -> None:
+    """What HAProxy 2.6.12 answered (recorded): the move's words, then `show servers state`."""
+    spec = Gateway("haproxy", "gw", "http://127.0.0.1:80", socket="/run/h.sock", backend="b", servers={"g1": "s1"})
+    adapter = haproxy.HaproxyAdapter(spec)
+    server = base.Server("g1", adapter.key("g1", "http://127.0.0.1:18002"), "http://127.0.0.1:18002")
+    (moved, said), (shown, landed) = adapter.move(server)
+    assert moved.request["command"] == "set server b/s1 addr 127.0.0.1 port 18002"
+    assert shown.request["command"] == "show servers state b"
+    said(MOVE["moved"])
+    said(MOVE["again"])  # already there: fine
+    landed(MOVE["state"])
+    assert haproxy.read_server_address(MOVE["state"], "b", "s1") == ("127.0.0.1", 18002)
+    elsewhere = base.Server("g1", "s1", "http://127.0.0.1:18003")
+    with pytest.raises(GatewayError, match=re.escape("sends b/s1 to 127.0.0.1:18002, not 127.0.0.1:18003")):
+        adapter.move(elsewhere)[1][1](MOVE["state"])
+    with pytest.raises(
+        GatewayError, match=re.escape("HAProxy refused `set server b/s1 addr 127.0.0.1 port 18002`: No such server")
+    ):
+        said("No such server.\n\n")
+    with pytest.raises(GatewayError, match="no answer"):
+        said("\n")
+
+
+def test_haproxy_is_never_asked_for_a_port_it_would_wrap() -> None:
+    """HAProxy 2.6.12 took port 99999 as 34463 and said it changed (recorded): such a URL is refused
+    before anything is sent."""
+    assert MOVE["wrapped_asked"].endswith("port 99999") and "to '34463'" in MOVE["wrapped"]
+    spec = Gateway("haproxy", "gw", "http://127.0.0.1:80", socket="/run/h.sock", backend="b")
+    adapter = haproxy.HaproxyAdapter(spec)
+    for url in ("http://127.0.0.1:99999", "http://127.0.0.1:0", "http://127.0.0.1", "http://:8000"):
+        with pytest.raises(GatewayError, match="an address and a port of 1-65535"):
+            adapter.move(base.Server("g1", "s1", url))
+
+
+def test_a_gateway_that_knows_a_server_by_its_url_needs_no_move() -> None:
+    router = vllm_router.RouterAdapter(Gateway("vllm-router", "gw", "http://127.0.0.1:30000"))
+    assert router.move(base.Server("g1", "http://10.0.0.2:8001", "http://10.0.0.2:8001")) == []

@@ -323,3 +323,49 @@ def test_a_speedup_level_above_max_num_seqs_is_refused_naming_both(
     with pytest.raises(InputError) as info:
         load_playbook(path)
     assert expected in str(info.value)
+
+
+GATEWAY = "gateway: {kind: haproxy, runs_on: gw, url: 'http://10.0.0.9:30000', socket: /run/h.sock, backend: vllm}\n"
+ROUTER = "gateway: {kind: vllm-router, runs_on: gw, url: 'http://10.0.0.9:30000'}\n"
+SERVED = "  port: 8100\n  target: /models/t\n  python: /usr/bin/python3\n"
+SPEEDUP = "gates:\n  speedup: {}\n"
+
+
+def test_a_standby_is_off_unless_asked_for_and_then_alternates_between_two_ports(tmp_path: Path) -> None:
+    assert load_playbook(setup(tmp_path, GOOD)).serving.standby is None
+    text = GOOD.replace("  port: 8100\n", SERVED + "  standby: {port: 8102, dev_routes: gateway-only}\n") + GATEWAY
+    standby = load_playbook(setup(tmp_path, text)).serving.standby
+    assert standby is not None and (standby.port, standby.dev_routes) == (8102, "gateway-only")
+
+
+@pytest.mark.parametrize(
+    ("standby", "extra", "expected"),
+    [
+        ("{port: 8102, dev_routes: gateway-only}", "", "a standby needs a gateway (gateway:)"),
+        ("{port: 8100, dev_routes: gateway-only}", GATEWAY, "must differ from serving.port (8100)"),
+        ("{port: 8102}", GATEWAY, "serving.standby: missing required key 'dev_routes'"),
+        ("{port: 8102, dev_routes: anywhere}", GATEWAY, "/collective_rpc, which calls any method of every worker"),
+        ("{port: 70000, dev_routes: gateway-only}", GATEWAY, "serving.standby.port: must be at most 65535"),
+        (
+            "{port: 8102, dev_routes: gateway-only, level: 2}",
+            GATEWAY,
+            "serving.standby.level: unknown key; allowed: dev_routes, port",
+        ),
+        (
+            "{port: 8101, dev_routes: gateway-only}",
+            SPEEDUP + GATEWAY,
+            "a standby and the speed-up gate do not go together yet",
+        ),
+        ("{port: 8102, dev_routes: gateway-only}", ROUTER, "a vllm-router gateway knows a server by its URL"),
+    ],
+)
+def test_a_standby_that_cannot_hold_is_refused_at_load_naming_its_key(
+    tmp_path: Path, standby: str, extra: str, expected: str
+) -> None:
+    text = GOOD.replace("  port: 8100\n", f"{SERVED}  standby: {standby}\n") + extra.replace(SPEEDUP, "")
+    if SPEEDUP in extra:
+        text = text.replace("gates:\n", SPEEDUP, 1)
+    with pytest.raises(InputError) as info:
+        load_playbook(setup(tmp_path, text))
+    assert expected in str(info.value), str(info.value)
+    assert info.value.exit_code == 2

@@ -80,6 +80,8 @@ def build(name: str) -> protocol.Op[Any]:
         "command": (["ray", "status"],),
         "probe": (8000, "m", ["p"], 16, 60.0),
         "metrics": (8000, ["vllm:spec_decode_"]),
+        "sleep": ("/r", "dflash-serve", 8000, 1, 30.0),
+        "wake_up": ("/r", "dflash-serve", 8000, 30.0),
         "load": (8000, "m", ["p"], 64, 4, 16, 120.0),
         "gateway_socket": ("/run/haproxy/admin.sock", "show stat", 10.0),
         "gateway_http": ("GET", "http://127.0.0.1:30000/workers", None, 10.0),

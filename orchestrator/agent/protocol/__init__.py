@@ -143,10 +143,11 @@ if TYPE_CHECKING:  # the modules of serving hosts, loaded when first named (``__
         stop,
         wait_health,
     )
+    from orchestrator.agent.protocol.standby import Sleep, sleep, wake_up
 
 # The modules loaded when first named (what ``TYPE_CHECKING`` imports above): a files-only deploy
 # never loads the serving ops (their answer classes cost a controller start milliseconds on 3.11).
-_LATER = ("serving", "checks", "background", "compile_cache", "gateway")
+_LATER = ("serving", "checks", "background", "compile_cache", "gateway", "standby")
 
 __all__ = [
     "ENGINE_CHECK_TIMEOUT",
@@ -192,6 +193,7 @@ __all__ = [
     "Served",
     "ServedFile",
     "ServerCommand",
+    "Sleep",
     "Startup",
     "Status",
     "Stopped",
@@ -230,11 +232,13 @@ __all__ = [
     "release_verify",
     "serving_runs",
     "serving_status",
+    "sleep",
     "stop",
     "upload",
     "upload_status",
     "vllm_build",
     "wait_health",
+    "wake_up",
     "words",
 ]
 
@@ -263,6 +267,8 @@ OPS = (
     OpSpec("probe", "serving", GATE_ACCEPTANCE, "probing acceptance"),
     OpSpec("load", "serving", GATE_SPEEDUP, "sending the speed-up load"),
     OpSpec("metrics", "serving", GATE_ACCEPTANCE, "reading the server's metrics"),
+    OpSpec("sleep", "standby", GATE_STOPPED, "putting the server to sleep"),
+    OpSpec("wake_up", "standby", GATE_HEALTH, "waking the standby"),
     OpSpec("loader_view", "checks", GATE_LOADER, "loading the drafter config with transformers"),
     OpSpec("vllm_build", "checks", GATE_BUILD, "reading the vLLM build"),
     OpSpec("gpus", "checks", GATE_GPUS, "checking its GPUs"),

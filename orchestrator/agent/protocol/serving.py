@@ -87,6 +87,11 @@ class Process:
     pid: int
     alive: bool
     release_id: str | None
+    port: int | None = None  # where it listens, as its launch recorded it
+
+
+def _server(server: tuple[str, str] | None) -> dict[str, str] | None:
+    return None if server is None else {"root": server[0], "name": server[1]}
 
 
 @dataclass(frozen=True)
@@ -332,6 +337,7 @@ def _status(v: dict[str, Any]) -> Status:
             pid=answer_field(server, "pid", int),
             alive=answer_field(server, "alive", bool),
             release_id=answer_field(server, "release_id", str, optional=True),
+            port=answer_field(server, "port", int, optional=True),
         )
     return Status(
         process,
@@ -378,9 +384,11 @@ def probe(
     timeout: float,
     host: str = LOOPBACK,
     warm: int = 0,
+    server: tuple[str, str] | None = None,
 ) -> Op[Scrapes]:
     """Scrape /metrics, run the prompts (greedy, a fixed token budget), scrape again; ``warm``: then
-    the first ``warm`` prompts once more, their prefixes cached, after a scrape between."""
+    the first ``warm`` prompts once more, their prefixes cached, after a scrape between.
+    ``server`` (root, name): ask where that server's record says it listens (else ``port``)."""
     request = {
         "op": "probe",
         "host": host,
@@ -390,6 +398,7 @@ def probe(
         "max_tokens": max_tokens,
         "timeout": timeout,
         "warm": warm,
+        "server": _server(server),
     }
     return Op(request, lambda v: _scrapes(v, min(max(warm, 0), len(prompts)), len(prompts)), budget_s=timeout)
 
@@ -484,7 +493,21 @@ def _loaded(v: dict[str, Any]) -> Loaded:
     )
 
 
-def metrics(port: int, prefixes: Sequence[str], timeout: float = 10.0, host: str = LOOPBACK) -> Op[str]:
-    """The server's /metrics now, only the lines of the families named by ``prefixes``."""
-    request = {"op": "metrics", "host": host, "port": port, "prefixes": list(prefixes), "timeout": timeout}
+def metrics(
+    port: int,
+    prefixes: Sequence[str],
+    timeout: float = 10.0,
+    host: str = LOOPBACK,
+    server: tuple[str, str] | None = None,
+) -> Op[str]:
+    """The server's /metrics now, only the lines of the families named by ``prefixes``.
+    ``server`` (root, name): ask where that server's record says it listens (else ``port``)."""
+    request = {
+        "op": "metrics",
+        "host": host,
+        "port": port,
+        "prefixes": list(prefixes),
+        "timeout": timeout,
+        "server": _server(server),
+    }
     return Op(request, lambda v: str(answer_field(v, "text", str)), budget_s=timeout)

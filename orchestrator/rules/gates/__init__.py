@@ -89,7 +89,7 @@ def _table() -> tuple[GateRow, ...]:
         GateRow(GATE_BUILD, "staging", this.build, "always", (this.build.KNOWN_BUGS,)),
         GateRow(GATE_ENGINE, "staging", this.engine, "--engine", (this.engine.NOT_GENERATIVE,)),
         GateRow(GATE_COMPILE_CACHE, "serving", this.compile_cache, "never", (this.compile_cache.KEY_DIFFERS,)),
-        GateRow(GATE_HEALTH, "serving", this.health, "always", (this.health.ASLEEP,)),
+        GateRow(GATE_HEALTH, "serving", this.health, "always", (this.health.ASLEEP, this.health.STANDBY_AWAKE)),
         GateRow(
             GATE_ACCEPTANCE,
             "serving",

@@ -75,13 +75,17 @@ def warm_prompts(playbook: Playbook) -> int:
     return 0 if gate.prefix_cache == "off" else -(-len(probe_prompts(playbook)) // 2)
 
 
-def probe_op(playbook: Playbook, host: str = protocol.LOOPBACK) -> protocol.Op[protocol.Scrapes]:
-    """The acceptance probe: greedy completions of the playbook's prompts (or the built-in mix)."""
+def probe_op(
+    playbook: Playbook, host: str = protocol.LOOPBACK, server: tuple[str, str] | None = None
+) -> protocol.Op[protocol.Scrapes]:
+    """The acceptance probe: greedy completions of the playbook's prompts (or the built-in mix).
+    ``server`` (root, name): sent where that server's record says it listens (a host with a
+    standby serves on either of two ports)."""
     s, gate = playbook.serving, playbook.gates.acceptance
     prompts = probe_prompts(playbook)
-    return protocol.probe(
-        s.port, s.model_name, prompts, gate.max_tokens, probe_timeout(playbook), host=host, warm=warm_prompts(playbook)
-    )
+    timeout = probe_timeout(playbook)
+    warm = warm_prompts(playbook)
+    return protocol.probe(s.port, s.model_name, prompts, gate.max_tokens, timeout, host=host, warm=warm, server=server)
 
 
 def read_probe(

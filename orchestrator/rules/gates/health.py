@@ -8,7 +8,9 @@ lines of its log; the start's ledger (phases from vLLM's own lines, compile hit 
 is the gate's `startup`, a KV cache smaller than the same release's last start a warning, and so
 a start that waited on a lookup of the host's own name (Gloo's, on every start of vLLM). `verify`
 holds a server vLLM says is asleep (`/is_sleeping`, its sleep mode's route) as not healthy: it
-answers `/health` 200 while every request waits in its queue.
+answers `/health` 200 while every request waits in its queue. With `serving.standby`, the standby
+is proven too: asleep (vLLM says so), its release still on the host; a standby awake is a server
+outside rotation holding the GPU's memory, and fails the gate.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from orchestrator.rules.gates.ready import ready_gate
 
 # A reason code of the gate (``GATES``): the server answers /health but vLLM sleeps.
 ASLEEP = "asleep"
+# The standby (``serving.standby``) is awake: outside rotation, holding the GPU's memory.
+STANDBY_AWAKE = "standby_awake"
 
 
 def health_op(playbook: Playbook, root: str, name: str, host: str = protocol.LOOPBACK) -> protocol.Op[protocol.Healthy]:
@@ -99,6 +103,37 @@ def read_serving_status(status: protocol.Status, report: HostReport, role: str |
     else:
         report.gates[GATE_HEALTH] = Gate(True, f"pid {server.pid} alive, /health 200")
     report.gates[GATE_READY] = ready_gate(status, report)
+
+
+def read_standby(status: protocol.Status, report: HostReport) -> None:
+    """verify, a playbook with a standby: the standby as the host has it (its release, port and
+    process, and the memory its READY record counted when that process was put to sleep). None
+    is kept: no standby yet (a first deploy), or it went back into service. Awake, it fails the
+    health gate: a server outside rotation that holds the GPU's memory."""
+    standby = status.server
+    if standby is None or not standby.alive:
+        report.standby = None
+        return
+    found: dict[str, Any] = {
+        "release_id": standby.release_id,
+        "pid": standby.pid,
+        "port": standby.port,
+        "asleep": status.sleeping,
+    }
+    counted = (status.ready or {}).get("standby")
+    if isinstance(counted, dict) and counted.get("pid") == standby.pid:
+        for key in ("host_mib", "gpu_mib", "sleep_s"):
+            if isinstance(counted.get(key), (int, float)) and not isinstance(counted.get(key), bool):
+                found[key] = counted[key]
+    report.standby = found
+    if not status.sleeping and report.gates.get(GATE_HEALTH, Gate(True, "")).ok:
+        said = "does not answer /health" if status.health is None else "is awake (vLLM does not say it sleeps)"
+        report.gates[GATE_HEALTH] = Gate(
+            False,
+            f"the standby (release {standby.release_id}, pid {standby.pid}, port {standby.port}) {said}: a server "
+            "outside rotation that holds the GPU's memory; a deploy puts the next standby to sleep and stops it",
+            reason=STANDBY_AWAKE,
+        )
 
 
 def rank_alive(server: protocol.Process | None, role: str) -> Gate:
