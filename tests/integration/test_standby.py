@@ -108,8 +108,11 @@ def test_a_rollout_keeps_the_last_ready_release_asleep_and_a_rollback_wakes_it(f
         assert ready["standby"]["pid"] == pids_1[name] and ready["standby"]["release_id"] == release_1[name]
     assert addresses(haproxy) == {name: standby_port for name in HOSTS}
 
-    verified = fleet.verify(with_standby(fleet, haproxy, standby_port, "release 2\n"))
+    # the probe goes where the host's record says its server listens: the standby's port now
+    book = with_standby(fleet, haproxy, standby_port, "release 2\n")
+    verified = Deployment(book, load_inventory(fleet.inventory), OPTIONS).verify(probe=True)
     assert verified.ok, failures(verified)
+    assert all(h.gates["acceptance"].ok for h in verified.hosts)
     for host in verified.hosts:
         assert host.standby is not None and host.standby["asleep"] is True, host.standby
         assert host.standby["port"] == fleet.port and host.standby["release_id"] == release_1[host.name]
