@@ -223,3 +223,27 @@ def _running(server: Server) -> int:
         if line.startswith("vllm:num_requests_running{"):
             return int(float(line.split()[-1]))
     return -1
+
+
+def test_the_next_server_takes_the_unit_the_sleeping_standby_does_not_hold(tmp_path: Path) -> None:
+    """Under systemd a server runs in a unit named after its root and name, and a unit cannot be
+    renamed: the standby keeps the one it was started in, so the next server started under the
+    server's name takes the name's second unit, and the two alternate. A dead standby holds none."""
+    from remote_agent.serving import _unit_for, _unit_name, process_start_time
+
+    root = str(tmp_path)
+    (tmp_path / "run").mkdir()
+    first, second = _unit_name(root, NAME), _unit_name(root, NAME + "-2")
+    assert _unit_for(root, NAME) == first  # nothing else runs
+
+    def standby_in(unit: str, start: object) -> None:
+        record = {"pid": os.getpid(), "start": start, "unit": unit, "port": 8000}
+        (tmp_path / "run" / "dflash-standby.json").write_text(json.dumps(record))
+
+    alive = process_start_time(os.getpid())  # this very process stands for it
+    standby_in(first, alive)
+    assert _unit_for(root, NAME) == second
+    standby_in(second, alive)
+    assert _unit_for(root, NAME) == first
+    standby_in(first, "another start")  # its pid now names another process: dead, its unit free
+    assert _unit_for(root, NAME) == first
