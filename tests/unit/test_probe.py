@@ -247,7 +247,6 @@ def test_the_agent_scrapes_inside_the_cold_pass_after_the_prompts_the_warm_pass_
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from orchestrator.agent import protocol
     from remote_agent import serving
 
     counts = {"drafts": 0, "accepted": 0}
@@ -278,11 +277,13 @@ def test_the_agent_scrapes_inside_the_cold_pass_after_the_prompts_the_warm_pass_
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         req = {"host": "127.0.0.1", "port": server.server_address[1], "model": "m", "max_tokens": 40,
-               "timeout": 30, "prompts": ["code", "chat"], "warm": 1}  # fmt: skip
+               "timeout": 30, "prompts": ["code", "chat"], "warm": 1, "server": None}  # fmt: skip
         answer = serving.op_probe(req)
     finally:
         server.shutdown()
-    scrapes = protocol.serving._scrapes(answer, 1, 2)
+    from orchestrator.agent.protocol import serving as wire  # loaded when first named
+
+    scrapes = wire._scrapes(answer, 1, 2)
     assert len(scrapes.each) == 2  # after each prompt of the cold pass
     a = probe.measure(scrapes.before, scrapes.middle or "", scrapes.each)
     assert a.per_prompt == (4.0, 1.0) and a.bound_over == "over 2 prompts"
