@@ -188,9 +188,11 @@ APP_QUERY = "pid,gpu_uuid,used_memory,process_name"
 
 
 def _our_process(root, pid):
-    """A GPU process of the server (or Ray) we started: its session is the one we gave it, or it
-    runs in the systemd unit we wrote."""
-    for name in ("dflash-serve", "dflash-ray"):
+    """A GPU process of the server (or Ray, or the standby asleep beside it) we started: its
+    session is the one we gave it, or it runs in the systemd unit we wrote. A sleeping vLLM keeps
+    its CUDA context on the GPU (0.9 GiB on an H100, vLLM 0.26): held as another process's, verify
+    failed every host with a standby."""
+    for name in ("dflash-serve", "dflash-ray", "dflash-standby"):
         record = server_record(root, name)
         if not record or not record.get("alive"):
             continue
