@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,13 @@ def addresses(haproxy: Haproxy) -> dict[str, int]:
     return out
 
 
+def post(address: str, port: int, path: str) -> None:
+    """What anyone who reaches a server's dev routes can send it."""
+    request = urllib.request.Request(f"http://{address}:{port}{path}", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert answer.status == 200
+
+
 def rollback(fleet: Fleet, playbook: Playbook) -> RunReport:
     return Deployment(playbook, load_inventory(fleet.inventory), OPTIONS).rollback()
 
@@ -116,6 +124,14 @@ def test_a_rollout_keeps_the_last_ready_release_asleep_and_a_rollback_wakes_it(f
     for host in verified.hosts:
         assert host.standby is not None and host.standby["asleep"] is True, host.standby
         assert host.standby["port"] == fleet.port and host.standby["release_id"] == release_1[host.name]
+    # Woken behind the tool's back (the dev routes answer whoever reaches them): a server outside
+    # rotation holding the GPU's memory is a finding, and asleep again it is not.
+    post(HOSTS["g2"], fleet.port, "/wake_up")
+    awake = by_name(fleet.verify(book))["g2"]
+    assert awake.failed_gate == "health" and awake.gates["health"].reason == "standby_awake", awake.gates
+    assert "is awake (vLLM does not say it sleeps)" in awake.gates["health"].detail
+    post(HOSTS["g2"], fleet.port, "/sleep?level=1")
+    assert fleet.verify(book).ok
 
     load = Load(haproxy.port).start()
     back = rollback(fleet, with_standby(fleet, haproxy, standby_port, "release 2\n"))
