@@ -149,6 +149,11 @@ def wake(run: Run, unit: Unit, release: str, switch: bool) -> tuple[bool | None,
     port = standby.port or playbook.serving.port
     if standby.release_id != release:
         return None, (other_port(run, port), host) if port == playbook.serving.port else None
+    if not held.standby_sleeping:
+        # Woken outside the tool (its dev routes answer whoever reaches them): it may have been
+        # given other weights since (/collective_rpc), so it is not what its READY record proved.
+        why = "was awake (woken outside the tool: it may serve other weights than its READY record proved)"
+        return _not_used(run, node, release, why, host, port)
     run.note(unit, f"waking the standby of release {release}")
     run.step(node, "waking the standby", f"release {release}, port {port}")
     at_port = replace(playbook, serving=replace(playbook.serving, port=port))
@@ -165,7 +170,7 @@ def wake(run: Run, unit: Unit, release: str, switch: bool) -> tuple[bool | None,
         if exc.failure.gate == GATE_FILES:
             raise  # the lock or the switch: its own gate says why
         if exc.failure.op == "wake_up":
-            return _not_woken(run, node, release, exc, host, port)
+            return _not_used(run, node, release, f"could not be woken ({exc.failure.describe()})", host, port)
         node.report.gates[exc.failure.gate] = Gate(False, exc.failure.message, reason=exc.failure.code)
         node.report.diagnosis = diagnosis.diagnose(playbook, node.report, failure=exc.failure)
         node.port = port
@@ -190,17 +195,17 @@ def wake(run: Run, unit: Unit, release: str, switch: bool) -> tuple[bool | None,
     return ok, None
 
 
-def _not_woken(
-    run: Run, node: Node, release: str, exc: AgentError, host: str, port: int
+def _not_used(
+    run: Run, node: Node, release: str, why: str, host: str, port: int
 ) -> tuple[bool | None, tuple[int, str] | None]:
-    """A standby that could not be woken is stopped (it holds its port and host memory), and the
-    release is started as without one, where it listened."""
+    """A standby that cannot be used (awake, or it could not be woken) is stopped (it holds its
+    port and host memory), and the release is started as without one, where it listened."""
     stop = protocol.stop(node.root, serving.STANDBY, run.playbook.serving.stop_timeout)
     gone = run.batch(node, [run.lock(node), stop])[stop].gone
     node.report.standby = {
         "kept": False,
         "woken": False,
-        "why": f"the standby of release {release} could not be woken ({exc.failure.describe()}): "
+        "why": f"the standby of release {release} {why}: "
         + ("stopped, and the release started instead" if gone else "and could not be stopped"),
     }
     return None, (port, host)

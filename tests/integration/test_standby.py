@@ -159,6 +159,27 @@ def test_a_rollout_keeps_the_last_ready_release_asleep_and_a_rollback_wakes_it(f
         assert not alive(pids_1[name])
 
 
+def test_a_standby_woken_outside_the_tool_is_never_used_to_go_back(fleet: Fleet, haproxy: Haproxy) -> None:
+    """A standby found awake when a rollback comes (woken by whoever reached its dev routes, which
+    also serve /collective_rpc: it may hold other weights now) is not what its READY record proved:
+    it is stopped and its release started as without one, and the host says why; the hosts whose
+    standby slept are woken."""
+    standby_port = free_port()
+    assert fleet.deploy(with_standby(fleet, haproxy, standby_port, "release 1\n")).ok
+    book = with_standby(fleet, haproxy, standby_port, "release 2\n")
+    assert fleet.deploy(book).ok
+    pids = {name: record(fleet, name, "dflash-standby")["pid"] for name in HOSTS}
+    post(HOSTS["g1"], fleet.port, "/wake_up")
+    back = rollback(fleet, book)
+    assert back.ok, failures(back)
+    g1 = by_name(back)["g1"]
+    assert g1.standby is not None and "was awake (woken outside the tool" in g1.standby["why"], g1.standby
+    assert not alive(pids["g1"]) and fleet.pid("g1") != pids["g1"]  # started afresh
+    assert not g1.gates["health"].detail.startswith("the standby woken")
+    for name in ("g2", "g3"):
+        assert fleet.pid(name) == pids[name]  # woken
+
+
 def test_a_release_that_fails_its_gates_goes_back_by_waking_the_standby(fleet: Fleet, haproxy: Haproxy) -> None:
     """A release whose drafter the servers do not accept fails acceptance on the first host: its
     server is stopped and the standby (the release that was READY, asleep) woken and proven, the
