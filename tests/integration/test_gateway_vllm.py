@@ -281,13 +281,13 @@ def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFlee
     process group reached vLLM's worker process, which exited at once, and all six failed with HTTP
     500 ("Worker proc VllmWorker-0 died unexpectedly"); the same holds for the systemd unit's
     KillMode (mixed, not control-group). Runs on the servers the rollouts above left. The stop is
-    sent once two waves of requests have their status (vLLM streams a request's status with its
-    first token, so a request has it once it runs: waiting for all 64 sent the stop as the last
-    wave ended, and twice none was left in hand), by then every request has reached the server
-    (sent at once: one that reaches a server already stopping is refused, HTTP 500, and is not
-    this test's case); not when a poll of the server's gauges sees them (on a loaded machine the
-    first poll was answered after 60 of the 64 had ended). That some were still in hand when it
-    landed is checked after."""
+    sent once 48 requests have their status, six waves of eight: vLLM streams a request's status
+    with its first token, so a request has it once it runs. Waiting for all 64 sent the stop as the
+    last wave ended (twice none was left in hand); after two waves, some of the 64 sent at once had
+    not yet been taken by vLLM and were refused (HTTP 500, a request that reaches a server already
+    stopping: not this test's case). Not when a poll of the server's gauges sees them (on a loaded
+    machine the first poll was answered after 60 of the 64 had ended). That some were still in
+    hand when it landed is checked after."""
     name, address = "v1", SERVERS["v1"]
     root = str(fleet.dir / "roots" / name)
     if not (fleet.dir / "roots" / name / "run" / "dflash-serve.json").exists():
@@ -298,7 +298,7 @@ def test_the_agents_stop_lets_vllm_finish_every_request_it_holds(fleet: RealFlee
     clients = [threading.Thread(target=streams.complete) for _ in range(64)]
     for client in clients:
         client.start()
-    streams.wait_admitted(16, timeout=180)
+    streams.wait_admitted(48, timeout=180)
     sent = time.monotonic()
     (stopped,) = agent([{"op": "stop", "root": root, "name": "dflash-serve", "timeout": 90}])
     for client in clients:
