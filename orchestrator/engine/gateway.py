@@ -42,8 +42,7 @@ def _client(run: Run) -> GatewayClient:
 
 def _host_metrics(run: Run, node: Node, prefixes: tuple[str, ...]) -> str:
     host = serving.probe_host(run.playbook, node.target.container)
-    # with a standby the server listens on either of two ports: its record says which
-    follow = (node.root, serving.SERVER) if run.playbook.serving.standby is not None else None
+    follow = serving.followed(run.playbook, node.root, serving.SERVER)
     op = protocol.metrics(run.playbook.serving.port, prefixes, host=host, server=follow)
     return run.batch(node, [op])[op]
 

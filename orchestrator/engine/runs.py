@@ -264,7 +264,7 @@ def verify(
         ops: list[protocol.Op[Any]] = [*served.ops, *(checks.ops if checks else []), *gpu.ops]
         probe = None
         if probe_acceptance and served.status is not None and head:
-            follow = (node.root, unit.process(node)) if playbook.serving.standby is not None else None
+            follow = serving.followed(playbook, node.root, unit.process(node))
             probe = gates.acceptance.probe_op(playbook, host, server=follow).finding()
             ops.append(probe)
         answers = run.batch(node, ops)

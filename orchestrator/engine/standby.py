@@ -209,9 +209,3 @@ def _not_used(
         + ("stopped, and the release started instead" if gone else "and could not be stopped"),
     }
     return None, (port, host)
-
-
-def record(node: Node) -> dict[str, Any] | None:
-    """The standby as the READY record keeps it (None: none kept by this run)."""
-    kept = node.report.standby
-    return {k: v for k, v in kept.items() if k != "kept"} if kept and kept.get("kept") else None

@@ -293,8 +293,7 @@ class Watcher:
             ops: list[protocol.Op[Any]] = list(served.ops)
             metrics = None
             if served.status is not None and head:
-                # with a standby the server listens on either of two ports: its record says which
-                follow = (node.root, unit.process(node)) if playbook.serving.standby is not None else None
+                follow = serving.followed(playbook, node.root, unit.process(node))
                 families = (*probe.FAMILIES, probe.RUNNING)
                 metrics = protocol.metrics(playbook.serving.port, families, host=host, server=follow).finding()
                 ops.append(metrics)

@@ -108,6 +108,12 @@ def url(playbook: Playbook, container: Container, port: int | None = None) -> st
     return f"http://{'[' + host + ']' if ':' in host else host}:{port or playbook.serving.port}"
 
 
+def followed(playbook: Playbook, root: str, name: str) -> tuple[str, str] | None:
+    """The server an op asks where it listens (root, name), for ops that take a port: with a
+    standby a host serves on either of two ports and its record says which; else None (the port)."""
+    return (root, name) if playbook.serving.standby is not None else None
+
+
 def tensor_parallel_size(playbook: Playbook, container: Container) -> int:
     """The tensor parallel size a container's server runs at: the playbook's, else its GPUs."""
     return playbook.serving.tensor_parallel_size or max(1, len(container.gpus))
