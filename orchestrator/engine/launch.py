@@ -535,9 +535,14 @@ def roll_back(run: Run, unit: Unit) -> None:
         switch = {n.name for n in unit.nodes if n.report.changed}
         proven = start_and_prove(run, again, back, switch, keep=False, ready_command="prefer")
     went_back = {name: g.to_json() for name, g in again.head.report.gates.items()}
+    woken = again.head.report.standby if (again.head.report.standby or {}).get("woken") else None
     for report in reports:
         report.rollback_gates = went_back  # its start and probe: vLLM's time in the split, not the tool's
+        if woken is not None:  # the standby this run put to sleep is the server again: said so, not "kept"
+            report.standby = {**(report.standby or {}), **woken}
     with_command = " with the server command it was READY with" if again.head.from_ready else ""
+    if woken is not None:
+        with_command = f" by waking its standby in {woken.get('wake_s')} s (no server started)"
     if unit.head.kept and not changed and not again.head.from_ready:
         with_command = ", its server (kept in place, failed its proof) started afresh from it"
     if proven and _admitted(run, again, unit):

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from orchestrator.cli.render import standby_line
 from orchestrator.config.inventory import load_inventory
 from orchestrator.config.playbook import Playbook, load_playbook
 from orchestrator.deployment import Deployment
@@ -197,8 +198,12 @@ def test_a_release_that_fails_its_gates_goes_back_by_waking_the_standby(fleet: F
     load.stop()
     g1 = by_name(third)["g1"]
     assert g1.failed_gate == "acceptance", failures(third)
-    assert f"rolled back: release {release_2} is current again" in " ".join(g1.diagnosis), g1.diagnosis
+    said = " ".join(g1.diagnosis)
+    assert f"rolled back: release {release_2} is current again by waking its standby in" in said, said
     assert g1.rollback_gates is not None and g1.rollback_gates["health"]["detail"].startswith("the standby woken")
+    # The host's standby entry ends as the run left it: woken (no longer asleep beside the server).
+    assert g1.standby is not None and g1.standby["woken"] and not g1.standby["kept"], g1.standby
+    assert standby_line(g1.standby).startswith(f"release {release_2} woken in"), g1.standby
     assert fleet.pid("g1") == pid_2  # woken, not started again
     assert record(fleet, "g1", "dflash-serve")["port"] == standby_port
     assert os.readlink(fleet.root("g1") / "current").endswith(release_2 or "?")
