@@ -93,9 +93,17 @@ def differences(want: dict[str, Any], got: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--check":  # a conversion held to the recorded digests (here and on a GPU host)
+    if sys.argv[1] in ("--check", "--check-weights"):  # a conversion held to the recorded digests
         recorded, made = (json.loads(Path(p).read_text()) for p in sys.argv[2:4])
-        if differ := differences(recorded, made):
+        differ = differences(recorded, made)
+        if sys.argv[1] == "--check-weights":
+            # Another transformers (a GPU host's) writes its config and tokenizer files otherwise
+            # (5.17 and 5.19 do): the weights and the greedy answer are what is served and measured.
+            other = [n for n in differ if not n.endswith(".safetensors") and n != "the greedy answer"]
+            if other:
+                print(f"not held (this transformers writes them otherwise): {', '.join(other)}", file=sys.stderr)
+            differ = [n for n in differ if n not in other]
+        if differ:
             raise SystemExit(f"the conversion differs from {sys.argv[2]}: {', '.join(differ)}")
         print(f"the conversion is the recorded one ({len(recorded['files'])} files)", file=sys.stderr)
     else:

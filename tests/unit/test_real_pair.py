@@ -266,3 +266,37 @@ def test_a_conversion_is_held_to_the_recorded_digests_file_by_file_and_by_its_gr
     for manifest, said in ((other, name), (fewer, name), (answer, "the greedy answer")):
         got = check(manifest)
         assert got.returncode != 0 and f"the conversion differs from {recorded}: " in got.stderr and said in got.stderr
+
+
+@pytest.mark.usefixtures("programs")
+def test_a_conversion_by_another_transformers_is_held_to_its_weights_and_greedy_answer(tmp_path: Path) -> None:
+    """``lab/realmodel.py --check-weights``, as lab/gpu/realpair.sh runs it on the GPU device
+    (transformers 5.17 writes config.json and the tokenizer's files otherwise than 5.19, recorded
+    2026-12-07): those files differing is said and passes; weights of other bytes or another
+    greedy answer still fail, naming what differs."""
+    import subprocess
+    import sys
+
+    recorded = REPO / "tests" / "data" / "real-model" / "smollm2-135m-instruct.json"
+    want = json.loads(recorded.read_text())
+
+    def check(manifest: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        made = tmp_path / "manifest.json"
+        made.write_text(json.dumps(manifest))
+        argv = [sys.executable, str(REPO / "lab" / "realmodel.py"), "--check-weights", str(recorded), str(made)]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    def with_file(name: str) -> dict[str, Any]:
+        return {**want, "files": {**want["files"], name: {**want["files"][name], "sha256": "0" * 64}}}
+
+    metadata = check(with_file("config.json"))
+    assert (
+        metadata.returncode == 0
+        and "not held (this transformers writes them otherwise): config.json" in metadata.stderr
+    )
+    for manifest, said in (
+        (with_file("model.safetensors"), "model.safetensors"),
+        ({**want, "greedy": {**want["greedy"], "answer": "something else"}}, "the greedy answer"),
+    ):
+        got = check(manifest)
+        assert got.returncode != 0 and f"the conversion differs from {recorded}: " in got.stderr and said in got.stderr
