@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -241,22 +243,26 @@ def test_no_false_refusal_of_the_good_pair_in_20_deploys_and_20_verify_probes_on
     assert all(c.startswith("tau 2.15 against 2.15 of the last READY release") for c in compared), compared
 
 
+RECORDED_MODEL = REPO / "tests" / "data" / "real-model" / "smollm2-135m-instruct.json"
+
+
+def realmodel_check(tmp_path: Path, flag: str, manifest: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """``lab/realmodel.py FLAG RECORDED MADE`` with ``manifest`` as the conversion's."""
+    made = tmp_path / "manifest.json"
+    made.write_text(json.dumps(manifest))
+    argv = [sys.executable, str(REPO / "lab" / "realmodel.py"), flag, str(RECORDED_MODEL), str(made)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.usefixtures("programs")
 def test_a_conversion_is_held_to_the_recorded_digests_file_by_file_and_by_its_greedy_answer(tmp_path: Path) -> None:
     """``lab/realmodel.py --check``, as scripts/real-model and lab/gpu/realpair.sh run it: the
     recorded manifest passes itself; a file of other bytes, one missing, or another greedy answer
     fails, naming what differs."""
-    import subprocess
-    import sys
-
-    recorded = REPO / "tests" / "data" / "real-model" / "smollm2-135m-instruct.json"
-    want = json.loads(recorded.read_text())
+    recorded, want = RECORDED_MODEL, json.loads(RECORDED_MODEL.read_text())
 
     def check(manifest: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-        made = tmp_path / "manifest.json"
-        made.write_text(json.dumps(manifest))
-        argv = [sys.executable, str(REPO / "lab" / "realmodel.py"), "--check", str(recorded), str(made)]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        return realmodel_check(tmp_path, "--check", manifest)
 
     assert check(want).returncode == 0
     name = sorted(want["files"])[0]
@@ -274,17 +280,10 @@ def test_a_conversion_by_another_transformers_is_held_to_its_weights_and_greedy_
     (transformers 5.17 writes config.json and the tokenizer's files otherwise than 5.19, recorded
     2026-12-07): those files differing is said and passes; weights of other bytes or another
     greedy answer still fail, naming what differs."""
-    import subprocess
-    import sys
-
-    recorded = REPO / "tests" / "data" / "real-model" / "smollm2-135m-instruct.json"
-    want = json.loads(recorded.read_text())
+    recorded, want = RECORDED_MODEL, json.loads(RECORDED_MODEL.read_text())
 
     def check(manifest: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-        made = tmp_path / "manifest.json"
-        made.write_text(json.dumps(manifest))
-        argv = [sys.executable, str(REPO / "lab" / "realmodel.py"), "--check-weights", str(recorded), str(made)]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        return realmodel_check(tmp_path, "--check-weights", manifest)
 
     def with_file(name: str) -> dict[str, Any]:
         return {**want, "files": {**want["files"], name: {**want["files"][name], "sha256": "0" * 64}}}
