@@ -233,9 +233,10 @@ class Deployment:
             joined = WatchGroup(self.store, group or self.watch_group, self.observer.say)
         return Watcher(self.scope, joined, on_change)
 
-    def rollbacks(self, after: int) -> RollBack:
+    def rollbacks(self, after: int, watcher: Watcher | None = None) -> RollBack:
         """For a watch that rolls back (``RollBack``): each host DEGRADED for ``after`` rounds in
-        a row rolled back on its own, as ``rollback`` with ``limit`` that host would."""
+        a row rolled back on its own, as ``rollback`` with ``limit`` that host would. Given the
+        ``watcher``, its later rounds of a host rolled back say so first."""
         from orchestrator.engine.watcher import RollBack
 
         if self.playbook.serving.multi_node is not None:
@@ -246,7 +247,7 @@ class Deployment:
         def roll_back(host: str) -> RunReport:
             return replace(self, limit=(host,)).rollback()
 
-        return RollBack(roll_back, after, self.observer.say)
+        return RollBack(roll_back, after, self.observer.say, watcher)
 
     def _run(self, kind: RunKind, work: Callable[[], RunReport], detail: str = "") -> RunReport:
         store = self.store

@@ -604,10 +604,10 @@ def _watch(args: argparse.Namespace, deployment: Deployment) -> int:
             ) from None
         _say(f"metrics on http://{args.metrics_address}:{args.metrics_port}/metrics")
     on_change = watcher.OnChange(args.on_change, _say) if args.on_change else None
-    rollbacks = deployment.rollbacks(args.rollback_after) if args.rollback_on else None
     what = "one round" if args.once else f"every {args.interval:g} s"
     _say(f"watch {deployment.playbook.name}: {len(deployment.targets)} hosts, {what}")
     w = deployment.watcher(group, on_change)
+    rollbacks = deployment.rollbacks(args.rollback_after, w) if args.rollback_on else None
 
     def on_round(number: int, rounds: list[watch.Round], transitions: list[watch.Transition]) -> None:
         if collector is not None:

@@ -156,6 +156,7 @@ class Watcher:
         self.watched = [_Watched(n, u) for u in units_for(playbook, inventory, list(scope.targets)) for n in u.nodes]
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(options.forks, len(self.watched))))
         self._gateway: Any = None  # gateway.GatewayClient, made on the first round that needs it
+        self.went_back: dict[str, str] = {}  # host -> what this watch's rollback did (RollBack)
 
     def round(self) -> tuple[list[Round], list[Transition]]:
         """One round over every node at once: each node's round, and the transitions it showed."""
@@ -170,6 +171,10 @@ class Watcher:
                     seen[i] = replace(seen[i], group_down=others)
         if self.playbook.gateway is not None:
             seen = self._rotation(seen)
+        seen = [
+            replace(s, went_back=self.went_back[w.node.name]) if w.node.name in self.went_back else s
+            for w, s in zip(self.watched, seen, strict=True)
+        ]
         rounds, transitions = [], []
         for w, s in zip(self.watched, seen, strict=True):
             w.host, rnd, change = step(w.host, s, self.playbook.gates.live)
@@ -367,8 +372,14 @@ class RollBack:
     recorded as any rollback), once a watch. Between rounds, by the group's lead only: one
     watcher of a group acts, as one pages."""
 
-    def __init__(self, roll_back: Callable[[str], RunReport], after: int, say: Callable[[str], None]) -> None:
-        self.roll_back, self.after, self.say = roll_back, after, say
+    def __init__(
+        self,
+        roll_back: Callable[[str], RunReport],
+        after: int,
+        say: Callable[[str], None],
+        watcher: Watcher | None = None,
+    ) -> None:
+        self.roll_back, self.after, self.say, self.watcher = roll_back, after, say, watcher
         self.done: set[str] = set()
 
     def __call__(self, rounds: list[Round]) -> list[RunReport]:
@@ -384,8 +395,25 @@ class RollBack:
             ok = report.ok
             said = "; ".join(h.diagnosis[-1] for h in report.hosts if h.diagnosis) or ("READY" if ok else "failed")
             self.say(f"{host}: rollback {'READY' if ok else 'failed'}: {said}")
+            if self.watcher is not None:
+                self.watcher.went_back[host] = went_back(report, self.after)
             reports.append(report)
         return reports
+
+
+def went_back(report: RunReport, after: int) -> str:
+    """What a watch's rollback of one host did, as its later rounds say it first: the host serves
+    the release it went back to, not the playbook's (its files are then DRIFT by design)."""
+    when = time.strftime("%H:%M:%SZ", time.gmtime(report.started))
+    host = report.hosts[0] if report.hosts else None
+    left = f" from release {host.previous}" if host is not None and host.previous else ""
+    if report.ok and host is not None:
+        return (
+            f"rolled back by this watch at {when}{left} (DEGRADED for {after} round{'s' * (after != 1)}) "
+            f"to release {host.release_id}: it serves that release, not the playbook's; deploy again to go forward"
+        )
+    why = host.diagnosis[-1] if host is not None and host.diagnosis else "see its run record"
+    return f"this watch's rollback at {when}{left} failed: {why}"
 
 
 class OnChange:

@@ -55,6 +55,9 @@ class Seen:
     server_pid: int | None = None
     changed_fields: tuple[str, ...] = ()  # in drifted JSON files, named: "config.json: a.b 1 -> 2"
     notes: tuple[str, ...] = ()  # said with the round, whatever the state (a reconnect)
+    # This watch rolled the host back (``--rollback-on``): said first in every later round, since
+    # the host then serves another release than the playbook's (DRIFT by its files), by design.
+    went_back: str | None = None
     group_down: tuple[str, ...] = ()  # the other nodes of its multi-node group that are down
     # The gateway's view of a head (with a gateway in the playbook): in rotation, in its words;
     # or why it could not be read.
@@ -262,6 +265,8 @@ def step(w: HostWatch, seen: Seen, gate: AcceptanceGate) -> tuple[HostWatch, Rou
                 reasons.append(g.detail)
         reasons.extend(seen.changed_fields)
     reasons.extend(seen.notes)
+    if seen.went_back is not None:
+        reasons.insert(0, seen.went_back)
     if down:
         state = DOWN
     elif blind or (live is not None and not live.ok):

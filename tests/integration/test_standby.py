@@ -247,7 +247,8 @@ def test_the_founding_incident_is_undone_by_waking_the_standby_under_load(fleet:
     standby_pid = record(fleet, "g1", "dflash-standby")["pid"]
     release_1 = by_name(second)["g1"].standby["release_id"]  # type: ignore[attr-defined]
     deployment = Deployment(playbook, load_inventory(fleet.inventory), OPTIONS)
-    rollbacks, watcher = deployment.rollbacks(after=2), deployment.watcher()
+    watcher = deployment.watcher()
+    rollbacks = deployment.rollbacks(after=2, watcher=watcher)
     load = Load(haproxy.port).start()
     try:
         watcher.round()  # every host READY, its window open
@@ -274,6 +275,7 @@ def test_the_founding_incident_is_undone_by_waking_the_standby_under_load(fleet:
                 restored = time.monotonic() - collapsed
         assert restored is not None, "live acceptance never came back"
         assert g1.release_id == release_1
+        assert g1.reasons[0].startswith("rolled back by this watch at "), g1.reasons  # not the files' drift
     finally:
         load.stop()
         watcher.close()

@@ -348,8 +348,8 @@ def test_a_watch_that_rolls_back_takes_a_degraded_host_back_once_and_it_is_ready
         def say(self, message: str) -> None:
             said.append(message)
 
-    rollbacks = Deployment(playbook, box.inventory, OPTIONS, observer=Said()).rollbacks(after=2)
     w = watcher(box, playbook)
+    rollbacks = Deployment(playbook, box.inventory, OPTIONS, observer=Said()).rollbacks(after=2, watcher=w)
     try:
         served = box.root("solo") / "current" / "drafter" / "config.json"
         served.write_text(served.read_text().replace(f'"mask_token_id": {GOOD_MASK}', '"mask_token_id": 9'))
@@ -377,6 +377,12 @@ def test_a_watch_that_rolls_back_takes_a_degraded_host_back_once_and_it_is_ready
         # people deploy again.
         assert r.state == DRIFT and r.release_id == first.release_id, r.reasons
         assert r.live is not None and r.live.mean_acceptance_length == pytest.approx(K + 1)
+        # Said first, in every later round: why the host is not on the playbook's release.
+        assert r.reasons[0].startswith("rolled back by this watch at "), r.reasons
+        assert (
+            f"from release {second.release_id} (DEGRADED for 2 rounds) to release {first.release_id}: it serves "
+            "that release, not the playbook's; deploy again to go forward"
+        ) in r.reasons[0]
         assert any("notes.txt has sha256" in reason for reason in r.reasons), r.reasons
         again = replace(r, state=DEGRADED, state_rounds=5)
         assert rollbacks([again]) == []  # once a watch: a rollback that did not help is left to people
@@ -401,6 +407,30 @@ def test_a_rollback_that_cannot_start_is_said_and_the_watch_goes_on() -> None:
     assert asked == ["a"]  # b: one round only
     assert said[-1] == "a: rollback not run: no release before 20261207T000000Z-000000 to go back to"
     assert rollbacks([replace(degraded[0], state_rounds=3)]) == [] and asked == ["a"]  # once a watch
+
+
+def test_a_rollback_by_the_watch_that_fails_is_said_first_in_the_hosts_later_rounds() -> None:
+    """A watch's rollback that ran and failed (the release before does not pass either): the host's
+    later rounds say so first, with the run's last word, so nobody takes its state for the
+    playbook's release failing."""
+    from types import SimpleNamespace
+
+    from orchestrator.engine.watcher import RollBack
+    from orchestrator.results import RunReport
+    from orchestrator.rules.watch import Round
+
+    host = HostReport("a", release_id="r1", previous="r2", changed=True)
+    host.gates["health"] = Gate(False, "pid 7 alive, but /health does not answer")
+    host.diagnosis.append("rolled back to release r1, but it does not pass either (a: ...): stopped")
+    failed = RunReport("rollback", "p.yaml", "i.yaml", "r1", [host], started=1796601600.0)
+    told = SimpleNamespace(went_back={})
+    rollbacks = RollBack(lambda name: failed, 2, lambda line: None, told)  # type: ignore[arg-type]
+    degraded = Round("a", 0.0, DEGRADED, ("live traffic",), "r2", None, 0, 50, 0, None, None, state_rounds=2)
+    assert rollbacks([degraded]) == [failed]
+    assert told.went_back == {
+        "a": "this watch's rollback at 00:00:00Z from release r2 failed: "
+        "rolled back to release r1, but it does not pass either (a: ...): stopped"
+    }
 
 
 def test_a_watch_that_rolls_back_is_refused_where_it_cannot_through_the_cli(
