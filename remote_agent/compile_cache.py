@@ -4,9 +4,10 @@ A host that compiled (the rollout's first, its canary) has under ``<root>/cache/
 torch_compile_cache`` one hash directory per compile key; the controller lists the ones its READY
 start used, with every file's size and digest, and reads them in chunks, to keep a signed copy and
 push it (``upload``, digests checked) to hosts of the same key. What it lists and reads is only
-what vLLM writes there: regular files of one link, in directories, none reached through a link; a
-hash directory holding anything else (a link planted to read a secret of the serving user's, a
-FIFO) is refused, never followed or read.
+what vLLM writes there: regular files of one link, in directories, none reached through a link,
+each under a name vLLM gives it (``vllm_wrote``); a hash directory holding anything else (a link
+planted to read a secret of the serving user's, a FIFO, a file the serving user dropped beside
+vLLM's) is refused, never followed, read or given to other hosts.
 """
 
 from remote_agent.core import (
@@ -24,6 +25,79 @@ from remote_agent.core import (
 from remote_agent.releases import AOT, CACHE, cache_key_dir, remove_tree
 
 READ_MAX = 8 << 20  # bytes one read answers (base64 in the JSON answer: 11 MB)
+
+# What vLLM writes in a hash directory (vLLM 0.26 and 0.32, ``compilation/backends.py``,
+# ``compiler_interface.py``, ``decorators.py``): ``<hash>/rank_<r>_<d>/<model tag>/`` (``backbone``,
+# ``dflash_head``) holds its cache index (``vllm_compile_cache.py``, read by ``ast.literal_eval``),
+# the key's factors, the graph's and the transformed code's text for people, and one artifact per
+# compile range and subgraph (a file, or a directory in VLLM_COMPILE_CACHE_SAVE_FORMAT=unpacked);
+# ``rank_<r>_<d>/inductor_cache`` and ``triton_cache`` are Inductor's and Triton's own trees (the
+# non-standalone compiler); ``torch_aot_compile/<hash>/`` holds ``rank_<r>_<d>/model`` and
+# Inductor's tree. Inside Inductor's and Triton's trees the names are theirs (hashes): any
+# regular file. A name anywhere else is not vLLM's.
+_RANK = "rank_"
+TAG_FILES = ("vllm_compile_cache.py", "cache_key_factors.json", "computation_graph.py", "transformed_code.py")
+TREES = ("inductor_cache", "triton_cache")
+_WROTE = (
+    "rank_<r>_<d>/<model tag>/ holding " + ", ".join(TAG_FILES) + " and artifact_compile_range_<a>_<b>_subgraph_<n>; "
+    "rank_<r>_<d>/inductor_cache and triton_cache; torch_aot_compile/<hash>/rank_<r>_<d>/model and inductor_cache"
+)
+
+
+def _number(text):
+    return text.isdigit() and text.isascii()
+
+
+def _rank(name):
+    parts = name[len(_RANK) :].split("_") if name.startswith(_RANK) else []
+    return len(parts) == 2 and all(_number(p) for p in parts)
+
+
+def _artifact(name):
+    # artifact_compile_range_<start>_<end>_subgraph_<index>
+    head, sep, index = name.rpartition("_subgraph_")
+    bounds = head[len("artifact_compile_range_") :].split("_") if head.startswith("artifact_compile_range_") else []
+    return bool(sep) and _number(index) and len(bounds) == 2 and all(_number(b) for b in bounds)
+
+
+def _tag(name):
+    return bool(name) and name.isascii() and name.replace("_", "").isalnum()
+
+
+def vllm_wrote(hash_dir, parts, is_dir):
+    """Whether ``parts`` (a path below the hash directory ``hash_dir``, ``<hash>`` or
+    ``torch_aot_compile/<hash>``) is a directory (``is_dir``) or file vLLM writes there."""
+    n = len(parts)
+    if hash_dir.startswith(AOT + "/"):
+        if parts[0] in ("inductor_cache",):
+            return n > 1 or is_dir
+        return _rank(parts[0]) and (is_dir if n == 1 else n == 2 and parts[1] == "model" and not is_dir)
+    if not _rank(parts[0]):
+        return False
+    if n == 1:
+        return is_dir
+    if parts[1] in TREES:
+        return n > 2 or is_dir
+    if not _tag(parts[1]):
+        return False
+    if n == 2:
+        return is_dir
+    if _artifact(parts[2]):
+        return True  # a file, or (unpacked) Inductor's tree of it
+    return n == 3 and not is_dir and parts[2] in TAG_FILES
+
+
+def _check_layout(top, name, path, is_dir):
+    parts = os.path.relpath(path, top).split(os.sep)
+    if not vllm_wrote(name, parts, is_dir):
+        raise OpError(
+            "not_vllms",
+            "%s is not a name vLLM gives %s in its compile cache (%s): not listed, read or given to other hosts"
+            % (path, "a directory" if is_dir else "a file", _WROTE),
+            path,
+        )
+
+
 # Where a given cache is uploaded before it is placed: a hash directory vLLM can see is always
 # whole (a cut push leaves its files here, resumable, and vLLM never reads a half of one).
 GIVEN = ".given"
@@ -87,11 +161,13 @@ def op_compile_cache_files(req):
                 st = os.lstat(os.path.join(here, sub))
                 if not stat.S_ISDIR(st.st_mode):
                     _refuse(os.path.join(here, sub), _kind(st))
+                _check_layout(top, name, os.path.join(here, sub), True)
             for file in files:
                 path = os.path.join(here, file)
                 st = os.lstat(path)
                 if not stat.S_ISREG(st.st_mode):
                     _refuse(path, _kind(st))
+                _check_layout(top, name, path, False)
                 if st.st_nlink != 1:
                     _refuse(path, "a file of %d links (another name of it may be anything the user owns)" % st.st_nlink)
                 count, total = count + 1, total + st.st_size
@@ -155,6 +231,9 @@ def op_compile_cache_place(req):
     for name in req["dirs"]:
         src, dst = os.path.join(cache, GIVEN, _cache_name(name)), os.path.join(cache, name)
         _directory(src, "missing")
+        for here, subdirs, files in os.walk(src, onerror=lambda exc: _raise(exc)):
+            for entry, is_dir in [(d, True) for d in subdirs] + [(f, False) for f in files]:
+                _check_layout(src, name, os.path.join(here, entry), is_dir)
         try:
             os.rmdir(dst)  # an empty hash directory (vLLM made it and ended before it wrote): no cache
         except OSError:

@@ -202,12 +202,16 @@ def compile_cache(values: dict[str, str]) -> None:
     else:
         log("Compiling a graph for compile range (1, 512) takes 0.01 s")
         where.joinpath("rank_0_0", "backbone", "vllm_compile_cache.py").write_text("# graphs\n")
-        # A cache of a real model's shape ($STANDIN_CACHE_FILES small files and a large one): for
-        # timing what taking and giving it costs (vLLM 0.26 on an H100: 783 files, 66.6 MB).
+        # A cache of a real model's shape ($STANDIN_CACHE_FILES small files and a large one), under
+        # the names vLLM gives them (Inductor's tree; one artifact a subgraph): for timing what
+        # taking and giving it costs (vLLM 0.26 on an H100: 783 files, 66.6 MB).
+        kernels = artifact.parent.parent / "inductor_cache" / "fxgraph"
         for i in range(int(os.environ.get("STANDIN_CACHE_FILES", "0"))):
-            where.joinpath("rank_0_0", "backbone", f"kernel-{i}.py").write_bytes(os.urandom(20_000))
+            kernels.mkdir(parents=True, exist_ok=True)
+            kernels.joinpath(f"c{i:04x}.py").write_bytes(os.urandom(20_000))
         if os.environ.get("STANDIN_CACHE_FILES"):
-            where.joinpath("rank_0_0", "backbone", "graphs.bin").write_bytes(os.urandom(50 << 20))
+            name = "artifact_compile_range_1_512_subgraph_0"
+            where.joinpath("rank_0_0", "backbone", name).write_bytes(os.urandom(50 << 20))
         artifact.parent.mkdir(parents=True, exist_ok=True)
         artifact.write_bytes(compiled)
         log(f"saved AOT compiled function to {artifact}")

@@ -201,29 +201,76 @@ def test_a_kept_copy_not_as_this_controller_signed_it_is_never_given(box: Box, e
     assert files_under(kept / "files") == {k: v for k, v in files_under(host_cache(box)).items() if "/" in k}
 
 
-@pytest.mark.parametrize("planted", ["link", "fifo", "hardlink"])
+@pytest.mark.parametrize("planted", ["link", "fifo", "hardlink", "dropped"])
 def test_a_cache_holding_what_vllm_never_writes_is_not_taken(box: Box, planted: str) -> None:
     """A host's cache that holds a link (to a secret of the serving user's), a FIFO (whose read
-    would hang) or a second name of another file is refused by the host's agent: nothing is read
-    or kept, and the host is READY as it was."""
+    would hang), a second name of another file, or a file under a name vLLM never gives (dropped
+    beside vLLM's by whoever runs the server: it would be signed and given to every host of the
+    key) is refused by the host's agent: nothing is read or kept, and the host is READY as it was."""
     own = box.playbook()
     assert deploy(box, own).ok  # compile_cache own: nothing taken
     secret = box.dir / "secret"
     secret.write_text("token\n")
     graphs = next(p for p in host_cache(box).iterdir() if p.name not in ("torch_aot_compile", ".given"))
-    where = graphs / "rank_0_0" / "backbone" / "planted"
+    where = graphs / "rank_0_0" / "backbone" / "computation_graph.py"  # a name vLLM gives
     {
         "link": lambda: where.symlink_to(secret),
         "fifo": lambda: os.mkfifo(where),
         "hardlink": lambda: os.link(secret, where),
+        "dropped": lambda: where.with_name("sitecustomize.py").write_text("import os\n"),
     }[planted]()
     a_new_release(box, "a files-only release\n")
     second = deploy(box, box.playbook(**SHARE))
     report = host(second, "solo")
     assert second.ok, report.gates
     gate = report.gates["compile_cache"]
-    assert gate.detail.startswith("not taken: ") and "vLLM never writes" in gate.detail, gate.detail
+    said = "is not a name vLLM gives a file" if planted == "dropped" else "vLLM never writes"
+    assert gate.detail.startswith("not taken: ") and said in gate.detail, gate.detail
     assert not store(box).exists() or not [p for p in store(box).iterdir() if not p.name.startswith(".")]
+
+
+@pytest.mark.parametrize(
+    ("path", "is_dir", "wrote"),
+    [
+        ("rank_0_0", True, True),
+        ("rank_0_0/backbone", True, True),
+        ("rank_0_0/dflash_head/vllm_compile_cache.py", False, True),
+        ("rank_1_0/backbone/cache_key_factors.json", False, True),
+        ("rank_0_0/backbone/computation_graph.py", False, True),
+        ("rank_0_0/backbone/transformed_code.py", False, True),
+        ("rank_0_0/backbone/artifact_compile_range_1_8192_subgraph_0", False, True),
+        ("rank_0_0/backbone/artifact_compile_range_1_8192_subgraph_3/fxgraph/ab/x.py", False, True),
+        ("rank_0_0/inductor_cache/fxgraph/ab/fabc.py", False, True),
+        ("rank_0_0/triton_cache/KX3/triton_.cubin", False, True),
+        ("rank_0_0/backbone/sitecustomize.py", False, False),
+        ("rank_0_0/backbone/vllm_compile_cache.py", True, False),
+        ("rank_0_0/backbone/vllm_compile_cache.py/x", False, False),
+        ("rank_0_0/backbone/artifact_compile_range_1_x_subgraph_0", False, False),
+        ("rank_0_0/notes.txt", False, False),
+        ("rank_0_0/back-bone", True, False),
+        ("rank_0", True, False),
+        ("rank_0_0_0", True, False),
+        ("README", False, False),
+        ("torch_aot_compile/H/rank_0_0/model", False, True),
+        ("torch_aot_compile/H/rank_0_0", True, True),
+        ("torch_aot_compile/H/inductor_cache/aotautograd/x/entry", False, True),
+        ("torch_aot_compile/H/rank_0_0/model.123.tmp", False, False),
+        ("torch_aot_compile/H/rank_0_0/model", True, False),
+        ("torch_aot_compile/H/model", False, False),
+        ("torch_aot_compile/H/backbone/vllm_compile_cache.py", False, False),
+    ],
+)
+def test_what_vllm_writes_in_a_hash_directory_by_name_and_kind(path: str, is_dir: bool, wrote: bool) -> None:
+    """The names vLLM 0.26-0.32 gives the files and directories of a compile-cache hash directory
+    (``compilation/backends.py``, ``compiler_interface.py``, ``decorators.py``), and nothing else:
+    inside Inductor's and Triton's own trees, their hashed names."""
+    from remote_agent.compile_cache import vllm_wrote
+
+    if path.startswith("torch_aot_compile/H/"):
+        hash_dir, parts = "torch_aot_compile/" + "a" * 64, path.split("/")[2:]
+    else:
+        hash_dir, parts = "0123456789", path.split("/")
+    assert vllm_wrote(hash_dir, parts, is_dir) is wrote
 
 
 def test_share_asks_for_a_value_it_knows_and_single_host_servers(box: Box) -> None:
@@ -239,9 +286,12 @@ def test_share_asks_for_a_value_it_knows_and_single_host_servers(box: Box) -> No
 
 def agent_cache(tmp_path: Path) -> Path:
     cache = tmp_path / "root" / "cache" / "vllm" / "torch_compile_cache"
-    (cache / "0123456789" / "rank_0_0").mkdir(parents=True)
-    (cache / "0123456789" / "rank_0_0" / "graph.py").write_bytes(b"x" * 100)
+    (cache / "0123456789" / "rank_0_0" / "backbone").mkdir(parents=True)
+    (cache / GRAPHS).write_bytes(b"x" * 100)
     return cache
+
+
+GRAPHS = "0123456789/rank_0_0/backbone/vllm_compile_cache.py"
 
 
 @pytest.mark.parametrize(
@@ -269,7 +319,7 @@ def test_the_agent_reads_nothing_but_files_of_a_hash_directory(tmp_path: Path, p
     assert caught.value.code in ("bad_request", "not_vllms", "io")
     # A hash name that is a link is never followed either.
     with pytest.raises(OpError) as caught:
-        op_compile_cache_read({**req, "path": "abcdef0123/rank_0_0/graph.py"})
+        op_compile_cache_read({**req, "path": "abcdef0123/rank_0_0/backbone/vllm_compile_cache.py"})
     assert caught.value.code == "not_vllms" and "symbolic link" in caught.value.message
 
 
@@ -281,19 +331,15 @@ def test_the_agent_reads_a_file_in_bounded_chunks_and_lists_within_limits(tmp_pa
 
     cache = agent_cache(tmp_path)
     root = str(tmp_path / "root")
-    got = op_compile_cache_read(
-        {"name": "x", "root": root, "path": "0123456789/rank_0_0/graph.py", "offset": 90, "length": 64}
-    )
+    got = op_compile_cache_read({"name": "x", "root": root, "path": GRAPHS, "offset": 90, "length": 64})
     assert got["size"] == 100 and base64.b64decode(got["data"]) == b"x" * 10
     with pytest.raises(OpError, match="1 to"):
-        op_compile_cache_read(
-            {"name": "x", "root": root, "path": "0123456789/rank_0_0/graph.py", "offset": 0, "length": READ_MAX + 1}
-        )
+        op_compile_cache_read({"name": "x", "root": root, "path": GRAPHS, "offset": 0, "length": READ_MAX + 1})
     ask = {"root": root, "dirs": ["0123456789", "fedcba9876"], "max_bytes": 1000, "max_files": 10, "digests": True}
     listed = op_compile_cache_files(ask)
     assert listed["dirs"]["fedcba9876"] is None
     assert listed["dirs"]["0123456789"] == [
-        {"path": "0123456789/rank_0_0/graph.py", "size": 100, "sha256": hashlib.sha256(b"x" * 100).hexdigest()}
+        {"path": GRAPHS, "size": 100, "sha256": hashlib.sha256(b"x" * 100).hexdigest()}
     ]
     # Whether the host has them (a gift's question): nothing hashed.
     assert op_compile_cache_files({**ask, "digests": False})["dirs"]["0123456789"][0]["sha256"] is None
@@ -316,17 +362,36 @@ def test_placing_keeps_a_hash_directory_the_host_made_by_then(tmp_path: Path) ->
     from remote_agent.compile_cache import op_compile_cache_place
 
     cache = agent_cache(tmp_path)
-    (cache / ".given" / "0123456789").mkdir(parents=True)
-    (cache / ".given" / "0123456789" / "theirs.py").write_text("given\n")
-    (cache / ".given" / "torch_aot_compile" / ("a" * 64)).mkdir(parents=True)
-    (cache / ".given" / "torch_aot_compile" / ("a" * 64) / "model").write_text("aot\n")
+    (cache / ".given" / "0123456789" / "rank_0_0" / "backbone").mkdir(parents=True)
+    (cache / ".given" / GRAPHS).write_text("given\n")
+    (cache / ".given" / "torch_aot_compile" / ("a" * 64) / "rank_0_0").mkdir(parents=True)
+    (cache / ".given" / "torch_aot_compile" / ("a" * 64) / "rank_0_0" / "model").write_text("aot\n")
     done = op_compile_cache_place(
         {"root": str(tmp_path / "root"), "dirs": ["0123456789", "torch_aot_compile/" + "a" * 64]}
     )
     assert done == {"placed": ["torch_aot_compile/" + "a" * 64], "kept": ["0123456789"]}
-    assert not (cache / "0123456789" / "theirs.py").exists()  # the host's own stays as it was
-    assert (cache / "torch_aot_compile" / ("a" * 64) / "model").read_text() == "aot\n"
+    assert (cache / GRAPHS).read_bytes() == b"x" * 100  # the host's own stays as it was
+    assert (cache / "torch_aot_compile" / ("a" * 64) / "rank_0_0" / "model").read_text() == "aot\n"
     assert list((cache / ".given").iterdir()) == []
+
+
+def test_placing_refuses_a_gift_holding_a_name_vllm_never_gives(tmp_path: Path) -> None:
+    """A gift uploaded from a copy an older controller signed (before names were held to vLLM's)
+    that holds a file vLLM never writes is not placed where vLLM reads: refused, naming it."""
+    from remote_agent.compile_cache import op_compile_cache_place
+    from remote_agent.core import OpError
+
+    cache = tmp_path / "root" / "cache" / "vllm" / "torch_compile_cache"
+    given = cache / ".given" / "0123456789" / "rank_0_0" / "backbone"
+    given.mkdir(parents=True)
+    (given / "vllm_compile_cache.py").write_text("{}\n")
+    (given / "usercustomize.py").write_text("import os\n")
+    with pytest.raises(OpError) as caught:
+        op_compile_cache_place({"root": str(tmp_path / "root"), "dirs": ["0123456789"]})
+    assert (
+        caught.value.code == "not_vllms" and "usercustomize.py is not a name vLLM gives a file" in caught.value.message
+    )
+    assert not (cache / "0123456789").exists()
 
 
 @pytest.mark.parametrize(
