@@ -578,3 +578,25 @@ def test_a_hosts_listing_of_its_cache_is_held_to_the_bounds_by_the_controller_to
     assert (said is not None) is past
     if past:
         assert said is not None and said.startswith(f"its listing is past the bound: {len(sizes)} files")
+
+
+def test_every_name_vllm_wrote_in_its_compile_cache_on_an_h100_is_taken() -> None:
+    """What vLLM 0.26.0 wrote in its compile cache on an H100 (``tests/data/gpu/
+    compile-cache-listing``: one cold start of the tiny pair, 949 files and directories in one
+    hash directory and two AOT ones) is all under the names the agent takes: sharing that cache
+    refuses none of it."""
+    from remote_agent.compile_cache import vllm_wrote
+
+    listing = Path(__file__).resolve().parents[1] / "data" / "gpu" / "compile-cache-listing" / "h100-vllm-0.26.0.txt"
+    checked = []
+    for line in listing.read_text().splitlines():
+        kind, _, path = line.split(" ", 2)
+        parts = path.split("/") if path else []
+        if parts[:1] == ["torch_aot_compile"]:
+            hash_dir, below = "torch_aot_compile/" + "a" * 64, parts[2:]
+        else:
+            hash_dir, below = (parts or [""])[0], parts[1:]
+        if below:
+            checked.append((path, vllm_wrote(hash_dir, below, kind == "d")))
+    assert len(checked) == 949 and [p for p, ok in checked if not ok] == []
+    assert sum(1 for p, _ in checked if "/artifact_compile_range_" in p) == 5
