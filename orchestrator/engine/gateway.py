@@ -233,9 +233,14 @@ def _take_out(gateway: GatewayClient, server: Server) -> str:
 
 def put_back(run: Run, unit: Unit) -> None:
     """The server was never stopped (vLLM refused the new command before anything was switched):
-    the drained host goes back into rotation, serving what it served."""
-    if unit.head.drained:
-        admit(run, unit)
+    the drained host goes back into rotation, serving what it served. Where the gateway will not
+    take it back, the host's diagnosis says so (a healthy server out of rotation is capacity lost,
+    whatever failed first)."""
+    if unit.head.drained and not admit(run, unit):
+        why = unit.head.report.gates[GATE_GATEWAY].detail
+        unit.head.report.diagnosis.append(
+            f"what served still serves, but the gateway would not take it back: out of rotation ({why})"
+        )
 
 
 def judge(run: Run, unit: Unit) -> None:

@@ -113,13 +113,20 @@ class GatewayClient:
         """Take ``server`` out of rotation or put it back, and read it back from the gateway. A
         change the gateway refuses because it already holds (vllm-router: ``HTTP 400: Worker ...
         already exists`` for a worker it still lists) is judged by that read-back, not its words:
-        every change is idempotent."""
+        every change is idempotent. Put back, "where it was asked to be" is in rotation, or, for a
+        gateway whose listing drops what is taken out, listed (healthy later): a HAProxy server in
+        MAINT or a hook's host "out" is not, and its refusal is said in its words (a hook that
+        refused ``in`` was taken for a listing that lags, waited on for a minute, and unsaid)."""
         op, check = self.adapter.change(server, into)
         try:
             check(self._batch([op])[op])
         except GatewayError:
             member = self.rotation([server, *others]).of(server)
-            if (member.status != "absent") if into else not member.in_rotation:
+            if into:
+                there = member.in_rotation or (self.adapter.drops_drained and member.status != "absent")
+            else:
+                there = not member.in_rotation
+            if there:
                 return member  # already where it was asked to be
             raise
         member = self.rotation([server, *others]).of(server)

@@ -294,6 +294,45 @@ def test_the_engine_gate_refuses_a_command_before_anything_serving_is_touched(bo
     assert verify(box, box.playbook()).ok
 
 
+def test_a_refused_command_whose_server_cannot_be_put_back_in_rotation_says_so(box: Box) -> None:
+    """A host whose new command vLLM refuses was drained first; its server, never stopped, goes
+    back into rotation. Where the gateway will not take it back (here a balancer's own hook that
+    refuses ``in``), the host is left out of rotation while healthy: its diagnosis says so, not
+    only its gateway gate (the table showed the engine's refusal alone)."""
+    state, refuse = box.dir / "lb.json", box.dir / "lb-refuses-in"
+    hook = box.dir / "lb-hook"
+    hook.write_text(f"""#!{sys.executable}
+import json, os, sys
+request = json.load(sys.stdin)
+state = json.load(open({str(state)!r})) if os.path.exists({str(state)!r}) else {{"in": False}}
+if request["action"] == "in" and os.path.exists({str(refuse)!r}):
+    sys.exit("the balancer's configuration is read-only")
+if request["action"] in ("in", "out"):
+    state["in"] = request["action"] == "in"
+    json.dump(state, open({str(state)!r}, "w"))
+print(json.dumps({{"in_rotation": state["in"], "in_flight": 0}}))
+""")
+    hook.chmod(0o755)
+    gateway = {"kind": "command", "runs_on": "solo", "url": f"http://127.0.0.1:{box.port}", "command": [str(hook)]}
+    first = deploy(box, box.playbook(top={"gateway": gateway}, host="127.0.0.1"))
+    assert first.ok, host(first, "solo").gates
+    assert json.loads(state.read_text()) == {"in": True}
+    server = box.pid("solo")
+    (box.dir / "notes.txt").write_text("a new release\n")
+    refuse.write_text("")
+    words = "Total number of attention heads (3) must be divisible by tensor parallel size (2)."
+    book = box.playbook("refused", env={"STANDIN_ENGINE_REFUSE": words}, top={"gateway": gateway}, host="127.0.0.1")
+    refused = deploy(box, book)
+    solo = host(refused, "solo")
+    assert not refused.ok and not solo.gates["engine"].ok
+    assert box.pid("solo") == server and alive(server)  # what served still runs
+    assert json.loads(state.read_text()) == {"in": False}  # out of rotation
+    assert "the balancer's configuration is read-only" in solo.gates["gateway"].detail
+    said = " ".join(solo.diagnosis)
+    assert "still serves, but the gateway would not take it back: out of rotation" in said, solo.diagnosis
+    assert "read-only" in said
+
+
 def test_a_refused_first_release_leaves_nothing_running(box: Box) -> None:
     run = deploy(box, box.playbook(mask=6))
     solo = host(run, "solo")
