@@ -69,7 +69,7 @@ def vllm_wrote(hash_dir, parts, is_dir):
     ``torch_aot_compile/<hash>``) is a directory (``is_dir``) or file vLLM writes there."""
     n = len(parts)
     if hash_dir.startswith(AOT + "/"):
-        if parts[0] in ("inductor_cache",):
+        if parts[0] == "inductor_cache":
             return n > 1 or is_dir
         return _rank(parts[0]) and (is_dir if n == 1 else n == 2 and parts[1] == "model" and not is_dir)
     if not _rank(parts[0]):

@@ -412,7 +412,9 @@ def test_a_rollback_that_cannot_start_is_said_and_the_watch_goes_on() -> None:
 def test_a_rollback_by_the_watch_that_fails_is_said_first_in_the_hosts_later_rounds() -> None:
     """A watch's rollback that ran and failed (the release before does not pass either): the host's
     later rounds say so first, with the run's last word, so nobody takes its state for the
-    playbook's release failing."""
+    playbook's release failing. The rollback's report and the watcher stand in (a failed rollback
+    of a real host is a test of its own in test_runs.py): what is held is the sentence the watch
+    hands its watcher; a real watcher says it in test_a_watch_that_rolls_back_takes_a_degraded_host_back."""
     from types import SimpleNamespace
 
     from orchestrator.engine.watcher import RollBack
